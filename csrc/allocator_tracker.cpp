@@ -1,0 +1,1 @@
+#include "allocator_tracker.h"

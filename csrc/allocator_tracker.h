@@ -1,0 +1,2 @@
+// Registry of live CUDA caching-allocator blocks (filled in by the tracker component).
+#pragma once

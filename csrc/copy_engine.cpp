@@ -1,0 +1,224 @@
+#include "copy_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "crc32c.h"
+#include "error.h"
+
+namespace cudasnap {
+
+// ---------------------------------------------------------------- CopyJob
+
+bool CopyJob::done(int phase) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return phase_done_[phase ? 1 : 0] || failed_;
+}
+
+bool CopyJob::failed() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return failed_;
+}
+
+std::string CopyJob::error() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return error_;
+}
+
+bool CopyJob::wait(int phase, double timeout_s) {
+  CUDASNAP_CHECK(phase == 0 || phase == 1, "phase must be 0 or 1, got " << phase);
+  std::unique_lock<std::mutex> lk(mu_);
+  auto ready = [&] { return phase_done_[phase] || failed_; };
+  if (timeout_s < 0) {
+    cv_.wait(lk, ready);
+  } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready)) {
+    return false;
+  }
+  if (failed_)
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, false,
+                        "snapshot copy of step " << step_ << " failed: " << error_);
+  return true;
+}
+
+double CopyJob::seconds_to_complete() const {
+  uint64_t c = complete_ns.load();
+  return c ? (c - submit_ns) * 1e-9 : -1.0;
+}
+
+void CopyJob::mark(int phase) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    phase_done_[0] = true;
+    if (phase == 1) phase_done_[1] = true;
+  }
+  if (phase == 1) complete_ns.store(monotonic_ns());
+  cv_.notify_all();
+}
+
+void CopyJob::fail(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    failed_ = true;
+    error_ = what;
+  }
+  cv_.notify_all();
+}
+
+// ------------------------------------------------------------ chunk copy
+
+namespace {
+// First range whose end lies beyond `lo` (ranges are sorted by dst).
+size_t first_range(const CopyPlan& plan, uint64_t lo) {
+  auto it = std::upper_bound(plan.ranges.begin(), plan.ranges.end(), lo,
+                             [](uint64_t v, const PlanRange& r) { return v < r.dst + r.nbytes; });
+  return static_cast<size_t>(it - plan.ranges.begin());
+}
+}  // namespace
+
+uint32_t copy_chunk(const CopyPlan& plan, uint8_t* data, uint64_t chunk) {
+  uint64_t lo = chunk * plan.chunk_bytes;
+  uint64_t hi = std::min(lo + plan.chunk_bytes, plan.total_bytes);
+  uint64_t cursor = lo;
+  for (size_t i = first_range(plan, lo); i < plan.ranges.size(); ++i) {
+    const PlanRange& r = plan.ranges[i];
+    if (r.dst >= hi) break;
+    uint64_t s = std::max(lo, r.dst);
+    uint64_t e = std::min(hi, r.dst + r.nbytes);
+    if (s > cursor) std::memset(data + cursor, 0, s - cursor);  // alignment padding
+    std::memcpy(data + s, reinterpret_cast<const uint8_t*>(r.src) + (s - r.dst), e - s);
+    cursor = e;
+  }
+  if (cursor < hi) std::memset(data + cursor, 0, hi - cursor);
+  return crc32c(0, data + lo, hi - lo);
+}
+
+uint32_t chunk_crc(const CopyPlan& plan, const uint8_t* data, uint64_t chunk) {
+  uint64_t lo = chunk * plan.chunk_bytes;
+  uint64_t hi = std::min(lo + plan.chunk_bytes, plan.total_bytes);
+  return crc32c(0, data + lo, hi - lo);
+}
+
+// --------------------------------------------------------- CpuCopyEngine
+
+struct CpuCopyEngine::Work {
+  std::shared_ptr<CopyJob> job;
+  std::shared_ptr<Arena> arena;
+  std::shared_ptr<const CopyPlan> plan;
+  uint8_t* data = nullptr;
+  uint32_t* table = nullptr;
+  uint64_t nchunks = 0;
+  uint64_t p0chunks = 0;
+  std::atomic<uint64_t> next{0};
+  std::atomic<uint64_t> done{0};
+  std::atomic<uint64_t> p0done{0};
+  std::atomic<bool> failed{false};
+};
+
+CpuCopyEngine::CpuCopyEngine(int threads) {
+  CUDASNAP_CHECK(threads >= 1 && threads <= 256, "copy threads must be 1..256, got " << threads);
+  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(); });
+}
+
+CpuCopyEngine::~CpuCopyEngine() { shutdown(); }
+
+void CpuCopyEngine::shutdown() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (stop_) return;
+    idle_cv_.wait(lk, [&] { return !cur_; });  // let the running snapshot finish
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+}
+
+std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
+                                               const std::shared_ptr<const CopyPlan>& plan,
+                                               int64_t step, const std::string& meta,
+                                               uint64_t /*stream*/) {
+  CUDASNAP_CHECK(arena && plan, "submit needs an arena and a plan");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->chunk_bytes == arena->chunk_bytes(),
+                      "plan chunk size " << plan->chunk_bytes << " differs from the arena's "
+                                         << arena->chunk_bytes());
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->total_bytes <= arena->data_capacity(),
+                      "snapshot needs " << plan->total_bytes << " bytes, arena slots hold "
+                                        << arena->data_capacity());
+  for (const PlanRange& r : plan->ranges)
+    CUDASNAP_CHECK(r.host, "the CPU copy engine cannot read device memory (range at 0x"
+                               << std::hex << r.src << "); use the CUDA backend");
+  auto work = std::make_shared<Work>();
+  work->job = std::make_shared<CopyJob>(slot, step, plan->total_bytes);
+  work->job->submit_ns = monotonic_ns();
+  work->arena = arena;
+  work->plan = plan;
+  work->data = arena->data(slot);
+  work->table = arena->table(slot);
+  work->nchunks = plan->num_chunks();
+  work->p0chunks = plan->phase0_chunks();
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    CUDASNAP_CHECK(!stop_, "copy engine is shut down");
+    idle_cv_.wait(lk, [&] { return !cur_; });  // one snapshot in flight at a time
+    arena->begin_write(slot, step, meta);
+    if (work->nchunks == 0) {
+      arena->commit(slot, step, 0);
+      work->job->mark(1);
+      return work->job;
+    }
+    if (work->p0chunks == 0) work->job->mark(0);
+    cur_ = work;
+  }
+  cv_.notify_all();
+  return work->job;
+}
+
+void CpuCopyEngine::fence(CopyJob& job, int phase, uint64_t /*stream*/) { job.wait(phase); }
+
+void CpuCopyEngine::worker() {
+  for (;;) {
+    std::shared_ptr<Work> w;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || (cur_ && cur_->next.load() < cur_->nchunks); });
+      if (stop_) return;
+      w = cur_;
+    }
+    for (;;) {
+      uint64_t c = w->next.fetch_add(1);
+      if (c >= w->nchunks) break;
+      if (!w->failed.load()) {
+        try {
+          w->table[c] = copy_chunk(*w->plan, w->data, c);
+        } catch (const std::exception& e) {
+          w->failed.store(true);
+          w->job->fail(e.what());
+        }
+      }
+      finish_chunk(*w, c);
+    }
+  }
+}
+
+void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
+  if (chunk < w.p0chunks && w.p0done.fetch_add(1) + 1 == w.p0chunks) w.job->mark(0);
+  if (w.done.fetch_add(1) + 1 != w.nchunks) return;
+  if (!w.failed.load()) {
+    try {
+      w.arena->commit(w.job->slot(), w.job->step(), w.plan->total_bytes);
+      w.job->mark(1);
+    } catch (const std::exception& e) {
+      w.job->fail(e.what());
+    }
+  } else {
+    w.arena->invalidate(w.job->slot());
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    cur_.reset();
+  }
+  idle_cv_.notify_all();
+}
+
+}  // namespace cudasnap

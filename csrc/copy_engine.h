@@ -1,0 +1,104 @@
+// Copy engine: moves a snapshot's bytes from live state into an arena slot.
+//
+// Two backends behind one interface. CPU: worker threads copy host memory
+// chunk by chunk, CRC32C each chunk while it is hot in cache, and the thread
+// that finishes the last chunk publishes the slot. CUDA (copy_engine_cuda.cpp):
+// the side stream waits on an event of the compute stream, issues one
+// cudaMemcpyAsync per plan range into the registered arena, records done
+// events; a completion thread checksums and publishes the slot.
+//
+// fence(job, phase, stream) makes a writer of the state wait for the copy:
+// CPU backend: a host wait; CUDA backend: cudaStreamWaitEvent on `stream`.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "copy_plan.h"
+#include "staging.h"
+
+namespace cudasnap {
+
+class CopyJob {
+ public:
+  CopyJob(int slot, int64_t step, uint64_t bytes) : slot_(slot), step_(step), bytes_(bytes) {}
+  int slot() const { return slot_; }
+  int64_t step() const { return step_; }
+  uint64_t bytes() const { return bytes_; }
+  bool done(int phase) const;
+  bool failed() const;
+  std::string error() const;
+  // Host wait until `phase` (0 or 1) is copied; 1 also means COMPLETE. Throws
+  // the job's error, if any. timeout_s < 0 waits forever; returns false on timeout.
+  bool wait(int phase, double timeout_s = -1.0);
+  double seconds_to_complete() const;  // submit -> COMPLETE, -1 while running
+
+  // Used by the engines.
+  void mark(int phase);
+  void fail(const std::string& what);
+  uint64_t submit_ns = 0;
+  std::atomic<uint64_t> complete_ns{0};
+  void* cuda_events[3] = {nullptr, nullptr, nullptr};  // ready, phase0, done
+
+ private:
+  int slot_;
+  int64_t step_;
+  uint64_t bytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool phase_done_[2] = {false, false};
+  bool failed_ = false;
+  std::string error_;
+};
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  virtual std::string backend() const = 0;
+  // Starts copying `plan` into `slot` for `step`; returns at once. `stream` is
+  // the compute stream handle (CUDA) or 0.
+  virtual std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
+                                          const std::shared_ptr<const CopyPlan>& plan,
+                                          int64_t step, const std::string& meta,
+                                          uint64_t stream) = 0;
+  virtual void fence(CopyJob& job, int phase, uint64_t stream) = 0;
+  virtual void shutdown() = 0;
+};
+
+// Copies one destination chunk of `plan` into `data` and returns its CRC32C.
+uint32_t copy_chunk(const CopyPlan& plan, uint8_t* data, uint64_t chunk);
+// CRC of chunk `chunk` of an already-filled data area.
+uint32_t chunk_crc(const CopyPlan& plan, const uint8_t* data, uint64_t chunk);
+
+class CpuCopyEngine : public CopyEngine {
+ public:
+  explicit CpuCopyEngine(int threads);
+  ~CpuCopyEngine() override;
+  std::string backend() const override { return "cpu"; }
+  std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
+                                  const std::shared_ptr<const CopyPlan>& plan, int64_t step,
+                                  const std::string& meta, uint64_t stream) override;
+  void fence(CopyJob& job, int phase, uint64_t stream) override;
+  void shutdown() override;
+  int threads() const { return static_cast<int>(workers_.size()); }
+
+ private:
+  struct Work;
+  void worker();
+  void finish_chunk(Work& w, uint64_t chunk);
+
+  std::mutex mu_;
+  std::condition_variable cv_;       // work available / stop
+  std::condition_variable idle_cv_;  // current work finished
+  std::shared_ptr<Work> cur_;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace cudasnap

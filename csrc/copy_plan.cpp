@@ -1,0 +1,66 @@
+#include "copy_plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "error.h"
+
+namespace cudasnap {
+namespace {
+uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
+                    uint64_t merge_gap, uint64_t align) {
+  CUDASNAP_CHECK(chunk_bytes > 0 && align > 0 && chunk_bytes % align == 0,
+                 "chunk_bytes (" << chunk_bytes << ") must be a multiple of align (" << align
+                                 << ")");
+  CopyPlan plan;
+  plan.chunk_bytes = chunk_bytes;
+  plan.tensor_offsets.assign(spans.size(), 0);
+  uint64_t cursor = 0;
+  for (int phase = 0; phase <= 1; ++phase) {
+    for (int space = 0; space <= 1; ++space) {  // device spans first, then host
+      bool host = space == 1;
+      std::vector<size_t> idx;
+      for (size_t i = 0; i < spans.size(); ++i) {
+        const TensorSpan& s = spans[i];
+        CUDASNAP_CHECK(s.phase == 0 || s.phase == 1,
+                       "span " << i << " has phase " << s.phase << " (0 or 1 expected)");
+        if (s.phase == phase && s.host == host && s.nbytes > 0) idx.push_back(i);
+      }
+      std::sort(idx.begin(), idx.end(),
+                [&](size_t a, size_t b) { return spans[a].ptr < spans[b].ptr; });
+      size_t k = 0;
+      while (k < idx.size()) {
+        uint64_t gs = spans[idx[k]].ptr;
+        uint64_t ge = gs + spans[idx[k]].nbytes;
+        size_t first = k++;
+        while (k < idx.size() && spans[idx[k]].ptr <= ge + merge_gap) {
+          ge = std::max(ge, spans[idx[k]].ptr + spans[idx[k]].nbytes);
+          ++k;
+        }
+        uint64_t dst = round_up(cursor, align);
+        PlanRange r;
+        r.src = gs;
+        r.dst = dst;
+        r.nbytes = ge - gs;
+        r.phase = phase;
+        r.host = host;
+        plan.ranges.push_back(r);
+        plan.copied_bytes += r.nbytes;
+        for (size_t j = first; j < k; ++j)
+          plan.tensor_offsets[idx[j]] = dst + (spans[idx[j]].ptr - gs);
+        cursor = dst + r.nbytes;
+      }
+    }
+    if (phase == 0) {
+      cursor = round_up(cursor, chunk_bytes);
+      plan.phase0_bytes = cursor;
+    }
+  }
+  plan.total_bytes = cursor;
+  return plan;
+}
+
+}  // namespace cudasnap

@@ -1,0 +1,202 @@
+#include "flusher.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "crc32c.h"
+#include "error.h"
+
+namespace cudasnap {
+namespace {
+
+double now_s() { return monotonic_ns() * 1e-9; }
+
+// Runs fn(i) for i in [0, n) on `threads` threads; rethrows the first error.
+template <typename Fn>
+void parallel_for(uint64_t n, int threads, Fn fn) {
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex err_mu;
+  std::exception_ptr err;
+  auto body = [&] {
+    for (;;) {
+      uint64_t i = next.fetch_add(1);
+      if (i >= n || failed.load()) return;
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(err_mu);
+        if (!err) err = std::current_exception();
+        failed.store(true);
+      }
+    }
+  };
+  int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(n, 1)));
+  std::vector<std::thread> pool;
+  for (int k = 1; k < t; ++k) pool.emplace_back(body);
+  body();
+  for (auto& th : pool) th.join();
+  if (err) std::rethrow_exception(err);
+}
+
+void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(off));
+    if (w < 0 && errno == EINTR) continue;
+    CUDASNAP_SYSCHECK(w, ErrorKind::Io, "write of " << path << " at offset " << off);
+    p += w;
+    n -= static_cast<uint64_t>(w);
+    off += static_cast<uint64_t>(w);
+  }
+}
+
+}  // namespace
+
+void fsync_dir(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "open directory " << path);
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  errno = err;
+  CUDASNAP_SYSCHECK(rc, ErrorKind::Io, "fsync directory " << path);
+}
+
+FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes,
+                      const std::vector<uint32_t>& expected, const std::string& path,
+                      int threads, uint64_t io_bytes, bool durable) {
+  CUDASNAP_CHECK(chunk_bytes > 0, "chunk_bytes is 0");
+  if (io_bytes < chunk_bytes) io_bytes = chunk_bytes;
+  io_bytes = io_bytes / chunk_bytes * chunk_bytes;
+  uint64_t nchunks = (nbytes + chunk_bytes - 1) / chunk_bytes;
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, expected.empty() || expected.size() == nchunks,
+                      "checksum table has " << expected.size() << " entries for " << nchunks
+                                            << " chunks");
+  double t0 = now_s();
+  FlushStats st;
+  st.bytes = nbytes;
+  st.crcs.assign(nchunks, 0);
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "create " << path);
+  try {
+    if (nbytes > 0) {
+      int rc = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
+      if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+        errno = rc;
+        CUDASNAP_SYSCHECK(-1, ErrorKind::Io,
+                          "cannot reserve " << nbytes << " bytes for " << path);
+      }
+    }
+    uint64_t per = io_bytes / chunk_bytes;
+    uint64_t pieces = (nchunks + per - 1) / per;
+    parallel_for(pieces, threads, [&](uint64_t piece) {
+      uint64_t c0 = piece * per, c1 = std::min(nchunks, c0 + per);
+      for (uint64_t c = c0; c < c1; ++c) {
+        uint64_t lo = c * chunk_bytes, n = std::min(chunk_bytes, nbytes - lo);
+        st.crcs[c] = crc32c(0, data + lo, n);
+        CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, expected.empty() || expected[c] == st.crcs[c],
+                            "staged snapshot chunk " << c << " (bytes " << lo << ".." << lo + n
+                                                     << ") fails its CRC32C before flush to "
+                                                     << path);
+      }
+      uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
+      pwrite_all(fd, data + lo, hi - lo, lo, path);
+    });
+    if (durable) {
+      double f0 = now_s();
+      CUDASNAP_SYSCHECK(::fdatasync(fd), ErrorKind::Io, "fdatasync " << path);
+      st.fsync_seconds = now_s() - f0;
+    }
+    CUDASNAP_SYSCHECK(::close(fd), ErrorKind::Io, "close " << path);
+    fd = -1;
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(path.c_str());
+    throw;
+  }
+  st.seconds = now_s() - t0;
+  return st;
+}
+
+FlushStats write_slot_file(const Arena& arena, int slot, const std::string& path, int threads,
+                           uint64_t io_bytes, bool durable) {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, arena.leases(slot) > 0,
+                      "flush of slot " << slot << " without a lease");
+  SlotInfo info = arena.slot_info(slot);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, info.valid,
+                      "slot " << slot << " of " << arena.path() << " is not complete"
+                              << (info.problem.empty() ? "" : ": " + info.problem));
+  return write_file(arena.data(slot), info.data_bytes, arena.chunk_bytes(),
+                    arena.read_table(slot), path, threads, io_bytes, durable);
+}
+
+double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes,
+                          uint64_t chunk_bytes, const std::vector<uint32_t>& crcs, int threads) {
+  CUDASNAP_CHECK(chunk_bytes > 0, "chunk_bytes is 0");
+  uint64_t nchunks = (nbytes + chunk_bytes - 1) / chunk_bytes;
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crcs.size() == nchunks,
+                      path << ": manifest lists " << crcs.size() << " chunk checksums for "
+                           << nchunks << " chunks");
+  double t0 = now_s();
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "open " << path);
+  struct stat st {};
+  if (::fstat(fd, &st) < 0 || static_cast<uint64_t>(st.st_size) != nbytes) {
+    uint64_t size = static_cast<uint64_t>(st.st_size);
+    ::close(fd);
+    CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false,
+                        path << " is " << size << " bytes, the manifest says " << nbytes
+                             << " (truncated or replaced)");
+  }
+  try {
+    parallel_for(nchunks, threads, [&](uint64_t c) {
+      uint64_t lo = c * chunk_bytes, n = std::min(chunk_bytes, nbytes - lo), got = 0;
+      while (got < n) {
+        ssize_t r = ::pread(fd, dst + lo + got, n - got, static_cast<off_t>(lo + got));
+        if (r < 0 && errno == EINTR) continue;
+        CUDASNAP_SYSCHECK(r, ErrorKind::Io, "read of " << path << " at offset " << lo + got);
+        CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, r > 0,
+                            path << " ended early at offset " << lo + got);
+        got += static_cast<uint64_t>(r);
+      }
+      uint32_t crc = crc32c(0, dst + lo, n);
+      CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crc == crcs[c],
+                          path << ": chunk " << c << " (bytes " << lo << ".." << lo + n
+                               << ") fails its CRC32C (stored " << crcs[c] << ", read " << crc
+                               << ")");
+    });
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return now_s() - t0;
+}
+
+int64_t verify_buffer(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes,
+                      const std::vector<uint32_t>& crcs, int threads) {
+  CUDASNAP_CHECK(chunk_bytes > 0, "chunk_bytes is 0");
+  uint64_t nchunks = (nbytes + chunk_bytes - 1) / chunk_bytes;
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crcs.size() == nchunks,
+                      "checksum table has " << crcs.size() << " entries for " << nchunks
+                                            << " chunks");
+  std::atomic<int64_t> bad{-1};
+  parallel_for(nchunks, threads, [&](uint64_t c) {
+    uint64_t lo = c * chunk_bytes, n = std::min(chunk_bytes, nbytes - lo);
+    if (crc32c(0, data + lo, n) != crcs[c]) {
+      int64_t cur = bad.load();
+      while ((cur < 0 || int64_t(c) < cur) && !bad.compare_exchange_weak(cur, int64_t(c))) {
+      }
+    }
+  });
+  return bad.load();
+}
+
+}  // namespace cudasnap

@@ -1,0 +1,50 @@
+// Flusher: moves a COMPLETE arena slot (or any buffer) to a durable file, and
+// reads such files back with every chunk's CRC32C verified.
+//
+// write_slot_file: several threads pwrite large chunk-aligned pieces straight
+// from the mapped slot, re-verifying each chunk's CRC32C against the slot's
+// table first (shared memory is not trusted blindly), reserve the space with
+// posix_fallocate up front (a full disk fails before any byte is written), then
+// fdatasync. The directory protocol (tmp dir, manifest, fsync, rename, latest)
+// is in cudasnap/store.py on top of this.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "staging.h"
+
+namespace cudasnap {
+
+struct FlushStats {
+  uint64_t bytes = 0;
+  double seconds = 0.0;       // whole call
+  double fsync_seconds = 0.0;  // part spent in fdatasync
+  std::vector<uint32_t> crcs;  // per chunk
+};
+
+// Writes `nbytes` from `data` to `path` (created 0600, must not exist) using
+// `threads` writers and `io_bytes` per write (a multiple of chunk_bytes).
+// When `expected` is non-empty every chunk's CRC32C is checked first; a
+// mismatch throws CorruptSnapshot naming the chunk. Returns the chunk CRCs.
+FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes,
+                      const std::vector<uint32_t>& expected, const std::string& path,
+                      int threads, uint64_t io_bytes, bool durable);
+
+FlushStats write_slot_file(const Arena& arena, int slot, const std::string& path, int threads,
+                           uint64_t io_bytes, bool durable);
+
+// Reads `nbytes` of `path` into `dst`, checking each chunk's CRC32C.
+// Throws CorruptSnapshot naming the file and chunk on a mismatch, or on a short file.
+double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes,
+                          uint64_t chunk_bytes, const std::vector<uint32_t>& crcs, int threads);
+
+// Verifies a buffer against chunk CRCs; returns the first bad chunk or -1.
+int64_t verify_buffer(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes,
+                      const std::vector<uint32_t>& crcs, int threads);
+
+// fsync of a directory (after creating or renaming entries in it).
+void fsync_dir(const std::string& path);
+
+}  // namespace cudasnap

@@ -1,0 +1,417 @@
+#include "staging.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+
+#include "crc32c.h"
+#include "error.h"
+
+namespace cudasnap {
+namespace {
+
+uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+uint64_t table_bytes(uint64_t max_chunks) { return round_up(max_chunks * 4, kPage); }
+
+uint64_t stride_for(uint64_t data_capacity, uint64_t meta_capacity, uint64_t chunk_bytes) {
+  uint64_t max_chunks = (data_capacity + chunk_bytes - 1) / chunk_bytes;
+  return kPage + table_bytes(max_chunks) + round_up(meta_capacity, kPage) +
+         round_up(data_capacity, kPage);
+}
+
+uint32_t header_crc(const SlotHeader& h) {
+  SlotHeader c = h;
+  c.header_crc = 0;
+  c.state = kComplete;
+  return crc32c(0, &c, sizeof(c));
+}
+
+uint32_t arena_crc(const ArenaHeader& h) {
+  ArenaHeader c = h;
+  c.header_crc = 0;
+  return crc32c(0, &c, sizeof(c));
+}
+
+std::string human(uint64_t b) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", b / double(1ull << 30));
+  return buf;
+}
+
+}  // namespace
+
+uint64_t monotonic_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+uint64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+uint64_t Arena::required_bytes(int num_slots, uint64_t data_capacity, uint64_t meta_capacity,
+                               uint64_t chunk_bytes) {
+  return kPage + uint64_t(num_slots) * stride_for(data_capacity, meta_capacity, chunk_bytes);
+}
+
+std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
+                                     uint64_t data_capacity, uint64_t meta_capacity,
+                                     uint64_t chunk_bytes, const std::string& job,
+                                     bool prefault) {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, num_slots >= 2 && num_slots <= kMaxSlots,
+                      "arena needs 2.." << kMaxSlots << " slots, got " << num_slots);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, chunk_bytes >= kPage && chunk_bytes % kPage == 0,
+                      "chunk_bytes must be a positive multiple of 4096, got " << chunk_bytes);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, data_capacity > 0, "arena data capacity is 0");
+  uint64_t total = required_bytes(num_slots, data_capacity, meta_capacity, chunk_bytes);
+
+  // Free-space check up front: a tmpfs that fills later would SIGBUS us.
+  std::string dir = path.substr(0, path.find_last_of('/'));
+  if (dir.empty()) dir = "/";
+  struct statvfs vfs {};
+  CUDASNAP_SYSCHECK(statvfs(dir.c_str(), &vfs), ErrorKind::Staging,
+                    "cannot stat the staging directory " << dir);
+  uint64_t avail = uint64_t(vfs.f_bavail) * vfs.f_frsize;
+  uint64_t fs_size = uint64_t(vfs.f_blocks) * vfs.f_frsize;
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, total <= avail,
+                      "staging arena " << path << " needs " << human(total) << " ("
+                                       << num_slots << " slots of " << human(data_capacity)
+                                       << ") but " << dir << " has only " << human(avail)
+                                       << " free of " << human(fs_size)
+                                       << "; free space there or lower num_slots");
+
+  auto a = std::shared_ptr<Arena>(new Arena());
+  a->path_ = path;
+  a->writable_ = true;
+  a->fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  CUDASNAP_SYSCHECK(a->fd_, ErrorKind::Staging, "cannot create staging arena " << path);
+  try {
+    CUDASNAP_SYSCHECK(fchmod(a->fd_, 0600), ErrorKind::Staging, "chmod 0600 " << path);
+    int rc = posix_fallocate(a->fd_, 0, static_cast<off_t>(total));
+    if (rc != 0) {
+      errno = rc;
+      CUDASNAP_SYSCHECK(-1, ErrorKind::Staging,
+                        "cannot reserve " << human(total) << " for staging arena " << path);
+    }
+    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd_, 0);
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, p != MAP_FAILED,
+                        "mmap of " << human(total) << " staging arena " << path
+                                   << " failed: " << std::strerror(errno));
+    a->base_ = static_cast<uint8_t*>(p);
+    a->size_ = total;
+    a->init_layout(num_slots, data_capacity, meta_capacity, chunk_bytes, job);
+    if (prefault) a->prefault();
+  } catch (...) {
+    a->unlink_file();
+    throw;
+  }
+  return a;
+}
+
+void Arena::init_layout(int num_slots, uint64_t data_capacity, uint64_t meta_capacity,
+                        uint64_t chunk_bytes, const std::string& job) {
+  ArenaHeader* h = hdr();
+  std::memset(h, 0, sizeof(ArenaHeader));
+  h->magic = kArenaMagic;
+  h->version = kArenaVersion;
+  h->num_slots = static_cast<uint32_t>(num_slots);
+  h->slot_stride = stride_for(data_capacity, meta_capacity, chunk_bytes);
+  h->data_capacity = data_capacity;
+  h->meta_capacity = meta_capacity;
+  h->chunk_bytes = chunk_bytes;
+  h->max_chunks = (data_capacity + chunk_bytes - 1) / chunk_bytes;
+  h->total_bytes = size_;
+  h->owner_pid = getpid();
+  h->created_ns = wall_ns();
+  std::strncpy(h->job, job.c_str(), sizeof(h->job) - 1);
+  for (int i = 0; i < num_slots; ++i) {
+    SlotHeader* s = slot_hdr(i);
+    std::memset(s, 0, sizeof(SlotHeader));
+    s->magic = kSlotMagic;
+    s->version = kArenaVersion;
+    s->step = -1;
+  }
+  h->header_crc = arena_crc(*h);
+}
+
+std::shared_ptr<Arena> Arena::create_private(int num_slots, uint64_t data_capacity,
+                                             uint64_t meta_capacity, uint64_t chunk_bytes,
+                                             const std::string& job, AllocFn alloc,
+                                             FreeFn free_fn) {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, num_slots >= 2 && num_slots <= kMaxSlots,
+                      "arena needs 2.." << kMaxSlots << " slots, got " << num_slots);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, chunk_bytes >= kPage && chunk_bytes % kPage == 0,
+                      "chunk_bytes must be a positive multiple of 4096, got " << chunk_bytes);
+  CUDASNAP_CHECK(alloc && free_fn, "create_private needs alloc and free functions");
+  uint64_t total = required_bytes(num_slots, data_capacity, meta_capacity, chunk_bytes);
+  auto a = std::shared_ptr<Arena>(new Arena());
+  a->path_ = "(process-private)";
+  a->writable_ = true;
+  a->base_ = static_cast<uint8_t*>(alloc(total));
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, a->base_ != nullptr,
+                      "allocation of a " << human(total) << " private staging arena failed");
+  a->free_fn_ = free_fn;
+  a->size_ = total;
+  a->init_layout(num_slots, data_capacity, meta_capacity, chunk_bytes, job);
+  return a;
+}
+
+std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable) {
+  auto a = std::shared_ptr<Arena>(new Arena());
+  a->path_ = path;
+  a->writable_ = writable;
+  a->fd_ = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  CUDASNAP_SYSCHECK(a->fd_, ErrorKind::Staging, "cannot open staging arena " << path);
+  struct stat st {};
+  CUDASNAP_SYSCHECK(fstat(a->fd_, &st), ErrorKind::Staging, "cannot stat " << path);
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, size >= kPage,
+                      "staging arena " << path << " is truncated (" << size << " bytes)");
+  int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+  void* p = mmap(nullptr, size, prot, MAP_SHARED, a->fd_, 0);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, p != MAP_FAILED,
+                      "mmap of staging arena " << path << " failed: " << std::strerror(errno));
+  a->base_ = static_cast<uint8_t*>(p);
+  a->size_ = size;
+  const ArenaHeader* h = a->hdr();
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, h->magic == kArenaMagic,
+                      path << " is not a cudasnap staging arena (bad magic)");
+  CUDASNAP_CHECK_KIND(ErrorKind::Incompatible, h->version == kArenaVersion,
+                      "staging arena " << path << " has format version " << h->version
+                                       << ", this build reads " << kArenaVersion);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, h->header_crc == arena_crc(*h),
+                      "staging arena " << path << " header checksum mismatch");
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt,
+                      h->num_slots >= 2 && h->num_slots <= kMaxSlots && h->chunk_bytes >= kPage &&
+                          h->slot_stride == stride_for(h->data_capacity, h->meta_capacity,
+                                                       h->chunk_bytes) &&
+                          h->total_bytes == required_bytes(int(h->num_slots), h->data_capacity,
+                                                           h->meta_capacity, h->chunk_bytes) &&
+                          h->total_bytes <= size,
+                      "staging arena " << path << " has an inconsistent geometry (file "
+                                       << size << " bytes, header says " << h->total_bytes
+                                       << ")");
+  return a;
+}
+
+Arena::~Arena() {
+  if (base_ && free_fn_) {
+    free_fn_(base_);
+  } else if (base_) {
+    munmap(base_, size_);
+  }
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Arena::prefault() {
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(base_, size_, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  volatile uint8_t* p = base_;
+  for (uint64_t off = 0; off < size_; off += kPage) p[off] = p[off];
+}
+
+void Arena::unlink_file() {
+  if (fd_ >= 0 && !path_.empty()) ::unlink(path_.c_str());
+}
+
+std::string Arena::job() const {
+  return std::string(hdr()->job, strnlen(hdr()->job, sizeof(hdr()->job)));
+}
+
+uint64_t Arena::slot_offset(int slot) const {
+  return kPage + uint64_t(slot) * hdr()->slot_stride;
+}
+
+void Arena::check_slot(int slot) const {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, slot >= 0 && slot < num_slots(),
+                      "slot " << slot << " out of range (arena has " << num_slots() << ")");
+}
+
+SlotHeader* Arena::slot_hdr(int slot) const {
+  return reinterpret_cast<SlotHeader*>(base_ + slot_offset(slot));
+}
+
+uint32_t* Arena::table(int slot) const {
+  check_slot(slot);
+  return reinterpret_cast<uint32_t*>(base_ + slot_offset(slot) + kPage);
+}
+
+uint8_t* Arena::data(int slot) const {
+  check_slot(slot);
+  return base_ + slot_offset(slot) + kPage + table_bytes(max_chunks()) +
+         round_up(meta_capacity(), kPage);
+}
+
+static uint8_t* meta_ptr(uint8_t* base, uint64_t off, uint64_t max_chunks) {
+  return base + off + kPage + table_bytes(max_chunks);
+}
+
+SlotInfo Arena::slot_info(int slot) const {
+  check_slot(slot);
+  std::lock_guard<std::mutex> g(mu_);
+  const SlotHeader* sp = slot_hdr(slot);
+  SlotInfo info;
+  info.index = slot;
+  info.state = __atomic_load_n(&sp->state, __ATOMIC_ACQUIRE);
+  SlotHeader s = *sp;
+  info.seq = s.seq;
+  info.step = s.step;
+  info.data_bytes = s.data_bytes;
+  info.meta_bytes = s.meta_bytes;
+  info.num_chunks = s.num_chunks;
+  info.complete_ns = s.complete_ns;
+  info.writer_pid = s.writer_pid;
+  if (info.state != kComplete) return info;
+  if (s.magic != kSlotMagic) {
+    info.problem = "bad slot magic";
+  } else if (s.version != kArenaVersion) {
+    info.problem = "slot format version " + std::to_string(s.version);
+  } else if (s.header_crc != header_crc(s)) {
+    info.problem = "slot header checksum mismatch";
+  } else if (s.data_bytes > data_capacity() || s.meta_bytes > meta_capacity()) {
+    info.problem = "slot sizes exceed the arena capacity";
+  } else if (s.num_chunks != (s.data_bytes + chunk_bytes() - 1) / chunk_bytes()) {
+    info.problem = "slot chunk count does not match its byte count";
+  } else if (crc32c(0, table(slot), s.num_chunks * 4) != s.table_crc) {
+    info.problem = "slot chunk-checksum table mismatch";
+  } else if (crc32c(0, meta_ptr(base_, slot_offset(slot), max_chunks()), s.meta_bytes) !=
+             s.meta_crc) {
+    info.problem = "slot manifest checksum mismatch";
+  } else {
+    info.valid = true;
+  }
+  return info;
+}
+
+int Arena::newest_complete() const {
+  int best = -1;
+  SlotInfo best_info;
+  for (int i = 0; i < num_slots(); ++i) {
+    SlotInfo s = slot_info(i);
+    if (!s.valid) continue;
+    if (best < 0 || s.step > best_info.step ||
+        (s.step == best_info.step && s.seq > best_info.seq)) {
+      best = i;
+      best_info = s;
+    }
+  }
+  return best;
+}
+
+int Arena::pick_write_slot() const {
+  int newest = newest_complete();
+  int pick = -1;
+  uint64_t pick_seq = 0;
+  bool pick_invalid = false;
+  for (int i = 0; i < num_slots(); ++i) {
+    if (i == newest || leases_[i].load() > 0) continue;
+    SlotInfo s = slot_info(i);
+    bool invalid = !s.valid;  // EMPTY, WRITING (torn) or bad: reuse first
+    if (pick < 0 || (invalid && !pick_invalid) ||
+        (invalid == pick_invalid && s.seq < pick_seq)) {
+      pick = i;
+      pick_seq = s.seq;
+      pick_invalid = invalid;
+    }
+  }
+  return pick;
+}
+
+void Arena::begin_write(int slot, int64_t step, const std::string& meta) {
+  check_slot(slot);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, writable_, "arena " << path_ << " is read-only");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, meta.size() <= meta_capacity(),
+                      "snapshot manifest is " << meta.size() << " bytes, the arena's meta area "
+                                              << meta_capacity() << "; rebuild the arena");
+  std::lock_guard<std::mutex> g(mu_);
+  // Checked under the lock that lease() takes: a reader that leased first wins.
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, leases_[slot].load() == 0,
+                      "slot " << slot << " is being read (leased); cannot overwrite it");
+  SlotHeader* s = slot_hdr(slot);
+  __atomic_store_n(&s->state, uint32_t(kWriting), __ATOMIC_SEQ_CST);
+  uint64_t max_seq = 0;
+  for (int i = 0; i < num_slots(); ++i) max_seq = std::max(max_seq, slot_hdr(i)->seq);
+  next_seq_ = std::max(next_seq_, max_seq + 1);
+  s->seq = next_seq_++;
+  s->step = step;
+  s->writer_pid = getpid();
+  s->meta_bytes = meta.size();
+  std::memcpy(meta_ptr(base_, slot_offset(slot), max_chunks()), meta.data(), meta.size());
+}
+
+void Arena::commit(int slot, int64_t step, uint64_t data_bytes) {
+  check_slot(slot);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, data_bytes <= data_capacity(),
+                      "snapshot of " << data_bytes << " bytes exceeds slot capacity "
+                                     << data_capacity());
+  std::lock_guard<std::mutex> g(mu_);
+  SlotHeader* s = slot_hdr(slot);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging,
+                      __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == kWriting && s->step == step,
+                      "commit of slot " << slot << " step " << step
+                                        << " without a matching begin_write");
+  s->magic = kSlotMagic;
+  s->version = kArenaVersion;
+  s->data_bytes = data_bytes;
+  s->num_chunks = (data_bytes + chunk_bytes() - 1) / chunk_bytes();
+  s->table_crc = crc32c(0, table(slot), s->num_chunks * 4);
+  s->meta_crc = crc32c(0, meta_ptr(base_, slot_offset(slot), max_chunks()), s->meta_bytes);
+  s->complete_ns = wall_ns();
+  s->header_crc = header_crc(*s);
+  __atomic_store_n(&s->state, uint32_t(kComplete), __ATOMIC_SEQ_CST);
+}
+
+void Arena::invalidate(int slot) {
+  check_slot(slot);
+  std::lock_guard<std::mutex> g(mu_);
+  __atomic_store_n(&slot_hdr(slot)->state, uint32_t(kEmpty), __ATOMIC_SEQ_CST);
+}
+
+std::string Arena::read_meta(int slot) const {
+  SlotInfo s = slot_info(slot);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, s.valid,
+                      "slot " << slot << " of " << path_ << " is not a complete snapshot"
+                              << (s.problem.empty() ? "" : ": " + s.problem));
+  const uint8_t* m = meta_ptr(base_, slot_offset(slot), max_chunks());
+  return std::string(reinterpret_cast<const char*>(m), s.meta_bytes);
+}
+
+std::vector<uint32_t> Arena::read_table(int slot) const {
+  SlotInfo s = slot_info(slot);
+  const uint32_t* t = table(slot);
+  return std::vector<uint32_t>(t, t + s.num_chunks);
+}
+
+void Arena::lease(int slot) {
+  check_slot(slot);
+  std::lock_guard<std::mutex> g(mu_);
+  leases_[slot].fetch_add(1);
+}
+
+void Arena::release(int slot) {
+  check_slot(slot);
+  int prev = leases_[slot].fetch_sub(1);
+  if (prev <= 0) {
+    leases_[slot].fetch_add(1);
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, false, "release of slot " << slot << " not leased");
+  }
+}
+
+int Arena::leases(int slot) const {
+  check_slot(slot);
+  return leases_[slot].load();
+}
+
+}  // namespace cudasnap

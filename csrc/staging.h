@@ -1,0 +1,173 @@
+// Staging arena: host buffers for snapshots, one arena per rank.
+//
+// The arena is a file in /dev/shm (mode 0600), mmap'd MAP_SHARED and
+// pre-faulted, so a COMPLETE snapshot outlives a crash of the training process
+// and a supervisor can flush it. Layout (all offsets 4 KiB aligned):
+//
+//   [ArenaHeader 4 KiB]
+//   slot i at kPage + i * slot_stride:
+//     [SlotHeader 4 KiB][chunk CRC table][meta JSON area][data area]
+//
+// Slot protocol: begin_write() stores state=WRITING before any data is touched;
+// commit() writes the CRC table checksum, the header fields and a header CRC,
+// then stores state=COMPLETE last (release order). A reader trusts a slot only
+// when the state is COMPLETE and the header CRC matches, so a snapshot is never
+// half-visible, whatever moment the writer dies at.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace cudasnap {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kArenaMagic = 0x314e524150534e43ull;  // "CNSPARN1"
+constexpr uint64_t kSlotMagic = 0x31544f4c50534e43ull;   // "CNSPLOT1"
+constexpr uint32_t kArenaVersion = 1;
+constexpr int kMaxSlots = 8;
+
+enum SlotState : uint32_t { kEmpty = 0, kWriting = 1, kComplete = 2 };
+
+struct ArenaHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t num_slots;
+  uint64_t slot_stride;
+  uint64_t data_capacity;
+  uint64_t meta_capacity;
+  uint64_t chunk_bytes;
+  uint64_t max_chunks;
+  uint64_t total_bytes;
+  int64_t owner_pid;
+  uint64_t created_ns;
+  char job[128];
+  uint32_t header_crc;
+  uint32_t reserved;
+};
+
+struct SlotHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t state;  // SlotState, accessed with atomic builtins
+  uint64_t seq;
+  int64_t step;
+  uint64_t data_bytes;
+  uint64_t meta_bytes;
+  uint64_t num_chunks;
+  uint64_t complete_ns;
+  int64_t writer_pid;
+  uint32_t meta_crc;
+  uint32_t table_crc;
+  uint32_t header_crc;  // CRC of this struct with header_crc = 0, state = COMPLETE
+  uint32_t reserved;
+};
+
+struct SlotInfo {
+  int index = -1;
+  uint32_t state = kEmpty;
+  bool valid = false;  // COMPLETE and every header check passed
+  std::string problem;  // why a COMPLETE-looking slot is not valid
+  uint64_t seq = 0;
+  int64_t step = -1;
+  uint64_t data_bytes = 0;
+  uint64_t meta_bytes = 0;
+  uint64_t num_chunks = 0;
+  uint64_t complete_ns = 0;
+  int64_t writer_pid = 0;
+};
+
+class Arena {
+ public:
+  // Create a new arena file (fails if it exists). Checks free space first.
+  static std::shared_ptr<Arena> create(const std::string& path, int num_slots,
+                                       uint64_t data_capacity, uint64_t meta_capacity,
+                                       uint64_t chunk_bytes, const std::string& job,
+                                       bool prefault);
+  // An arena in process-private memory from `alloc` (e.g. cudaHostAlloc when
+  // cudaHostRegister of the shared file fails). It does not outlive the process.
+  using AllocFn = void* (*)(uint64_t bytes);
+  using FreeFn = void (*)(void* ptr);
+  static std::shared_ptr<Arena> create_private(int num_slots, uint64_t data_capacity,
+                                               uint64_t meta_capacity, uint64_t chunk_bytes,
+                                               const std::string& job, AllocFn alloc,
+                                               FreeFn free_fn);
+  // Open an existing arena file; validates the arena header.
+  static std::shared_ptr<Arena> open(const std::string& path, bool writable);
+  // Bytes an arena of this geometry occupies.
+  static uint64_t required_bytes(int num_slots, uint64_t data_capacity,
+                                 uint64_t meta_capacity, uint64_t chunk_bytes);
+
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  const std::string& path() const { return path_; }
+  int num_slots() const { return static_cast<int>(hdr()->num_slots); }
+  uint64_t data_capacity() const { return hdr()->data_capacity; }
+  uint64_t meta_capacity() const { return hdr()->meta_capacity; }
+  uint64_t chunk_bytes() const { return hdr()->chunk_bytes; }
+  uint64_t max_chunks() const { return hdr()->max_chunks; }
+  uint64_t total_bytes() const { return size_; }
+  std::string job() const;
+  int64_t owner_pid() const { return hdr()->owner_pid; }
+  uint8_t* base() const { return base_; }
+  bool writable() const { return writable_; }
+  bool shared() const { return fd_ >= 0; }
+
+  SlotInfo slot_info(int slot) const;
+  // Newest valid COMPLETE slot (highest step, then seq), or -1.
+  int newest_complete() const;
+  // A slot that may be overwritten now: not the newest COMPLETE one, not leased.
+  int pick_write_slot() const;
+
+  void begin_write(int slot, int64_t step, const std::string& meta);
+  // Called once all chunk CRCs are in the table; publishes the slot.
+  void commit(int slot, int64_t step, uint64_t data_bytes);
+  // Marks a slot EMPTY (e.g. after a failed copy).
+  void invalidate(int slot);
+
+  uint8_t* data(int slot) const;
+  uint32_t* table(int slot) const;
+  std::string read_meta(int slot) const;  // verifies the meta CRC
+  std::vector<uint32_t> read_table(int slot) const;
+
+  void lease(int slot);
+  void release(int slot);
+  int leases(int slot) const;
+
+  // Zero-filled-page touch of the whole mapping (used by create()).
+  void prefault();
+  void unlink_file();
+
+  // cudaHostRegister bookkeeping (set by the CUDA backend).
+  bool cuda_registered = false;
+
+ private:
+  Arena() = default;
+  ArenaHeader* hdr() const { return reinterpret_cast<ArenaHeader*>(base_); }
+  SlotHeader* slot_hdr(int slot) const;
+  void check_slot(int slot) const;
+  void init_layout(int num_slots, uint64_t data_capacity, uint64_t meta_capacity,
+                   uint64_t chunk_bytes, const std::string& job);
+  FreeFn free_fn_ = nullptr;
+  uint64_t slot_offset(int slot) const;
+
+  std::string path_;
+  int fd_ = -1;
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  bool writable_ = false;
+  mutable std::mutex mu_;
+  std::array<std::atomic<int>, kMaxSlots> leases_{};
+  uint64_t next_seq_ = 1;
+};
+
+uint64_t monotonic_ns();
+uint64_t wall_ns();
+
+}  // namespace cudasnap

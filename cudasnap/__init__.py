@@ -1,0 +1,1 @@
+from cudasnap.errors import *  # placeholder

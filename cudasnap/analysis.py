@@ -1,0 +1,740 @@
+"""Wasted-work model: periodic (Young/Daly) checkpointing versus JIT checkpointing.
+
+This module answers "how many GPU-hours a day does a job of N GPUs lose to
+failures, under periodic checkpointing and under just-in-time (JIT)
+checkpointing?", with a closed form and a seeded Monte-Carlo simulation that
+checks it.  It imports only the standard library and numpy.
+
+Symbols (all times in seconds inside the module)
+-------------------------------------------------
+``N``      GPUs in the job.
+``m``      per-GPU mean time between failures (MTBF); ``lambda = 1/m``.
+``M``      job MTBF, ``M = m / N`` (any GPU failing interrupts the synchronous job).
+``C``      periodic checkpoint cost: time the job is stalled per checkpoint.
+``tau``    compute time between two periodic checkpoints.
+``R``      restart cost (reschedule, re-initialise, reload state).
+``D``      failure detection time (watchdog / collective timeout).  It is paid by
+           *both* policies: a job has to notice a failure before it can restart.
+           Set it to 0 to get the textbook periodic model, which has only ``R``.
+``F``      JIT flush time: after a failure the surviving replicas write the last
+           completed iteration's state.
+``T_it``   iteration time; ``o`` the steady-state JIT bookkeeping overhead, as a
+           fraction of ``T_it`` (each iteration takes ``T_it * (1 + o)``).
+
+One model for both policies ("segment model")
+---------------------------------------------
+A job runs segments of ``w`` seconds of useful work followed by ``c`` seconds of
+overhead; a segment's work is kept only once the whole segment is over.  A
+failure anywhere in a segment loses that segment's work and is followed by a
+downtime ``d``; a failure during the downtime starts the downtime over.
+Failures form a Poisson process of rate ``1/M`` in wall-clock time.
+
+* periodic: ``w = tau``, ``c = C``, ``d = D + R``;
+* JIT: ``w = T_it``, ``c = o * T_it``, ``d = D + F + R`` (JIT resumes from the
+  last completed iteration, so it loses at most one iteration: expected
+  ``E[lost] = M - T/(exp(T/M) - 1) ~= T/2`` with ``T = T_it*(1+o)``, worst case
+  ``T``).
+
+Closed forms, both returned by :func:`segment_waste`:
+
+* **exact for exponential** (Daly 2006, eq. for the expected wall time of a
+  segment when failures may also strike checkpoints and restarts)::
+
+      E[segment] = M * exp(d/M) * (exp((w + c)/M) - 1)
+      waste      = 1 - w / E[segment]             (fraction of wall-clock time)
+
+  Derivation: an attempt lasts ``E[min(X, w+c)] = M (1 - e^{-(w+c)/M})``; it
+  fails with probability ``1 - e^{-(w+c)/M}``; a downtime that restarts on
+  failure lasts ``M (e^{d/M} - 1)`` on average; solve the renewal equation.
+
+* **first order** (Young 1974; valid when ``w+c``, ``d`` << ``M``)::
+
+      waste ~= c/w + (d + (w + c)/2) / M
+
+  ``(w+c)/2`` is the expected lost work when a failure is uniform in a segment
+  (the first-order limit of the exact ``M - L/(e^{L/M} - 1)``).  Minimising it
+  over ``tau`` gives Young's interval ``tau = sqrt(2 C M)``.  The first-order
+  value is clipped to 1.
+
+The periodic policy uses Daly's (2006) higher-order interval by default::
+
+    tau = sqrt(2CM) * [1 + (1/3) sqrt(C/(2M)) + (1/9) (C/(2M))] - C   if C < 2M
+    tau = M                                                            otherwise
+
+Wasted GPU-hours per day = ``waste * N * 24``.
+
+Monte-Carlo simulation
+----------------------
+:func:`simulate_waste` draws failure times over a wall-clock horizon and runs
+both policies on the *same* failure trace (common random numbers), with
+independent replications giving a 95% Student-t confidence interval.
+
+* ``distribution="exponential"``: the job-level Poisson process of rate ``N/m``
+  (the superposition of N per-GPU Poisson processes is exactly that).
+* ``distribution="weibull"``, ``process="gpu"`` (default): N per-GPU renewal
+  processes, Weibull inter-arrival times of shape ``k`` and mean ``m``,
+  superposed.  A failed GPU is replaced by a fresh one (a renewal for that GPU
+  only); the other N-1 GPUs keep their age.  This is the physical model: a job
+  restart does not rejuvenate the hardware.  ``start="stationary"`` (default)
+  draws each GPU's first failure from the equilibrium (forward-recurrence)
+  distribution, i.e. a fleet that has been running for a long time;
+  ``start="fresh"`` starts all GPUs new at time 0 (burn-in of a new cluster).
+* ``distribution="weibull"``, ``process="job"``: one renewal process at job level
+  with Weibull gaps of mean ``M`` (the clock restarts at every failure), the
+  usual assumption in the checkpointing literature; kept for comparison.
+
+What the shape does (the statements the tests rely on):
+
+* ``k = 1`` gives the exponential model in every variant.
+* ``start="stationary"``: the superposed process has mean rate exactly ``N/m``
+  for any ``k``, and by the Palm-Khintchine theorem it tends to a Poisson
+  process as N grows, so at scale the exponential closed form applies.
+* ``start="fresh"`` with ``k < 1``: the renewal density of a decreasing-hazard
+  distribution is non-increasing and tends to ``1/m``, hence it is ``>= 1/m``
+  everywhere and the expected number of failures in any horizon is at least the
+  exponential one, ``N*H/m`` (infant mortality).  Both policies then waste more
+  than the exponential closed form predicts; the gap shrinks as ``H/m`` grows.
+
+Failure-rate presets (public numbers)
+-------------------------------------
+* Llama 3 405B pre-training (Meta, "The Llama 3 Herd of Models", 2024, §3.3.4):
+  16,384 H100 GPUs, 419 unexpected interruptions in a 54-day snapshot.
+  Job MTBF = 54 * 24 h / 419 = 1296 / 419 = 3.093 h; per-GPU MTBF
+  = 16,384 * 3.093 h = 50,677 h (5.8 years); lambda = 1.973e-5 per GPU-hour.
+  All unexpected interruptions are charged to the GPUs (GPU and HBM faults are
+  about 59% of them; the rest, e.g. network, host, software, also scale with
+  the job's size), so this is a per-GPU-slot rate.
+* Meta research clusters (Kokolis et al., "Revisiting Reliability in Large-Scale
+  Machine Learning Research Clusters", arXiv:2410.21680, 2024 / HPCA 2025):
+  job MTTF 7.9 h for 1,024-GPU jobs (A100).  Per-GPU MTBF = 1,024 * 7.9 h
+  = 8,089.6 h; lambda = 1.236e-4 per GPU-hour (about 6x the Llama 3 rate).
+
+Default costs (named constants; replace them with measured figures)
+-------------------------------------------------------------------
+``DEFAULT_CHECKPOINT_GBPS`` (per-GPU bandwidth that sets the blocking time of a
+periodic checkpoint, ``C = state_gb / checkpoint_gbps``), ``DEFAULT_FLUSH_GBPS``
+(``F = state_gb / flush_gbps``), ``DEFAULT_RESTART_SECONDS``,
+``DEFAULT_DETECT_SECONDS`` and ``DEFAULT_JIT_OVERHEAD`` are assumptions, not
+measurements.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_CHECKPOINT_GBPS",
+    "DEFAULT_FLUSH_GBPS",
+    "DEFAULT_RESTART_SECONDS",
+    "DEFAULT_DETECT_SECONDS",
+    "DEFAULT_JIT_OVERHEAD",
+    "DEFAULT_SIM_FAILURES",
+    "DEFAULT_SIM_REPLICATIONS",
+    "FailurePreset",
+    "LLAMA3_405B",
+    "KOKOLIS_RSC_1024",
+    "PRESETS",
+    "LLAMA3_GPU_MTBF_HOURS",
+    "KOKOLIS_GPU_MTBF_HOURS",
+    "Scenario",
+    "SimResult",
+    "young_interval",
+    "daly_interval",
+    "expected_lost_work",
+    "segment_waste",
+    "periodic_waste",
+    "jit_waste",
+    "compare",
+    "simulate_waste",
+    "advise",
+    "format_advice",
+]
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------
+# Default costs (assumptions; the lead replaces them with measured figures).
+# --------------------------------------------------------------------------
+DEFAULT_CHECKPOINT_GBPS: float = 2.0
+"""Per-GPU GB/s that sets the blocking time of a periodic (async) checkpoint."""
+DEFAULT_FLUSH_GBPS: float = 1.0
+"""Per-GPU GB/s of the JIT flush after a failure."""
+DEFAULT_RESTART_SECONDS: float = 300.0
+"""Restart cost R: reschedule, re-initialise communicators, reload state."""
+DEFAULT_DETECT_SECONDS: float = 60.0
+"""Detection time D: watchdog / collective timeout before recovery starts."""
+DEFAULT_JIT_OVERHEAD: float = 0.0
+"""Steady-state JIT overhead as a fraction of the iteration time."""
+
+DEFAULT_SIM_FAILURES: float = 2000.0
+"""Default simulation horizon, in job MTBFs (so about this many failures)."""
+DEFAULT_SIM_REPLICATIONS: int = 20
+
+SECONDS_PER_HOUR: float = 3600.0
+HOURS_PER_DAY: float = 24.0
+
+Policy = Literal["periodic", "jit"]
+
+
+# --------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FailurePreset:
+    """An observed failure rate: ``interruptions`` in ``observed_hours`` at ``gpus``."""
+
+    name: str
+    gpus: int
+    observed_hours: float
+    interruptions: float
+    source: str
+
+    @property
+    def job_mtbf_hours(self) -> float:
+        return self.observed_hours / self.interruptions
+
+    @property
+    def gpu_mtbf_hours(self) -> float:
+        return self.gpus * self.job_mtbf_hours
+
+    @property
+    def gpu_failure_rate_per_hour(self) -> float:
+        return 1.0 / self.gpu_mtbf_hours
+
+
+LLAMA3_405B = FailurePreset(
+    name="llama3",
+    gpus=16_384,
+    observed_hours=54 * 24.0,  # 54-day snapshot = 1296 h
+    interruptions=419,  # unexpected interruptions
+    source='Meta, "The Llama 3 Herd of Models", 2024: 419 unexpected '
+    "interruptions in 54 days on 16,384 H100 GPUs",
+)
+LLAMA3_GPU_MTBF_HOURS: float = 16_384 * 54 * 24.0 / 419  # = 50,677 h per GPU
+
+KOKOLIS_RSC_1024 = FailurePreset(
+    name="kokolis",
+    gpus=1_024,
+    observed_hours=7.9,  # job MTTF of a 1,024-GPU job
+    interruptions=1,
+    source='Kokolis et al., "Revisiting Reliability in Large-Scale Machine '
+    'Learning Research Clusters", 2024/2025: job MTTF 7.9 h at 1,024 GPUs',
+)
+KOKOLIS_GPU_MTBF_HOURS: float = 1_024 * 7.9  # = 8,089.6 h per GPU
+
+PRESETS: dict[str, FailurePreset] = {p.name: p for p in (LLAMA3_405B, KOKOLIS_RSC_1024)}
+
+
+# --------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------
+def _positive(name: str, value: float) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v <= 0.0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return v
+
+
+def _non_negative(name: str, value: float) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v < 0.0:
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+    return v
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or int(value) != value or int(value) <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _fraction(name: str, value: float) -> float:
+    v = _non_negative(name, value)
+    if v >= 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return v
+
+
+# --------------------------------------------------------------------------
+# Scenario
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    """One job and its costs, all times in seconds.
+
+    ``gpu_mtbf_s`` is the per-GPU MTBF ``m``; the job MTBF is ``m / gpus``.
+    """
+
+    gpus: int
+    gpu_mtbf_s: float
+    iter_s: float
+    checkpoint_s: float
+    flush_s: float
+    restart_s: float = DEFAULT_RESTART_SECONDS
+    detect_s: float = DEFAULT_DETECT_SECONDS
+    jit_overhead: float = DEFAULT_JIT_OVERHEAD
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpus", _positive_int("gpus", self.gpus))
+        object.__setattr__(self, "gpu_mtbf_s", _positive("gpu_mtbf_s", self.gpu_mtbf_s))
+        object.__setattr__(self, "iter_s", _positive("iter_s", self.iter_s))
+        object.__setattr__(self, "checkpoint_s", _positive("checkpoint_s", self.checkpoint_s))
+        object.__setattr__(self, "flush_s", _non_negative("flush_s", self.flush_s))
+        object.__setattr__(self, "restart_s", _non_negative("restart_s", self.restart_s))
+        object.__setattr__(self, "detect_s", _non_negative("detect_s", self.detect_s))
+        object.__setattr__(self, "jit_overhead", _fraction("jit_overhead", self.jit_overhead))
+
+    @classmethod
+    def from_hours(
+        cls,
+        gpus: int,
+        gpu_mtbf_hours: float,
+        iter_s: float,
+        checkpoint_s: float,
+        flush_s: float,
+        restart_s: float = DEFAULT_RESTART_SECONDS,
+        detect_s: float = DEFAULT_DETECT_SECONDS,
+        jit_overhead: float = DEFAULT_JIT_OVERHEAD,
+    ) -> "Scenario":
+        return cls(
+            gpus=gpus,
+            gpu_mtbf_s=_positive("gpu_mtbf_hours", gpu_mtbf_hours) * SECONDS_PER_HOUR,
+            iter_s=iter_s,
+            checkpoint_s=checkpoint_s,
+            flush_s=flush_s,
+            restart_s=restart_s,
+            detect_s=detect_s,
+            jit_overhead=jit_overhead,
+        )
+
+    @property
+    def job_mtbf_s(self) -> float:
+        return self.gpu_mtbf_s / self.gpus
+
+    def with_gpus(self, gpus: int) -> "Scenario":
+        return replace(self, gpus=gpus)
+
+    def segments(self, policy: Policy, interval_s: float | None = None) -> tuple[float, float, float]:
+        """``(work, overhead, downtime)`` of one segment of ``policy``."""
+        if policy == "periodic":
+            tau = daly_interval(self.checkpoint_s, self.job_mtbf_s) if interval_s is None else (
+                _positive("interval_s", interval_s)
+            )
+            return tau, self.checkpoint_s, self.detect_s + self.restart_s
+        if policy == "jit":
+            return (
+                self.iter_s,
+                self.jit_overhead * self.iter_s,
+                self.detect_s + self.flush_s + self.restart_s,
+            )
+        raise ValueError(f"policy must be 'periodic' or 'jit', got {policy!r}")
+
+
+# --------------------------------------------------------------------------
+# Closed forms
+# --------------------------------------------------------------------------
+def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young (1974): ``tau = sqrt(2 C M)``, ``M`` the job MTBF."""
+    c = _positive("checkpoint_s", checkpoint_s)
+    m = _positive("mtbf_s", mtbf_s)
+    return math.sqrt(2.0 * c * m)
+
+
+def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly (2006) higher-order optimum compute interval between checkpoints.
+
+    ``sqrt(2CM) [1 + (1/3) sqrt(C/2M) + (1/9) C/2M] - C`` for ``C < 2M``, else ``M``.
+    """
+    c = _positive("checkpoint_s", checkpoint_s)
+    m = _positive("mtbf_s", mtbf_s)
+    if c >= 2.0 * m:
+        return m
+    x = c / (2.0 * m)
+    return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - c
+
+
+def expected_lost_work(segment_s: float, mtbf_s: float) -> float:
+    """Exact expected work lost to a failure that strikes a segment of length ``L``.
+
+    ``E[X | X < L] = M - L / (exp(L/M) - 1)`` for exponential ``X`` (``~= L/2``).
+    """
+    seg = _positive("segment_s", segment_s)
+    m = _positive("mtbf_s", mtbf_s)
+    r = seg / m
+    if r < 1e-6:  # series, avoids cancellation: L/2 - L^2/(12 M)
+        return seg / 2.0 - seg * r / 12.0
+    return m - seg / math.expm1(r)
+
+
+def segment_waste(
+    work_s: float, overhead_s: float, downtime_s: float, mtbf_s: float, *, exact: bool = True
+) -> float:
+    """Wasted fraction of wall-clock time of the segment model (see module doc).
+
+    ``exact=True``: ``1 - w / (M e^{d/M} (e^{(w+c)/M} - 1))`` (exact for exponential);
+    ``exact=False``: ``min(1, c/w + (d + (w+c)/2)/M)`` (first order).
+    """
+    w = _positive("work_s", work_s)
+    c = _non_negative("overhead_s", overhead_s)
+    d = _non_negative("downtime_s", downtime_s)
+    m = _positive("mtbf_s", mtbf_s)
+    if not exact:
+        return min(1.0, c / w + (d + (w + c) / 2.0) / m)
+    log_e = math.log(m) + d / m + math.log(math.expm1((w + c) / m))  # log E[segment]
+    # waste = 1 - w/E  computed as -expm1(log w - log E), accurate for small waste
+    return float(-math.expm1(math.log(w) - log_e))
+
+
+def periodic_waste(s: Scenario, interval_s: float | None = None, *, exact: bool = True) -> float:
+    """Wasted fraction under periodic checkpointing every ``interval_s`` (default: Daly)."""
+    w, c, d = s.segments("periodic", interval_s)
+    return segment_waste(w, c, d, s.job_mtbf_s, exact=exact)
+
+
+def jit_waste(s: Scenario, *, exact: bool = True) -> float:
+    """Wasted fraction under JIT checkpointing (``D+F+R`` + lost partial iteration)."""
+    w, c, d = s.segments("jit")
+    return segment_waste(w, c, d, s.job_mtbf_s, exact=exact)
+
+
+def compare(s: Scenario, interval_s: float | None = None) -> dict[str, Any]:
+    """Both policies' expected waste for one scenario."""
+    m = s.job_mtbf_s
+    tau = daly_interval(s.checkpoint_s, m) if interval_s is None else _positive("interval_s", interval_s)
+    per = periodic_waste(s, tau)
+    jit = jit_waste(s)
+    gpu_hours_day = s.gpus * HOURS_PER_DAY
+    jit_seg = s.iter_s * (1.0 + s.jit_overhead)
+    return {
+        "gpus": s.gpus,
+        "job_mtbf_hours": m / SECONDS_PER_HOUR,
+        "gpu_mtbf_hours": s.gpu_mtbf_s / SECONDS_PER_HOUR,
+        "failures_per_day": HOURS_PER_DAY * SECONDS_PER_HOUR / m,
+        "periodic": {
+            "interval_seconds": tau,
+            "young_interval_seconds": young_interval(s.checkpoint_s, m),
+            "daly_interval_seconds": daly_interval(s.checkpoint_s, m),
+            "checkpoint_seconds": s.checkpoint_s,
+            "per_failure_seconds": s.detect_s + s.restart_s,
+            "lost_work_expected_seconds": expected_lost_work(tau + s.checkpoint_s, m),
+            "lost_work_worst_seconds": tau + s.checkpoint_s,
+            "wasted_fraction": per,
+            "wasted_fraction_first_order": periodic_waste(s, tau, exact=False),
+            "wasted_gpu_hours_per_day": per * gpu_hours_day,
+        },
+        "jit": {
+            "interval_seconds": s.iter_s,
+            "overhead_fraction": s.jit_overhead,
+            "per_failure_seconds": s.detect_s + s.flush_s + s.restart_s,
+            "lost_work_expected_seconds": expected_lost_work(jit_seg, m),
+            "lost_work_worst_seconds": jit_seg,
+            "wasted_fraction": jit,
+            "wasted_fraction_first_order": jit_waste(s, exact=False),
+            "wasted_gpu_hours_per_day": jit * gpu_hours_day,
+        },
+        "ratio_periodic_to_jit": per / jit if jit > 0 else math.inf,
+    }
+
+
+# --------------------------------------------------------------------------
+# Monte-Carlo simulation
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimResult:
+    """Mean wasted fraction over replications, with a 95% Student-t CI."""
+
+    mean: float
+    ci_low: float
+    ci_high: float
+    std: float
+    replications: int
+    failures_per_replication: float
+
+    @property
+    def half_width(self) -> float:
+        return (self.ci_high - self.ci_low) / 2.0
+
+    def contains(self, value: float) -> bool:
+        return self.ci_low <= value <= self.ci_high
+
+
+def _t975(df: int) -> float:
+    """0.975 quantile of Student's t (Cornish-Fisher expansion; < 1e-3 off for df >= 5)."""
+    exact = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}
+    if df in exact:
+        return exact[df]
+    z = 1.959963984540054
+    return (
+        z
+        + (z**3 + z) / (4.0 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96.0 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384.0 * df**3)
+    )
+
+
+def _renewal_times(
+    first: np.ndarray,
+    draw: Callable[[tuple[int, int]], np.ndarray],
+    mean: float,
+    horizon: float,
+) -> np.ndarray:
+    """All renewal epochs < ``horizon`` of independent processes whose first epochs are ``first``.
+
+    Gaps are drawn in blocks (one row per still-active process) to stay vectorised.
+    """
+    chunks: list[np.ndarray] = []
+    active = first[first < horizon]
+    if active.size:
+        chunks.append(active)
+    while active.size:
+        block = int(max(1, min(math.ceil(1.2 * horizon / mean) + 4, 2_000_000 // active.size)))
+        path = active[:, None] + np.cumsum(draw((active.size, block)), axis=1)
+        chunks.append(path[path < horizon])
+        last = path[:, -1]
+        active = last[last < horizon]
+    if not chunks:
+        return np.empty(0)
+    return np.sort(np.concatenate(chunks))
+
+
+def _failure_times(
+    rng: np.random.Generator,
+    gpus: int,
+    gpu_mtbf_s: float,
+    horizon: float,
+    distribution: str,
+    shape: float,
+    process: str,
+    start: str,
+) -> np.ndarray:
+    """Sorted failure epochs of the whole job in ``[0, horizon)``."""
+    if distribution == "exponential":
+        job_m = gpu_mtbf_s / gpus
+        first = rng.exponential(job_m, size=1)
+        return _renewal_times(first, lambda sz: rng.exponential(job_m, size=sz), job_m, horizon)
+    # Weibull of mean ``mean``: scale = mean / Gamma(1 + 1/k)
+    n, mean = (gpus, gpu_mtbf_s) if process == "gpu" else (1, gpu_mtbf_s / gpus)
+    scale = mean / math.gamma(1.0 + 1.0 / shape)
+    if start == "stationary":
+        # forward-recurrence time = U * (length-biased gap); a length-biased
+        # Weibull gap is scale * G^(1/k) with G ~ Gamma(1 + 1/k).
+        biased = scale * rng.gamma(1.0 + 1.0 / shape, size=n) ** (1.0 / shape)
+        first = rng.random(n) * biased
+    else:
+        first = scale * rng.weibull(shape, size=n)
+    return _renewal_times(first, lambda sz: scale * rng.weibull(shape, size=sz), mean, horizon)
+
+
+def _useful_work(
+    failures: np.ndarray, horizon: float, work: float, overhead: float, downtime: float
+) -> float:
+    """Useful work done in ``[0, horizon)`` by the segment model on a failure trace.
+
+    The job computes from 0; after failure ``f_j`` it is down until ``f_j + d``
+    unless another failure comes first (then the downtime starts over), so the
+    compute windows are ``[0, f_1)``, ``[f_j + d, f_{j+1})`` when positive, and
+    ``[f_last + d, horizon)``.  A window of length ``g`` commits
+    ``floor(g / (w + c))`` segments; in the final window the unfinished
+    segment's compute is counted as useful (an O(segment/horizon) edge effect).
+    """
+    seg = work + overhead
+    if failures.size == 0:
+        gaps = np.empty(0)
+        final = horizon
+    else:
+        starts = np.concatenate(([0.0], failures[:-1] + downtime))
+        gaps = failures - starts
+        final = horizon - (failures[-1] + downtime)
+    gaps = gaps[gaps > 0.0]
+    useful = float(np.floor(gaps / seg).sum()) * work
+    if final > 0.0:
+        n_full = math.floor(final / seg)
+        useful += n_full * work + min(final - n_full * seg, work)
+    return useful
+
+
+def simulate_waste(
+    s: Scenario,
+    *,
+    interval_s: float | None = None,
+    horizon_s: float | None = None,
+    replications: int = DEFAULT_SIM_REPLICATIONS,
+    seed: int | None = 0,
+    distribution: Literal["exponential", "weibull"] = "exponential",
+    shape: float = 1.0,
+    process: Literal["gpu", "job"] = "gpu",
+    start: Literal["stationary", "fresh"] = "stationary",
+) -> dict[str, SimResult]:
+    """Monte-Carlo wasted fraction of both policies, ``{"periodic": ..., "jit": ...}``.
+
+    Each replication draws one failure trace over ``horizon_s`` (default
+    ``DEFAULT_SIM_FAILURES`` job MTBFs) and runs both policies on it; the CI is
+    over replications.  See the module docstring for the failure processes.
+    """
+    reps = _positive_int("replications", replications)
+    if reps < 2:
+        raise ValueError(f"replications must be at least 2 for a CI, got {replications!r}")
+    if distribution not in ("exponential", "weibull"):
+        raise ValueError(f"distribution must be 'exponential' or 'weibull', got {distribution!r}")
+    if process not in ("gpu", "job"):
+        raise ValueError(f"process must be 'gpu' or 'job', got {process!r}")
+    if start not in ("stationary", "fresh"):
+        raise ValueError(f"start must be 'stationary' or 'fresh', got {start!r}")
+    k = _positive("shape", shape)
+    horizon = DEFAULT_SIM_FAILURES * s.job_mtbf_s if horizon_s is None else _positive("horizon_s", horizon_s)
+    segs = {p: s.segments(p, interval_s if p == "periodic" else None) for p in ("periodic", "jit")}
+    rng = np.random.default_rng(seed)
+    wastes: dict[str, list[float]] = {"periodic": [], "jit": []}
+    n_fail = 0
+    for _ in range(reps):
+        f = _failure_times(rng, s.gpus, s.gpu_mtbf_s, horizon, distribution, k, process, start)
+        n_fail += f.size
+        for p, (w, c, d) in segs.items():
+            wastes[p].append(1.0 - _useful_work(f, horizon, w, c, d) / horizon)
+    out: dict[str, SimResult] = {}
+    t = _t975(reps - 1)
+    for p, vals in wastes.items():
+        a = np.asarray(vals)
+        mean = float(a.mean())
+        sd = float(a.std(ddof=1))
+        hw = t * sd / math.sqrt(reps)
+        out[p] = SimResult(mean, mean - hw, mean + hw, sd, reps, n_fail / reps)
+    logger.debug(
+        "simulate_waste N=%d dist=%s k=%g process=%s start=%s: %s",
+        s.gpus, distribution, k, process, start, out,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Advice
+# --------------------------------------------------------------------------
+def advise(
+    gpus: int,
+    mtbf_hours: float,
+    iter_seconds: float,
+    state_gb: float,
+    *,
+    checkpoint_gbps: float = DEFAULT_CHECKPOINT_GBPS,
+    flush_gbps: float = DEFAULT_FLUSH_GBPS,
+    restart_seconds: float = DEFAULT_RESTART_SECONDS,
+    detect_seconds: float = DEFAULT_DETECT_SECONDS,
+    per_gpu: bool = True,
+    jit_overhead: float = DEFAULT_JIT_OVERHEAD,
+    checkpoint_seconds: float | None = None,
+    flush_seconds: float | None = None,
+) -> dict[str, Any]:
+    """Expected waste of periodic (Daly interval) and JIT checkpointing, and a pick.
+
+    ``mtbf_hours`` is the per-GPU MTBF when ``per_gpu`` is true (default; the
+    job MTBF is then ``mtbf_hours / gpus``), else the MTBF of the whole job of
+    ``gpus`` GPUs.  ``state_gb`` is the checkpoint state held by one GPU; the
+    periodic stall is ``C = state_gb / checkpoint_gbps`` and the JIT flush is
+    ``F = state_gb / flush_gbps`` unless ``checkpoint_seconds`` /
+    ``flush_seconds`` give measured values.  Wastes use the exact-for-exponential
+    closed form.  Returns a dict (see ``format_advice``) whose
+    ``"recommendation"`` is ``"jit"`` or ``"periodic"`` with ``"reasons"``.
+    """
+    n = _positive_int("gpus", gpus)
+    mtbf_h = _positive("mtbf_hours", mtbf_hours)
+    t_it = _positive("iter_seconds", iter_seconds)
+    state = _non_negative("state_gb", state_gb)
+    ck_bw = _positive("checkpoint_gbps", checkpoint_gbps)
+    fl_bw = _positive("flush_gbps", flush_gbps)
+    r = _non_negative("restart_seconds", restart_seconds)
+    d = _non_negative("detect_seconds", detect_seconds)
+    o = _fraction("jit_overhead", jit_overhead)
+    c = state / ck_bw if checkpoint_seconds is None else _positive("checkpoint_seconds", checkpoint_seconds)
+    if c <= 0.0:
+        raise ValueError(
+            f"state_gb must be positive (or pass checkpoint_seconds), got {state_gb!r}"
+        )
+    f = state / fl_bw if flush_seconds is None else _non_negative("flush_seconds", flush_seconds)
+    gpu_mtbf_h = mtbf_h if per_gpu else mtbf_h * n
+    s = Scenario.from_hours(n, gpu_mtbf_h, t_it, c, f, restart_s=r, detect_s=d, jit_overhead=o)
+    res = compare(s)
+    per, jit = res["periodic"], res["jit"]
+    pick = "jit" if jit["wasted_fraction"] < per["wasted_fraction"] else "periodic"
+    reasons: list[str] = []
+    diff = abs(per["wasted_gpu_hours_per_day"] - jit["wasted_gpu_hours_per_day"])
+    lo, hi = sorted((per["wasted_fraction"], jit["wasted_fraction"]))
+    other = "periodic" if pick == "jit" else "jit"
+    reasons.append(
+        f"{pick} wastes {100 * lo:.3g}% of GPU time vs {100 * hi:.3g}% for {other} "
+        f"({hi / lo if lo > 0 else math.inf:.3g}x less, {diff:.4g} GPU-hours/day saved)"
+    )
+    reasons.append(
+        f"job MTBF {res['job_mtbf_hours']:.4g} h ({res['failures_per_day']:.3g} failures/day)"
+    )
+    reasons.append(
+        f"periodic: checkpoint every {per['interval_seconds'] / 60:.3g} min (Daly) costs "
+        f"C/tau = {100 * c / per['interval_seconds']:.3g}% plus, per failure, "
+        f"~{per['lost_work_expected_seconds'] / 60:.3g} min lost work + D+R = {d + r:.4g} s"
+    )
+    reasons.append(
+        f"jit: per failure D+F+R = {d + f + r:.4g} s plus <= 1 iteration "
+        f"(expected {jit['lost_work_expected_seconds']:.3g} s), steady overhead {100 * o:.3g}%"
+    )
+    if pick == "periodic":
+        if o >= c / per["interval_seconds"]:
+            reasons.append("the JIT steady-state overhead exceeds the periodic checkpoint overhead")
+        if f > per["lost_work_expected_seconds"]:
+            reasons.append("the JIT flush takes longer than the work periodic loses per failure")
+    notes = [
+        "JIT needs a surviving copy of every state shard (e.g. data-parallel replicas); "
+        "keep infrequent periodic checkpoints as a fallback for failures that lose all copies",
+        "costs C, F, R, D are "
+        + ("measured inputs" if checkpoint_seconds is not None and flush_seconds is not None
+           else "derived from state_gb and bandwidth defaults; pass measured figures"),
+    ]
+    return {
+        "inputs": {
+            "gpus": n,
+            "mtbf_hours": mtbf_h,
+            "per_gpu": bool(per_gpu),
+            "iter_seconds": t_it,
+            "state_gb": state,
+            "checkpoint_gbps": ck_bw,
+            "flush_gbps": fl_bw,
+            "restart_seconds": r,
+            "detect_seconds": d,
+            "jit_overhead": o,
+        },
+        "checkpoint_seconds": c,
+        "flush_seconds": f,
+        **res,
+        "recommendation": pick,
+        "reasons": reasons,
+        "notes": notes,
+    }
+
+
+def format_advice(d: dict[str, Any]) -> str:
+    """Human-readable report of an :func:`advise` result."""
+    inp, per, jit = d["inputs"], d["periodic"], d["jit"]
+    mtbf_kind = "per-GPU" if inp["per_gpu"] else "job"
+    lines = [
+        f"cudasnap advise: {inp['gpus']} GPUs, {mtbf_kind} MTBF {inp['mtbf_hours']:.6g} h "
+        f"(job MTBF {d['job_mtbf_hours']:.4g} h, {d['failures_per_day']:.3g} failures/day)",
+        f"  iteration {inp['iter_seconds']:.4g} s, state {inp['state_gb']:.4g} GB/GPU, "
+        f"C = {d['checkpoint_seconds']:.4g} s, F = {d['flush_seconds']:.4g} s, "
+        f"R = {inp['restart_seconds']:.4g} s, D = {inp['detect_seconds']:.4g} s",
+        "",
+        f"  {'policy':<9} {'interval':>12} {'wasted %':>10} {'GPU-h/day':>12}",
+        f"  {'periodic':<9} {per['interval_seconds'] / 60:>10.4g} m "
+        f"{100 * per['wasted_fraction']:>10.4g} {per['wasted_gpu_hours_per_day']:>12.5g}",
+        f"  {'jit':<9} {jit['interval_seconds']:>10.4g} s "
+        f"{100 * jit['wasted_fraction']:>10.4g} {jit['wasted_gpu_hours_per_day']:>12.5g}",
+        f"  (Young interval {per['young_interval_seconds'] / 60:.4g} min; "
+        f"periodic/jit waste ratio {d['ratio_periodic_to_jit']:.3g})",
+        "",
+        f"Recommendation: {d['recommendation']}",
+    ]
+    lines += [f"  - {r}" for r in d["reasons"]]
+    lines += [f"  note: {n}" for n in d.get("notes", [])]
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""Build script: a build_ext that configures and builds CMakeLists.txt.
+
+Environment:
+  CUDASNAP_CUDA_ARCHS    CUDA architectures, CMake syntax (default "90": H100/H200)
+  CUDASNAP_REQUIRE_CUDA  "1": fail if the CUDA backend cannot be built (CI sets it)
+  CUDASNAP_WITH_CUDA     "0": skip the CUDA backend
+  CUDA_HOME              toolkit root (folder whose include/ holds cuda_runtime.h)
+  CUDASNAP_BUILD_DIR     CMake build directory (default build/cmake)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+VERSION = "0.1.0"
+
+
+def _cuda_home() -> str | None:
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                 "/usr/local/cuda", "/usr/local/cuda-13.0"):
+        if cand and (Path(cand) / "include" / "cuda_runtime.h").exists():
+            return str(Path(cand).resolve())
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        # /usr/local/bin/nvcc may be a wrapper script: read the path it execs.
+        text = Path(nvcc).read_text(errors="ignore") if Path(nvcc).stat().st_size < 4096 else ""
+        for tok in text.split():
+            if tok.endswith("/bin/nvcc"):
+                root = Path(tok).parent.parent
+                if (root / "include" / "cuda_runtime.h").exists():
+                    return str(root)
+        root = Path(nvcc).resolve().parent.parent
+        if (root / "include" / "cuda_runtime.h").exists():
+            return str(root)
+    return None
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:  # noqa: D102
+        import pybind11
+        import torch
+
+        out = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(os.environ.get("CUDASNAP_BUILD_DIR", ROOT / "build" / "cmake"))
+        build_dir.mkdir(parents=True, exist_ok=True)
+        torch_dir = Path(torch.__file__).resolve().parent
+        cuda_version = torch.version.cuda or ""
+        rpath = []
+        nv = torch_dir.parent / "nvidia"
+        for sub in ("cu13/lib", "cuda_runtime/lib"):
+            if (nv / sub).is_dir():
+                rpath.append(str(nv / sub))
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DTORCH_INCLUDE_DIR={torch_dir / 'include'}",
+            f"-DTORCH_LIB_DIR={torch_dir / 'lib'}",
+            f"-DTORCH_CUDA_VERSION={cuda_version}",
+            f"-DCUDASNAP_VERSION={VERSION}",
+            f"-DCUDASNAP_CUDA_ARCHS={os.environ.get('CUDASNAP_CUDA_ARCHS', '90')}",
+            f"-DCUDASNAP_EXTRA_RPATH={';'.join(rpath)}",
+            "-DCUDASNAP_REQUIRE_CUDA=" + ("ON" if os.environ.get("CUDASNAP_REQUIRE_CUDA") == "1" else "OFF"),
+            "-DCUDASNAP_WITH_CUDA=" + ("OFF" if os.environ.get("CUDASNAP_WITH_CUDA") == "0" else "ON"),
+        ]
+        cuda_home = _cuda_home()
+        if cuda_home:
+            args += [f"-DCUDAToolkit_ROOT={cuda_home}",
+                     f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc"]
+        if shutil.which("ninja") or (Path(sys.executable).parent / "ninja").exists():
+            args.append("-GNinja")
+            ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
+            args.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
+        cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or "cmake"
+        cache = build_dir / "CMakeCache.txt"
+        if not cache.exists() or os.environ.get("CUDASNAP_RECONFIGURE") == "1":
+            subprocess.check_call([cmake, "-S", str(ROOT), "-B", str(build_dir), *args])
+        else:  # incremental: re-run configure only with changed cache values
+            subprocess.check_call([cmake, "-S", str(ROOT), "-B", str(build_dir), *args],
+                                  stdout=subprocess.DEVNULL)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.check_call([cmake, "--build", str(build_dir), "-j", jobs])
+
+
+setup(
+    name="cudasnap",
+    version=VERSION,
+    description="Just-in-time GPU checkpointing for PyTorch: one minibatch lost per failure",
+    packages=find_packages(include=["cudasnap", "cudasnap.*"]),
+    ext_modules=[Extension("cudasnap._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.10",
+    entry_points={"console_scripts": ["cudasnap=cudasnap.cli:main"]},
+)
