@@ -17,7 +17,6 @@ Plug measured figures in with ``--c-seconds --f-seconds --r-seconds
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time

@@ -8,9 +8,11 @@
 #include "crc32c.h"
 #include "error.h"
 #include "flusher.h"
+#include "layout_check.h"
 #include "staging.h"
 #include "allocator_tracker.h"
 #ifdef CUDASNAP_WITH_CUDA
+#include "cuda/copy_engine_cuda.h"
 #include "cuda/cuda_backend.h"
 #endif
 
@@ -190,7 +192,7 @@ void init_copy_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CopyEngine::shutdown, py::call_guard<py::gil_scoped_release>());
   py::class_<CpuCopyEngine, CopyEngine, std::shared_ptr<CpuCopyEngine>>(m, "CpuCopyEngine")
-      .def(py::init<int>(), py::arg("threads"))
+      .def(py::init<int, int>(), py::arg("threads"), py::arg("nice") = 10)
       .def_property_readonly("threads", &CpuCopyEngine::threads);
 }
 
@@ -241,14 +243,213 @@ void init_flusher(py::module_& m) {
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
 }
 
+void init_layout_check(py::module_& m) {
+  py::class_<LayoutGuard>(m, "LayoutGuard")
+      .def(py::init([](py::list tensors) { return new LayoutGuard(tensors.ptr()); }))
+      .def("first_moved", &LayoutGuard::first_moved)
+      .def("__len__", &LayoutGuard::size);
+}
+
 void init_allocator_tracker(py::module_& m) {
-  (void)m;  // ALLOCATOR-TRACKER BINDINGS
+  // ALLOCATOR-TRACKER BINDINGS
+  using Pair = std::pair<uint64_t, uint64_t>;
+  auto to_spans = [](const std::vector<Pair>& v) {
+    std::vector<Span> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = Span{v[i].first, v[i].second};
+    return out;
+  };
+  auto block_tuple = [](const LiveBlock& b) {
+    return py::make_tuple(b.addr, b.size, b.stream, py::make_tuple(b.pool.first, b.pool.second));
+  };
+  auto get = [](const py::dict& d, const char* k, py::object dflt) -> py::object {
+    return d.contains(k) ? py::object(d[k]) : dflt;
+  };
+  m.def("trace_actions", [] {
+    py::list out;
+    for (int i = 0; i <= static_cast<int>(TraceAction::UNKNOWN); ++i)
+      out.append(trace_action_name(static_cast<TraceAction>(i)));
+    return out;
+  });
+  py::class_<AllocatorRegistry, std::shared_ptr<AllocatorRegistry>>(m, "AllocatorRegistry")
+      .def(py::init<>())
+      .def("record",
+           [](AllocatorRegistry& r, const std::string& action, int device, uint64_t addr,
+              uint64_t size, uint64_t stream, Pair pool) {
+             TraceEvent ev;
+             CUDASNAP_CHECK(parse_trace_action(action, &ev.action),
+                            "unknown trace action '" << action << "'");
+             ev.device = device;
+             ev.addr = addr;
+             ev.size = size;
+             ev.stream = stream;
+             ev.pool = pool;
+             py::gil_scoped_release nogil;
+             r.record(ev);
+           },
+           py::arg("action"), py::arg("device"), py::arg("addr"), py::arg("size"),
+           py::arg("stream") = 0, py::arg("pool") = Pair{0, 0})
+      .def("drain", &AllocatorRegistry::drain, py::call_guard<py::gil_scoped_release>())
+      .def("seed",
+           // segments as torch.cuda.memory_snapshot() returns them (dicts; extra keys ignored)
+           [get](AllocatorRegistry& r, int device, const py::list& segments) {
+             std::vector<SeedSegment> segs;
+             for (const py::handle& h : segments) {
+               py::dict sd = py::reinterpret_borrow<py::dict>(h);
+               if (sd.contains("device") && sd["device"].cast<int>() != device) continue;
+               SeedSegment ss;
+               ss.addr = sd["address"].cast<uint64_t>();
+               ss.size = sd["total_size"].cast<uint64_t>();
+               ss.stream = get(sd, "stream", py::int_(0)).cast<uint64_t>();
+               ss.pool = get(sd, "segment_pool_id", py::make_tuple(0, 0)).cast<Pair>();
+               ss.expandable = get(sd, "is_expandable", py::bool_(false)).cast<bool>();
+               uint64_t cursor = ss.addr;
+               for (const py::handle& bh : get(sd, "blocks", py::list()).cast<py::list>()) {
+                 py::dict bd = py::reinterpret_borrow<py::dict>(bh);
+                 SeedBlock b;
+                 b.addr = get(bd, "address", py::int_(cursor)).cast<uint64_t>();
+                 uint64_t bsize = bd["size"].cast<uint64_t>();
+                 uint64_t req = get(bd, "requested_size", py::int_(0)).cast<uint64_t>();
+                 b.size = req ? req : bsize;
+                 if (bd.contains("allocated"))
+                   b.allocated = bd["allocated"].cast<bool>();
+                 else
+                   b.allocated = get(bd, "state", py::str("")).cast<std::string>() ==
+                                 "active_allocated";
+                 cursor = b.addr + bsize;
+                 ss.blocks.push_back(b);
+               }
+               segs.push_back(std::move(ss));
+             }
+             py::gil_scoped_release nogil;
+             return r.seed(device, segs);
+           },
+           py::arg("device"), py::arg("segments"))
+      .def("seeded", &AllocatorRegistry::seeded)
+      .def("live_blocks",
+           [block_tuple](AllocatorRegistry& r, int device) {
+             py::list out;
+             for (const LiveBlock& b : r.live_blocks(device)) out.append(block_tuple(b));
+             return out;
+           })
+      .def("pending_free",
+           [block_tuple](AllocatorRegistry& r, int device) {
+             py::list out;
+             for (const LiveBlock& b : r.pending_free(device)) out.append(block_tuple(b));
+             return out;
+           })
+      .def("segments",
+           [](AllocatorRegistry& r, int device) {
+             py::list out;
+             for (const SegmentRange& s : r.segments(device))
+               out.append(py::make_tuple(s.addr, s.size, s.expandable, s.stream,
+                                         py::make_tuple(s.pool.first, s.pool.second)));
+             return out;
+           })
+      .def("devices", &AllocatorRegistry::devices)
+      .def("generation", &AllocatorRegistry::generation)
+      .def("watched_generation", &AllocatorRegistry::watched_generation)
+      .def("watch",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans) {
+             r.watch(device, to_spans(spans));
+           },
+           py::arg("device"), py::arg("spans"))
+      .def("coverage",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+                      size_t top_n) {
+             CoverageReport c;
+             {
+               auto sp = to_spans(spans);
+               py::gil_scoped_release nogil;
+               c = r.coverage(device, sp, top_n);
+             }
+             py::dict d;
+             d["live_bytes"] = c.live_bytes;
+             d["covered_bytes"] = c.covered_bytes;
+             d["uncovered_bytes"] = c.uncovered_bytes;
+             d["live_blocks"] = c.live_blocks;
+             d["uncovered_blocks"] = c.uncovered_blocks;
+             d["span_bytes"] = c.span_bytes;
+             d["outside_bytes"] = c.outside_bytes;
+             d["pending_free_blocks"] = c.pending_free_blocks;
+             py::list top;
+             for (const LiveBlock& b : c.largest_uncovered) top.append(py::make_tuple(b.addr, b.size));
+             d["largest_uncovered"] = top;
+             return d;
+           },
+           py::arg("device"), py::arg("spans"), py::arg("top_n") = 8)
+      .def("locate",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+                      bool strict) {
+             std::vector<LocateResult> res = r.locate(device, to_spans(spans));
+             py::list out;
+             for (const LocateResult& x : res) {
+               CUDASNAP_CHECK(x.ok || !strict, x.error);
+               if (x.ok)
+                 out.append(py::make_tuple(x.block.addr, x.block.size, x.segment.addr,
+                                           x.segment.size));
+               else
+                 out.append(py::str(x.error));
+             }
+             return out;
+           },
+           py::arg("device"), py::arg("spans"), py::arg("strict") = false)
+      .def("coalesce",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+                      uint64_t merge_gap) {
+             Coalesced c = r.coalesce(device, to_spans(spans), merge_gap);
+             py::list ranges, placement;
+             for (const Span& s : c.ranges) ranges.append(py::make_tuple(s.addr, s.nbytes));
+             for (const auto& p : c.placement) placement.append(py::make_tuple(p.first, p.second));
+             return py::make_tuple(ranges, placement);
+           },
+           py::arg("device"), py::arg("spans"), py::arg("merge_gap") = 4096)
+      .def("stats",
+           [](const AllocatorRegistry& r) {
+             RegistryStats s = r.stats();
+             py::dict d;
+             d["recorded"] = s.recorded;
+             d["applied"] = s.applied;
+             d["ignored"] = s.ignored;
+             d["dropped"] = s.dropped;
+             d["queued"] = s.queued;
+             d["seeded_blocks"] = s.seeded_blocks;
+             return d;
+           })
+      .def_property_readonly("healthy", &AllocatorRegistry::healthy)
+      .def("start_auto_drain", &AllocatorRegistry::start_auto_drain, py::arg("threshold"))
+      .def("stop_auto_drain", &AllocatorRegistry::stop_auto_drain,
+           py::call_guard<py::gil_scoped_release>());
 }
 
 #ifdef CUDASNAP_WITH_CUDA
 void init_cuda_backend(py::module_& m) {
   m.def("cuda_device_count", &cuda_device_count);
   // CUDA-BACKEND BINDINGS
+  py::class_<CudaCopyEngine, CopyEngine, std::shared_ptr<CudaCopyEngine>>(m, "CudaCopyEngine")
+      .def(py::init<int, int, bool, uint64_t>(), py::arg("device"), py::arg("crc_threads") = 4,
+           py::arg("gather_small") = false, py::arg("gather_max_bytes") = 64 * 1024)
+      .def_property_readonly("device", &CudaCopyEngine::device)
+      .def_property_readonly("crc_threads", &CudaCopyEngine::crc_threads)
+      .def_property_readonly("gather_small", &CudaCopyEngine::gather_small)
+      .def_property_readonly("gather_max_bytes", &CudaCopyEngine::gather_max_bytes)
+      .def_property_readonly("busy", &CudaCopyEngine::busy)
+      .def_property_readonly("copy_stream", &CudaCopyEngine::copy_stream)
+      .def_property_readonly("last_memcpy_calls", &CudaCopyEngine::last_memcpy_calls)
+      .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered);
+  m.def("register_arena",
+        [](Arena& a, int device) {
+          RegisterResult r = register_arena(a, device);
+          return py::make_tuple(r.ok, r.reason);
+        },
+        py::arg("arena"), py::arg("device") = -1, py::call_guard<py::gil_scoped_release>());
+  m.def("unregister_arena", &unregister_arena, py::arg("arena"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("create_private_pinned_arena", &create_private_pinned_arena, py::arg("num_slots"),
+        py::arg("data_capacity"), py::arg("meta_capacity"), py::arg("chunk_bytes"),
+        py::arg("job") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("attach_allocator_tracker", &attach_allocator_tracker, py::arg("auto_drain") = 16384,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attached_allocator_registry", &attached_allocator_registry);
 }
 #endif
 
@@ -279,6 +480,7 @@ PYBIND11_MODULE(_C, m) {
   init_copy_plan(m);
   init_copy_engine(m);
   init_flusher(m);
+  init_layout_check(m);
   init_allocator_tracker(m);
 #ifdef CUDASNAP_WITH_CUDA
   init_cuda_backend(m);

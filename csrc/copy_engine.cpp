@@ -1,5 +1,9 @@
 #include "copy_engine.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -115,9 +119,16 @@ struct CpuCopyEngine::Work {
   std::atomic<bool> failed{false};
 };
 
-CpuCopyEngine::CpuCopyEngine(int threads) {
+CpuCopyEngine::CpuCopyEngine(int threads, int nice) : nice_(nice) {
   CUDASNAP_CHECK(threads >= 1 && threads <= 256, "copy threads must be 1..256, got " << threads);
+  CUDASNAP_CHECK(nice >= 0 && nice <= 19, "copy thread nice value must be 0..19, got " << nice);
   for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(); });
+}
+
+void lower_thread_priority(int nice) {
+  // Per-thread nice (Linux): snapshot copies use spare cycles and never
+  // preempt the training thread on a busy host. Failure is harmless.
+  if (nice > 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
 }
 
 CpuCopyEngine::~CpuCopyEngine() { shutdown(); }
@@ -177,6 +188,7 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
 void CpuCopyEngine::fence(CopyJob& job, int phase, uint64_t /*stream*/) { job.wait(phase); }
 
 void CpuCopyEngine::worker() {
+  lower_thread_priority(nice_);
   for (;;) {
     std::shared_ptr<Work> w;
     {

@@ -78,7 +78,8 @@ uint32_t chunk_crc(const CopyPlan& plan, const uint8_t* data, uint64_t chunk);
 
 class CpuCopyEngine : public CopyEngine {
  public:
-  explicit CpuCopyEngine(int threads);
+  // `nice`: per-thread nice value of the workers (0 = same priority as training).
+  explicit CpuCopyEngine(int threads, int nice = 10);
   ~CpuCopyEngine() override;
   std::string backend() const override { return "cpu"; }
   std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
@@ -99,6 +100,10 @@ class CpuCopyEngine : public CopyEngine {
   std::shared_ptr<Work> cur_;
   bool stop_ = false;
   std::vector<std::thread> workers_;
+  int nice_ = 10;
 };
+
+// Lowers the calling thread's scheduling priority (per-thread nice on Linux).
+void lower_thread_priority(int nice);
 
 }  // namespace cudasnap

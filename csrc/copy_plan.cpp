@@ -55,7 +55,7 @@ CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
       }
     }
     if (phase == 0) {
-      cursor = round_up(cursor, chunk_bytes);
+      cursor = round_up(cursor, align);
       plan.phase0_bytes = cursor;
     }
   }

@@ -284,6 +284,8 @@ SlotInfo Arena::slot_info(int slot) const {
     info.problem = "slot sizes exceed the arena capacity";
   } else if (s.num_chunks != (s.data_bytes + chunk_bytes() - 1) / chunk_bytes()) {
     info.problem = "slot chunk count does not match its byte count";
+  } else if (verified_seq_[slot] == s.seq + 1) {
+    info.valid = true;  // table and meta already verified for this header
   } else if (crc32c(0, table(slot), s.num_chunks * 4) != s.table_crc) {
     info.problem = "slot chunk-checksum table mismatch";
   } else if (crc32c(0, meta_ptr(base_, slot_offset(slot), max_chunks()), s.meta_bytes) !=
@@ -291,6 +293,7 @@ SlotInfo Arena::slot_info(int slot) const {
     info.problem = "slot manifest checksum mismatch";
   } else {
     info.valid = true;
+    verified_seq_[slot] = s.seq + 1;
   }
   return info;
 }
@@ -341,6 +344,7 @@ void Arena::begin_write(int slot, int64_t step, const std::string& meta) {
                       "slot " << slot << " is being read (leased); cannot overwrite it");
   SlotHeader* s = slot_hdr(slot);
   __atomic_store_n(&s->state, uint32_t(kWriting), __ATOMIC_SEQ_CST);
+  verified_seq_[slot] = 0;
   uint64_t max_seq = 0;
   for (int i = 0; i < num_slots(); ++i) max_seq = std::max(max_seq, slot_hdr(i)->seq);
   next_seq_ = std::max(next_seq_, max_seq + 1);
@@ -376,6 +380,7 @@ void Arena::commit(int slot, int64_t step, uint64_t data_bytes) {
 void Arena::invalidate(int slot) {
   check_slot(slot);
   std::lock_guard<std::mutex> g(mu_);
+  verified_seq_[slot] = 0;
   __atomic_store_n(&slot_hdr(slot)->state, uint32_t(kEmpty), __ATOMIC_SEQ_CST);
 }
 

@@ -165,6 +165,8 @@ class Arena {
   mutable std::mutex mu_;
   std::array<std::atomic<int>, kMaxSlots> leases_{};
   uint64_t next_seq_ = 1;
+  // seq (+1) of the last COMPLETE header whose table and meta CRCs were checked.
+  mutable std::array<uint64_t, kMaxSlots> verified_seq_{};
 };
 
 uint64_t monotonic_ns();

@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create .venv if missing, install the pinned dependencies, build the
+# extension incrementally (CMake + ninja under build/), then run.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.deps-stamp
+# CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
+CUDA_ARCHS ?= 90
+
+.PHONY: all venv build demo test bench clean
+
+all: build
+
+$(STAMP): requirements.txt requirements-dev.txt setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+build: $(STAMP)
+	CUDASNAP_CUDA_ARCHS="$(CUDA_ARCHS)" $(BIN)/python setup.py -q build_ext --inplace
+
+demo: build
+	$(BIN)/python -m cudasnap demo
+
+test: build
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf build cudasnap/_C*.so

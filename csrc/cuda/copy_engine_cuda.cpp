@@ -1,0 +1,359 @@
+#include "copy_engine_cuda.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <sstream>
+
+#include "../error.h"
+
+namespace cudasnap {
+
+namespace {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    CUDASNAP_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device_) CUDASNAP_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0 && prev_ != device_) (void)cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int prev_ = -1;
+};
+
+constexpr uint64_t kParallelCrcBytes = 32ull << 20;  // below this one thread is faster
+
+}  // namespace
+
+// ------------------------------------------------------------ lifecycle
+
+CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
+                               uint64_t gather_max_bytes)
+    : device_(device),
+      crc_threads_(crc_threads),
+      gather_small_(gather_small),
+      gather_max_(gather_max_bytes) {
+  CUDASNAP_CHECK(crc_threads >= 1 && crc_threads <= 256,
+                 "crc threads must be 1..256, got " << crc_threads);
+  int count = 0;
+  CUDASNAP_CUDA_CHECK(cudaGetDeviceCount(&count));
+  CUDASNAP_CHECK_KIND(ErrorKind::Cuda, device >= 0 && device < count,
+                      "CudaCopyEngine: device " << device << " out of range (" << count
+                                                << " CUDA devices visible)");
+  try {
+    DeviceGuard g(device_);
+    CUDASNAP_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    for (int r = 0; r < kRing; ++r) {
+      CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_[r][0], cudaEventDisableTiming));
+      for (int k = 1; k < 3; ++k)  // waited on by the completion thread: sleep, do not spin
+        CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(
+            &ev_[r][k], cudaEventDisableTiming | cudaEventBlockingSync));
+    }
+    completion_ = std::thread([this] { completion_loop(); });
+  } catch (...) {
+    release_cuda();
+    throw;
+  }
+}
+
+CudaCopyEngine::~CudaCopyEngine() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+void CudaCopyEngine::release_cuda() noexcept {
+  // At interpreter exit the runtime may already be unloading: ignore errors.
+  int prev = -1;
+  (void)cudaGetDevice(&prev);
+  (void)cudaSetDevice(device_);
+  for (int r = 0; r < kRing; ++r) {
+    for (int k = 0; k < 3; ++k) {
+      if (ev_[r][k]) (void)cudaEventDestroy(ev_[r][k]);
+      ev_[r][k] = nullptr;
+    }
+    if (desc_[r]) (void)cudaFreeHost(desc_[r]);
+    desc_[r] = nullptr;
+    desc_cap_[r] = 0;
+  }
+  if (copy_stream_) (void)cudaStreamDestroy(copy_stream_);
+  copy_stream_ = nullptr;
+  if (prev >= 0) (void)cudaSetDevice(prev);
+  (void)cudaGetLastError();
+}
+
+void CudaCopyEngine::shutdown() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (shut_) return;
+    idle_cv_.wait(lk, [&] { return !in_flight_; });  // let the running snapshot finish
+    shut_ = true;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (completion_.joinable()) completion_.join();
+  release_cuda();
+}
+
+bool CudaCopyEngine::busy() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return in_flight_;
+}
+
+// --------------------------------------------------------------- submit
+
+void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev,
+                           int ring, uint64_t& desc_used) {
+  uint64_t first_desc = desc_used;
+  uint64_t memcpys = 0;
+  for (const PlanRange& r : plan.ranges) {
+    if (r.host || r.phase != phase || r.nbytes == 0) continue;
+    if (gather_small_ && r.nbytes < gather_max_) {
+      desc_[ring][desc_used++] = GatherDesc{r.src, data_dev + r.dst, r.nbytes};
+      continue;
+    }
+    CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + r.dst, reinterpret_cast<const void*>(r.src),
+                                        r.nbytes, cudaMemcpyDeviceToHost, copy_stream_));
+    ++memcpys;
+  }
+  last_memcpy_.fetch_add(memcpys);
+  uint64_t n = desc_used - first_desc;
+  if (n) {
+    GatherDesc* dev_desc = nullptr;
+    CUDASNAP_CUDA_CHECK(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_desc), desc_[ring], 0));
+    CUDASNAP_CUDA_CHECK(launch_gather(dev_desc + first_desc, static_cast<int>(n), copy_stream_));
+    last_gathered_.fetch_add(n);
+  }
+}
+
+std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
+                                                const std::shared_ptr<const CopyPlan>& plan,
+                                                int64_t step, const std::string& meta,
+                                                uint64_t stream) {
+  CUDASNAP_CHECK(arena && plan, "submit needs an arena and a plan");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->chunk_bytes == arena->chunk_bytes(),
+                      "plan chunk size " << plan->chunk_bytes << " differs from the arena's "
+                                         << arena->chunk_bytes());
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->total_bytes <= arena->data_capacity(),
+                      "snapshot needs " << plan->total_bytes << " bytes, arena slots hold "
+                                        << arena->data_capacity());
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, arena->cuda_registered,
+                      "staging arena " << arena->path()
+                                       << " is not page-locked for CUDA: register it with "
+                                          "register_arena() or use "
+                                          "create_private_pinned_arena() (an asynchronous "
+                                          "copy into pageable memory would block)");
+  uint64_t ngather = 0;
+  for (const PlanRange& r : plan->ranges)
+    if (!r.host && r.nbytes && gather_small_ && r.nbytes < gather_max_) ++ngather;
+
+  int ring;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+    idle_cv_.wait(lk, [&] { return !in_flight_ || shut_; });  // one snapshot at a time
+    CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+    in_flight_ = true;
+    ring = ring_next_;
+    ring_next_ = (ring_next_ + 1) % kRing;
+  }
+  auto not_in_flight = [this] {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      in_flight_ = false;
+    }
+    idle_cv_.notify_all();
+  };
+
+  bool began = false, issued = false;
+  try {
+    DeviceGuard g(device_);
+    cudaStream_t compute = reinterpret_cast<cudaStream_t>(stream);
+    if (stream != 0) {
+      int sdev = -1;
+      CUDASNAP_CUDA_CHECK(cudaStreamGetDevice(compute, &sdev));
+      CUDASNAP_CHECK_KIND(ErrorKind::Cuda, sdev == device_,
+                          "compute stream 0x" << std::hex << stream << std::dec
+                                              << " belongs to cuda:" << sdev
+                                              << ", the copy engine to cuda:" << device_);
+    }
+    if (ngather > desc_cap_[ring]) {
+      if (desc_[ring]) CUDASNAP_CUDA_CHECK(cudaFreeHost(desc_[ring]));
+      desc_[ring] = nullptr;
+      desc_cap_[ring] = 0;
+      uint64_t cap = std::max<uint64_t>(ngather * 2, 256);
+      CUDASNAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&desc_[ring]),
+                                        cap * sizeof(GatherDesc),
+                                        cudaHostAllocPortable | cudaHostAllocMapped));
+      desc_cap_[ring] = cap;
+    }
+    uint64_t data_dev = 0;
+    uint8_t* data = arena->data(slot);
+    if (ngather) {
+      void* base_dev = nullptr;
+      CUDASNAP_CUDA_CHECK(cudaHostGetDevicePointer(&base_dev, arena->base(), 0));
+      data_dev = reinterpret_cast<uint64_t>(base_dev) + uint64_t(data - arena->base());
+    }
+
+    arena->begin_write(slot, step, meta);
+    began = true;
+    auto job = std::make_shared<CopyJob>(slot, step, plan->total_bytes);
+    job->submit_ns = monotonic_ns();
+    for (int k = 0; k < 3; ++k) job->cuda_events[k] = ev_[ring][k];
+
+    // Host state is tiny and changes right after boundary(): copy it now.
+    for (const PlanRange& r : plan->ranges)
+      if (r.host && r.nbytes)
+        std::memcpy(data + r.dst, reinterpret_cast<const void*>(r.src), r.nbytes);
+
+    if (plan->num_chunks() == 0) {
+      arena->commit(slot, step, 0);
+      job->mark(1);
+      not_in_flight();
+      return job;
+    }
+
+    auto w = std::make_shared<Work>();
+    w->job = job;
+    w->arena = arena;
+    w->plan = plan;
+    w->slot = slot;
+    w->ring = ring;
+    uint64_t cursor = 0;  // alignment padding, zeroed by the completion thread
+    for (const PlanRange& r : plan->ranges) {
+      if (r.dst > cursor) w->pads.emplace_back(cursor, r.dst);
+      cursor = std::max(cursor, r.dst + r.nbytes);
+    }
+    if (cursor < plan->total_bytes) w->pads.emplace_back(cursor, plan->total_bytes);
+
+    last_memcpy_.store(0);
+    last_gathered_.store(0);
+    uint64_t desc_used = 0;
+    issued = true;
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][0], compute));
+    CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));
+    issue(*plan, 0, data, data_dev, ring, desc_used);
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][1], copy_stream_));
+    issue(*plan, 1, data, data_dev, ring, desc_used);
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      pending_ = w;
+    }
+    cv_.notify_all();
+    return job;
+  } catch (...) {
+    if (issued) {
+      // Never leave a DMA running into a slot we give up on.
+      (void)cudaStreamSynchronize(copy_stream_);
+      (void)cudaGetLastError();
+    }
+    if (began) {
+      try {
+        arena->invalidate(slot);
+      } catch (...) {
+      }
+    }
+    not_in_flight();
+    throw;
+  }
+}
+
+// ---------------------------------------------------------------- fence
+
+void CudaCopyEngine::fence(CopyJob& job, int phase, uint64_t stream) {
+  CUDASNAP_CHECK(phase == 0 || phase == 1, "phase must be 0 or 1, got " << phase);
+  if (job.done(phase)) return;  // also true when the job failed
+  auto ev = static_cast<cudaEvent_t>(job.cuda_events[phase == 0 ? 1 : 2]);
+  CUDASNAP_CHECK(ev != nullptr, "fence: the job was not submitted by a CUDA copy engine");
+  DeviceGuard g(device_);  // stream 0 means this device's legacy default stream
+  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev, 0));
+}
+
+// ----------------------------------------------------- completion thread
+
+void CudaCopyEngine::completion_loop() {
+  (void)cudaSetDevice(device_);
+  for (;;) {
+    std::shared_ptr<Work> w;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || pending_; });
+      if (!pending_) return;  // stop_ and nothing left
+      w = std::move(pending_);
+    }
+    finish(*w);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      in_flight_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void CudaCopyEngine::crc_chunks(const CopyPlan& plan, const uint8_t* data, uint32_t* table,
+                                uint64_t c0, uint64_t c1) {
+  if (c1 <= c0) return;
+  uint64_t n = c1 - c0;
+  int threads = static_cast<int>(std::min<uint64_t>(uint64_t(crc_threads_), n));
+  if (threads <= 1 || n * plan.chunk_bytes < kParallelCrcBytes) {
+    for (uint64_t c = c0; c < c1; ++c) table[c] = chunk_crc(plan, data, c);
+    return;
+  }
+  std::atomic<uint64_t> next{c0};
+  auto work = [&] {
+    for (;;) {
+      uint64_t c = next.fetch_add(1);
+      if (c >= c1) return;
+      table[c] = chunk_crc(plan, data, c);
+    }
+  };
+  std::vector<std::thread> ts;
+  ts.reserve(threads - 1);
+  try {
+    for (int i = 1; i < threads; ++i) ts.emplace_back(work);
+  } catch (...) {  // no threads to be had: finish on this one
+  }
+  work();
+  for (auto& t : ts) t.join();
+}
+
+void CudaCopyEngine::finish(Work& w) {
+  const CopyPlan& plan = *w.plan;
+  CopyJob& job = *w.job;
+  try {
+    uint8_t* data = w.arena->data(w.slot);
+    uint32_t* table = w.arena->table(w.slot);
+    for (const auto& p : w.pads) std::memset(data + p.first, 0, p.second - p.first);
+    CUDASNAP_CUDA_CHECK(cudaEventSynchronize(ev_[w.ring][1]));
+    job.mark(0);
+    const uint64_t nchunks = plan.num_chunks();
+    // Chunks wholly inside the phase-0 region can be checksummed while phase 1 copies.
+    const uint64_t p0_full = std::min(plan.phase0_bytes / plan.chunk_bytes, nchunks);
+    crc_chunks(plan, data, table, 0, p0_full);
+    CUDASNAP_CUDA_CHECK(cudaEventSynchronize(ev_[w.ring][2]));
+    crc_chunks(plan, data, table, p0_full, nchunks);
+    w.arena->commit(w.slot, job.step(), plan.total_bytes);
+    job.mark(1);
+  } catch (const std::exception& e) {
+    (void)cudaEventSynchronize(ev_[w.ring][2]);  // no DMA may still run into the slot
+    (void)cudaGetLastError();
+    try {
+      w.arena->invalidate(w.slot);
+    } catch (...) {
+    }
+    job.fail(std::string("CUDA snapshot copy on cuda:") + std::to_string(device_) + ": " +
+             e.what());
+  }
+}
+
+}  // namespace cudasnap

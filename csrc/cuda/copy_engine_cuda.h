@@ -1,0 +1,100 @@
+// CUDA copy engine: snapshot D2H copies on a side stream, never blocking the trainer.
+//
+// submit(): record `ready` on the compute stream; the copy stream waits on it
+// (no host sync), issues one cudaMemcpyAsync per phase-0 device range, records
+// `phase0`, issues the phase-1 ranges, records `done`, and returns. Host
+// ranges (tiny host state) are memcpy'd synchronously in submit(). A
+// completion thread (never the trainer) waits for phase0, marks phase 0,
+// CRCs the chunks wholly inside the phase-0 region, waits for done, CRCs the
+// rest (several threads for large snapshots), commits the slot and marks the
+// job complete. On a CUDA error the job fails and the slot is invalidated, so
+// the previous COMPLETE slot stays the newest.
+//
+// fence(job, phase, stream): cudaStreamWaitEvent(stream, phase0 or done); no
+// host block; a no-op once that phase is done.
+//
+// One snapshot is in flight at a time: submit() waits (host) for the previous
+// one to finish. Events come from a ring of two triples, never destroyed
+// before shutdown(), so a fence racing the next submit waits on a valid
+// (newer, hence stricter) event.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "../copy_engine.h"
+#include "gather.h"
+
+namespace cudasnap {
+
+class CudaCopyEngine : public CopyEngine {
+ public:
+  // gather_small: copy device ranges < gather_max_bytes with one gather-kernel
+  // launch per phase into the mapped arena (needs a Mapped registration).
+  CudaCopyEngine(int device, int crc_threads, bool gather_small = false,
+                 uint64_t gather_max_bytes = 64 * 1024);
+  ~CudaCopyEngine() override;
+  std::string backend() const override { return "cuda"; }
+  std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
+                                  const std::shared_ptr<const CopyPlan>& plan, int64_t step,
+                                  const std::string& meta, uint64_t stream) override;
+  void fence(CopyJob& job, int phase, uint64_t stream) override;
+  void shutdown() override;
+
+  int device() const { return device_; }
+  int crc_threads() const { return crc_threads_; }
+  bool gather_small() const { return gather_small_; }
+  uint64_t gather_max_bytes() const { return gather_max_; }
+  bool busy() const;
+  uint64_t copy_stream() const { return reinterpret_cast<uint64_t>(copy_stream_); }
+  // Counters of the last submitted snapshot: cudaMemcpyAsync calls, gathered ranges.
+  uint64_t last_memcpy_calls() const { return last_memcpy_.load(); }
+  uint64_t last_gathered() const { return last_gathered_.load(); }
+
+ private:
+  static constexpr int kRing = 2;
+  struct Work {
+    std::shared_ptr<CopyJob> job;
+    std::shared_ptr<Arena> arena;
+    std::shared_ptr<const CopyPlan> plan;
+    int slot = -1;
+    int ring = 0;
+    std::vector<std::pair<uint64_t, uint64_t>> pads;  // [lo, hi) of the data area to zero
+  };
+  void completion_loop();
+  void finish(Work& w);
+  void crc_chunks(const CopyPlan& plan, const uint8_t* data, uint32_t* table, uint64_t c0,
+                  uint64_t c1);
+  void issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev, int ring,
+             uint64_t& desc_used);
+  void release_cuda() noexcept;
+
+  int device_;
+  int crc_threads_;
+  bool gather_small_;
+  uint64_t gather_max_;
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t ev_[kRing][3] = {};  // ready, phase0, done
+  GatherDesc* desc_[kRing] = {};   // mapped pinned descriptor buffers (gather only)
+  uint64_t desc_cap_[kRing] = {};
+  int ring_next_ = 0;
+  std::atomic<uint64_t> last_memcpy_{0};
+  std::atomic<uint64_t> last_gathered_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;       // work for the completion thread / stop
+  std::condition_variable idle_cv_;  // the in-flight snapshot finished
+  std::shared_ptr<Work> pending_;
+  bool in_flight_ = false;
+  bool stop_ = false;
+  bool shut_ = false;
+  std::thread completion_;
+};
+
+}  // namespace cudasnap

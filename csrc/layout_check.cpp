@@ -1,0 +1,39 @@
+#include "layout_check.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "error.h"
+
+namespace cudasnap {
+
+namespace {
+uint64_t ptr_of(PyObject* obj, Py_ssize_t i) {
+  CUDASNAP_CHECK(THPVariable_Check(obj), "LayoutGuard: item " << i << " is not a tensor");
+  return reinterpret_cast<uint64_t>(THPVariable_Unpack(obj).data_ptr());
+}
+}  // namespace
+
+LayoutGuard::LayoutGuard(PyObject* tensors) {
+  CUDASNAP_CHECK(PyList_Check(tensors), "LayoutGuard expects a list of tensors");
+  list_ = PyList_GetSlice(tensors, 0, PyList_GET_SIZE(tensors));
+  CUDASNAP_CHECK(list_ != nullptr, "LayoutGuard: cannot copy the tensor list");
+  Py_ssize_t n = PyList_GET_SIZE(list_);
+  ptrs_.reserve(static_cast<size_t>(n));
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) ptrs_.push_back(ptr_of(PyList_GET_ITEM(list_, i), i));
+  } catch (...) {
+    Py_DECREF(list_);
+    throw;
+  }
+}
+
+LayoutGuard::~LayoutGuard() { Py_XDECREF(list_); }
+
+int64_t LayoutGuard::first_moved() const {
+  Py_ssize_t n = PyList_GET_SIZE(list_);
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (ptr_of(PyList_GET_ITEM(list_, i), i) != ptrs_[static_cast<size_t>(i)]) return i;
+  return -1;
+}
+
+}  // namespace cudasnap

@@ -1,0 +1,196 @@
+"""The ``cudasnap`` command line: demo, run, inspect, verify, export, gc, health, advise."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("cudasnap.cli")
+
+
+def _snapshots_table(directory: Path) -> list[dict[str, Any]]:
+    from . import store
+
+    rows = []
+    latest = store.read_latest(directory)
+    for s in store.list_snapshots(directory):
+        row: dict[str, Any] = {"step": s.step, "path": str(s.path), "source": "disk",
+                               "latest": s.path.name == latest}
+        try:
+            m = store.load_manifest(s.manifest_path)
+            row.update(bytes=m["data"]["bytes"], tensors=len(m["tensors"]),
+                       rank=m.get("rank", 0), world_size=m.get("world_size", 1),
+                       created=m.get("created_unix"), status="ok")
+        except Exception as e:  # noqa: BLE001 - reported per row
+            row.update(status=f"bad: {e}")
+        rows.append(row)
+    return rows
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from . import run as runmod
+    from ._native import native
+
+    rows = _snapshots_table(a.directory)
+    job = os.environ.get("CUDASNAP_JOB") or runmod.job_for(a.directory)
+    shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    for path in sorted(shm.glob(f"cudasnap-{job}-r*.arena")):
+        try:
+            arena = native().Arena.open(str(path), False)
+            for i in range(arena.num_slots):
+                info = arena.slot_info(i)
+                if info["state"] != "EMPTY":
+                    rows.append({"step": info["step"], "path": f"{path}#slot{i}", "source": "shm",
+                                 "bytes": info["data_bytes"], "status": "ok" if info["valid"]
+                                 else f"{info['state']} {info['problem']}".strip(),
+                                 "created": info["complete_ns"] / 1e9 or None})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"path": str(path), "source": "shm", "status": f"bad: {e}"})
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no snapshots in {a.directory}")
+        return 0
+    print(f"{'step':>10}  {'source':6}  {'MB':>10}  {'created':19}  status  path")
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) \
+            if r.get("created") else "-"
+        mb = f"{r['bytes'] / 1e6:10.1f}" if r.get("bytes") is not None else f"{'-':>10}"
+        star = " (latest)" if r.get("latest") else ""
+        print(f"{r.get('step', '-'):>10}  {r['source']:6}  {mb}  {created:19}  "
+              f"{r['status']}{star}  {r['path']}")
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from . import store
+
+    snaps = store.list_snapshots(a.directory)
+    if a.step is not None:
+        snaps = [s for s in snaps if s.step == a.step]
+        if not snaps:
+            print(f"no snapshot of step {a.step} in {a.directory}", file=sys.stderr)
+            return 2
+    bad = 0
+    for s in snaps:
+        try:
+            m = store.load_manifest(s.manifest_path)
+            t0 = time.perf_counter()
+            store.read_data(s.path, m)
+            dt = time.perf_counter() - t0
+            print(f"step {s.step}: ok ({m['data']['bytes'] / 1e6:.1f} MB, "
+                  f"{len(m['data']['crc32c'])} chunks, {dt:.2f} s)")
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            bad += 1
+            print(f"step {s.step}: FAILED: {e}")
+    return 1 if bad else 0
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from .export import export_torch
+
+    path = export_torch(a.directory, a.to_file, step=a.step)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_gc(a: argparse.Namespace) -> int:
+    from ._native import native
+    from .snapshotter import _pid_alive
+
+    shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    removed = 0
+    for path in sorted(shm.glob("cudasnap-*.arena")):
+        try:
+            owner = native().Arena.open(str(path), False).owner_pid
+        except Exception as e:  # noqa: BLE001
+            owner = -1
+            log.warning("unreadable arena %s: %s", path, e)
+        if owner > 0 and _pid_alive(owner):
+            print(f"keep   {path} (pid {owner} alive)")
+            continue
+        if a.dry_run:
+            print(f"would remove {path} (owner {owner} gone)")
+        else:
+            path.unlink(missing_ok=True)
+            print(f"removed {path} (owner {owner} gone)")
+        removed += 1
+    print(f"{removed} stale arena(s) {'found' if a.dry_run else 'removed'}")
+    return 0
+
+
+def cmd_health(a: argparse.Namespace) -> int:
+    from .health import read_gpu_status
+
+    try:
+        rows = read_gpu_status()
+    except RuntimeError as e:
+        print(str(e))
+        return 0
+    for r in rows:
+        print(" ".join(f"{k}={v}" for k, v in r.items()))
+    return 0
+
+
+def cmd_advise(a: argparse.Namespace) -> int:
+    from .analysis import advise, format_advice
+
+    d = advise(a.gpus, a.mtbf_hours, a.iter_seconds, a.state_gb, per_gpu=not a.job_mtbf)
+    print(json.dumps(d, default=str) if a.json else format_advice(d))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="train, inject a failure, resume bit for bit", add_help=False)
+    sub.add_parser("run", help="supervise a training command (flush + restart)", add_help=False)
+    q = sub.add_parser("inspect", help="list snapshots on disk and in shared memory")
+    q.add_argument("directory", type=Path)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=cmd_inspect)
+    q = sub.add_parser("verify", help="check every checksum; non-zero exit on a mismatch")
+    q.add_argument("directory", type=Path)
+    q.add_argument("--step", type=int, default=None)
+    q.set_defaults(fn=cmd_verify)
+    q = sub.add_parser("export", help="write a snapshot as a torch state_dict file")
+    q.add_argument("directory", type=Path)
+    q.add_argument("--to", dest="fmt", choices=["torch"], default="torch")
+    q.add_argument("to_file", type=Path)
+    q.add_argument("--step", type=int, default=None)
+    q.set_defaults(fn=cmd_export)
+    q = sub.add_parser("gc", help="remove staging arenas of dead jobs from /dev/shm")
+    q.add_argument("--dry-run", action="store_true")
+    q.set_defaults(fn=cmd_gc)
+    q = sub.add_parser("health", help="one line per GPU from NVML")
+    q.set_defaults(fn=cmd_health)
+    q = sub.add_parser("advise", help="periodic vs just-in-time checkpointing: expected waste")
+    q.add_argument("--gpus", type=int, required=True)
+    q.add_argument("--mtbf-hours", type=float, required=True, help="per-GPU MTBF (hours)")
+    q.add_argument("--job-mtbf", action="store_true", help="--mtbf-hours is the job's MTBF")
+    q.add_argument("--iter-seconds", type=float, required=True)
+    q.add_argument("--state-gb", type=float, required=True, help="state per GPU (GB)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=cmd_advise)
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv[:1] == ["run"]:
+        from .run import main as run_main
+
+        return run_main(argv[1:])
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    return int(a.fn(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

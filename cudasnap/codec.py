@@ -1,0 +1,173 @@
+"""Typed JSON codec for host state: no pickle, ever.
+
+Host-side state (RNG states, optimizer hyper-parameters, scheduler and sampler
+``state_dict``s) is stored as JSON. Types JSON lacks are tagged objects:
+
+=================  ===========================================================
+Python value       encoding
+=================  ===========================================================
+tuple              ``{"__tuple__": [...]}``
+non-str-key dict   ``{"__dict__": [[key, value], ...]}`` (also for keys like ``"__x"``)
+float nan/inf      ``{"__float__": "nan" | "inf" | "-inf"}``
+bytes              ``{"__bytes__": "<base64>"}``
+torch.Tensor       ``{"__tensor__": {"dtype", "shape", "data": "<base64>"}}`` (small, host)
+numpy.ndarray      ``{"__ndarray__": {"dtype", "shape", "data": "<base64>"}}``
+numpy scalar       the Python scalar
+=================  ===========================================================
+
+Anything else raises :class:`~cudasnap.errors.ConfigError` naming the key path,
+so a user learns at the first snapshot, not at the first failure, that a piece
+of state cannot be saved without pickle.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+from typing import Any
+
+from .errors import ConfigError, CorruptSnapshot
+
+MAX_INLINE_TENSOR_BYTES = 16 << 20
+_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__tensor__", "__ndarray__")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _encode_tensor(t: Any, path: str) -> dict[str, Any]:
+    import torch
+
+    if t.is_sparse or t.layout != torch.strided:
+        raise ConfigError(f"cannot snapshot {path}: sparse/non-strided tensors are not supported")
+    nbytes = t.numel() * t.element_size()
+    if nbytes > MAX_INLINE_TENSOR_BYTES:
+        raise ConfigError(
+            f"cannot snapshot {path}: a {nbytes}-byte tensor inside host state is too large to "
+            f"inline (limit {MAX_INLINE_TENSOR_BYTES}); register it as a module buffer instead")
+    c = t.detach().to("cpu").contiguous()
+    raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    return {"__tensor__": {"dtype": str(c.dtype).removeprefix("torch."),
+                           "shape": list(c.shape), "data": _b64(raw)}}
+
+
+def encode(obj: Any, path: str = "state") -> Any:
+    """Turns ``obj`` into JSON-compatible data; raises ConfigError naming ``path``."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {"__float__": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if isinstance(obj, (list, tuple)):
+        if all(type(v) is int for v in obj):  # fast path: RNG states, index lists
+            items: list[Any] = list(obj)
+        else:
+            items = [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {"__tuple__": items}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode(v, f"{path}.{k}") for k, v in obj.items()}
+        return {"__dict__": [[encode(k, f"{path}.<key>"), encode(v, f"{path}[{k!r}]")]
+                             for k, v in obj.items()]}
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return {"__bytes__": _b64(bytes(obj))}
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            return _encode_tensor(obj, path)
+    if mod == "numpy":
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            if obj.dtype == object:
+                raise ConfigError(f"cannot snapshot {path}: numpy object arrays need pickle")
+            c = np.ascontiguousarray(obj)
+            return {"__ndarray__": {"dtype": c.dtype.str, "shape": list(c.shape),
+                                    "data": _b64(c.tobytes())}}
+        if isinstance(obj, np.generic):
+            return encode(obj.item(), path)
+    raise ConfigError(
+        f"cannot snapshot {path}: values of type {type(obj).__module__}.{type(obj).__qualname__} "
+        "are not serialisable without pickle; store plain numbers/strings/lists/dicts/tensors "
+        "in state_dict(), or keep this object out of `extra`")
+
+
+def _decode_tensor(spec: dict[str, Any], path: str) -> Any:
+    import torch
+
+    try:
+        dtype = getattr(torch, spec["dtype"])
+        shape = [int(s) for s in spec["shape"]]
+        raw = base64.b64decode(spec["data"], validate=True)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptSnapshot(f"bad tensor encoding at {path}: {e}") from e
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptSnapshot(f"bad tensor dtype {spec['dtype']!r} at {path}")
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any(s < 0 for s in shape) or numel * itemsize != len(raw):
+        raise CorruptSnapshot(
+            f"tensor at {path}: shape {shape} of {spec['dtype']} needs {numel * itemsize} bytes, "
+            f"the snapshot holds {len(raw)}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+def decode(obj: Any, path: str = "state") -> Any:
+    """Inverse of :func:`encode`; raises CorruptSnapshot on malformed input."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [decode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if not isinstance(obj, dict):
+        raise CorruptSnapshot(f"unexpected JSON value of type {type(obj).__name__} at {path}")
+    tags = [t for t in _TAGS if t in obj]
+    if not tags:
+        return {k: decode(v, f"{path}.{k}") for k, v in obj.items()}
+    if len(obj) != 1:
+        raise CorruptSnapshot(f"malformed tagged value at {path}: keys {sorted(obj)}")
+    tag = tags[0]
+    val = obj[tag]
+    try:
+        if tag == "__tuple__":
+            return tuple(decode(v, f"{path}[{i}]") for i, v in enumerate(val))
+        if tag == "__dict__":
+            return {decode(k, f"{path}.<key>"): decode(v, f"{path}[{k!r}]") for k, v in val}
+        if tag == "__float__":
+            return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[val]
+        if tag == "__bytes__":
+            return base64.b64decode(val, validate=True)
+        if tag == "__tensor__":
+            return _decode_tensor(val, path)
+        import numpy as np
+
+        raw = base64.b64decode(val["data"], validate=True)
+        dt = np.dtype(val["dtype"])
+        if dt.hasobject:
+            raise CorruptSnapshot(f"object dtype at {path} refused")
+        return np.frombuffer(raw, dtype=dt).reshape([int(s) for s in val["shape"]]).copy()
+    except CorruptSnapshot:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptSnapshot(f"malformed {tag} value at {path}: {e}") from e
+
+
+def dumps(obj: Any, path: str = "state") -> str:
+    """encode() then compact JSON text (allow_nan=False: non-finite floats are tagged)."""
+    return json.dumps(encode(obj, path), separators=(",", ":"), allow_nan=False)
+
+
+def loads(text: str | bytes, path: str = "state") -> Any:
+    """JSON text then decode(); malformed input raises CorruptSnapshot."""
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CorruptSnapshot(f"{path}: not valid JSON: {e}") from e
+    return decode(raw, path)

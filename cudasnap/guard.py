@@ -1,0 +1,112 @@
+"""Wires the health monitor, signal handlers, watchdog and excepthook to a Snapshotter.
+
+Every trigger goes through one :class:`~cudasnap.triggers.Dispatcher`, whose
+:class:`~cudasnap.triggers.Policy` decides: log, flush, or flush and exit
+with a code that names the cause (see cudasnap.triggers for the exit codes).
+
+Environment (set by ``cudasnap run``, or by hand):
+  CUDASNAP_HEALTH=1        start the guard in every Snapshotter
+  CUDASNAP_WATCHDOG_S=T    hang watchdog: no boundary for T seconds -> trigger "hang"
+  CUDASNAP_POLL_S=P        NVML poll interval (default 1 s)
+  CUDASNAP_INJECT=SPEC     scripted faults instead of NVML (e.g. "xid=79@step=40")
+  CUDASNAP_POLICY=SPEC     policy overrides (e.g. "thermal=flush,sigusr1=flush_exit")
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .health import HealthMonitor, Trigger
+from .triggers import (Dispatcher, Policy, Watchdog, install_excepthook,
+                       install_signal_handlers)
+
+if TYPE_CHECKING:
+    from .snapshotter import Snapshotter
+
+log = logging.getLogger("cudasnap.guard")
+
+# Triggers after which the GPU may never finish a copy: flush what is COMPLETE now.
+_NO_WAIT = {"xid", "ecc_dbe", "ecc_uncorrected", "gpu_lost", "remap_failure", "recovery_action"}
+
+
+def _env_float(name: str) -> float | None:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+
+
+class Guard:
+    """Health monitor + signals + watchdog + excepthook for one Snapshotter."""
+
+    def __init__(self, snap: "Snapshotter", policy: Policy | None = None, inject: str | None = None,
+                 watchdog_s: float | None = None, poll_s: float | None = None,
+                 exit_fn: Any = os._exit, signals: bool = True) -> None:
+        self.snap = snap
+        self.last_step: int | None = None
+        self.dispatcher = Dispatcher(self._flush, policy=policy or Policy.from_env(),
+                                     exit_fn=exit_fn, step_fn=lambda: self.last_step)
+        poll = poll_s if poll_s is not None else (_env_float("CUDASNAP_POLL_S") or 1.0)
+        self.monitor = HealthMonitor(self.dispatcher.handle, poll_interval=poll, inject=inject)
+        wd = watchdog_s if watchdog_s is not None else _env_float("CUDASNAP_WATCHDOG_S")
+        self.watchdog = Watchdog(wd, self.dispatcher.on_hang) if wd else None
+        self._want_signals = signals
+        self._signals: Any = None
+        self._hooks: Any = None
+        self._started = False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.monitor.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
+        if self._want_signals and threading.current_thread() is threading.main_thread():
+            self._signals = install_signal_handlers(self.dispatcher.handle)
+        self._hooks = install_excepthook(self.dispatcher.handle)
+        log.info("guard on: %s; watchdog %s; policy %s", self.monitor.describe(),
+                 f"{self.watchdog.timeout_s:.1f} s" if self.watchdog else "off",
+                 self.dispatcher.policy.describe())
+
+    def on_boundary(self, step: int) -> None:
+        self.last_step = step
+        if self.watchdog is not None:
+            self.watchdog.kick(step)
+        self.monitor.notify_step(step)  # may raise InjectedFault for "exception@step=N"
+
+    def should_hang(self, step: int) -> bool:
+        """True when an injected ``hang@step=N`` asks the harness to stall here."""
+        return self.monitor.should_hang(step)
+
+    def on_exception(self, exc: BaseException | None) -> None:
+        self.dispatcher.handle(Trigger(kind="exception", detail=f"{type(exc).__name__}: {exc}"))
+
+    def trigger(self, kind: str, detail: str = "") -> str | None:
+        """Feeds a trigger through the policy (e.g. from a distributed peer monitor)."""
+        return self.dispatcher.handle(Trigger(kind=kind, detail=detail))
+
+    def _flush(self, trigger: Trigger) -> str | None:
+        wait = trigger.kind not in _NO_WAIT
+        path = self.snap.flush(wait=wait, timeout=5.0 if wait else 0.0)
+        return str(path) if path is not None else None
+
+    def history(self) -> list[Any]:
+        return list(self.dispatcher.history)
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        self.monitor.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self._signals is not None:
+            self._signals.uninstall()
+        if self._hooks is not None:
+            self._hooks.uninstall()

@@ -1,0 +1,128 @@
+"""Snapshot manifest: the tensor table and its validation.
+
+A manifest (JSON, also stored in each shared-memory slot) describes where each
+tensor's bytes lie in the snapshot's flat data area::
+
+    {"format": "cudasnap", "format_version": 1, "step": 41, "rank": 0, "world_size": 1,
+     "tensors": [{"name": "model.fc.weight", "group": "model", "dtype": "float32",
+                  "shape": [4, 8], "stride": [8, 1], "storage_offset": 0,
+                  "offset": 0, "nbytes": 128, "phase": 1}, ...],
+     "host": {...typed JSON, see cudasnap.codec...},
+     "data": {"file": "data.bin", "bytes": N, "chunk_bytes": C, "crc32c": [...]}}
+
+``validate_manifest`` checks everything a hostile or torn file could get wrong
+before a single data byte is read: types, dtypes, shape/stride/byte-count
+agreement, ranges inside the data file, a data file name that cannot escape
+the snapshot directory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import CorruptSnapshot, IncompatibleSnapshot
+
+FORMAT = "cudasnap"
+SUPPORTED_VERSIONS = (1,)
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
+    "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+_MAX_DIMS = 64
+
+
+def dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _ITEMSIZE:
+        raise IncompatibleSnapshot(f"dtype {name} is not supported in snapshots")
+    return name
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def span_bytes(shape: list[int], stride: list[int], itemsize: int) -> int:
+    """Bytes from a view's first element to one past its last."""
+    if any(s == 0 for s in shape):
+        return 0
+    return itemsize * (1 + sum((n - 1) * st for n, st in zip(shape, stride)))
+
+
+def tensor_entry(name: str, group: str, t: Any, offset: int, phase: int) -> dict[str, Any]:
+    return {"name": name, "group": group, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+            "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
+            "offset": int(offset), "nbytes": span_bytes(list(t.shape), list(t.stride()),
+                                                        t.element_size()),
+            "phase": phase}
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptSnapshot(f"{where}: {what}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_tensors(tensors: Any, data_bytes: int, where: str) -> None:
+    _need(isinstance(tensors, list), where, "'tensors' must be a list")
+    seen: set[str] = set()
+    for i, e in enumerate(tensors):
+        w = f"{where}: tensor #{i}"
+        _need(isinstance(e, dict), w, "entry is not an object")
+        name = e.get("name")
+        _need(isinstance(name, str) and 0 < len(name) < 4096 and "\x00" not in name, w,
+              "bad or missing name")
+        _need(name not in seen, w, f"duplicate tensor name {name!r}")
+        seen.add(name)
+        w = f"{where}: tensor {name!r}"
+        dt = e.get("dtype")
+        _need(isinstance(dt, str) and dt in _ITEMSIZE, w, f"unsupported dtype {dt!r}")
+        shape, stride = e.get("shape"), e.get("stride")
+        _need(isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
+              and len(shape) <= _MAX_DIMS, w, "shape/stride malformed")
+        _need(all(_is_int(s) and 0 <= s < 2**48 for s in shape + stride), w,
+              "shape/stride entries must be non-negative integers")
+        off, nbytes = e.get("offset"), e.get("nbytes")
+        _need(_is_int(off) and _is_int(nbytes) and off >= 0 and nbytes >= 0, w,
+              "offset/nbytes must be non-negative integers")
+        itemsize = _ITEMSIZE[dt]
+        _need(nbytes == span_bytes(shape, stride, itemsize), w,
+              f"nbytes {nbytes} disagrees with shape {shape}, stride {stride} of {dt}")
+        _need(off % itemsize == 0, w, f"offset {off} not aligned to {dt}")
+        _need(off + nbytes <= data_bytes, w,
+              f"bytes {off}..{off + nbytes} lie outside the data ({data_bytes} bytes)")
+        _need(e.get("phase", 1) in (0, 1), w, "phase must be 0 or 1")
+        _need(isinstance(e.get("group", ""), str), w, "group must be a string")
+
+
+def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
+    """Raises CorruptSnapshot / IncompatibleSnapshot unless ``m`` is a sound manifest."""
+    _need(isinstance(m, dict), where, "manifest is not a JSON object")
+    _need(m.get("format") == FORMAT, where, f"not a cudasnap manifest (format={m.get('format')!r})")
+    ver = m.get("format_version")
+    if ver not in SUPPORTED_VERSIONS:
+        raise IncompatibleSnapshot(
+            f"{where}: format version {ver!r}; this cudasnap reads {list(SUPPORTED_VERSIONS)}")
+    _need(_is_int(m.get("step")) and m["step"] >= 0, where, "bad step")
+    _need(isinstance(m.get("host", {}), dict), where, "'host' must be an object")
+    if need_data:
+        d = m.get("data")
+        _need(isinstance(d, dict), where, "missing 'data' section")
+        _need(d.get("file") == "data.bin", where,
+              f"data file must be 'data.bin', got {d.get('file')!r}")
+        nbytes, chunk, crcs = d.get("bytes"), d.get("chunk_bytes"), d.get("crc32c")
+        _need(_is_int(nbytes) and nbytes >= 0 and _is_int(chunk) and chunk >= 4096, where,
+              "bad data size or chunk size")
+        _need(isinstance(crcs, list) and len(crcs) == math.ceil(nbytes / chunk), where,
+              "chunk checksum list does not match the data size")
+        _need(all(_is_int(c) and 0 <= c < 2**32 for c in crcs), where, "bad checksum entries")
+        validate_tensors(m.get("tensors"), nbytes, where)
+    for key in ("rank", "world_size"):
+        if key in m:
+            _need(_is_int(m[key]) and m[key] >= 0, where, f"bad {key}")

@@ -1,0 +1,554 @@
+"""The Snapshotter: snapshot at every iteration boundary, flush just in time, restore.
+
+Typical use::
+
+    snap = cudasnap.Snapshotter(model, optimizer, directory="ckpt/", extra={"sched": sched})
+    start = snap.restore_latest()          # 0 on a fresh run
+    for step in range(start, steps):
+        loss = model(batch(step)).sum(); loss.backward()
+        optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        snap.boundary(step)                # returns at once; the copy runs in the background
+
+``boundary(step)`` captures host state, then hands a cached copy plan to the
+copy engine and returns. The next ``optimizer.step()`` (a step pre-hook) and
+the next forward of a module owning buffers (a forward pre-hook) wait for the
+running copy, so no snapshot ever mixes two steps. ``flush()`` writes the
+newest COMPLETE snapshot to disk; the health monitor and signal handlers call
+it on a bad sign.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from . import store
+from ._native import native
+from .errors import ConfigError, CorruptSnapshot, SnapshotError, StagingError
+from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
+from .state import LiveTensor, TrainingState
+
+log = logging.getLogger("cudasnap")
+
+DEFAULT_CHUNK = 4 << 20
+MIN_META = 1 << 20
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+class _Layout:
+    """Live tensors + their copy plan + the cached manifest prefix."""
+
+    def __init__(self, tensors: list[LiveTensor], plan: Any, prefix: bytes, sig: tuple[int, ...]):
+        self.tensors = tensors
+        self.plan = plan
+        self.prefix = prefix
+        self.signature = sig
+        self.objects = [lt.tensor for lt in tensors]
+        self.guard = native().LayoutGuard(self.objects)
+
+    def ptrs_changed(self) -> bool:
+        return self.guard.first_moved() >= 0
+
+    def same_objects(self, tensors: list[LiveTensor]) -> bool:
+        return len(tensors) == len(self.objects) and all(
+            a.tensor is b for a, b in zip(tensors, self.objects))
+
+
+class Snapshotter:
+    """Just-in-time snapshots of a model, its optimizer and extra host state.
+
+    Args:
+        model: a ``torch.nn.Module`` or a dict of them (names prefix tensor names).
+        optimizer: a ``torch.optim.Optimizer``, a dict of them, or None.
+        directory: where flushed snapshots go (created 0700; checked writable now);
+            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt.
+        extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
+            data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
+        num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
+        backend: "auto" (CUDA when state lives on a GPU), "cpu" or "cuda".
+        copy_threads / flush_threads: worker threads of the copy engine / flusher.
+        keep: committed snapshots kept on disk.
+        shm_dir: where the staging arena file lives (default /dev/shm).
+        job: arena name; default derived from the directory, so a restarted
+            process finds the arena its predecessor left.
+        rank / world_size: default from the RANK / WORLD_SIZE environment.
+        health: start the health monitor, signal handlers and watchdog
+            (default: on when running under ``cudasnap run`` or CUDASNAP_HEALTH=1).
+        watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None,
+                 directory: str | os.PathLike | None = None,
+                 *, extra: Mapping[str, Any] | None = None, num_slots: int = 2,
+                 backend: str = "auto", copy_threads: int | None = None,
+                 flush_threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK,
+                 keep: int = 3, shm_dir: str | os.PathLike | None = None, job: str | None = None,
+                 rank: int | None = None, world_size: int | None = None,
+                 health: bool | None = None, watchdog_s: float | None = None,
+                 policy: Any = None, inject: str | None = None) -> None:
+        if num_slots < 2:
+            raise ConfigError(f"num_slots must be >= 2, got {num_slots}")
+        if chunk_bytes < 4096 or chunk_bytes % 4096:
+            raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+        if backend not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
+        if directory is None:
+            directory = os.environ.get("CUDASNAP_DIR", "ckpt")
+        self.directory = store.check_directory(Path(directory))
+        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.state = TrainingState(model, optimizer, extra)
+        self.num_slots = num_slots
+        self.chunk_bytes = chunk_bytes
+        self.keep = keep
+        ncpu = os.cpu_count() or 2
+        # Leave a core to the training thread; copies run at lower priority anyway.
+        self.copy_threads = copy_threads or max(1, min(4, ncpu - 1))
+        self.flush_threads = flush_threads or min(8, max(2, ncpu))
+        real_dir = os.path.realpath(self.directory)
+        self.job = job or os.environ.get("CUDASNAP_JOB") or hashlib.sha1(
+            real_dir.encode()).hexdigest()[:16]
+        shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+        self.arena_path = shm / f"cudasnap-{self.job}-r{self.rank}.arena"
+        self._lock = store.DirectoryLock(self.directory, self.rank)
+        self._lock.acquire()
+        removed = store.clean_partial(self.directory)
+        if removed:
+            log.warning("removed %d interrupted flush(es): %s", len(removed),
+                        ", ".join(p.name for p in removed))
+        self._backend_name = backend
+        self._engine: Any = None
+        self._cuda: Any = None
+        self._arena: Any = None
+        self._inherited: Any = None
+        self._layout: _Layout | None = None
+        self._job: Any = None
+        self._fenced = [True, True]
+        # Re-entrant: a signal handler may flush while the main thread is in boundary().
+        self._slot_lock = threading.RLock()
+        self._flush_lock = threading.RLock()
+        self._closed = False
+        self._boundaries = 0
+        self._stats: dict[str, Any] = {
+            "snapshots": 0, "skipped": 0, "bytes": 0, "boundary_ns": [], "fence_wait_ns": 0,
+            "last_copy_seconds": None, "last_copy_gbps": None, "flushes": 0,
+            "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
+            "health_events": 0, "restore": None, "layout_rebuilds": 0}
+        self._hooks: list[Any] = []
+        self._install_fences()
+        self._open_inherited_arena()
+        self.guard: Any = None
+        if health is None:
+            health = os.environ.get("CUDASNAP_HEALTH", "") == "1"
+        if health:
+            from .guard import Guard
+
+            self.guard = Guard(self, policy=policy, inject=inject, watchdog_s=watchdog_s)
+            self.guard.start()
+
+    # ------------------------------------------------------------ fences
+    def _install_fences(self) -> None:
+        for opt in self.state.optimizers.values():
+            self._hooks.append(opt.register_step_pre_hook(lambda *_: self._fence(1)))
+            self._hooks.append(opt.register_load_state_dict_pre_hook(self._before_load))
+            self._hooks.append(opt.register_load_state_dict_post_hook(
+                lambda *_: self.invalidate_layout()))
+        for mod in self.state.models.values():
+            seen = set()
+            for sub in [mod, *[m for m in mod.modules() if any(True for _ in m.buffers(False))]]:
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    self._hooks.append(sub.register_forward_pre_hook(lambda *_: self._fence(0)))
+
+    def _before_load(self, *_: Any) -> None:
+        self._fence(1)  # never let load_state_dict race a running copy
+
+    def _fence(self, phase: int) -> None:
+        job = self._job
+        if job is None or self._fenced[phase]:
+            return
+        t0 = time.perf_counter_ns()
+        stream = self._cuda.current_stream() if self._cuda is not None else 0
+        self._engine.fence(job, phase, stream)
+        self._fenced[phase] = True
+        if phase == 1:
+            self._fenced[0] = True
+        self._stats["fence_wait_ns"] += time.perf_counter_ns() - t0
+
+    # ------------------------------------------------------------ engine
+    def _ensure_engine(self, tensors: list[LiveTensor]) -> None:
+        if self._engine is not None:
+            return
+        on_gpu = any(lt.tensor.is_cuda for lt in tensors)
+        name = self._backend_name
+        if name == "auto":
+            name = "cuda" if on_gpu else "cpu"
+        if name == "cpu" and on_gpu:
+            raise ConfigError("backend='cpu' but some state lives on a CUDA device")
+        if name == "cuda":
+            from ._cuda import CudaBackend
+
+            dev = next(lt.tensor.device for lt in tensors if lt.tensor.is_cuda)
+            self._cuda = CudaBackend(dev, crc_threads=self.copy_threads)
+            self._engine = self._cuda.engine
+        else:
+            self._engine = native().CpuCopyEngine(self.copy_threads)
+        self.backend = name
+        log.info("cudasnap: %s backend, %d copy threads, arena %s", name, self.copy_threads,
+                 self.arena_path)
+
+    def _open_inherited_arena(self) -> None:
+        if not self.arena_path.exists():
+            return
+        C = native()
+        try:
+            arena = C.Arena.open(str(self.arena_path), True)
+        except SnapshotError as e:
+            log.warning("ignoring unreadable staging arena %s: %s", self.arena_path, e)
+            self.arena_path.unlink(missing_ok=True)
+            return
+        owner = arena.owner_pid
+        if owner != os.getpid() and _pid_alive(owner):
+            raise ConfigError(f"staging arena {self.arena_path} belongs to running process {owner}")
+        self._inherited = arena
+        slot = arena.newest_complete()
+        if slot >= 0:
+            info = arena.slot_info(slot)
+            log.info("found snapshot of step %d in shared memory (%s), left by pid %d",
+                     info["step"], self.arena_path, info["writer_pid"])
+
+    def _build_layout(self) -> _Layout:
+        C = native()
+        tensors = self.state.live_tensors()
+        self._ensure_engine(tensors)
+        plan = C.build_plan([lt.tensor.data_ptr() for lt in tensors],
+                            [lt.nbytes for lt in tensors], [lt.phase for lt in tensors],
+                            [not lt.tensor.is_cuda for lt in tensors], self.chunk_bytes, 4096, 4096)
+        entries = []
+        for lt, off in zip(tensors, plan.tensor_offsets):
+            e = tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase)
+            if lt.param_index is not None:
+                e["param_index"], e["state_key"] = lt.param_index, lt.state_key
+            if lt.aliases:
+                e["aliases"] = lt.aliases
+            entries.append(e)
+        validate_tensors(entries, plan.total_bytes, "layout")
+        import json
+
+        head = {"format": FORMAT, "format_version": store.FORMAT_VERSION, "rank": self.rank,
+                "world_size": self.world_size, "job": self.job, "backend": self.backend,
+                "torch": torch.__version__}
+        prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
+                  json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
+        self._stats["layout_rebuilds"] += 1
+        if self._cuda is not None:
+            self._cuda.watch(tensors)
+        log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
+                  plan.total_bytes / 1e6)
+        return _Layout(tensors, plan, prefix, self.state.signature())
+
+    def invalidate_layout(self) -> None:
+        """Forces the copy plan to be rebuilt at the next boundary.
+
+        Needed only after replacing state tensors outside ``optimizer.step()`` /
+        ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
+        replacement is otherwise found by the full re-scan every
+        ``RESCAN_EVERY`` boundaries.
+        """
+        self._layout = None
+
+    RESCAN_EVERY = 64
+
+    def _current_layout(self) -> _Layout:
+        lay = self._layout
+        if lay is not None and lay.signature == self.state.signature() \
+                and not lay.ptrs_changed():
+            if self._boundaries % self.RESCAN_EVERY or lay.same_objects(self.state.live_tensors()):
+                return lay
+        self._layout = self._build_layout()
+        return self._layout
+
+    def _ensure_arena(self, plan: Any, meta_len: int) -> Any:
+        a = self._arena
+        need_meta = max(MIN_META, 4 * meta_len)
+        if a is not None and a.data_capacity >= plan.total_bytes and a.meta_capacity >= meta_len:
+            return a
+        inh = self._inherited
+        if a is None and inh is not None and inh.data_capacity >= plan.total_bytes \
+                and inh.meta_capacity >= need_meta and inh.chunk_bytes == self.chunk_bytes \
+                and inh.num_slots == self.num_slots:
+            self._inherited = None
+            self._arena = self._adopt(inh)
+            return self._arena
+        if a is not None:
+            log.warning("state grew to %d bytes; re-creating the staging arena", plan.total_bytes)
+            self._wait_job()
+            a.unlink()
+            self._arena = None
+        if self._inherited is not None:
+            self._inherited.unlink()
+            self._inherited = None
+        capacity = plan.total_bytes + plan.total_bytes // 64 + self.chunk_bytes
+        capacity = (capacity + 4095) // 4096 * 4096
+        t0 = time.perf_counter()
+        C = native()
+        self.arena_path.unlink(missing_ok=True)
+        arena = C.Arena.create(str(self.arena_path), self.num_slots, capacity,
+                               (need_meta + 4095) // 4096 * 4096, self.chunk_bytes, self.job, True)
+        self._arena = self._adopt(arena)
+        self._stats["arena_setup_seconds"] = time.perf_counter() - t0
+        log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
+                 self.num_slots, capacity / 1e6, self._stats["arena_setup_seconds"])
+        return self._arena
+
+    def _adopt(self, arena: Any) -> Any:
+        if self._cuda is not None:
+            return self._cuda.prepare_arena(arena, self)
+        return arena
+
+    # ---------------------------------------------------------- boundary
+    def boundary(self, step: int) -> None:
+        """Snapshot the state after ``step``'s optimizer step; returns at once."""
+        t0 = time.perf_counter_ns()
+        if self._closed:
+            raise SnapshotError("boundary() on a closed Snapshotter")
+        if self.guard is not None:
+            self.guard.on_boundary(step)
+        self._boundaries += 1
+        self._wait_job()  # a previous copy still running (no optimizer step in between)
+        lay = self._current_layout()
+        host = self.state.encode_host(step).encode()
+        meta = lay.prefix + host + b',"step":' + str(int(step)).encode() + b"}"
+        arena = self._ensure_arena(lay.plan, len(meta))
+        with self._slot_lock:
+            slot = arena.pick_write_slot()
+            if slot < 0:
+                self._stats["skipped"] += 1
+                log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
+                return
+            stream = self._cuda.current_stream() if self._cuda is not None else 0
+            try:
+                self._job = self._engine.submit(arena, slot, lay.plan, int(step), meta, stream)
+            except StagingError as e:
+                self._stats["skipped"] += 1
+                log.warning("step %d not snapshotted: %s", step, e)
+                return
+        self._fenced = [False, False]
+        self._stats["snapshots"] += 1
+        self._stats["bytes"] = lay.plan.total_bytes
+        ns = self._stats["boundary_ns"]
+        ns.append(time.perf_counter_ns() - t0)
+        if len(ns) > 4096:
+            del ns[:2048]
+
+    def _wait_job(self, timeout: float | None = None) -> bool:
+        job = self._job
+        if job is None:
+            return True
+        t0 = time.perf_counter_ns()
+        try:
+            ok = job.wait(1, -1.0 if timeout is None else timeout)
+        except SnapshotError as e:
+            log.error("snapshot of step %d failed: %s", job.step, e)
+            self._job = None
+            return True
+        self._stats["fence_wait_ns"] += time.perf_counter_ns() - t0
+        if ok:
+            secs = job.seconds_to_complete
+            self._stats["last_copy_seconds"] = secs
+            if secs and secs > 0:
+                self._stats["last_copy_gbps"] = job.bytes / secs / 1e9
+            self._fenced = [True, True]
+            self._job = None
+        return ok
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the running snapshot is COMPLETE (True) or the timeout passes."""
+        return self._wait_job(timeout)
+
+    # -------------------------------------------------------------- flush
+    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | None:
+        """Writes the newest COMPLETE snapshot to disk now; returns its directory.
+
+        With ``wait`` the running copy (if any) is given ``timeout`` seconds to
+        complete first, so the flushed step is the newest one. Returns None when
+        no snapshot exists yet.
+        """
+        with self._flush_lock:
+            if wait:
+                self._wait_job(timeout)
+            arena = self._arena or self._inherited
+            if arena is None:
+                log.warning("flush requested before the first snapshot: nothing to write")
+                return None
+            with self._slot_lock:
+                slot = arena.newest_complete()
+                if slot < 0:
+                    log.warning("flush requested but no COMPLETE snapshot exists yet")
+                    return None
+                arena.lease(slot)
+            try:
+                path, st = store.write_slot(arena, slot, self.directory,
+                                            threads=self.flush_threads, keep=self.keep)
+            finally:
+                arena.release(slot)
+            self._stats["flushes"] += 1
+            self._stats["last_flush_seconds"] = st["seconds"]
+            self._stats["last_flush_path"] = str(path)
+            return path
+
+    # ------------------------------------------------------------ restore
+    def restore_latest(self) -> int:
+        """Loads the newest snapshot that verifies; returns the step to resume at (0 if none).
+
+        Sources, newest step first: this node's shared-memory slot (fastest),
+        then committed snapshots on disk. A corrupt or torn candidate is skipped
+        with a warning naming it; a snapshot that does not fit the live
+        model/optimizer raises IncompatibleSnapshot.
+        """
+        self._wait_job()
+        t0 = time.perf_counter()
+        candidates: list[tuple[int, int, str, Any]] = []
+        arena = self._arena or self._inherited
+        if arena is not None:
+            slot = arena.newest_complete()
+            if slot >= 0:
+                candidates.append((arena.slot_info(slot)["step"], 1, "shm", slot))
+        for s in store.list_snapshots(self.directory):
+            candidates.append((s.step, 0, "disk", s))
+        candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+        for step, _, source, ref in candidates:
+            try:
+                if source == "shm":
+                    where = f"{arena.path} slot {ref}"
+                    got = self._restore_from_slot(arena, ref, where)
+                else:
+                    where = str(ref.path)
+                    got = self._restore_from_dir(ref.path)
+            except CorruptSnapshot as e:
+                log.warning("skipping snapshot %s: %s", where, e)
+                continue
+            secs = time.perf_counter() - t0
+            self._stats["restore"] = {"source": source, "step": got, "seconds": secs,
+                                      "where": where}
+            log.info("restored step %d from %s (%s) in %.3f s", got, source, where, secs)
+            self._layout = None
+            return got + 1
+        self._stats["restore"] = {"source": None, "step": None, "seconds": 0.0, "where": None}
+        return 0
+
+    def _restore_from_dir(self, path: Path) -> int:
+        manifest = store.load_manifest(path / store.MANIFEST)
+        data = store.read_data(path, manifest, self.flush_threads)
+        return self.state.apply(manifest["tensors"], manifest["host"], data, str(path))
+
+    def _restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
+        import json
+
+        info = arena.slot_info(slot)
+        meta = json.loads(arena.read_meta(slot))
+        meta["data"] = {"file": "data.bin", "bytes": info["data_bytes"],
+                        "chunk_bytes": arena.chunk_bytes, "crc32c": arena.read_table(slot)}
+        validate_manifest(meta, where)
+        C = native()
+        bad = C.verify_buffer(arena.data_ptr(slot), info["data_bytes"], arena.chunk_bytes,
+                              meta["data"]["crc32c"], self.flush_threads)
+        if bad >= 0:
+            raise CorruptSnapshot(f"{where}: chunk {bad} fails its CRC32C")
+        arena.lease(slot)
+        try:
+            data = torch.frombuffer(arena.data_view(slot, info["data_bytes"]), dtype=torch.uint8) \
+                if info["data_bytes"] else torch.empty(0, dtype=torch.uint8)
+            return self.state.apply(meta["tensors"], meta["host"], data, where)
+        finally:
+            arena.release(slot)
+
+    def rollback(self) -> int:
+        """In-process rollback: copy the newest COMPLETE slot back into the live tensors.
+
+        For a fault the process survives (a NaN loss, a peer failure): training
+        continues at the returned step (snapshot step + 1).
+        """
+        self._wait_job()
+        arena = self._arena
+        if arena is None or arena.newest_complete() < 0:
+            raise SnapshotError("rollback(): no COMPLETE snapshot in memory yet")
+        slot = arena.newest_complete()
+        step = self._restore_from_slot(arena, slot, f"{arena.path} slot {slot}")
+        return step + 1
+
+    # -------------------------------------------------------------- misc
+    def stats(self) -> dict[str, Any]:
+        """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
+        s = dict(self._stats)
+        ns = sorted(s.pop("boundary_ns"))
+        s["boundary_us_median"] = ns[len(ns) // 2] / 1e3 if ns else None
+        s["fence_wait_s"] = s.pop("fence_wait_ns") / 1e9
+        s["backend"] = getattr(self, "backend", None)
+        if self.guard is not None:
+            s["health_events"] = len(self.guard.history())
+        return s
+
+    def coverage(self) -> dict[str, Any]:
+        """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
+        if self._cuda is None:
+            raise SnapshotError("coverage() needs the CUDA backend (state on a GPU)")
+        lay = self._current_layout()
+        return self._cuda.coverage(lay.tensors)
+
+    def close(self, keep_arena: bool = False) -> None:
+        """Waits for the running copy, stops threads and hooks, removes the arena."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait_job(60.0)
+        finally:
+            if self.guard is not None:
+                self.guard.stop()
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if self._engine is not None:
+                self._engine.shutdown()
+            for a in (self._arena, self._inherited):
+                if a is not None and not keep_arena:
+                    a.unlink()
+            self._arena = self._inherited = None
+            self._lock.release()
+
+    def __enter__(self) -> "Snapshotter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and self.guard is not None:
+            self.guard.on_exception(exc)
+        # Keep the arena after a failure: the supervisor or the next process uses it.
+        self.close(keep_arena=exc_type is not None)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

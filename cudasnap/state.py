@@ -1,0 +1,291 @@
+"""What a snapshot holds, and how it is put back.
+
+``TrainingState`` collects the live tensors of the registered modules and
+optimizers (by name, without copying), captures the host-side state at each
+boundary (RNG states, optimizer hyper-parameters, ``extra`` objects) as typed
+JSON, and applies a snapshot back: by name into freshly built objects
+(new process) or byte-for-byte into the same live tensors (rollback).
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from . import codec
+from .errors import ConfigError, IncompatibleSnapshot
+from .manifest import dtype_name, span_bytes, torch_dtype
+
+log = logging.getLogger("cudasnap.state")
+
+
+@dataclass
+class LiveTensor:
+    name: str
+    group: str  # "model:<key>" or "optim:<key>"
+    tensor: torch.Tensor
+    phase: int  # 0: module buffer (fenced at forward), 1: parameter / optimizer state
+    param_index: int | None = None  # optimizer state: index in the optimizer's param order
+    state_key: str | None = None
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        t = self.tensor
+        return span_bytes(list(t.shape), list(t.stride()), t.element_size())
+
+
+def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if isinstance(obj, kind):
+        return {default_key: obj}
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str) or not isinstance(v, kind):
+                raise ConfigError(f"{what}[{k!r}] must be a {kind.__name__}, got {type(v).__name__}")
+        return dict(obj)
+    raise ConfigError(f"{what} must be a {kind.__name__} or a dict of them, got {type(obj).__name__}")
+
+
+def _expand_params(group: dict[str, Any]) -> dict[str, Any]:
+    g = dict(group)
+    first, count = g["params"]
+    g["params"] = list(range(int(first), int(first) + int(count)))
+    return g
+
+
+def _param_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+class TrainingState:
+    """The registered objects of one Snapshotter."""
+
+    def __init__(self, model: Any, optimizer: Any = None, extra: Mapping[str, Any] | None = None):
+        self.models = _as_mapping(model, "model", torch.nn.Module, "model")
+        if not self.models:
+            raise ConfigError("Snapshotter needs a torch.nn.Module (or a dict of them) as model")
+        self.optimizers = _as_mapping(optimizer, "optim", torch.optim.Optimizer, "optimizer")
+        self.extra: dict[str, Any] = {}
+        for key, obj in (extra or {}).items():
+            if not isinstance(key, str):
+                raise ConfigError(f"extra keys must be strings, got {key!r}")
+            if isinstance(obj, torch.Generator):
+                self.extra[key] = obj
+            elif callable(getattr(obj, "state_dict", None)) and callable(
+                    getattr(obj, "load_state_dict", None)):
+                self.extra[key] = obj
+            else:
+                raise ConfigError(
+                    f"extra[{key!r}] ({type(obj).__name__}) needs state_dict()/load_state_dict() "
+                    "or must be a torch.Generator")
+        self._scalar_keys: dict[str, list[tuple[int, str]]] = {}
+
+    # ----------------------------------------------------------- layout
+    def signature(self) -> tuple[int, ...]:
+        """Cheap fingerprint of the optimizer state's shape (changes on lazy init)."""
+        # O(1): new per-parameter state appears as a new key of opt.state; keys
+        # added inside an existing entry are found by the periodic re-scan.
+        return tuple(len(opt.state) for opt in self.optimizers.values())
+
+    def live_tensors(self) -> list[LiveTensor]:
+        out: list[LiveTensor] = []
+        by_id: dict[int, LiveTensor] = {}
+        for mkey, mod in self.models.items():
+            buffers = {id(b) for b in mod.buffers()}
+            for name, t in mod.state_dict(keep_vars=True).items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                full = f"{mkey}.{name}"
+                if id(t) in by_id:  # tied weights: one copy, two names
+                    by_id[id(t)].aliases.append(full)
+                    continue
+                # Keep the Parameter object itself: `p.data = x` then shows as a moved pointer.
+                lt = LiveTensor(full, f"model:{mkey}", t, 0 if id(t) in buffers else 1)
+                by_id[id(t)] = lt
+                out.append(lt)
+        for okey, opt in self.optimizers.items():
+            scalars: list[tuple[int, str]] = []
+            for idx, p in enumerate(_param_order(opt)):
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(LiveTensor(f"{okey}.state.{idx}.{k}", f"optim:{okey}",
+                                              v, 1, idx, str(k)))
+                    else:
+                        scalars.append((idx, k))
+            self._scalar_keys[okey] = scalars
+        for lt in out:
+            t = lt.tensor
+            if t.layout != torch.strided or t.is_sparse:
+                raise ConfigError(f"{lt.name}: only dense strided tensors can be snapshotted")
+            dtype_name(t.dtype)
+        return out
+
+    # ------------------------------------------------------- host state
+    def capture_host(self, step: int) -> dict[str, Any]:
+        """Host-side state at a boundary, as codec-ready Python values."""
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                               "numpy": np.random.get_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        optim: dict[str, Any] = {}
+        for okey, opt in self.optimizers.items():
+            groups = []
+            idx = 0
+            for g in opt.param_groups:
+                n = len(g["params"])
+                d = {k: v for k, v in g.items() if k != "params"}
+                d["params"] = [idx, n]  # first index, count (expanded at restore)
+                idx += n
+                groups.append(d)
+            params = _param_order(opt)
+            scalars = [[i, k, opt.state[params[i]][k]] for i, k in self._scalar_keys.get(okey, [])
+                       if params[i] in opt.state and k in opt.state[params[i]]]
+            optim[okey] = {"param_groups": groups, "scalars": scalars}
+        extra: dict[str, Any] = {}
+        for key, obj in self.extra.items():
+            if isinstance(obj, torch.Generator):
+                extra[key] = {"kind": "generator", "state": obj.get_state()}
+            else:
+                extra[key] = {"kind": "state_dict", "state": obj.state_dict()}
+        return {"step": step, "rng": rng, "optim": optim, "extra": extra}
+
+    def encode_host(self, step: int) -> str:
+        return codec.dumps(self.capture_host(step), "host")
+
+    # ------------------------------------------------------------ apply
+    def check_compatible(self, tensors: list[dict[str, Any]], where: str) -> None:
+        """Raises IncompatibleSnapshot naming the first model tensor that differs."""
+        live = {lt.name: lt for lt in self.live_tensors() if lt.group.startswith("model:")}
+        for lt in list(live.values()):
+            for a in lt.aliases:
+                live[a] = lt
+        snap = {e["name"]: e for e in tensors if e.get("group", "").startswith("model:")}
+        for name, e in snap.items():
+            lt = live.get(name)
+            if lt is None:
+                raise IncompatibleSnapshot(
+                    f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
+            t = lt.tensor
+            if list(t.shape) != e["shape"]:
+                raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
+                                           f"snapshot, {list(t.shape)} in the live model")
+            if dtype_name(t.dtype) != e["dtype"]:
+                raise IncompatibleSnapshot(f"{where}: {name!r} has dtype {e['dtype']} in the "
+                                           f"snapshot, {dtype_name(t.dtype)} in the live model")
+        names = {lt.name for lt in live.values()}
+        missing = sorted(names - set(snap) - {a for lt in live.values() for a in lt.aliases})
+        if missing:
+            raise IncompatibleSnapshot(
+                f"{where}: live model tensor {missing[0]!r} is missing from the snapshot")
+        for okey in self.optimizers:
+            if f"optim:{okey}" not in {e.get("group") for e in tensors} and any(
+                    e.get("group", "").startswith("optim:") for e in tensors):
+                raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
+
+    def apply(self, tensors: list[dict[str, Any]], host: dict[str, Any], data: torch.Tensor,
+              where: str) -> int:
+        """Copies a snapshot into the live objects; returns its step."""
+        self.check_compatible(tensors, where)
+        live = {lt.name: lt for lt in self.live_tensors()}
+        for lt in list(live.values()):
+            for a in lt.aliases:
+                live[a] = lt
+
+        def view(e: dict[str, Any]) -> torch.Tensor:
+            off, n = e["offset"], e["nbytes"]
+            dt = torch_dtype(e["dtype"])
+            flat = data[off:off + n].view(dt) if n else torch.empty(0, dtype=dt)
+            return flat.as_strided(e["shape"], e["stride"]) if n else flat.reshape(e["shape"])
+
+        with torch.no_grad():
+            for e in tensors:
+                if e["group"].startswith("model:"):
+                    live[e["name"]].tensor.copy_(view(e))
+        hd = codec.decode(host, "host")
+        for okey, opt in self.optimizers.items():
+            self._apply_optimizer(okey, opt, [e for e in tensors if e["group"] == f"optim:{okey}"],
+                                  hd.get("optim", {}).get(okey), view, where)
+        for key, obj in self.extra.items():
+            ent = hd.get("extra", {}).get(key)
+            if ent is None:
+                raise IncompatibleSnapshot(f"{where}: no state for extra[{key!r}]")
+            if isinstance(obj, torch.Generator):
+                obj.set_state(ent["state"])
+            else:
+                obj.load_state_dict(ent["state"])
+        self._apply_rng(hd.get("rng", {}))
+        return int(hd.get("step", -1))
+
+    def _apply_optimizer(self, okey: str, opt: torch.optim.Optimizer,
+                         entries: list[dict[str, Any]], host: dict[str, Any] | None,
+                         view: Any, where: str) -> None:
+        if host is None:
+            raise IncompatibleSnapshot(f"{where}: no host state for optimizer {okey!r}")
+        params = _param_order(opt)
+        state: dict[int, dict[str, Any]] = {}
+        for e in entries:
+            idx, key = e.get("param_index"), e.get("state_key")
+            if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
+                raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
+                                           f"parameter {idx!r}; the optimizer has {len(params)}")
+            state.setdefault(idx, {})[key] = view(e)
+        for idx, key, value in host.get("scalars", []):
+            state.setdefault(int(idx), {})[key] = value
+        # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.
+        in_place = all(
+            params[i] in opt.state and set(opt.state[params[i]]) == set(s) and all(
+                not isinstance(v, torch.Tensor) or (
+                    isinstance(opt.state[params[i]][k], torch.Tensor)
+                    and opt.state[params[i]][k].shape == v.shape
+                    and opt.state[params[i]][k].dtype == v.dtype)
+                for k, v in s.items())
+            for i, s in state.items()) and len(opt.state) == len(state)
+        if in_place:
+            with torch.no_grad():
+                for i, s in state.items():
+                    for k, v in s.items():
+                        if isinstance(v, torch.Tensor):
+                            opt.state[params[i]][k].copy_(v)
+                        else:
+                            opt.state[params[i]][k] = v
+            groups = host["param_groups"]
+            if len(groups) != len(opt.param_groups):
+                raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} has {len(opt.param_groups)}"
+                                           f" param groups, the snapshot {len(groups)}")
+            for g, saved in zip(opt.param_groups, groups):
+                for k, v in saved.items():
+                    if k != "params":
+                        g[k] = v
+            return
+        groups = [_expand_params(g) for g in host["param_groups"]]
+        sd_state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                    for i, s in state.items()}
+        try:
+            opt.load_state_dict({"state": sd_state, "param_groups": groups})
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
+
+    @staticmethod
+    def _apply_rng(rng: dict[str, Any]) -> None:
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            states = rng["cuda"]
+            if len(states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(states)
+            else:
+                log.warning("snapshot holds %d CUDA RNG states, this process sees %d devices; "
+                            "CUDA RNG not restored", len(states), torch.cuda.device_count())

@@ -1,0 +1,305 @@
+"""On-disk snapshot store: durable, atomic, checksummed, no pickle.
+
+Layout of a snapshot directory ``DIR``::
+
+    DIR/.lock                     owner pid/host of the job writing here (flock)
+    DIR/latest                    text: name of the newest committed step directory
+    DIR/step-00000041/            one committed snapshot (a rename made it visible)
+        manifest.json             JSON: format, step, rank, tensors, host state, chunk CRCs
+        data.bin                  raw bytes, CRC32C per chunk listed in the manifest
+    DIR/step-00000042.tmp-<pid>/  a flush in progress (never loaded, removed on start)
+
+Commit protocol (``write_slot``): write data and manifest into the ``.tmp``
+directory, fsync both and the directory, rename it to ``step-N``, fsync
+``DIR``, then replace ``latest`` atomically (write, fsync, rename, fsync).
+A crash at any moment leaves the previous snapshot loadable.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._native import native
+from .errors import ConfigError, CorruptSnapshot, FlushError, IncompatibleSnapshot, SnapshotError
+
+log = logging.getLogger("cudasnap.store")
+
+FORMAT = "cudasnap"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DATA = "data.bin"
+LATEST = "latest"
+MAX_MANIFEST_BYTES = 256 << 20
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass
+class StoredSnapshot:
+    """A committed snapshot directory found on disk."""
+
+    step: int
+    path: Path
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST
+
+
+def check_directory(directory: Path) -> Path:
+    """Creates ``directory`` (0700) if needed and proves it is writable now."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = directory / f".probe-{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, b"ok")
+        os.fsync(fd)
+        os.close(fd)
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"snapshot directory {directory} is not writable: {e}") from e
+    return directory
+
+
+class DirectoryLock:
+    """Exclusive lock of a snapshot directory: one job per directory.
+
+    The lock file holds the owner's pid and host. flock() is released by the
+    kernel when the owner dies, so a stale lock is taken over (with a warning
+    naming the dead owner) without any pid guessing.
+    """
+
+    def __init__(self, directory: Path, rank: int = 0) -> None:
+        self.path = Path(directory) / (".lock" if rank == 0 else f".lock-rank{rank}")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise ConfigError(
+                f"snapshot directory {self.path.parent} is in use by another job ({owner}); "
+                "use another directory or stop that job") from None
+        previous = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        if previous:
+            log.warning("taking over stale lock %s left by %s", self.path, previous)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _write_file_durable(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_latest(directory: Path, name: str) -> None:
+    tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
+    if tmp.exists():
+        tmp.unlink()
+    _write_file_durable(tmp, (name + "\n").encode())
+    os.replace(tmp, directory / LATEST)
+    native().fsync_dir(str(directory))
+
+
+def clean_partial(directory: Path) -> list[Path]:
+    """Removes ``.tmp`` directories of interrupted flushes; returns what it removed."""
+    removed = []
+    for p in Path(directory).glob("step-*.tmp*"):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def list_snapshots(directory: Path) -> list[StoredSnapshot]:
+    """Committed snapshot directories, newest first (no validation)."""
+    out = []
+    d = Path(directory)
+    if not d.is_dir():
+        return out
+    for p in d.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and not p.is_symlink():
+            out.append(StoredSnapshot(int(m.group(1)), p))
+    out.sort(key=lambda s: s.step, reverse=True)
+    return out
+
+
+def read_latest(directory: Path) -> str | None:
+    try:
+        name = (Path(directory) / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return name if _STEP_RE.match(name) else None
+
+
+def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
+               io_bytes: int = 16 << 20, keep: int = 3, extra_manifest: dict[str, Any] | None = None,
+               subdir: str | None = None, update_latest: bool = True) -> tuple[Path, dict[str, Any]]:
+    """Flushes a leased COMPLETE arena slot to ``directory``; returns (path, stats)."""
+    C = native()
+    t0 = time.perf_counter()
+    info = arena.slot_info(slot)
+    if not info["valid"]:
+        raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
+    meta = json.loads(arena.read_meta(slot))
+    step = int(info["step"])
+    directory = Path(directory)
+    final = directory / step_dirname(step)
+    target = final / subdir if subdir else final
+    if (target / MANIFEST).exists():
+        log.info("step %d already on disk at %s", step, target)
+        return target, {"bytes": 0, "seconds": 0.0, "skipped": True}
+    tmp = directory / f"{step_dirname(step)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp_target = tmp / subdir if subdir else tmp
+    try:
+        tmp_target.mkdir(mode=0o700, parents=True)
+        st = C.write_slot_file(arena, slot, str(tmp_target / DATA), threads, io_bytes, True)
+        manifest = dict(meta)
+        manifest.update({
+            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+            "created_unix": time.time(), "slot_seq": int(info["seq"]),
+            "data": {"file": DATA, "bytes": int(info["data_bytes"]),
+                     "chunk_bytes": int(arena.chunk_bytes), "crc32c": st["crc32c"]},
+        })
+        if extra_manifest:
+            manifest.update(extra_manifest)
+        body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+        _write_file_durable(tmp_target / MANIFEST, body)
+        C.fsync_dir(str(tmp_target))
+        if subdir:
+            C.fsync_dir(str(tmp))
+        if subdir and final.exists():
+            # Another rank's files for this step already committed the directory.
+            os.rename(tmp_target, target)
+            shutil.rmtree(tmp, ignore_errors=True)
+            C.fsync_dir(str(final))
+        else:
+            os.rename(tmp, final)
+        C.fsync_dir(str(directory))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FlushError(f"flush of step {step} to {directory} failed: {e}") from e
+    except SnapshotError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if update_latest:
+        _replace_latest(directory, final.name)
+        prune(directory, keep)
+    elapsed = time.perf_counter() - t0
+    stats = {"bytes": st["bytes"], "seconds": elapsed, "write_seconds": st["seconds"],
+             "fsync_seconds": st["fsync_seconds"], "step": step}
+    log.info("flushed step %d: %.1f MB in %.3f s (%.2f GB/s) to %s", step, st["bytes"] / 1e6,
+             elapsed, st["bytes"] / max(elapsed, 1e-9) / 1e9, target)
+    _append_flush_log(directory, {**stats, "pid": os.getpid(), "time": time.time(),
+                                  "path": str(target)})
+    return target, stats
+
+
+FLUSH_LOG = "flush-log.jsonl"
+
+
+def _append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
+    """One JSON line per flush (step, bytes, seconds, pid): for operators and the demo."""
+    try:
+        fd = os.open(Path(directory) / FLUSH_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("could not append to the flush log in %s: %s", directory, e)
+
+
+def read_flush_log(directory: Path) -> list[dict[str, Any]]:
+    try:
+        lines = (Path(directory) / FLUSH_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Keeps the newest ``keep`` committed snapshots and the one ``latest`` names."""
+    if keep <= 0:
+        return
+    latest = read_latest(directory)
+    for s in list_snapshots(directory)[keep:]:
+        if s.path.name != latest:
+            shutil.rmtree(s.path, ignore_errors=True)
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    """Reads and validates one manifest; raises CorruptSnapshot / IncompatibleSnapshot."""
+    from .manifest import validate_manifest
+
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptSnapshot(f"{path} is {size} bytes, larger than any manifest")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CorruptSnapshot(f"cannot read {path}: {e}") from e
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptSnapshot(f"{path} is not valid JSON: {e}") from e
+    validate_manifest(manifest, str(path))
+    return manifest
+
+
+def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4) -> Any:
+    """Reads data.bin into a new uint8 tensor, every chunk CRC32C-verified."""
+    import torch
+
+    data = manifest["data"]
+    path = Path(snapshot_dir) / data["file"]
+    nbytes = int(data["bytes"])
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    native().read_file_verified(str(path), buf.data_ptr(), nbytes, int(data["chunk_bytes"]),
+                                [int(c) for c in data["crc32c"]], threads)
+    return buf
+
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "StoredSnapshot", "DirectoryLock", "check_directory",
+    "clean_partial", "list_snapshots", "read_latest", "write_slot", "prune", "load_manifest",
+    "read_data", "step_dirname", "IncompatibleSnapshot",
+]

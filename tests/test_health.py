@@ -1,0 +1,466 @@
+"""Tests for cudasnap.health / cudasnap._nvml (no GPU needed: NVML is faked where used)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cudasnap import _nvml, health
+from cudasnap.health import (HealthMonitor, InjectedFault, InjectedSource, NvmlSource, Trigger,
+                             classify_xid, parse_inject)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Collector:
+    """Thread-safe trigger sink with a wait helper."""
+
+    def __init__(self) -> None:
+        self.items: list[Trigger] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, trig: Trigger) -> None:
+        with self.cond:
+            self.items.append(trig)
+            self.cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 3.0) -> list[Trigger]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while len(self.items) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"expected {n} triggers, got {self.items}")
+                self.cond.wait(left)
+            return list(self.items)
+
+    def kinds(self) -> list[str]:
+        with self.cond:
+            return [t.kind for t in self.items]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDASNAP_INJECT", raising=False)
+    monkeypatch.delenv("CUDASNAP_POLICY", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(_nvml, "_warned_unavailable", False)
+
+
+# ----------------------------------------------------------------------------- Xid / Trigger
+
+@pytest.mark.parametrize("code,cls", [
+    (48, "fatal"), (63, "fatal"), (64, "fatal"), (74, "fatal"), (79, "fatal"), (92, "fatal"), (94, "fatal"),
+    (95, "fatal"), (119, "fatal"), (120, "fatal"), (140, "fatal"),
+    (13, "application"), (31, "application"), (43, "application"), (45, "application"), (68, "application"),
+    (8, "other"), (61, "other"), (62, "other"), (0, "other"), (999, "other"),
+])
+def test_classify_xid(code: int, cls: str) -> None:
+    assert classify_xid(code) == cls
+    assert Trigger(kind="xid", code=code).xid_class == cls
+
+
+def test_trigger_validates_kind_and_is_frozen() -> None:
+    with pytest.raises(ValueError, match="unknown trigger kind 'bogus'"):
+        Trigger(kind="bogus")
+    t = Trigger(kind="ecc_dbe", device=1)
+    assert t.xid_class is None and abs(t.time - time.time()) < 5
+    with pytest.raises(Exception):
+        t.kind = "xid"  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- real NVML (no driver here)
+
+def _real_nvml_works() -> bool:
+    return _nvml.init() is None and (_nvml.shutdown() or True)
+
+
+def test_nvml_unavailable_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    if _real_nvml_works():
+        pytest.skip("a real NVML driver is present")
+    caplog.set_level(logging.DEBUG, logger="cudasnap.health")
+    a = NvmlSource(lambda t: None)
+    b = NvmlSource(lambda t: None)
+    assert not a.available and not b.available
+    lines = [r for r in caplog.records if r.levelno == logging.WARNING and "NVML unavailable" in r.getMessage()]
+    assert len(lines) == 1
+    msg = lines[0].getMessage()
+    assert "GPU health triggers disabled, signal/watchdog/exception triggers remain active" in msg
+    assert "LibraryNotFound" in msg or "not installed" in msg
+    mon = HealthMonitor(lambda t: None)
+    assert not mon.available and not mon.injected
+    mon.start()
+    mon.notify_step(1)
+    assert mon.should_hang(1) is False
+    assert mon.describe().startswith("NVML unavailable")
+    mon.stop()
+    mon.stop()  # idempotent
+    with pytest.raises(RuntimeError, match="NVML unavailable"):
+        health.read_gpu_status()
+
+
+# ----------------------------------------------------------------------------- fake NVML
+
+def make_fake_nvml(n_gpus: int = 2) -> types.ModuleType:
+    m = types.ModuleType("fake_pynvml")
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(value)
+            self.value = value
+
+    def sub(name: str, value: int) -> type:
+        cls = type(name, (NVMLError,), {"__init__": lambda self, *a: NVMLError.__init__(self, value)})
+        setattr(m, name, cls)
+        return cls
+
+    m.NVMLError = NVMLError
+    m.NVML_SUCCESS = 0
+    m.NVML_ERROR_NOT_SUPPORTED, m.NVML_ERROR_TIMEOUT, m.NVML_ERROR_GPU_IS_LOST = 3, 10, 15
+    m.NVML_ERROR_LIBRARY_NOT_FOUND = 12
+    NotSupported = sub("NVMLError_NotSupported", 3)
+    Timeout = sub("NVMLError_Timeout", 10)
+    GpuIsLost = sub("NVMLError_GpuIsLost", 15)
+    m.LibNotFound = sub("NVMLError_LibraryNotFound", 12)
+    m.nvmlEventTypeDoubleBitEccError, m.nvmlEventTypeXidCriticalError = 0x2, 0x8
+    m.nvmlEventTypeGpuUnavailableError = 0x4000
+    m.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, m.NVML_VOLATILE_ECC, m.NVML_TEMPERATURE_GPU = 1, 0, 0
+    m.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+    m.nvmlClocksEventReasonGpuIdle, m.nvmlClocksEventReasonSwPowerCap = 0x1, 0x4
+    m.nvmlClocksEventReasonHwSlowdown, m.nvmlClocksEventReasonSwThermalSlowdown = 0x8, 0x20
+    m.nvmlClocksEventReasonHwThermalSlowdown, m.nvmlClocksEventReasonHwPowerBrakeSlowdown = 0x40, 0x80
+
+    handles = [f"gpu-handle-{i}" for i in range(n_gpus)]
+    m.handles = handles
+    m.state = {"ecc": {h: 5 for h in handles}, "remap": {h: (0, 0, 0, 0) for h in handles},
+               "recovery": {h: 0 for h in handles}, "clocks": {h: 0 for h in handles},
+               "lost": set(), "events": [], "calls": [], "unlocked_calls": [], "init_fail": False,
+               "registered": [], "no_recovery": {handles[-1]}, "no_unavailable_event": {handles[-1]}}
+    st = m.state
+
+    def api(fn: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            st["calls"].append((fn.__name__, args))
+            if not _nvml.LOCK._is_owned():  # every NVML call must hold the module lock
+                st["unlocked_calls"].append(fn.__name__)
+            if args and args[0] in st["lost"]:
+                raise GpuIsLost()
+            return fn(*args)
+        wrapper.__name__ = fn.__name__
+        setattr(m, fn.__name__, wrapper)
+        return wrapper
+
+    @api
+    def nvmlInit() -> None:
+        if st["init_fail"]:
+            raise m.LibNotFound()
+
+    @api
+    def nvmlShutdown() -> None: ...
+
+    @api
+    def nvmlDeviceGetCount() -> int:
+        return n_gpus
+
+    @api
+    def nvmlDeviceGetHandleByIndex(i: int) -> str:
+        return handles[i]
+
+    @api
+    def nvmlDeviceGetName(h: str) -> bytes:
+        return b"Fake H200"
+
+    @api
+    def nvmlDeviceGetTemperature(h: str, sensor: int) -> int:
+        return 41
+
+    @api
+    def nvmlEventSetCreate() -> str:
+        return "event-set"
+
+    @api
+    def nvmlEventSetFree(s: str) -> None: ...
+
+    @api
+    def nvmlDeviceRegisterEvents(h: str, types_: int, s: str) -> None:
+        if types_ == m.nvmlEventTypeGpuUnavailableError and h in st["no_unavailable_event"]:
+            raise NotSupported()
+        st["registered"].append((h, types_))
+
+    @api
+    def nvmlEventSetWait_v2(s: str, timeout_ms: int) -> Any:
+        if st["events"]:
+            return st["events"].pop(0)
+        time.sleep(0.002)
+        raise Timeout()
+
+    @api
+    def nvmlDeviceGetTotalEccErrors(h: str, etype: int, counter: int) -> int:
+        assert (etype, counter) == (1, 0)
+        return st["ecc"][h]
+
+    @api
+    def nvmlDeviceGetRemappedRows(h: str) -> tuple[int, int, int, int]:
+        return st["remap"][h]
+
+    @api
+    def nvmlDeviceGetFieldValues(h: str, ids: list[int]) -> list[Any]:
+        assert ids == [230]
+        ret = 3 if h in st["no_recovery"] else 0
+        return [types.SimpleNamespace(fieldId=230, valueType=1, nvmlReturn=ret,
+                                      value=types.SimpleNamespace(uiVal=st["recovery"][h]))]
+
+    @api
+    def nvmlDeviceGetCurrentClocksEventReasons(h: str) -> int:
+        return st["clocks"][h]
+
+    def event(handle: str, etype: int, data: int = 0) -> None:
+        st["events"].append(types.SimpleNamespace(device=handle, eventType=etype, eventData=data))
+
+    m.event = event
+    return m
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    mod = make_fake_nvml()
+    monkeypatch.setattr(_nvml, "pynvml", mod)
+    return mod
+
+
+def test_fake_init_failure_is_unavailable(fake: types.ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+    fake.state["init_fail"] = True
+    caplog.set_level(logging.WARNING, logger="cudasnap.health")
+    src = NvmlSource(lambda t: None)
+    NvmlSource(lambda t: None)
+    assert not src.available and "LibraryNotFound" in (src.reason or "")
+    assert sum("NVML unavailable" in r.getMessage() for r in caplog.records) == 1
+    src.start()  # no-op
+    src.stop()
+
+
+def test_nvml_source_turns_nvml_faults_into_triggers(fake: types.ModuleType) -> None:
+    got = Collector()
+    st = fake.state
+    st["ecc"][fake.handles[1]] = 7                       # pre-existing errors: baseline, not a trigger
+    src = NvmlSource(got, poll_interval=3600)            # poll thread idle; we call poll_once() ourselves
+    assert src.available
+    src.start()
+    try:
+        src.notify_step(40)
+        assert "XidCriticalError" in src.describe()
+        # GpuUnavailable registration NotSupported on GPU 1 was skipped, the rest registered.
+        assert (fake.handles[1], 0x4000) not in st["registered"]
+        assert (fake.handles[0], 0x4000) in st["registered"] and (fake.handles[1], 0x8) in st["registered"]
+
+        fake.event(fake.handles[0], fake.nvmlEventTypeXidCriticalError, 79)
+        fake.event(fake.handles[1], fake.nvmlEventTypeDoubleBitEccError)
+        trig = got.wait_for(2)
+        assert (trig[0].kind, trig[0].device, trig[0].code, trig[0].xid_class, trig[0].step) == \
+            ("xid", 0, 79, "fatal", 40)
+        assert (trig[1].kind, trig[1].device) == ("ecc_dbe", 1)
+
+        src.poll_once()
+        assert len(got.items) == 2                       # nothing changed -> nothing emitted
+
+        st["ecc"][fake.handles[1]] = 9                   # +2 uncorrected
+        st["remap"][fake.handles[0]] = (0, 1, 0, 1)      # remap failure
+        st["clocks"][fake.handles[0]] = 0x40 | 0x1       # HW thermal slowdown (+ idle, ignored)
+        st["clocks"][fake.handles[1]] = 0x4              # SW power cap alone: not a slowdown
+        st["recovery"][fake.handles[0]] = 2
+        src.poll_once()
+        new = [(t.kind, t.device, t.code) for t in got.items[2:]]
+        assert ("ecc_uncorrected", 1, 2) in new
+        assert ("remap_failure", 0, None) in new
+        assert ("thermal", 0, 0x40) in new
+        assert ("recovery_action", 0, 2) in new
+        assert len(new) == 4
+
+        src.poll_once()                                  # edge-triggered: no repeats
+        assert len(got.items) == 6
+
+        st["lost"].add(fake.handles[1])
+        src.poll_once()
+        src.poll_once()
+        lost = [t for t in got.items if t.kind == "gpu_lost"]
+        assert [(t.device, t.step) for t in lost] == [(1, 40)]   # reported once
+        # recovery-action field is NotSupported on GPU 1: queried once at baseline, then disabled
+        fv = [a for n, a in st["calls"] if n == "nvmlDeviceGetFieldValues" and a[0] == fake.handles[1]]
+        assert len(fv) == 1
+    finally:
+        src.stop()
+    assert st["unlocked_calls"] == []
+    assert ("nvmlShutdown", ()) in st["calls"]
+
+
+def test_nvml_poll_thread_and_gpu_unavailable_event(fake: types.ModuleType) -> None:
+    got = Collector()
+    mon = HealthMonitor(got, poll_interval=0.01)
+    assert isinstance(mon.source, NvmlSource) and mon.available
+    mon.start()
+    try:
+        fake.state["remap"][fake.handles[1]] = (0, 0, 1, 0)
+        assert got.wait_for(1)[0].kind == "remap_pending"
+        fake.event(fake.handles[0], fake.nvmlEventTypeGpuUnavailableError)
+        t = got.wait_for(2)[1]
+        assert (t.kind, t.device) == ("gpu_lost", 0)
+    finally:
+        mon.stop()
+    mon.stop()
+    assert fake.state["unlocked_calls"] == []
+
+
+def test_cuda_visible_devices_limits_monitored_gpus(fake: types.ModuleType,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    src = NvmlSource(lambda t: None, poll_interval=3600)
+    assert [i for i, _ in src.handles] == [1]
+    assert [i for i, _ in NvmlSource(lambda t: None, devices=[0, 1]).handles] == [0, 1]
+
+
+def test_read_gpu_status_with_fake(fake: types.ModuleType) -> None:
+    fake.state["remap"][fake.handles[0]] = (3, 1, 0, 0)
+    rows = health.read_gpu_status()
+    assert [r["index"] for r in rows] == [0, 1]
+    assert rows[0]["name"] == "Fake H200" and rows[0]["temperature"] == 41
+    assert rows[0]["ecc_uncorrected"] == 5 and rows[0]["recovery_action"] == 0
+    assert rows[0]["remapped_rows"] == {"correctable": 3, "uncorrectable": 1, "pending": 0, "failure": 0}
+    assert rows[1]["recovery_action"] is None        # NotSupported
+    fake.state["lost"].add(fake.handles[1])
+    assert health.read_gpu_status()[1]["error"] == "GPU is lost"
+    assert fake.state["unlocked_calls"] == []
+
+
+# ----------------------------------------------------------------------------- injection
+
+def test_injected_kinds_fire_at_their_step_and_not_before() -> None:
+    got = Collector()
+    spec = ("xid=79@step=2, ecc_dbe@step=3; gpu_lost@step=4,thermal@step=5,remap_failure@step=6,"
+            "ecc_uncorrected=3@step=7,xid=13@step=8@dev=2,hang@step=9")
+    src = InjectedSource(spec, got)
+    src.start()
+    try:
+        expected = {2: ("xid", 79, "fatal", 0), 3: ("ecc_dbe", None, None, 0), 4: ("gpu_lost", None, None, 0),
+                    5: ("thermal", None, None, 0), 6: ("remap_failure", None, None, 0),
+                    7: ("ecc_uncorrected", 3, None, 0), 8: ("xid", 13, "application", 2)}
+        n = 0
+        for step in range(12):
+            src.notify_step(step)
+            if step in expected:
+                n += 1
+                t = got.wait_for(n)[-1]
+                assert (t.kind, t.code, t.xid_class, t.device) == expected[step]
+                assert t.step == step and t.detail.startswith("injected")
+            time.sleep(0.005)
+            assert len(got.items) == n, f"unexpected trigger after step {step}: {got.items}"
+            assert src.should_hang(step) is (step >= 9)
+        assert n == 7
+    finally:
+        src.stop()
+
+
+def test_injected_skipped_steps_and_time_based() -> None:
+    got = Collector()
+    src = InjectedSource("ecc_dbe@step=3,thermal@step=5,recovery_action=4@t=0.05", got)
+    t0 = time.monotonic()
+    src.start()
+    try:
+        src.notify_step(10)                               # jumped past both step faults
+        trig = got.wait_for(3)
+        assert time.monotonic() - t0 >= 0.05
+        assert sorted(t.kind for t in trig) == ["ecc_dbe", "recovery_action", "thermal"]
+        timed = next(t for t in trig if t.kind == "recovery_action")
+        assert timed.code == 4 and timed.step == 10
+    finally:
+        src.stop()
+
+
+def test_injected_exception_and_monitor_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDASNAP_INJECT", "exception@step=2,hang@t=0")
+    mon = HealthMonitor(lambda t: None)
+    assert mon.injected and mon.available and "exception@step=2" in mon.describe()
+    mon.start()
+    mon.notify_step(1)
+    with pytest.raises(InjectedFault, match="step 2"):
+        mon.notify_step(2)
+    mon.notify_step(3)                                    # fires once only
+    assert mon.should_hang(0)
+    mon.stop()
+
+
+@pytest.mark.parametrize("spec,bad", [
+    ("xid@step=3", "xid@step=3"), ("bogus@step=1", "bogus@step=1"), ("ecc_dbe", "ecc_dbe"),
+    ("ecc_dbe@stp=1", "ecc_dbe@stp=1"), ("xid=79@step=x", "xid=79@step=x"), ("thermal@t=-1", "thermal@t=-1"),
+    ("ecc_dbe@step=1,gpu_lost@step=2@t=3", "gpu_lost@step=2@t=3"), (" , ", ""),
+])
+def test_bad_inject_spec(spec: str, bad: str) -> None:
+    with pytest.raises(ValueError) as ei:
+        parse_inject(spec)
+    assert bad in str(ei.value)
+
+
+def test_injected_sigusr1_runs_real_handler_path() -> None:
+    from cudasnap.triggers import Dispatcher, install_signal_handlers
+    flushed: list[Trigger] = []
+    exits: list[int] = []
+    d = Dispatcher(lambda t: flushed.append(t) or "/snap/1", exit_fn=exits.append, step_fn=lambda: 4)
+    handlers = install_signal_handlers(d.handle, signals=(signal.SIGUSR1,))
+    try:
+        src = InjectedSource("sigusr1@step=4")
+        src.notify_step(3)
+        assert not flushed
+        src.notify_step(4)
+        deadline = time.monotonic() + 2
+        while not flushed and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        handlers.uninstall()
+    assert [(t.kind, t.step) for t in flushed] == [("sigusr1", 4)] and exits == []
+
+
+CHILD = textwrap.dedent("""
+    import logging, os, sys, time
+    logging.basicConfig(level=logging.INFO)
+    from cudasnap.health import HealthMonitor
+    from cudasnap.triggers import Dispatcher, install_signal_handlers
+    out = sys.argv[1]
+    def flush(trig):
+        with open(out + ".tmp", "w") as f:
+            f.write("begin\\n"); f.flush(); time.sleep(0.3)
+            f.write("complete %s\\n" % trig.kind)
+        os.replace(out + ".tmp", out)
+        return out
+    step = [0]
+    d = Dispatcher(flush, step_fn=lambda: step[0])
+    install_signal_handlers(d.handle)
+    mon = HealthMonitor(d.handle, inject="sigterm@step=10")
+    mon.start()
+    for step[0] in range(300):
+        mon.notify_step(step[0])
+        time.sleep(0.002)
+    sys.exit(3)
+""")
+
+
+def test_injected_sigterm_child_flushes_then_exits_78(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = tmp_path / "snap.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDASNAP_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True,
+                          text=True, timeout=20)
+    assert proc.returncode == 78, proc.stderr
+    assert out.read_text() == "begin\ncomplete sigterm\n"
+    assert "step=10" in proc.stderr and "exiting with code 78" in proc.stderr
