@@ -8,6 +8,7 @@
 namespace cudasnap {
 namespace {
 uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+constexpr uint64_t kElemAlign = 16;
 }  // namespace
 
 CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
@@ -40,6 +41,12 @@ CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
           ge = std::max(ge, spans[idx[k]].ptr + spans[idx[k]].nbytes);
           ++k;
         }
+        // Start the copy on a 16-byte boundary (the largest element size): every
+        // tensor's offset then keeps its address's alignment, so a view that is
+        // aligned for its dtype stays aligned in the slot even when the group
+        // starts with a less aligned tensor (mixed-dtype views of one storage).
+        // The <= 15 extra bytes lie in the same page / allocator block.
+        gs -= gs % kElemAlign;
         uint64_t dst = round_up(cursor, align);
         PlanRange r;
         r.src = gs;

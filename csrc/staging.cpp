@@ -304,8 +304,7 @@ int Arena::newest_complete() const {
   for (int i = 0; i < num_slots(); ++i) {
     SlotInfo s = slot_info(i);
     if (!s.valid) continue;
-    if (best < 0 || s.step > best_info.step ||
-        (s.step == best_info.step && s.seq > best_info.seq)) {
+    if (best < 0 || s.seq > best_info.seq) {
       best = i;
       best_info = s;
     }

@@ -120,7 +120,10 @@ class Arena {
   bool shared() const { return fd_ >= 0; }
 
   SlotInfo slot_info(int slot) const;
-  // Newest valid COMPLETE slot (highest step, then seq), or -1.
+  // Most recently committed valid COMPLETE slot (highest seq), or -1. Not the
+  // highest step: a run that restarted from an older step (fresh start over an
+  // arena a dead run left, restore that fell back to disk) must see its own
+  // snapshots as the newest as soon as it commits one.
   int newest_complete() const;
   // A slot that may be overwritten now: not the newest COMPLETE one, not leased.
   int pick_write_slot() const;

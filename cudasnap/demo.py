@@ -86,7 +86,11 @@ def run_demo(steps: int = 40, fail_at: int = 23, fault: str = "kill", workdir: P
     restore = final.get("restore") or {}
     out = {
         "fault": fault, "failure_step": fail_at, "resumed_at": resumed_at,
-        "replayed_steps": fail_at - resumed_at, "bitwise_identical": same, "compare": why,
+        # Steps that had completed before the fault and had to be computed again:
+        # kill/hang strike inside step F (F-1 was the last complete one); the
+        # health faults are injected at the boundary after step F.
+        "replayed_steps": (fail_at - 1 if fault in ("kill", "hang") else fail_at) + 1 - resumed_at,
+        "bitwise_identical": same, "compare": why,
         "exit": report[0]["exit"] if report else None,
         "snapshot_bytes": final.get("bytes"),
         "boundary_stall_us_median": final.get("boundary_us_median"),

@@ -86,7 +86,7 @@ def flush_orphans(directory: Path, job: str, shm_dir: Path, threads: int = 4) ->
 def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
               shm_dir: Path | None = None, inject_first: str | None = None,
               watchdog_s: float | None = None, extra_env: dict[str, str] | None = None,
-              report: list[dict[str, Any]] | None = None) -> int:
+              report: list[dict[str, Any]] | None = None, auto: bool = False) -> int:
     """Runs ``cmd`` until it exits 0 or ``max_restarts`` restarts are used; returns its code."""
     if not cmd:
         raise SystemExit("cudasnap run: no command given (usage: cudasnap run [options] -- cmd ...)")
@@ -113,6 +113,12 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
                         "CUDASNAP_RESTART": str(attempt), "CUDASNAP_SUPERVISED": "1"})
             if watchdog_s:
                 env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
+            if auto:
+                env["CUDASNAP_AUTO"] = "1"
+                autoload = str(Path(__file__).resolve().parent / "_autoload")
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [autoload, str(Path(__file__).resolve().parent.parent)] +
+                    ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             if inject_first and attempt == 0:
                 env["CUDASNAP_INJECT"] = inject_first
             elif attempt > 0:
@@ -153,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=None, help="hang timeout in seconds")
     p.add_argument("--inject", default=None, help="fault injection for the first attempt")
+    p.add_argument("--auto", action="store_true",
+                   help="transparent mode for scripts without cudasnap code (no bitwise resume)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command ...")
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cudasnap-run %(message)s")
     return supervise(cmd, Path(a.dir), max_restarts=a.max_restarts, inject_first=a.inject,
-                     watchdog_s=a.watchdog)
+                     watchdog_s=a.watchdog, auto=a.auto)
 
 
 if __name__ == "__main__":

@@ -327,9 +327,15 @@ class Snapshotter:
         t0 = time.perf_counter_ns()
         if self._closed:
             raise SnapshotError("boundary() on a closed Snapshotter")
-        if self.guard is not None:
-            self.guard.on_boundary(step)
         self._boundaries += 1
+        try:
+            self._snapshot(step, t0)
+        finally:
+            # After the submit: a SIGTERM flush raised here waits for this very step.
+            if self.guard is not None:
+                self.guard.on_boundary(step)
+
+    def _snapshot(self, step: int, t0: int) -> None:
         self._wait_job()  # a previous copy still running (no optimizer step in between)
         lay = self._current_layout()
         host = self.state.encode_host(step).encode()
@@ -477,6 +483,15 @@ class Snapshotter:
             return self.state.apply(meta["tensors"], meta["host"], data, where)
         finally:
             arena.release(slot)
+
+    def newest_known_step(self) -> int:
+        """Newest step in shared memory or on disk, or -1 (no validation of the data)."""
+        best = -1
+        for a in (self._arena, self._inherited):
+            if a is not None and a.newest_complete() >= 0:
+                best = max(best, a.slot_info(a.newest_complete())["step"])
+        snaps = store.list_snapshots(self.directory)
+        return max(best, snaps[0].step if snaps else -1)
 
     def rollback(self) -> int:
         """In-process rollback: copy the newest COMPLETE slot back into the live tensors.

@@ -119,7 +119,7 @@ std::shared_ptr<Arena> create_private_pinned_arena(int num_slots, uint64_t data_
     if (!t_alloc_error.empty()) {
       std::string msg = "private pinned staging arena: " + t_alloc_error;
       t_alloc_error.clear();
-      CUDASNAP_CHECK_KIND(ErrorKind::Cuda, false, msg);
+      throw_error(ErrorKind::Cuda, __FILE__, __LINE__, msg);
     }
     throw;
   }

@@ -1,0 +1,219 @@
+"""Glue for the CUDA path: copy engine, staging registration, allocator tracking.
+
+Used by :class:`cudasnap.Snapshotter` when the state lives on a GPU. Importing
+this module never initialises CUDA (torch and the engine load lazily, inside
+the methods).
+
+The allocator registry (``cudasnap._C.AllocatorRegistry``) is what makes the
+boundary O(1): :meth:`CudaBackend.plan_key` is one integer that changes only
+when a watched block is freed (or its segment unmapped) or the watch set is
+replaced, so a cached copy plan survives iterations that only allocate and
+free activations. It does not notice NEW state tensors (e.g. optimizer moments
+created at the first step): the caller compares its set of state tensors too.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+from typing import Any, Iterable
+
+from ._native import native
+from .errors import ConfigError, SnapshotError
+
+log = logging.getLogger("cudasnap")
+
+#: default queue length at which the registry's drain thread applies events
+AUTO_DRAIN_EVENTS = 16384
+
+
+def tensor_span_bytes(t: Any) -> int:
+    """Bytes a (possibly strided) tensor view spans in its storage."""
+    if t.numel() == 0:
+        return 0
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return int(extent) * t.element_size()
+
+
+def _spans(items: Iterable[Any], index: int | None = None) -> list[tuple[int, int]]:
+    """(address, nbytes) pairs from pairs, tensors or LiveTensor-like objects.
+
+    Tensors not on CUDA device ``index`` (when given) are left out.
+    """
+    out: list[tuple[int, int]] = []
+    for it in items:
+        if isinstance(it, (tuple, list)):
+            out.append((int(it[0]), int(it[1])))
+            continue
+        t = getattr(it, "tensor", it)
+        if not getattr(t, "is_cuda", False):
+            continue
+        if index is not None and t.device.index != index:
+            continue
+        n = it.nbytes if t is not it else tensor_span_bytes(t)
+        out.append((int(t.data_ptr()), int(n)))
+    return out
+
+
+class CudaBackend:
+    """The CUDA copy engine of one device, its staging arena and allocator tracking."""
+
+    def __init__(self, device: Any, crc_threads: int = 4, *, track: bool = True,
+                 gather_small: bool = False, auto_drain: int = AUTO_DRAIN_EVENTS) -> None:
+        import torch
+
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ConfigError(f"CudaBackend needs a CUDA device, got {dev}")
+        torch.cuda.init()  # lazy init: the caching allocator must exist before attaching
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.index = int(index)
+        C = native()
+        self.engine = C.CudaCopyEngine(self.index, int(crc_threads), bool(gather_small))
+        self.registry: Any = None
+        self.tracker_error: str | None = None
+        self.fallback_reason: str | None = None  # why the arena is process-private
+        self._arenas: list[Any] = []  # arenas we cudaHostRegister'ed (held until unregistered)
+        self._keys = itertools.count(1)
+        self._closed = False
+        if track:
+            try:
+                self.registry = C.attach_allocator_tracker(int(auto_drain))
+            except SnapshotError as e:
+                self.tracker_error = str(e)
+                log.warning("cudasnap: allocator tracking unavailable (%s); copy plans are "
+                            "checked against the named tensors instead", e)
+
+    # ------------------------------------------------------------ staging
+    def prepare_arena(self, arena: Any, owner: Any = None) -> Any:
+        """Page-locks ``arena`` (an Arena, or a callable returning one) for DMA.
+
+        Falls back, with a warning, to a process-private pinned arena of the same
+        geometry when the shared-memory arena cannot be registered; such an arena
+        does not outlive the process. Returns the arena to use.
+        """
+        C = native()
+        if callable(arena) and not isinstance(arena, C.Arena):
+            arena = arena()
+        self._sweep()
+        if arena.cuda_registered:
+            return arena
+        ok, reason = C.register_arena(arena, self.index)
+        if ok:
+            self._arenas.append(arena)
+            return arena
+        self.fallback_reason = reason
+        log.warning("cudasnap: cannot page-lock the shared-memory staging arena (%s); using a "
+                    "process-private pinned arena instead: snapshots will NOT survive a crash "
+                    "of this process (no flush by the supervisor)", reason)
+        priv = C.create_private_pinned_arena(arena.num_slots, arena.data_capacity,
+                                             arena.meta_capacity, arena.chunk_bytes, arena.job)
+        if arena.newest_complete() < 0:
+            arena.unlink()  # an empty file would only hold shared memory
+        return priv
+
+    def _sweep(self) -> None:
+        """Unregisters arenas nobody but this backend references any more."""
+        if self.engine.busy:
+            return  # a DMA may still be writing into one of them
+        C = native()
+        for i in reversed(range(len(self._arenas))):
+            if sys.getrefcount(self._arenas[i]) <= 2:  # the list's reference + the argument
+                a = self._arenas.pop(i)
+                try:
+                    C.unregister_arena(a)
+                except SnapshotError as e:
+                    log.warning("cudasnap: cudaHostUnregister failed: %s", e)
+
+    def release_arena(self, arena: Any) -> None:
+        """Unregisters ``arena`` now (waits for a running copy first)."""
+        C = native()
+        for i, a in enumerate(self._arenas):
+            if a is arena:
+                while self.engine.busy:
+                    time.sleep(0.001)
+                del self._arenas[i]
+                C.unregister_arena(arena)
+                return
+
+    # ---------------------------------------------------------- tracking
+    def plan_key(self) -> int:
+        """O(1): changes whenever a cached copy plan may have become invalid.
+
+        Without allocator tracking every call returns a new value (never cache).
+        """
+        if self.registry is None:
+            return -next(self._keys)
+        return int(self.registry.watched_generation(self.index))
+
+    def watch(self, spans: Iterable[Any]) -> None:
+        """Watches the device spans of the current plan (pairs, tensors or LiveTensors)."""
+        if self.registry is not None:
+            self.registry.watch(self.index, _spans(spans, self.index))
+
+    def coverage(self, spans: Iterable[Any], top_n: int = 8) -> dict[str, Any]:
+        """Live device bytes vs the bytes the spans cover (see AllocatorRegistry.coverage)."""
+        if self.registry is None:
+            return {"available": False, "reason": self.tracker_error, "device": self.index}
+        d = dict(self.registry.coverage(self.index, _spans(spans, self.index), int(top_n)))
+        d["available"] = True
+        d["device"] = self.index
+        return d
+
+    def locate(self, spans: Iterable[Any]) -> list[Any]:
+        """Per span: (block_addr, block_size, segment_addr, segment_size) or an error string."""
+        if self.registry is None:
+            return [f"allocator tracking unavailable: {self.tracker_error}"
+                    for _ in _spans(spans, self.index)]
+        return list(self.registry.locate(self.index, _spans(spans, self.index)))
+
+    def locate_ok(self, spans: Iterable[Any]) -> bool:
+        """True when every span lies in a live block the registry tracks."""
+        if self.registry is None:
+            return False
+        bad = [r for r in self.registry.locate(self.index, _spans(spans, self.index))
+               if isinstance(r, str)]
+        if bad:
+            log.info("cudasnap: %d state span(s) not in tracked blocks (first: %s); using "
+                     "named-tensor spans", len(bad), bad[0])
+        return not bad
+
+    def coalesce(self, spans: Iterable[Any], merge_gap: int = 4096) -> tuple[list, list]:
+        """(ranges, placement): spans merged within segments (never across)."""
+        if self.registry is None:
+            raise SnapshotError(f"allocator tracking unavailable: {self.tracker_error}")
+        return self.registry.coalesce(self.index, _spans(spans, self.index), int(merge_gap))
+
+    # ------------------------------------------------------------ streams
+    def current_stream(self) -> int:
+        """Handle of the current compute stream of this device (cudaStream_t as int)."""
+        import torch
+
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = {"device": self.index, "tracking": self.registry is not None,
+                             "registered_arenas": len(self._arenas),
+                             "private_arena_reason": self.fallback_reason}
+        if self.registry is not None:
+            s["registry"] = dict(self.registry.stats())
+        return s
+
+    def close(self) -> None:
+        """Waits for the running copy, stops the engine and unregisters the arenas."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.shutdown()
+        C = native()
+        while self._arenas:
+            a = self._arenas.pop()
+            try:
+                C.unregister_arena(a)
+            except SnapshotError as e:
+                log.warning("cudasnap: cudaHostUnregister failed: %s", e)
+
+
+__all__ = ["CudaBackend", "tensor_span_bytes", "AUTO_DRAIN_EVENTS"]
