@@ -9,6 +9,7 @@
 #include "error.h"
 #include "flusher.h"
 #include "layout_check.h"
+#include "signals.h"
 #include "staging.h"
 #include "allocator_tracker.h"
 #ifdef CUDASNAP_WITH_CUDA
@@ -250,6 +251,11 @@ void init_layout_check(py::module_& m) {
       .def("__len__", &LayoutGuard::size);
 }
 
+void init_signals(py::module_& m) {
+  m.def("install_signal_pipe", &install_signal_pipe, py::arg("signals"));
+  m.def("uninstall_signal_pipe", &uninstall_signal_pipe);
+}
+
 void init_allocator_tracker(py::module_& m) {
   // ALLOCATOR-TRACKER BINDINGS
   using Pair = std::pair<uint64_t, uint64_t>;
@@ -481,6 +487,7 @@ PYBIND11_MODULE(_C, m) {
   init_copy_engine(m);
   init_flusher(m);
   init_layout_check(m);
+  init_signals(m);
   init_allocator_tracker(m);
 #ifdef CUDASNAP_WITH_CUDA
   init_cuda_backend(m);

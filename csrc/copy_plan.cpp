@@ -20,6 +20,7 @@ CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
   plan.chunk_bytes = chunk_bytes;
   plan.tensor_offsets.assign(spans.size(), 0);
   uint64_t cursor = 0;
+  const uint64_t range_align = std::lcm(align, kElemAlign);  // ranges start 16-aligned
   for (int phase = 0; phase <= 1; ++phase) {
     for (int space = 0; space <= 1; ++space) {  // device spans first, then host
       bool host = space == 1;
@@ -47,7 +48,7 @@ CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
         // starts with a less aligned tensor (mixed-dtype views of one storage).
         // The <= 15 extra bytes lie in the same page / allocator block.
         gs -= gs % kElemAlign;
-        uint64_t dst = round_up(cursor, align);
+        uint64_t dst = round_up(cursor, range_align);
         PlanRange r;
         r.src = gs;
         r.dst = dst;

@@ -194,6 +194,9 @@ std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable) {
                       "staging arena " << path << " header checksum mismatch");
   CUDASNAP_CHECK_KIND(ErrorKind::Corrupt,
                       h->num_slots >= 2 && h->num_slots <= kMaxSlots && h->chunk_bytes >= kPage &&
+                          h->chunk_bytes % kPage == 0 &&
+                          // data()/table()/meta offsets use max_chunks: it must agree too
+                          h->max_chunks == (h->data_capacity + h->chunk_bytes - 1) / h->chunk_bytes &&
                           h->slot_stride == stride_for(h->data_capacity, h->meta_capacity,
                                                        h->chunk_bytes) &&
                           h->total_bytes == required_bytes(int(h->num_slots), h->data_capacity,

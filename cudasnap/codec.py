@@ -47,7 +47,8 @@ def _encode_tensor(t: Any, path: str) -> dict[str, Any]:
             f"cannot snapshot {path}: a {nbytes}-byte tensor inside host state is too large to "
             f"inline (limit {MAX_INLINE_TENSOR_BYTES}); register it as a module buffer instead")
     c = t.detach().to("cpu").contiguous()
-    raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    # reshape(-1): view(uint8) refuses 0-d tensors of wider dtypes (an optimizer's step).
+    raw = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
     return {"__tensor__": {"dtype": str(c.dtype).removeprefix("torch."),
                            "shape": list(c.shape), "data": _b64(raw)}}
 
@@ -87,8 +88,8 @@ def encode(obj: Any, path: str = "state") -> Any:
         if isinstance(obj, np.ndarray):
             if obj.dtype == object:
                 raise ConfigError(f"cannot snapshot {path}: numpy object arrays need pickle")
-            c = np.ascontiguousarray(obj)
-            return {"__ndarray__": {"dtype": c.dtype.str, "shape": list(c.shape),
+            c = np.ascontiguousarray(obj)  # (0-d arrays come back 1-d: keep obj.shape)
+            return {"__ndarray__": {"dtype": c.dtype.str, "shape": list(obj.shape),
                                     "data": _b64(c.tobytes())}}
         if isinstance(obj, np.generic):
             return encode(obj.item(), path)

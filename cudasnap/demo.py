@@ -89,7 +89,9 @@ def run_demo(steps: int = 40, fail_at: int = 23, fault: str = "kill", workdir: P
         # Steps that had completed before the fault and had to be computed again:
         # kill/hang strike inside step F (F-1 was the last complete one); the
         # health faults are injected at the boundary after step F.
-        "replayed_steps": (fail_at - 1 if fault in ("kill", "hang") else fail_at) + 1 - resumed_at,
+        # (negative would mean the fault was seen a step later than injected: 0 lost.)
+        "replayed_steps": max(0, (fail_at - 1 if fault in ("kill", "hang") else fail_at) + 1
+                              - resumed_at),
         "bitwise_identical": same, "compare": why,
         "exit": report[0]["exit"] if report else None,
         "snapshot_bytes": final.get("bytes"),

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .health import HealthMonitor, Trigger
-from .triggers import (Dispatcher, Policy, Watchdog, install_excepthook,
+from .triggers import (EXIT_PREEMPTED, Dispatcher, Policy, Watchdog, install_excepthook,
                        install_signal_handlers)
 
 if TYPE_CHECKING:
@@ -39,6 +40,58 @@ def _env_float(name: str) -> float | None:
         return float(v)
     except ValueError:
         raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+
+
+_KINDS = {signal.SIGTERM: "sigterm", signal.SIGUSR1: "sigusr1"}
+
+
+class SignalThread:
+    """SIGTERM/SIGUSR1 through a C-level self-pipe to a dedicated thread.
+
+    Unlike a Python signal handler, this flushes even while the main thread is
+    blocked inside a collective or a CUDA call. After SIGTERM whose previous
+    disposition was the default, the process exits (code 78) once the flush is
+    done, as the default action would have killed it.
+    """
+
+    def __init__(self, callback: Callable[[Trigger], Any], exit_fn: Callable[[int], Any],
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+        from ._native import native
+
+        self._callback = callback
+        self._exit = exit_fn
+        self._default = {int(s): signal.getsignal(s) in (signal.SIG_DFL, None) for s in signals}
+        self._fd = native().install_signal_pipe([int(s) for s in signals])
+        self._thread = threading.Thread(target=self._run, name="cudasnap-signals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                b = os.read(self._fd, 1)
+            except OSError:
+                return
+            if not b:
+                os.close(self._fd)
+                return
+            signum = b[0]
+            try:
+                name = signal.Signals(signum).name
+            except ValueError:
+                name = str(signum)
+            try:
+                self._callback(Trigger(kind=_KINDS.get(signal.Signals(signum), "manual"),
+                                       code=signum, detail=f"received {name}"))
+            except Exception:  # noqa: BLE001 - a signal must never kill this thread silently
+                log.exception("handling %s failed", name)
+            if signum == signal.SIGTERM and self._default.get(signum):
+                log.warning("SIGTERM: flush done, exiting with code %d", EXIT_PREEMPTED)
+                self._exit(EXIT_PREEMPTED)
+
+    def uninstall(self) -> None:
+        from ._native import native
+
+        native().uninstall_signal_pipe()
 
 
 class Guard:
@@ -67,8 +120,13 @@ class Guard:
         self.monitor.start()
         if self.watchdog is not None:
             self.watchdog.start()
-        if self._want_signals and threading.current_thread() is threading.main_thread():
-            self._signals = install_signal_handlers(self.dispatcher.handle)
+        if self._want_signals:
+            try:
+                self._signals = SignalThread(self.dispatcher.handle, self.dispatcher.exit_fn)
+            except Exception as e:  # noqa: BLE001 - fall back to Python handlers
+                log.warning("signal pipe unavailable (%s); using Python signal handlers", e)
+                if threading.current_thread() is threading.main_thread():
+                    self._signals = install_signal_handlers(self.dispatcher.handle)
         self._hooks = install_excepthook(self.dispatcher.handle)
         log.info("guard on: %s; watchdog %s; policy %s", self.monitor.describe(),
                  f"{self.watchdog.timeout_s:.1f} s" if self.watchdog else "off",

@@ -98,7 +98,8 @@ def validate_tensors(tensors: Any, data_bytes: int, where: str) -> None:
         _need(off + nbytes <= data_bytes, w,
               f"bytes {off}..{off + nbytes} lie outside the data ({data_bytes} bytes)")
         _need(e.get("phase", 1) in (0, 1), w, "phase must be 0 or 1")
-        _need(isinstance(e.get("group", ""), str), w, "group must be a string")
+        # Required: restore dispatches on it (a missing one was a KeyError, not a fallback).
+        _need(isinstance(e.get("group"), str), w, "group must be a string")
 
 
 def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:

@@ -60,6 +60,7 @@ class _Layout:
         self.signature = sig
         self.objects = [lt.tensor for lt in tensors]
         self.guard = native().LayoutGuard(self.objects)
+        self.plan_key: int | None = None
 
     def ptrs_changed(self) -> bool:
         return self.guard.first_moved() >= 0
@@ -86,7 +87,11 @@ class Snapshotter:
         shm_dir: where the staging arena file lives (default /dev/shm).
         job: arena name; default derived from the directory, so a restarted
             process finds the arena its predecessor left.
-        rank / world_size: default from the RANK / WORLD_SIZE environment.
+        rank / world_size: default from torch.distributed, else RANK / WORLD_SIZE.
+        distributed: coordinate flushes and restores across ranks (default: when
+            torch.distributed is initialised with more than one rank).
+        replicas: which ranks hold identical state: "auto" (all ranks when the
+            model is DDP-wrapped, else none), "all", None, or a list of rank groups.
         health: start the health monitor, signal handlers and watchdog
             (default: on when running under ``cudasnap run`` or CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
@@ -100,7 +105,8 @@ class Snapshotter:
                  keep: int = 3, shm_dir: str | os.PathLike | None = None, job: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  health: bool | None = None, watchdog_s: float | None = None,
-                 policy: Any = None, inject: str | None = None) -> None:
+                 policy: Any = None, inject: str | None = None, distributed: bool | None = None,
+                 replicas: Any = "auto") -> None:
         if num_slots < 2:
             raise ConfigError(f"num_slots must be >= 2, got {num_slots}")
         if chunk_bytes < 4096 or chunk_bytes % 4096:
@@ -110,8 +116,15 @@ class Snapshotter:
         if directory is None:
             directory = os.environ.get("CUDASNAP_DIR", "ckpt")
         self.directory = store.check_directory(Path(directory))
-        self.rank = _env_int("RANK", 0) if rank is None else rank
-        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        import torch.distributed as dist
+
+        dist_on = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if dist_on else _env_int("RANK", 0)
+        if world_size is None:
+            world_size = dist.get_world_size() if dist_on else _env_int("WORLD_SIZE", 1)
+        self.rank, self.world_size = rank, world_size
+        self.last_step: int | None = None
         self.state = TrainingState(model, optimizer, extra)
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
@@ -152,6 +165,13 @@ class Snapshotter:
         self._hooks: list[Any] = []
         self._install_fences()
         self._open_inherited_arena()
+        self.dist: Any = None
+        if distributed is None:
+            distributed = dist_on and self.world_size > 1
+        if distributed:
+            from .distributed import Coordinator
+
+            self.dist = Coordinator(self, replicas=replicas)
         self.guard: Any = None
         if health is None:
             health = os.environ.get("CUDASNAP_HEALTH", "") == "1"
@@ -233,14 +253,11 @@ class Snapshotter:
                      info["step"], self.arena_path, info["writer_pid"])
 
     def _build_layout(self) -> _Layout:
-        C = native()
         tensors = self.state.live_tensors()
         self._ensure_engine(tensors)
-        plan = C.build_plan([lt.tensor.data_ptr() for lt in tensors],
-                            [lt.nbytes for lt in tensors], [lt.phase for lt in tensors],
-                            [not lt.tensor.is_cuda for lt in tensors], self.chunk_bytes, 4096, 4096)
+        plan, offsets = self._make_plan(tensors)
         entries = []
-        for lt, off in zip(tensors, plan.tensor_offsets):
+        for lt, off in zip(tensors, offsets):
             e = tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase)
             if lt.param_index is not None:
                 e["param_index"], e["state_key"] = lt.param_index, lt.state_key
@@ -256,11 +273,63 @@ class Snapshotter:
         prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
                   json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
         self._stats["layout_rebuilds"] += 1
+        key = None
         if self._cuda is not None:
             self._cuda.watch(tensors)
+            key = self._cuda.plan_key()
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)
-        return _Layout(tensors, plan, prefix, self.state.signature())
+        lay = _Layout(tensors, plan, prefix, self.state.signature())
+        lay.plan_key = key
+        return lay
+
+    def _make_plan(self, tensors: list[LiveTensor]) -> tuple[Any, list[int]]:
+        """Copy plan + each tensor's offset in the slot.
+
+        Host spans merge across small gaps. Device spans never merge across
+        allocator segments (a gap between two cudaMalloc segments may be
+        unmapped): with allocator tracking they are coalesced by the registry
+        within segments; without it only overlapping spans merge.
+        """
+        C = native()
+        host = [i for i, lt in enumerate(tensors) if not lt.tensor.is_cuda]
+        dev = [i for i, lt in enumerate(tensors) if lt.tensor.is_cuda]
+        ptrs = [tensors[i].tensor.data_ptr() for i in host]
+        sizes = [tensors[i].nbytes for i in host]
+        phases = [tensors[i].phase for i in host]
+        where: list[tuple[int, int]] = [(-1, 0)] * len(tensors)
+        for j, i in enumerate(host):
+            where[i] = (j, 0)
+        if dev:
+            ranges = placement = None
+            if self._cuda is not None and self._cuda.registry is not None:
+                try:
+                    ranges, placement = self._cuda.coalesce([tensors[i] for i in dev], 4096)
+                except SnapshotError as e:
+                    log.warning("allocator-tracked coalescing unavailable (%s); "
+                                "copying tensor by tensor", e)
+            if ranges is None or placement is None:
+                ranges = [(tensors[i].tensor.data_ptr(), tensors[i].nbytes) for i in dev]
+                placement = [(k, 0) for k in range(len(dev))]
+            base = len(ptrs)
+            rphase = [1] * len(ranges)
+            for i, (r, _) in zip(dev, placement):
+                if r >= 0:
+                    rphase[r] = min(rphase[r], tensors[i].phase)  # a buffer inside: fence early
+            for (addr, n), ph in zip(ranges, rphase):
+                ptrs.append(int(addr))
+                sizes.append(int(n))
+                phases.append(ph)
+            for i, (r, off) in zip(dev, placement):
+                where[i] = (base + r, int(off)) if r >= 0 else (-1, 0)
+        is_host = [True] * len(host) + [False] * (len(ptrs) - len(host))
+        # Host spans may merge across small gaps; with device ranges present the
+        # gap is 0 so ranges from different segments never merge.
+        plan = C.build_plan(ptrs, sizes, phases, is_host, self.chunk_bytes,
+                            0 if dev else 4096, 4096)
+        offs = plan.tensor_offsets
+        offsets = [offs[r] + off if r >= 0 else 0 for r, off in where]
+        return plan, offsets
 
     def invalidate_layout(self) -> None:
         """Forces the copy plan to be rebuilt at the next boundary.
@@ -276,9 +345,13 @@ class Snapshotter:
 
     def _current_layout(self) -> _Layout:
         lay = self._layout
-        if lay is not None and lay.signature == self.state.signature() \
-                and not lay.ptrs_changed():
-            if self._boundaries % self.RESCAN_EVERY or lay.same_objects(self.state.live_tensors()):
+        periodic = self._boundaries % self.RESCAN_EVERY == 0
+        if lay is not None and lay.signature == self.state.signature():
+            if self._cuda is not None and lay.plan_key is not None and not periodic \
+                    and self._cuda.plan_key() == lay.plan_key:
+                return lay  # O(1): no watched block was freed since the plan was built
+            if not lay.ptrs_changed() and (not periodic or
+                                           lay.same_objects(self.state.live_tensors())):
                 return lay
         self._layout = self._build_layout()
         return self._layout
@@ -328,6 +401,7 @@ class Snapshotter:
         if self._closed:
             raise SnapshotError("boundary() on a closed Snapshotter")
         self._boundaries += 1
+        self.last_step = step
         try:
             self._snapshot(step, t0)
         finally:
@@ -349,12 +423,13 @@ class Snapshotter:
                 return
             stream = self._cuda.current_stream() if self._cuda is not None else 0
             try:
-                self._job = self._engine.submit(arena, slot, lay.plan, int(step), meta, stream)
+                job = self._engine.submit(arena, slot, lay.plan, int(step), meta, stream)
             except StagingError as e:
                 self._stats["skipped"] += 1
                 log.warning("step %d not snapshotted: %s", step, e)
                 return
-        self._fenced = [False, False]
+            self._fenced = [False, False]
+            self._job = job
         self._stats["snapshots"] += 1
         self._stats["bytes"] = lay.plan.total_bytes
         ns = self._stats["boundary_ns"]
@@ -371,16 +446,18 @@ class Snapshotter:
             ok = job.wait(1, -1.0 if timeout is None else timeout)
         except SnapshotError as e:
             log.error("snapshot of step %d failed: %s", job.step, e)
-            self._job = None
-            return True
+            ok = True
         self._stats["fence_wait_ns"] += time.perf_counter_ns() - t0
         if ok:
             secs = job.seconds_to_complete
             self._stats["last_copy_seconds"] = secs
             if secs and secs > 0:
                 self._stats["last_copy_gbps"] = job.bytes / secs / 1e9
-            self._fenced = [True, True]
-            self._job = None
+            # Another thread (a flush) may wait too: retire only the job we waited on.
+            with self._slot_lock:
+                if self._job is job:
+                    self._job = None
+                    self._fenced = [True, True]
         return ok
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -398,6 +475,13 @@ class Snapshotter:
         with self._flush_lock:
             if wait:
                 self._wait_job(timeout)
+            if self.dist is not None:
+                path = self.dist.flush()
+                if path is not None:
+                    self._stats["flushes"] += 1
+                    self._stats["last_flush_path"] = str(path)
+                    self._stats["last_flush_seconds"] = self.dist.last_flush["seconds"]
+                return path
             arena = self._arena or self._inherited
             if arena is None:
                 log.warning("flush requested before the first snapshot: nothing to write")
@@ -429,6 +513,16 @@ class Snapshotter:
         """
         self._wait_job()
         t0 = time.perf_counter()
+        if self.dist is not None:
+            nxt = self.dist.restore()
+            r = self._stats.get("restore") or {}
+            r["seconds"] = time.perf_counter() - t0
+            self._stats["restore"] = r if nxt else {"source": None, "step": None,
+                                                    "seconds": r["seconds"], "where": None}
+            self._layout = None
+            if nxt:
+                log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
+            return nxt
         candidates: list[tuple[int, int, str, Any]] = []
         arena = self._arena or self._inherited
         if arena is not None:
@@ -536,10 +630,14 @@ class Snapshotter:
         finally:
             if self.guard is not None:
                 self.guard.stop()
+            if self.dist is not None:
+                self.dist.stop()
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
-            if self._engine is not None:
+            if self._cuda is not None:
+                self._cuda.close()
+            elif self._engine is not None:
                 self._engine.shutdown()
             for a in (self._arena, self._inherited):
                 if a is not None and not keep_arena:

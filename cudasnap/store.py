@@ -42,6 +42,24 @@ MAX_MANIFEST_BYTES = 256 << 20
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 
+MANIFEST_CRC = "manifest_crc32c"
+
+
+def manifest_crc(manifest: dict[str, Any]) -> int:
+    """CRC32C of a manifest's canonical JSON (without its own checksum field).
+
+    The data chunks have CRCs; this covers the rest: a flipped digit in an
+    offset, a learning rate or an RNG state must not restore silently.
+    JSON numbers and strings written by ``json`` read back to the same text.
+    """
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+    try:
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise CorruptSnapshot(f"manifest cannot be checksummed: {e}") from e
+    return int(native().crc32c(text.encode()))
+
+
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -135,7 +153,7 @@ def _replace_latest(directory: Path, name: str) -> None:
 def clean_partial(directory: Path) -> list[Path]:
     """Removes ``.tmp`` directories of interrupted flushes; returns what it removed."""
     removed = []
-    for p in Path(directory).glob("step-*.tmp*"):
+    for p in [*Path(directory).glob("step-*.tmp*"), *Path(directory).glob("step-*/rank-*.tmp-*")]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
@@ -180,9 +198,17 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     if (target / MANIFEST).exists():
         log.info("step %d already on disk at %s", step, target)
         return target, {"bytes": 0, "seconds": 0.0, "skipped": True}
-    tmp = directory / f"{step_dirname(step)}.tmp-{os.getpid()}"
+    if subdir:
+        # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid>
+        # and renames it into place; the COMMIT marker (cudasnap.distributed)
+        # makes the step visible, never the directory itself.
+        final.mkdir(mode=0o700, exist_ok=True)
+        tmp = final / f"{subdir}.tmp-{os.getpid()}"
+        tmp_target = tmp
+    else:
+        tmp = directory / f"{step_dirname(step)}.tmp-{os.getpid()}"
+        tmp_target = tmp
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp_target = tmp / subdir if subdir else tmp
     try:
         tmp_target.mkdir(mode=0o700, parents=True)
         st = C.write_slot_file(arena, slot, str(tmp_target / DATA), threads, io_bytes, True)
@@ -195,19 +221,14 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         })
         if extra_manifest:
             manifest.update(extra_manifest)
+        manifest[MANIFEST_CRC] = manifest_crc(manifest)
         body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         _write_file_durable(tmp_target / MANIFEST, body)
         C.fsync_dir(str(tmp_target))
+        os.rename(tmp, target)
+        C.fsync_dir(str(target.parent))
         if subdir:
-            C.fsync_dir(str(tmp))
-        if subdir and final.exists():
-            # Another rank's files for this step already committed the directory.
-            os.rename(tmp_target, target)
-            shutil.rmtree(tmp, ignore_errors=True)
-            C.fsync_dir(str(final))
-        else:
-            os.rename(tmp, final)
-        C.fsync_dir(str(directory))
+            C.fsync_dir(str(directory))
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise FlushError(f"flush of step {step} to {directory} failed: {e}") from e
@@ -281,6 +302,9 @@ def load_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CorruptSnapshot(f"{path} is not valid JSON: {e}") from e
+    if isinstance(manifest, dict) and MANIFEST_CRC in manifest:
+        if manifest[MANIFEST_CRC] != manifest_crc(manifest):
+            raise CorruptSnapshot(f"{path}: manifest checksum mismatch (the file was damaged)")
     validate_manifest(manifest, str(path))
     return manifest
 
@@ -292,6 +316,8 @@ def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4) ->
     data = manifest["data"]
     path = Path(snapshot_dir) / data["file"]
     nbytes = int(data["bytes"])
+    if not path.is_file():  # torn (e.g. a prune killed half-way): skip it, don't fail restore
+        raise CorruptSnapshot(f"{path} is missing (the snapshot is incomplete)")
     buf = torch.empty(nbytes, dtype=torch.uint8)
     native().read_file_verified(str(path), buf.data_ptr(), nbytes, int(data["chunk_bytes"]),
                                 [int(c) for c in data["crc32c"]], threads)

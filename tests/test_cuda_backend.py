@@ -221,6 +221,7 @@ def test_fence_does_not_block_the_host_and_is_noop_when_done(snap_env):
     assert C.register_arena(arena, 0)[0]
     eng = C.CudaCopyEngine(0, 4)
     stream = torch.cuda.current_stream(dev)
+    job = None
     try:
         expected = big.clone().cpu()
         # Queue a long kernel first, so the copy (which waits on it) cannot be done yet.
@@ -239,7 +240,8 @@ def test_fence_does_not_block_the_host_and_is_noop_when_done(snap_env):
         eng.fence(job, 0, 0)
     finally:
         eng.shutdown()
-        eng.fence(job, 1, stream.cuda_stream)  # done job after shutdown: still a no-op
+        if job is not None:
+            eng.fence(job, 1, stream.cuda_stream)  # done job after shutdown: still a no-op
         C.unregister_arena(arena)
         arena.unlink()
 
@@ -404,11 +406,15 @@ assert backend.plan_key() != key
 # coalescing: views of one flat buffer merge; ranges never cross a segment
 flat = torch.zeros(8 << 20, device=dev)
 views = [flat[i * (1 << 20): i * (1 << 20) + 1000] for i in range(8)]
-ranges, place = backend.coalesce(views + state, merge_gap=4 << 20)
-assert any(lo == flat.data_ptr() for lo, _ in ranges)
-segl = [(a, s) for a, s, *_ in reg.segments(0)]
-for lo, n in ranges:
-    assert any(a <= lo and lo + n <= a + s for a, s in segl), (lo, n)
+ranges, place = backend.coalesce(views, merge_gap=4 << 20)
+assert ranges == [(flat.data_ptr(), 7 * (4 << 20) + 4000)], ranges
+assert place == [(0, i * (4 << 20)) for i in range(8)], place
+small = [torch.randn(100 + i, device=dev) for i in range(50)]   # small-pool segments
+ranges, place = backend.coalesce(views + state + small, merge_gap=64 << 20)
+truth_segs = [(a, s) for a, s, _ in truth_segments()]
+for lo, n in ranges:                              # never across an allocator segment
+    assert any(a <= lo and lo + n <= a + s for a, s in truth_segs), (lo, n)
+assert len(ranges) <= len(truth_segs)
 assert reg.healthy and reg.stats()["dropped"] == 0
 print(json.dumps({"ok": True, "expandable": expandable, "stats": reg.stats()}))
 """

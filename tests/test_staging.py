@@ -137,7 +137,8 @@ def _rewrite_arena_header(path, **fields):
     """Changes ArenaHeader fields and recomputes its CRC (a 'consistent' lie)."""
     raw = bytearray(path.read_bytes()[:L.AH_SIZE])
     offs = {"version": (L.AH_VERSION, "<I"), "num_slots": (L.AH_NUM_SLOTS, "<I"),
-            "data_capacity": (L.AH_DATA_CAP, "<Q"), "total_bytes": (L.AH_TOTAL, "<Q")}
+            "data_capacity": (L.AH_DATA_CAP, "<Q"), "total_bytes": (L.AH_TOTAL, "<Q"),
+            "max_chunks": (L.AH_MAX_CHUNKS, "<Q")}
     for k, v in fields.items():
         off, fmt = offs[k]
         struct.pack_into(fmt, raw, off, v)
@@ -164,6 +165,12 @@ def test_open_checks_header_crc_version_and_geometry(C, snap_env):
     with pytest.raises(CorruptSnapshot, match="inconsistent geometry"):
         C.Arena.open(str(path), True)
     _rewrite_arena_header(path, data_capacity=CAP)
+    C.Arena.open(str(path), True)
+    # max_chunks places the meta and data areas: a wrong one would point outside the slot
+    _rewrite_arena_header(path, max_chunks=1 << 40)
+    with pytest.raises(CorruptSnapshot, match="inconsistent geometry"):
+        C.Arena.open(str(path), True)
+    _rewrite_arena_header(path, max_chunks=L.max_chunks(CAP, CHUNK))
     C.Arena.open(str(path), True)
     # A file cut short (e.g. a tmpfs that filled up): geometry says more than the file holds.
     os.truncate(path, os.path.getsize(path) - 4096)

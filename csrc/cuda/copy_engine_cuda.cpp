@@ -99,6 +99,7 @@ void CudaCopyEngine::shutdown() {
     stop_ = true;
   }
   cv_.notify_all();
+  idle_cv_.notify_all();  // a submit() waiting for its turn fails cleanly
   if (completion_.joinable()) completion_.join();
   release_cuda();
 }
@@ -186,15 +187,20 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
                                               << " belongs to cuda:" << sdev
                                               << ", the copy engine to cuda:" << device_);
     }
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    CUDASNAP_CUDA_CHECK(cudaStreamIsCapturing(compute, &cap));
+    CUDASNAP_CHECK_KIND(ErrorKind::Cuda, cap == cudaStreamCaptureStatusNone,
+                        "snapshot submitted while the compute stream is capturing a CUDA graph; "
+                        "call boundary() outside graph capture");
     if (ngather > desc_cap_[ring]) {
       if (desc_[ring]) CUDASNAP_CUDA_CHECK(cudaFreeHost(desc_[ring]));
       desc_[ring] = nullptr;
       desc_cap_[ring] = 0;
-      uint64_t cap = std::max<uint64_t>(ngather * 2, 256);
+      uint64_t want = std::max<uint64_t>(ngather * 2, 256);
       CUDASNAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&desc_[ring]),
-                                        cap * sizeof(GatherDesc),
+                                        want * sizeof(GatherDesc),
                                         cudaHostAllocPortable | cudaHostAllocMapped));
-      desc_cap_[ring] = cap;
+      desc_cap_[ring] = want;
     }
     uint64_t data_dev = 0;
     uint8_t* data = arena->data(slot);
@@ -228,7 +234,7 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     w->plan = plan;
     w->slot = slot;
     w->ring = ring;
-    uint64_t cursor = 0;  // alignment padding, zeroed by the completion thread
+    uint64_t cursor = 0;  // alignment padding: zeroed by the completion thread
     for (const PlanRange& r : plan->ranges) {
       if (r.dst > cursor) w->pads.emplace_back(cursor, r.dst);
       cursor = std::max(cursor, r.dst + r.nbytes);
@@ -276,7 +282,16 @@ void CudaCopyEngine::fence(CopyJob& job, int phase, uint64_t stream) {
   auto ev = static_cast<cudaEvent_t>(job.cuda_events[phase == 0 ? 1 : 2]);
   CUDASNAP_CHECK(ev != nullptr, "fence: the job was not submitted by a CUDA copy engine");
   DeviceGuard g(device_);  // stream 0 means this device's legacy default stream
-  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev, 0));
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CUDASNAP_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  if (cap != cudaStreamCaptureStatusNone) {
+    // A wait on an event recorded outside the capture would invalidate it; no
+    // kernel runs while capturing, so a host wait here orders nothing away.
+    job.wait(phase);
+    return;
+  }
+  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));
 }
 
 // ----------------------------------------------------- completion thread
@@ -333,14 +348,24 @@ void CudaCopyEngine::finish(Work& w) {
   try {
     uint8_t* data = w.arena->data(w.slot);
     uint32_t* table = w.arena->table(w.slot);
-    for (const auto& p : w.pads) std::memset(data + p.first, 0, p.second - p.first);
+    // Padding is zeroed only once no DMA can touch the bytes around it.
+    auto zero_pads = [&](uint64_t lo, uint64_t hi) {
+      for (const auto& p : w.pads) {
+        uint64_t a = std::max(lo, p.first), b = std::min(hi, p.second);
+        if (a < b) std::memset(data + a, 0, b - a);
+      }
+    };
     CUDASNAP_CUDA_CHECK(cudaEventSynchronize(ev_[w.ring][1]));
     job.mark(0);
     const uint64_t nchunks = plan.num_chunks();
-    // Chunks wholly inside the phase-0 region can be checksummed while phase 1 copies.
+    // Chunks wholly inside the phase-0 region (no phase-1 DMA writes there) are
+    // checksummed while phase 1 still copies.
     const uint64_t p0_full = std::min(plan.phase0_bytes / plan.chunk_bytes, nchunks);
+    const uint64_t split = p0_full * plan.chunk_bytes;
+    zero_pads(0, split);
     crc_chunks(plan, data, table, 0, p0_full);
     CUDASNAP_CUDA_CHECK(cudaEventSynchronize(ev_[w.ring][2]));
+    zero_pads(split, plan.total_bytes);
     crc_chunks(plan, data, table, p0_full, nchunks);
     w.arena->commit(w.slot, job.step(), plan.total_bytes);
     job.mark(1);

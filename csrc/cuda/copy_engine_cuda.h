@@ -11,7 +11,9 @@
 // the previous COMPLETE slot stays the newest.
 //
 // fence(job, phase, stream): cudaStreamWaitEvent(stream, phase0 or done); no
-// host block; a no-op once that phase is done.
+// host block; a no-op once that phase is done. While `stream` is capturing a
+// CUDA graph the fence is a host wait instead (an event wait from outside the
+// capture would invalidate it); submit() refuses a capturing compute stream.
 //
 // One snapshot is in flight at a time: submit() waits (host) for the previous
 // one to finish. Events come from a ring of two triples, never destroyed

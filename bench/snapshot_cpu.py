@@ -1,0 +1,342 @@
+"""cudasnap on the CPU backend: boundary cost, snapshot, flush and restore vs peers (issue 2).
+
+For each state size (params + AdamW state) and two shapes -- "few" (2 parameters:
+8 state tensors) and "many" (1,000 parameters: 4,000 state tensors) -- it measures,
+on the same bytes and in the same run:
+
+* host time blocked in ``Snapshotter.boundary()`` (first boundary, which builds
+  the staging arena, reported apart) and the time until the snapshot is COMPLETE
+  (``wait()``); ``opt.step()`` runs between boundaries, so the fence hook runs;
+* ``flush()`` (newest slot to disk, durable) next to a raw write+fsync of the same
+  staged bytes: ``os.write`` + fsync, and ``cudasnap._C.write_buffer_file`` with 1
+  thread; the writers take turns (rotated order) so disk noise hits all alike;
+* ``restore_latest()`` in a fresh Snapshotter of the same model, from shared
+  memory and from disk (arena renamed away, data.bin evicted from the page
+  cache) next to ``torch.load`` (+ copy into the live tensors) of a ``torch.save``;
+* peers: torch.save+fsync, torch.distributed.checkpoint.save and async_save
+  (single-rank gloo group on a FileStore): time blocked, time until durable.
+
+    python bench/snapshot_cpu.py [--sizes 1,4] [--repeats 3] [--quick] [--json]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (also silences the pynvml redirector warning)
+
+SHAPES = {"few": 2, "many": 1000}  # parameters; x4 state tensors (param, exp_avg, exp_avg_sq, step)
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    p = C.base_parser(__doc__.split("\n\n")[0], quick_sizes="0.1,0.2")
+    p.add_argument("--shapes", default="few,many", help="few,many (subset allowed)")
+    p.add_argument("--boundaries", type=int, default=6,
+                   help="boundaries measured per case after the first (default 6)")
+    p.add_argument("--peers", choices=["all", "few", "none"], default="few",
+                   help="dcp.save/async_save in which shapes (torch.save always runs); "
+                        "default: the 'few' shape only (peers.py covers many tensors)")
+    a = C.finish_args(p.parse_args(argv))
+    if a.quick:
+        a.boundaries = min(a.boundaries, 4)
+    a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    for s in a.shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"unknown shape {s!r}; expected few and/or many")
+    return a
+
+
+# ------------------------------------------------------------------ peers
+def torch_save(model: Any, opt: Any, path: Path) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    C.fsync_file(path)
+    return time.perf_counter() - t0
+
+
+def torch_restore(model: Any, opt: Any, path: Path) -> float:
+    import torch
+
+    C.drop_cache(path)
+    t0 = time.perf_counter()
+    sd = torch.load(path, weights_only=True)
+    model.load_state_dict(sd["model"])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    with torch.no_grad():
+        for idx, st in sd["optim"]["state"].items():
+            live = opt.state[params[int(idx)]]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    live[k].copy_(v)
+    dt = time.perf_counter() - t0
+    del sd
+    C.free_mem()
+    return dt
+
+
+def dcp_save(flat: dict[str, Any], path: Path) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    dcp.save(flat, checkpoint_id=str(path))  # FileSystemWriter(sync_files=True): fsync'd
+    C.fsync_dir(path)
+    return time.perf_counter() - t0
+
+
+def dcp_async(flat: dict[str, Any], path: Path) -> tuple[float, float]:
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    fut = dcp.async_save(flat, checkpoint_id=str(path))
+    blocked = time.perf_counter() - t0
+    res = getattr(fut, "upload_completion", fut)
+    res.result()
+    C.fsync_dir(path)
+    return blocked, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------ one case
+def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) -> dict[str, Any] | None:
+    import torch  # noqa: F401
+
+    import cudasnap
+    from cudasnap._native import native
+
+    # Peak: live state S + 2 arena slots 2S (in /dev/shm) + one restore/load/staging copy S.
+    size = C.fit_size(size_gb, ram_per_gb=4.15, shm_per_gb=2.1, what=f"snapshot_cpu {shape}")
+    if size is None:
+        return None
+    n_params = SHAPES[shape]
+    case = f"{size:g} GB {shape}"
+    C.log(f"case {case}: building state ({n_params} params + AdamW)")
+    t_build, (model, opt) = C.timed(lambda: C.build_state(size, n_params))
+    flat = C.flat_state(model, opt)
+    nbytes = C.state_bytes(flat)
+    ntensors = len(flat)
+    d = tmp / f"{shape}-{size:g}"
+    d.mkdir()
+    snapdir = d / "snap"
+    job = f"bench-{os.getpid()}-{shape}-{size:g}".replace(".", "_")
+    mk = lambda: cudasnap.Snapshotter(model, opt, directory=snapdir, job=job, keep=2,  # noqa: E731
+                                      health=False)
+    snap = mk()
+    res: dict[str, Any] = {"case": case, "size_gb": size, "shape": shape, "tensors": ntensors,
+                           "bytes": nbytes, "build_s": t_build}
+
+    # --- boundaries -------------------------------------------------------
+    step = 0
+    t0 = time.perf_counter()
+    snap.boundary(step)
+    first_blocked = time.perf_counter() - t0
+    snap.wait()
+    first_complete = time.perf_counter() - t0
+    res["first_boundary_s"] = first_blocked
+    res["first_complete_s"] = first_complete
+    res["arena_setup_s"] = snap.stats().get("arena_setup_seconds")
+    blocked, complete, steps = [], [], []
+    for _ in range(a.boundaries):
+        t0 = time.perf_counter()
+        opt.step()  # the fence pre-hook runs (nothing in flight: wait() returned)
+        steps.append(time.perf_counter() - t0)
+        step += 1
+        t0 = time.perf_counter()
+        snap.boundary(step)
+        blocked.append(time.perf_counter() - t0)
+        snap.wait()
+        complete.append(time.perf_counter() - t0)
+    st = snap.stats()
+    res.update(boundary_s=blocked, complete_s=complete, opt_step_s=steps,
+               layout_rebuilds=st.get("layout_rebuilds"), skipped=st.get("skipped"))
+    C.log(f"  boundary median {C.med(blocked) * 1e3:.2f} ms, complete {C.med(complete):.2f} s")
+
+    # --- durable writes: flush vs raw vs peers, rotated order ----------------
+    # "many" has the same bytes as "few": its raw baseline is os.write only, and torch.save
+    # runs once (the file torch.load restores), to keep the default run short.
+    writers = ["flush", "raw_os", "raw_native", "torch_save"] if shape == "few" else \
+        ["flush", "raw_os", "torch_save"]
+    if with_peers:
+        C.init_dist(tmp)
+        writers += ["dcp_save", "dcp_async"]
+    w: dict[str, list[Any]] = {k: [] for k in writers}
+    tpath = d / "torch.pt"
+    for r in range(a.repeats):
+        step += 1
+        opt.step()
+        snap.boundary(step)
+        snap.wait()
+        arena = native().Arena.open(str(snap.arena_path), False)
+        slot = arena.newest_complete()
+        n = arena.slot_info(slot)["data_bytes"]
+        order = writers[r % len(writers):] + writers[:r % len(writers)]
+        if shape != "few" and r > 0:
+            order = [k for k in order if k != "torch_save"]
+        for kind in order:
+            C.free_mem()
+            if kind == "flush":
+                t0 = time.perf_counter()
+                path = snap.flush()
+                w[kind].append(time.perf_counter() - t0)
+                C.drop_cache(path)
+            elif kind == "raw_os":
+                w[kind].append(C.raw_write_os(arena.data_view(slot, n), d / "raw-os.bin"))
+            elif kind == "raw_native":
+                w[kind].append(C.raw_write_native(arena.data_ptr(slot), n, d / "raw-c.bin", 1))
+            elif kind == "torch_save":
+                C.rm(tpath)
+                w[kind].append(torch_save(model, opt, tpath))
+                C.drop_cache(tpath)
+            elif kind == "dcp_save":
+                w[kind].append(dcp_save(flat, d / "dcp"))
+                C.rm(d / "dcp")
+            elif kind == "dcp_async":
+                w[kind].append(dcp_async(flat, d / "dcp-async"))
+                C.rm(d / "dcp-async")
+            C.log(f"  repeat {r}: {kind} {w[kind][-1]}")
+        res["staged_bytes"] = n
+        del arena
+    res["writes"] = w
+
+    # --- restores ------------------------------------------------------------
+    rs: dict[str, list[float]] = {"shm": [], "disk": [], "torch_load": []}
+    sources: dict[str, set[str]] = {"shm": set(), "disk": set()}
+    latest = snapdir / (snapdir / "latest").read_text().strip()
+    C.drop_cache(latest)
+    for r in range(a.repeats):
+        C.free_mem()
+        # shared memory: a fresh Snapshotter adopts the arena the old one left
+        snap.close(keep_arena=True)
+        snap = mk()
+        t0 = time.perf_counter()
+        snap.restore_latest()
+        rs["shm"].append(time.perf_counter() - t0)
+        sources["shm"].add(str((snap.stats().get("restore") or {}).get("source")))
+        # disk: arena renamed away first
+        snap.close(keep_arena=True)
+        arena_path = Path(snap.arena_path)
+        away = arena_path.with_name(arena_path.name + ".away")
+        os.rename(arena_path, away)
+        try:
+            C.free_mem()
+            s2 = mk()
+            t0 = time.perf_counter()
+            s2.restore_latest()
+            rs["disk"].append(time.perf_counter() - t0)
+            sources["disk"].add(str((s2.stats().get("restore") or {}).get("source")))
+            s2.close()
+        finally:
+            os.rename(away, arena_path)
+        C.drop_cache(latest)
+        snap = mk()
+        rs["torch_load"].append(torch_restore(model, opt, tpath))
+    res["restore"] = rs
+    res["restore_sources"] = {k: sorted(v) for k, v in sources.items()}
+    C.log(f"  restore shm {C.med(rs['shm']):.2f} s, disk {C.med(rs['disk']):.2f} s, "
+          f"torch.load {C.med(rs['torch_load']):.2f} s ({res['restore_sources']})")
+    snap.close()
+    del snap, flat, model, opt
+    C.rm(d)
+    C.free_mem()
+    return res
+
+
+# ------------------------------------------------------------------ report
+def report(results: list[dict[str, Any]], a: Any) -> str:
+    f, m = C.fmt, C.med
+    out = []
+    rows = []
+    for r in results:
+        b = m(r["boundary_s"])
+        bmax = max(r["boundary_s"])
+        c = m(r["complete_s"])
+        gb = r["bytes"] / C.GB
+        rows.append([r["case"], r["tensors"], f(b * 1e3, " ms"), f(bmax * 1e3, " ms"),
+                     "yes" if b < 1e-3 else "NO", f(c, " s"), f(gb / c, " GB/s"),
+                     f(r["first_boundary_s"], " s"), f(m(r["opt_step_s"]) * 1e3, " ms")])
+    out.append(C.print_table(
+        "Snapshot at the boundary (CPU backend)",
+        ["case", "tensors", "boundary() blocked, median", "max", "< 1 ms?", "boundary -> COMPLETE",
+         "copy GB/s", "first boundary (arena set-up)", "opt.step (fence hook, no math)"], rows,
+        f"{a.boundaries} boundaries per case after the first; median over them."))
+
+    rows = []
+    for r in results:
+        w = r["writes"]
+        gb = r["bytes"] / C.GB
+        fl, ro, rn, ts = m(w["flush"]), m(w["raw_os"]), m(w.get("raw_native", [])), \
+            m(w["torch_save"])
+        ds, da = m(w.get("dcp_save", [])), m([x[0] for x in w.get("dcp_async", [])])
+        dd = m([x[1] for x in w.get("dcp_async", [])])
+        best_raw = min(x for x in (ro, rn) if x is not None)
+        rows.append([r["case"], f(fl, " s"), f(gb / fl, " GB/s"), f(ro, " s"), f(rn, " s"),
+                     f(C.ratio(ro, fl), "x"), f(C.ratio(rn, fl), "x"),
+                     "yes" if best_raw / fl >= 0.8 else "NO",
+                     f(ts, " s"), f(ds, " s"), f(da, " s"), f(dd, " s"),
+                     f(da / gb if da else None, " s/GB"),
+                     f(C.ratio(da, m(r["boundary_s"])), "x")])
+    out.append(C.print_table(
+        "Durable write of the same bytes (median, writers rotated each repeat)",
+        ["case", "flush()", "flush GB/s", "raw os.write+fsync", "raw _C 1 thr",
+         "flush/raw(os)", "flush/raw(_C)", ">= 0.8 of best raw?", "torch.save+fsync",
+         "dcp.save", "async_save blocked", "async_save durable", "async blocked per GB",
+         "async blocked / boundary blocked"], rows,
+        "flush/raw = raw time / flush time (1.0 = as fast as the raw write). flush() includes "
+        "manifest, fsyncs of file and directories, rename and `latest`; raw = one file, fsync."))
+
+    rows = []
+    for r in results:
+        rs = r["restore"]
+        gb = r["bytes"] / C.GB
+        sh, dk, tl = m(rs["shm"]), m(rs["disk"]), m(rs["torch_load"])
+        rows.append([r["case"], f(sh, " s"), f(gb / sh, " GB/s"), f(dk, " s"), f(gb / dk, " GB/s"),
+                     f(tl, " s"), f(gb / tl, " GB/s"), f(C.ratio(tl, sh), "x"),
+                     f(C.ratio(tl, dk), "x"),
+                     "/".join(r["restore_sources"]["shm"] + r["restore_sources"]["disk"])])
+    out.append(C.print_table(
+        "Restore into the live model + optimizer (fresh Snapshotter, same objects)",
+        ["case", "cudasnap from shm", "GB/s", "cudasnap from disk", "GB/s", "torch.load+copy",
+         "GB/s", "torch.load / shm", "torch.load / disk", "sources seen"], rows,
+        "From disk: the arena is renamed away and data.bin / torch.pt are evicted from the page "
+        "cache first (posix_fadvise DONTNEED), so the read hits the disk."))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    tmp = C.disk_tmpdir(a.tmp, "snapcpu")
+    print(f"# snapshot_cpu: {time.strftime('%Y-%m-%d %H:%M:%S')}; {C.machine_line()}; "
+          f"disk dir {C.disk_line(tmp)}", flush=True)
+    print(f"# sizes {a.sizes} GB, shapes {a.shapes}, repeats {a.repeats}, peers: {a.peers}\n",
+          flush=True)
+    t_start = time.perf_counter()
+    results = []
+    try:
+        for size in a.sizes:
+            for shape in a.shapes:
+                peers = a.peers == "all" or (a.peers == "few" and shape == "few")
+                r = run_case(size, shape, a, tmp, peers)
+                if r is not None:
+                    results.append(r)
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        C.rm(tmp)
+    report(results, a)
+    print(f"total wall time {time.perf_counter() - t_start:.0f} s", flush=True)
+    if a.json:
+        C.emit_json({"bench": "snapshot_cpu", "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
