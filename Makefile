@@ -8,13 +8,14 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build demo test bench clean
+.PHONY: all venv build demo test lint clean
 
 all: build
 
-$(STAMP): requirements.txt requirements-dev.txt setup.py
+$(STAMP): requirements.txt requirements-dev.txt requirements-extras.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt \
+		-r requirements-extras.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
@@ -26,7 +27,11 @@ build: $(STAMP)
 demo: build
 	$(BIN)/python -m cudasnap demo
 
-test: build
+lint: $(STAMP)
+	$(BIN)/ruff check cudasnap tests bench
+	$(BIN)/mypy cudasnap
+
+test: build lint
 	$(BIN)/python -m pytest -q tests
 
 clean:

@@ -112,6 +112,7 @@ void init_staging(py::module_& m) {
       .def_property_readonly("total_bytes", &Arena::total_bytes)
       .def_property_readonly("job", &Arena::job)
       .def_property_readonly("owner_pid", &Arena::owner_pid)
+      .def("claim_owner", &Arena::claim_owner)
       .def_property_readonly("writable", &Arena::writable)
       .def_readonly("cuda_registered", &Arena::cuda_registered)
       .def("slot_info", [](const Arena& a, int s) { return slot_info_dict(a.slot_info(s)); })

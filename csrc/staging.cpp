@@ -229,6 +229,24 @@ void Arena::unlink_file() {
   if (fd_ >= 0 && !path_.empty()) ::unlink(path_.c_str());
 }
 
+namespace {
+// Live-owner field: 8 bytes in the arena header page, past the CRC'd ArenaHeader.
+constexpr uint64_t kLiveOwnerOffset = 2048;
+static_assert(sizeof(ArenaHeader) <= kLiveOwnerOffset, "arena header grew into the owner field");
+}  // namespace
+
+int64_t Arena::owner_pid() const {
+  int64_t live = __atomic_load_n(reinterpret_cast<int64_t*>(base_ + kLiveOwnerOffset),
+                                 __ATOMIC_ACQUIRE);
+  return live > 0 ? live : hdr()->owner_pid;
+}
+
+void Arena::claim_owner() {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, writable_, "arena " << path_ << " is read-only");
+  __atomic_store_n(reinterpret_cast<int64_t*>(base_ + kLiveOwnerOffset),
+                   static_cast<int64_t>(getpid()), __ATOMIC_RELEASE);
+}
+
 std::string Arena::job() const {
   return std::string(hdr()->job, strnlen(hdr()->job, sizeof(hdr()->job)));
 }

@@ -114,7 +114,12 @@ class Arena {
   uint64_t max_chunks() const { return hdr()->max_chunks; }
   uint64_t total_bytes() const { return size_; }
   std::string job() const;
-  int64_t owner_pid() const { return hdr()->owner_pid; }
+  // The process using the arena now: the last claim_owner() caller, else the creator.
+  int64_t owner_pid() const;
+  // Records the calling process as the arena's user (a restarted trainer that
+  // adopted its predecessor's arena). The field lives outside the CRC'd
+  // header, written with one atomic store, so no crash can tear the header.
+  void claim_owner();
   uint8_t* base() const { return base_; }
   bool writable() const { return writable_; }
   bool shared() const { return fd_ >= 0; }

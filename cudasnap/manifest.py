@@ -49,7 +49,7 @@ def span_bytes(shape: list[int], stride: list[int], itemsize: int) -> int:
     """Bytes from a view's first element to one past its last."""
     if any(s == 0 for s in shape):
         return 0
-    return itemsize * (1 + sum((n - 1) * st for n, st in zip(shape, stride)))
+    return itemsize * (1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)))
 
 
 def tensor_entry(name: str, group: str, t: Any, offset: int, phase: int) -> dict[str, Any]:

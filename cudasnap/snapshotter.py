@@ -245,6 +245,7 @@ class Snapshotter:
         owner = arena.owner_pid
         if owner != os.getpid() and _pid_alive(owner):
             raise ConfigError(f"staging arena {self.arena_path} belongs to running process {owner}")
+        arena.claim_owner()  # from now on `cudasnap gc` sees this process as the user
         self._inherited = arena
         slot = arena.newest_complete()
         if slot >= 0:
@@ -390,6 +391,8 @@ class Snapshotter:
         return self._arena
 
     def _adopt(self, arena: Any) -> Any:
+        if arena.writable:
+            arena.claim_owner()  # `cudasnap gc` must see this process as the live user
         if self._cuda is not None:
             return self._cuda.prepare_arena(arena, self)
         return arena
@@ -526,9 +529,10 @@ class Snapshotter:
         candidates: list[tuple[int, int, str, Any]] = []
         arena = self._arena or self._inherited
         if arena is not None:
-            slot = arena.newest_complete()
-            if slot >= 0:
-                candidates.append((arena.slot_info(slot)["step"], 1, "shm", slot))
+            for slot in range(arena.num_slots):  # every COMPLETE slot: the older one too
+                info = arena.slot_info(slot)
+                if info["valid"]:
+                    candidates.append((info["step"], 1 + info["seq"], "shm", slot))
         for s in store.list_snapshots(self.directory):
             candidates.append((s.step, 0, "disk", s))
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)

@@ -170,11 +170,11 @@ class TrainingState:
                 live[a] = lt
         snap = {e["name"]: e for e in tensors if e.get("group", "").startswith("model:")}
         for name, e in snap.items():
-            lt = live.get(name)
-            if lt is None:
+            match = live.get(name)
+            if match is None:
                 raise IncompatibleSnapshot(
                     f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
-            t = lt.tensor
+            t = match.tensor
             if list(t.shape) != e["shape"]:
                 raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
                                            f"snapshot, {list(t.shape)} in the live model")

@@ -153,7 +153,8 @@ def _replace_latest(directory: Path, name: str) -> None:
 def clean_partial(directory: Path) -> list[Path]:
     """Removes ``.tmp`` directories of interrupted flushes; returns what it removed."""
     removed = []
-    for p in [*Path(directory).glob("step-*.tmp*"), *Path(directory).glob("step-*/rank-*.tmp-*")]:
+    for p in [*Path(directory).glob("step-*.tmp*"), *Path(directory).glob("step-*/rank-*.tmp-*"),
+              *Path(directory).glob("step-*.old-*"), *Path(directory).glob("step-*/rank-*.old-*")]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
@@ -161,7 +162,7 @@ def clean_partial(directory: Path) -> list[Path]:
 
 def list_snapshots(directory: Path) -> list[StoredSnapshot]:
     """Committed snapshot directories, newest first (no validation)."""
-    out = []
+    out: list[StoredSnapshot] = []
     d = Path(directory)
     if not d.is_dir():
         return out
@@ -195,9 +196,19 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     directory = Path(directory)
     final = directory / step_dirname(step)
     target = final / subdir if subdir else final
+    stale: Path | None = None
     if (target / MANIFEST).exists():
-        log.info("step %d already on disk at %s", step, target)
-        return target, {"bytes": 0, "seconds": 0.0, "skipped": True}
+        try:
+            prev = json.loads((target / MANIFEST).read_bytes())
+            same = prev.get("slot_seq") == int(info["seq"]) and prev.get("job") == meta.get("job")
+        except (OSError, ValueError):
+            same = False
+        if same:
+            log.info("step %d already on disk at %s", step, target)
+            return target, {"bytes": 0, "seconds": 0.0, "skipped": True}
+        # Another run's (or a corrupt) copy of this step: replace it; it is moved
+        # aside only once the new copy is complete, then removed.
+        stale = target.with_name(f"{target.name}.old-{os.getpid()}")
     if subdir:
         # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid>
         # and renames it into place; the COMMIT marker (cudasnap.distributed)
@@ -225,6 +236,8 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         _write_file_durable(tmp_target / MANIFEST, body)
         C.fsync_dir(str(tmp_target))
+        if stale is not None:
+            os.rename(target, stale)
         os.rename(tmp, target)
         C.fsync_dir(str(target.parent))
         if subdir:
@@ -235,6 +248,8 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     except SnapshotError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
     if update_latest:
         _replace_latest(directory, final.name)
         prune(directory, keep)

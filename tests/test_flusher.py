@@ -8,10 +8,10 @@ import random
 
 import numpy as np
 import pytest
+from helpers import layout as L
 
 from cudasnap import store
 from cudasnap.errors import CorruptSnapshot, FlushError, SnapshotError, StagingError
-from helpers import layout as L
 
 
 @pytest.fixture

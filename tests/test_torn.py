@@ -32,7 +32,7 @@ HELPERS = Path(__file__).resolve().parent / "helpers"
 DIM = 640  # state: 2 x (640x640 + 640) params + AdamW moments + BN buffers, about 10 MB
 STEPS = 11
 FLUSH_EVERY = 3
-TRIALS = 24
+TRIALS = int(os.environ.get("CUDASNAP_TORN_TRIALS", "24"))  # >= 20
 SEED = int(os.environ.get("CUDASNAP_TORN_SEED", "20261202"))  # override to explore
 TIMEOUT = 90.0
 

@@ -1,0 +1,837 @@
+"""cudasnap on a GPU: D2H bandwidth, training overhead, boundary() cost, flush (one short run).
+
+Four sections, each measured against a baseline taken in the same run on the same bytes:
+
+(a) D2H bandwidth for 256 MiB, 1 GiB and 4 GiB. Ceiling: pinned ``cudaMemcpyAsync``
+    (CuPy's runtime call on torch's pointers when CuPy imports, else torch's
+    ``copy_(non_blocking=True)``) into cudaHostAlloc'd memory, and into a
+    cudaHostRegister'ed /dev/shm mapping (what cudasnap stages into). cudasnap:
+    a params + AdamW state of the same size; bytes / (boundary() -> COMPLETE)
+    (``stats()['last_copy_gbps']``), the DMA part alone (CUDA events: compute
+    stream before boundary() -> copy stream after it), and the host wall time.
+    Target: COMPLETE GB/s >= 0.9 x pinned ceiling.
+(b) Steady-state overhead: a GPT-2-small-sized model (12 layers, d=768, 12 heads,
+    seq 1024), bf16 autocast, AdamW; iteration time without and with
+    ``boundary()`` every step, in interleaved A/B blocks (each block starts with
+    one untimed step so the copy pipeline is in its steady state). Target:
+    median ratio <= 1.01.
+(c) ``boundary()`` host time with 1,000 state tensors, copy plan cached
+    (``wait()`` between boundaries, untimed). Target: median < 50 us.
+(d) ``flush()`` GB/s to a local disk vs a raw ``os.write`` + fsync of the same
+    staged bytes (and cudasnap's own multi-threaded pwrite writer).
+
+Prints a short table LAST; with $OUT (or --out) set writes gpu_results.json and
+gpu_results.txt there (rewritten after every section, so a killed run leaves
+what it measured). A watchdog (--budget, default 420 s) stops the run, prints
+the partial table and exits 3. Without a CUDA device it prints
+"skipped: no CUDA device" and exits 0. Exit 1: a section failed.
+
+    python bench/gpu_bench.py [--budget 420] [--quick] [--sections a,b,c,d] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import mmap
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (stdlib only at import; puts the repo root on sys.path)
+
+MiB = 1 << 20
+GiB = 1 << 30
+SKIP_MSG = "skipped: no CUDA device"
+TARGETS = {"d2h_ratio": 0.9, "overhead_ratio": 1.01, "boundary_us": 50.0}
+
+
+class BudgetExceeded(BaseException):
+    """Raised in the main thread by the watchdog (SIGALRM); not an Exception on purpose."""
+
+
+# ------------------------------------------------------------------ arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="watchdog: wall seconds before the run stops and prints partial results "
+                        "(default 420; the whole run must stay under 8 minutes)")
+    p.add_argument("--sections", default="a,b,c,d", help="subset of a,b,c,d (default all)")
+    p.add_argument("--sizes-mib", default="256,1024,4096",
+                   help="(a) sizes in MiB (default 256,1024,4096)")
+    p.add_argument("--repeats", type=int, default=5, help="(a) repeats per size (median)")
+    p.add_argument("--gpt-batches", default="32,8",
+                   help="(b) batch sizes, seq 1024 (default 32,8: a comfortable and a short step)")
+    p.add_argument("--pairs", type=int, default=8, help="(b) A/B block pairs (default 8)")
+    p.add_argument("--block", type=int, default=10, help="(b) timed steps per block (default 10)")
+    p.add_argument("--boundaries", type=int, default=300,
+                   help="(c) timed boundary() calls per case (default 300)")
+    p.add_argument("--flush-mib", type=int, default=2048, help="(d) state size in MiB (default 2048)")
+    p.add_argument("--flush-repeats", type=int, default=3, help="(d) repeats (default 3)")
+    p.add_argument("--tmp", default=None,
+                   help="(d) directory on a real disk for flushes (default $TMPDIR or /var/tmp; "
+                        "refused if tmpfs)")
+    p.add_argument("--out", default=os.environ.get("OUT") or None,
+                   help="directory for gpu_results.json/.txt (default $OUT; none when unset)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: small sizes, few repeats, one small GPT batch (~1 min)")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    a = p.parse_args(argv)
+    a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
+    for s in a.sections:
+        if s not in ("a", "b", "c", "d"):
+            p.error(f"unknown section {s!r}; expected a subset of a,b,c,d")
+    try:
+        a.sizes = [int(x) * MiB for x in a.sizes_mib.split(",") if x.strip()]
+        a.batches = [int(x) for x in a.gpt_batches.split(",") if x.strip()]
+    except ValueError as e:
+        p.error(str(e))
+    if a.quick:
+        a.sizes, a.repeats = [64 * MiB, 256 * MiB], min(a.repeats, 3)
+        a.batches, a.pairs, a.block = [4], min(a.pairs, 3), min(a.block, 4)
+        a.boundaries, a.flush_mib, a.flush_repeats = min(a.boundaries, 100), 256, 2
+    if a.repeats < 1 or a.pairs < 1 or a.block < 1 or a.boundaries < 1 or a.flush_repeats < 1:
+        p.error("repeats, pairs, block, boundaries and flush-repeats must be >= 1")
+    if a.budget <= 0:
+        p.error("--budget must be > 0")
+    return a
+
+
+# ------------------------------------------------------------------ results
+class Results:
+    """Everything measured so far; written to --out after every section."""
+
+    def __init__(self, out: str | None, budget: float) -> None:
+        self.t0 = time.monotonic()
+        self.out = Path(out) if out else None
+        self.lock = threading.RLock()
+        self.data: dict[str, Any] = {"status": "running", "budget_s": budget, "env": {},
+                                     "a": [], "b": [], "c": [], "d": [], "errors": [],
+                                     "notes": []}
+        self.printed = False
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def add(self, section: str, row: dict[str, Any]) -> None:
+        with self.lock:
+            self.data[section].append(row)
+        self.save()
+
+    def note(self, text: str) -> None:
+        print(f"   note: {text}", flush=True)
+        with self.lock:
+            self.data["notes"].append(text)
+
+    def error(self, section: str, exc: BaseException) -> None:
+        tb = traceback.format_exc(limit=6)
+        print(f"!! section ({section}) failed: {type(exc).__name__}: {exc}\n{tb}", flush=True)
+        with self.lock:
+            self.data["errors"].append({"section": section, "error": f"{type(exc).__name__}: {exc}",
+                                        "traceback": tb})
+        self.save()
+
+    def save(self) -> None:
+        if self.out is None:
+            return
+        with self.lock:
+            self.data["elapsed_s"] = round(self.elapsed(), 1)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                tmp = self.out / "gpu_results.json.tmp"
+                tmp.write_text(json.dumps(self.data, indent=1, default=str))
+                os.replace(tmp, self.out / "gpu_results.json")
+                (self.out / "gpu_results.txt").write_text(table(self.data) + "\n")
+            except OSError as e:  # never let a full disk kill the measurement
+                print(f"!! cannot write results to {self.out}: {e}", flush=True)
+
+    def finish(self, status: str) -> None:
+        with self.lock:
+            if self.printed:
+                return
+            self.printed = True
+            self.data["status"] = status
+            self.save()
+            print("\n" + table(self.data), flush=True)
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("PASS" if ok else "MISS")
+
+
+def table(d: dict[str, Any]) -> str:
+    env = d.get("env", {})
+    L = [f"== cudasnap GPU bench: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, "
+         f"CUDA {env.get('cuda', '?')}, driver {env.get('driver', '?')}, "
+         f"copy via {env.get('copy_api', '?')} =="]
+    if d["a"]:
+        L.append("(a) D2H GB/s, median        pinned  shm-reg  snap-DMA  snap-COMPLETE  "
+                 "host-wall  ratio  target")
+        for r in d["a"]:
+            L.append(f"    {r['label']:<24}{_f(r.get('ceiling_pinned_gbps')):>7}"
+                     f"{_f(r.get('ceiling_shm_gbps')):>9}{_f(r.get('snap_dma_gbps')):>10}"
+                     f"{_f(r.get('snap_complete_gbps')):>15}{_f(r.get('snap_wall_gbps')):>11}"
+                     f"{_f(r.get('ratio')):>7}  >={TARGETS['d2h_ratio']:.2f} "
+                     f"{_verdict(r.get('ok'))}")
+    if d["b"]:
+        L.append("(b) GPT-2 small bf16 AdamW   base ms  snap ms  ratio  [min..max]     "
+                 "stall/step ms  target")
+        for r in d["b"]:
+            L.append(f"    {r['label']:<24}{_f(r.get('base_ms')):>8}{_f(r.get('snap_ms')):>9}"
+                     f"{_f(r.get('ratio'), '{:.3f}'):>7}  [{_f(r.get('ratio_min'), '{:.3f}')}.."
+                     f"{_f(r.get('ratio_max'), '{:.3f}')}]{_f(r.get('fence_wait_ms_per_step')):>11}"
+                     f"     <={TARGETS['overhead_ratio']:.2f} {_verdict(r.get('ok'))}")
+    if d["c"]:
+        L.append("(c) boundary() host time     median us  p90 us  rebuilds  tensors  ranges  target")
+        for r in d["c"]:
+            L.append(f"    {r['label']:<24}{_f(r.get('median_us'), '{:.1f}'):>10}"
+                     f"{_f(r.get('p90_us'), '{:.1f}'):>8}{r.get('layout_rebuilds', '-'):>10}"
+                     f"{r.get('tensors', '-'):>9}{r.get('ranges', '-'):>8}"
+                     f"  <{TARGETS['boundary_us']:.0f} {_verdict(r.get('ok'))}")
+    if d["d"]:
+        L.append("(d) flush to disk GB/s       flush  raw write+fsync  raw native  "
+                 "flush/raw  disk")
+        for r in d["d"]:
+            L.append(f"    {r['label']:<24}{_f(r.get('flush_gbps')):>6}"
+                     f"{_f(r.get('raw_os_gbps')):>17}{_f(r.get('raw_native_gbps')):>12}"
+                     f"{_f(r.get('ratio')):>11}  {r.get('fs', '?')}")
+    for e in d.get("errors", []):
+        L.append(f"ERROR ({e['section']}): {e['error']}")
+    L.append(f"status: {d.get('status')} after {_f(d.get('elapsed_s'), '{:.0f}')} s "
+             f"(budget {d.get('budget_s'):.0f} s)")
+    return "\n".join(L)
+
+
+# ------------------------------------------------------------------ watchdog
+def install_watchdog(res: Results, budget: float) -> None:
+    """SIGALRM at ``budget`` s raises BudgetExceeded in the main thread; a thread kills the
+    process 30 s later if the main thread is stuck in C code (printing the partial table)."""
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise BudgetExceeded(f"watchdog: budget of {budget:.0f} s exceeded")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(max(1, int(budget)))
+
+    def hard() -> None:
+        time.sleep(budget + 30)
+        print(f"!! watchdog: still running {budget + 30:.0f} s in; exiting hard", flush=True)
+        res.note("hard watchdog: the main thread did not return after SIGALRM")
+        res.finish("PARTIAL (hard watchdog)")
+        os._exit(3)
+
+    threading.Thread(target=hard, name="gpu-bench-watchdog", daemon=True).start()
+
+
+# ------------------------------------------------------------------ helpers
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def release_gpu() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    C.free_mem()
+
+
+def fill_random(t: Any, seed: int) -> None:
+    """Non-zero, non-constant bytes (never time zeros)."""
+    import torch
+
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    flat = t.view(-1)
+    if flat.dtype.is_floating_point:
+        flat.normal_(generator=g)
+    else:
+        flat.random_(0, 255, generator=g)
+
+
+def snapshotter(model: Any, opt: Any, tmp: Path, tag: str, **kw: Any) -> Any:
+    import cudasnap
+
+    d = tmp / f"ckpt-{tag}"
+    return cudasnap.Snapshotter(model, opt, directory=d, job=f"gpubench-{os.getpid()}-{tag}",
+                                health=False, **kw)
+
+
+def adam_state(total_bytes: int, n_params: int, device: Any, seed: int = 0) -> tuple[Any, Any]:
+    """float32 params + AdamW moments totalling ``total_bytes`` (3 x parameter bytes)."""
+    import torch
+
+    numel = max(1024, total_bytes // 12 // n_params)
+    params = [torch.nn.Parameter(torch.empty(numel, device=device)) for _ in range(n_params)]
+    model = torch.nn.Module()
+    model.p = torch.nn.ParameterList(params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i, p in enumerate(params):
+        fill_random(p.data, seed + i)
+        p.grad = torch.zeros_like(p)
+    opt.step()  # creates exp_avg / exp_avg_sq (and the host 'step')
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for i, st in enumerate(opt.state.values()):
+            fill_random(st["exp_avg"], seed + 1000 + i)
+            fill_random(st["exp_avg_sq"], seed + 2000 + i)
+    torch.cuda.synchronize()
+    return model, opt
+
+
+def check_shm(need: int, what: str, res: Results) -> bool:
+    free = C.shm_free()
+    if free < need + 256 * MiB:
+        res.note(f"{what}: needs {need / GiB:.1f} GiB of /dev/shm, {free / GiB:.1f} GiB free: skipped")
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ copy API
+class D2H:
+    """Device-to-host async copy on one stream: CuPy's cudaMemcpyAsync or torch copy_."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.stream = torch.cuda.Stream(device=device)
+        self.cp = None
+        self.api = "torch copy_(non_blocking)"
+        if os.environ.get("CUDASNAP_BENCH_NO_CUPY") != "1":
+            try:
+                import cupy
+
+                cupy.cuda.Device(device).use()
+                self.cp = cupy
+                # one tiny copy proves the call works with torch's pointers/stream
+                a = torch.arange(1024, dtype=torch.uint8, device=f"cuda:{device}")
+                h = torch.empty(1024, dtype=torch.uint8, pin_memory=True)
+                self._cupy(h.data_ptr(), a.data_ptr(), 1024)
+                self.stream.synchronize()
+                if not torch.equal(h, a.cpu()):
+                    raise RuntimeError("CuPy memcpyAsync copied wrong bytes")
+                self.api = f"CuPy {cupy.__version__} cudaMemcpyAsync"
+            except Exception as e:  # noqa: BLE001 - any CuPy trouble: use torch
+                self.cp = None
+                self.api = f"torch copy_(non_blocking) (CuPy unusable: {type(e).__name__})"
+
+    def _cupy(self, dst: int, src: int, n: int) -> None:
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(dst, src, n, rt.memcpyDeviceToHost, self.stream.cuda_stream)
+
+    def time_copy(self, dst: Any, src: Any, n: int) -> float:
+        """Seconds of one n-byte D2H copy (CUDA events on the copy stream)."""
+        torch = self.torch
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            e0.record(self.stream)
+            if self.cp is not None:
+                self._cupy(dst.data_ptr(), src.data_ptr(), n)
+            else:
+                dst[:n].copy_(src[:n], non_blocking=True)
+            e1.record(self.stream)
+        e1.synchronize()
+        return e0.elapsed_time(e1) / 1e3
+
+
+class ShmRegistered:
+    """A /dev/shm mapping, pre-faulted and cudaHostRegister'ed (cudasnap's staging kind)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.path = Path(C.shm_dir_default()) if hasattr(C, "shm_dir_default") else Path("/dev/shm")
+        self.file = self.path / f"cudasnap-gpubench-{os.getpid()}.ceiling"
+        fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.tensor.fill_(1)  # pre-fault every page
+        self.registered = False
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+        code = getattr(err, "value", err)
+        if int(code) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: error {err}")
+        self.registered = True
+
+    def close(self) -> None:
+        if self.registered:
+            self.torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+        del self.tensor
+        gc.collect()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        self.file.unlink(missing_ok=True)
+
+
+def _label(n: int) -> str:
+    return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n // MiB} MiB"
+
+
+# ------------------------------------------------------------------ (a)
+def section_a(a: argparse.Namespace, res: Results, tmp: Path, d2h: D2H) -> None:
+    import torch
+
+    dev = torch.device("cuda", a.device)
+    for n in a.sizes:
+        label = _label(n)
+        row: dict[str, Any] = {"label": label, "bytes": n}
+        print(f"-- (a) {label}", flush=True)
+        # ceiling: cudaHostAlloc'd pinned buffer, and a registered /dev/shm mapping
+        src = torch.empty(n, dtype=torch.uint8, device=dev)
+        fill_random(src, 7)
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        d2h.time_copy(pinned, src, n)  # warm-up
+        ts = [d2h.time_copy(pinned, src, n) for _ in range(a.repeats)]
+        row["ceiling_pinned_gbps"] = n / median(ts) / 1e9
+        row["ceiling_pinned_all"] = [round(n / t / 1e9, 2) for t in ts]
+        if not torch.equal(pinned[:4096], src[:4096].cpu()):
+            raise RuntimeError("ceiling copy produced wrong bytes")
+        del pinned
+        C.free_mem()
+        if check_shm(n, f"(a) {label} shm ceiling", res):
+            shm = None
+            try:
+                shm = ShmRegistered(n)
+                d2h.time_copy(shm.tensor, src, n)
+                ts = [d2h.time_copy(shm.tensor, src, n) for _ in range(a.repeats)]
+                row["ceiling_shm_gbps"] = n / median(ts) / 1e9
+            except Exception as e:  # noqa: BLE001
+                res.note(f"(a) {label}: shm-registered ceiling failed: {e}")
+            finally:
+                if shm is not None:
+                    shm.close()
+        del src
+        release_gpu()
+        # cudasnap on a params + AdamW state of n bytes
+        if not check_shm(int(2.1 * n), f"(a) {label} cudasnap arena (2 slots)", res):
+            res.add("a", row)
+            continue
+        model, opt = adam_state(n, 8, dev, seed=11)
+        snap = snapshotter(model, opt, tmp, f"a{n}")
+        try:
+            t0 = time.perf_counter()
+            snap.boundary(0)  # builds plan + arena (pre-fault + cudaHostRegister)
+            if not snap.wait(timeout=300):
+                raise RuntimeError("first snapshot did not complete in 300 s")
+            row["first_boundary_s"] = time.perf_counter() - t0
+            row["arena_setup_s"] = snap.stats()["arena_setup_seconds"]
+            copy_stream = None
+            try:
+                copy_stream = torch.cuda.ExternalStream(int(snap._cuda.engine.copy_stream),
+                                                        device=dev)
+            except Exception as e:  # noqa: BLE001
+                res.note(f"(a) no copy-stream handle, DMA column empty: {e}")
+            cg, dma, wall = [], [], []
+            for r in range(1, a.repeats + 2):
+                opt.step()  # no grads: only the fence hook runs (as in training)
+                torch.cuda.synchronize()
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                t0 = time.perf_counter()
+                snap.boundary(r)
+                if copy_stream is not None:
+                    e1.record(copy_stream)
+                if not snap.wait(timeout=120):
+                    raise RuntimeError(f"snapshot {r} did not complete in 120 s")
+                t1 = time.perf_counter()
+                st = snap.stats()
+                nbytes = st["bytes"]
+                if r == 1:
+                    continue  # warm-up (second slot's first use)
+                cg.append(st["last_copy_gbps"] or 0.0)
+                wall.append(nbytes / (t1 - t0) / 1e9)
+                if copy_stream is not None:
+                    e1.synchronize()
+                    dma.append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
+            st = snap.stats()
+            row.update(snap_bytes=st["bytes"], snap_complete_gbps=median(cg),
+                       snap_complete_all=[round(x, 2) for x in cg],
+                       snap_dma_gbps=median(dma), snap_wall_gbps=median(wall),
+                       boundary_us_median=st["boundary_us_median"],
+                       backend=st["backend"], skipped=st["skipped"])
+            try:
+                row["copy_ranges"] = int(snap._layout.plan.num_ranges)
+                row["private_arena_reason"] = snap._cuda.fallback_reason
+                row["tracking"] = snap._cuda.registry is not None
+            except Exception:  # noqa: BLE001
+                pass
+            if row.get("ceiling_pinned_gbps") and row["snap_complete_gbps"]:
+                row["ratio"] = row["snap_complete_gbps"] / row["ceiling_pinned_gbps"]
+                row["ok"] = row["ratio"] >= TARGETS["d2h_ratio"]
+        finally:
+            snap.close()
+            del snap, model, opt
+            release_gpu()
+        res.add("a", row)
+        print(f"   {json.dumps({k: v for k, v in row.items() if not k.endswith('_all')}, default=str)}",
+              flush=True)
+
+
+# ------------------------------------------------------------------ (b)
+def gpt2_small(vocab: int = 50304, d: int = 768, layers: int = 12, heads: int = 12,
+               seq: int = 1024) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x: Any) -> Any:
+            B, T, Cd = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, heads, Cd // heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(B, T, Cd))
+            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.wte.weight  # tied, as in GPT-2
+
+        def forward(self, idx: Any) -> Any:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(self.ln_f(x))
+
+    return GPT()
+
+
+def section_b(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda", a.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    vocab, seq = 50304, 1024
+    for batch in a.batches:
+        label = f"batch {batch} x {seq}"
+        print(f"-- (b) {label}", flush=True)
+        torch.manual_seed(0)
+        model = gpt2_small(vocab=vocab, seq=seq).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        x = torch.randint(0, vocab, (batch, seq), device=dev)
+        y = torch.randint(0, vocab, (batch, seq), device=dev)
+        nparams = sum(p.numel() for p in model.parameters())
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        row: dict[str, Any] = {"label": label, "params": nparams}
+        snap = None
+        try:
+            for _ in range(5):
+                step()  # warm-up: kernels, AdamW state
+            snap = snapshotter(model, opt, tmp, f"b{batch}")
+            k = 0
+            for _ in range(3):  # arena + plan + both slots warm
+                step()
+                snap.boundary(k)
+                k += 1
+            snap.wait(timeout=120)
+            stats0 = snap.stats()
+            row["state_bytes"] = stats0["bytes"]
+            base_t, snap_t, ratios = [], [], []
+            fence0 = stats0["fence_wait_s"]
+            snapshots0 = stats0["snapshots"]
+
+            def block(with_snap: bool) -> float:
+                nonlocal k
+                step()  # untimed lead-in: the pipeline (copy of the previous step) is steady
+                if with_snap:
+                    snap.boundary(k)
+                    k += 1
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(a.block):
+                    step()
+                    if with_snap:
+                        snap.boundary(k)
+                        k += 1
+                torch.cuda.synchronize()
+                dt = (time.perf_counter() - t0) / a.block
+                if with_snap:
+                    snap.wait(timeout=120)  # untimed: the next block starts clean
+                return dt
+
+            for i in range(a.pairs):
+                order = (False, True) if i % 2 == 0 else (True, False)
+                got = {w: block(w) for w in order}
+                base_t.append(got[False])
+                snap_t.append(got[True])
+                ratios.append(got[True] / got[False])
+            st = snap.stats()
+            n_snaps = st["snapshots"] - snapshots0
+            row.update(base_ms=median(base_t) * 1e3, snap_ms=median(snap_t) * 1e3,
+                       ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                       ratios=[round(r, 4) for r in ratios],
+                       base_spread_pct=(max(base_t) - min(base_t)) / median(base_t) * 100,
+                       snapshots=n_snaps, skipped=st["skipped"],
+                       fence_wait_ms_per_step=(st["fence_wait_s"] - fence0) * 1e3 / max(1, n_snaps),
+                       last_copy_gbps=st["last_copy_gbps"],
+                       last_copy_ms=(st["last_copy_seconds"] or 0) * 1e3,
+                       boundary_us_median=st["boundary_us_median"],
+                       peak_gpu_gib=torch.cuda.max_memory_allocated(dev) / GiB)
+            row["ok"] = row["ratio"] <= TARGETS["overhead_ratio"]
+        except torch.cuda.OutOfMemoryError as e:
+            res.note(f"(b) {label}: out of GPU memory ({e}); skipped")
+            row["error"] = "OOM"
+        finally:
+            if snap is not None:
+                snap.close()
+            del snap, model, opt, x, y
+            release_gpu()
+            torch.cuda.reset_peak_memory_stats(dev)
+        res.add("b", row)
+        print(f"   {json.dumps({k_: v for k_, v in row.items() if k_ != 'ratios'}, default=str)}",
+              flush=True)
+        if res.elapsed() > a.budget * 0.8:
+            res.note("(b) stopping early: 80% of the budget used")
+            break
+
+
+# ------------------------------------------------------------------ (c)
+def section_c(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+    import torch
+
+    dev = torch.device("cuda", a.device)
+    cases = [("1000 params, no optim", 1000, False), ("250 params + AdamW", 250, True)]
+    for label, n, with_opt in cases:
+        print(f"-- (c) {label}", flush=True)
+        model = torch.nn.Module()
+        model.p = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(16384, device=dev)) for _ in range(n))
+        opt = None
+        if with_opt:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        snap = snapshotter(model, opt, tmp, f"c{n}")
+        row: dict[str, Any] = {"label": label}
+        try:
+            for s in range(5):  # plan built, arena up, both slots used
+                snap.boundary(s)
+                snap.wait(timeout=60)
+            rebuilds0 = snap.stats()["layout_rebuilds"]
+            ns = []
+            for s in range(5, 5 + a.boundaries):
+                snap.wait(timeout=60)  # untimed: no copy in flight
+                t0 = time.perf_counter_ns()
+                snap.boundary(s)
+                ns.append(time.perf_counter_ns() - t0)
+            snap.wait(timeout=60)
+            ns.sort()
+            st = snap.stats()
+            row.update(median_us=ns[len(ns) // 2] / 1e3, p90_us=ns[int(len(ns) * 0.9)] / 1e3,
+                       min_us=ns[0] / 1e3, calls=len(ns),
+                       layout_rebuilds=st["layout_rebuilds"] - rebuilds0,
+                       tensors=len(snap._layout.tensors), ranges=int(snap._layout.plan.num_ranges),
+                       skipped=st["skipped"])
+            row["ok"] = row["median_us"] < TARGETS["boundary_us"]
+        finally:
+            snap.close()
+            del snap, model, opt
+            release_gpu()
+        res.add("c", row)
+        print(f"   {json.dumps(row, default=str)}", flush=True)
+
+
+# ------------------------------------------------------------------ (d)
+def section_d(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+    import torch
+
+    dev = torch.device("cuda", a.device)
+    n = a.flush_mib * MiB
+    if not check_shm(int(2.1 * n), "(d) arena", res):
+        return
+    disk = C.disk_tmpdir(a.tmp, "gpuflush")
+    label = _label(n)
+    print(f"-- (d) {label} to {C.disk_line(disk)}", flush=True)
+    model, opt = adam_state(n, 8, dev, seed=21)
+    snap = snapshotter(model, opt, disk, "d", keep=2)
+    row: dict[str, Any] = {"label": label, "fs": C.fs_type(disk), "dir": str(disk)}
+    try:
+        flush, raw_os, raw_nat = [], [], []
+        for r in range(a.flush_repeats + 1):
+            opt.step()
+            snap.boundary(r)  # a new step each time: a flush of an already flushed slot is a no-op
+            if not snap.wait(timeout=120):
+                raise RuntimeError("snapshot did not complete")
+            arena = snap._arena
+            slot = arena.newest_complete()
+            nbytes = int(arena.slot_info(slot)["data_bytes"])
+            writers: list[tuple[str, Callable[[], float]]] = [
+                ("flush", lambda: (snap.flush(wait=False), snap.stats()["last_flush_seconds"])[1]),
+                ("os", lambda: C.raw_write_os(arena.data_view(slot, nbytes), disk / f"raw-{r}")),
+                ("native", lambda: C.raw_write_native(arena.data_ptr(slot), nbytes,
+                                                      disk / f"nat-{r}", threads=snap.flush_threads)),
+            ]
+            k = r % len(writers)
+            writers = writers[k:] + writers[:k]  # rotate: disk noise hits all alike
+            arena.lease(slot)
+            try:
+                got = {name: fn() for name, fn in writers}
+            finally:
+                arena.release(slot)
+            if r == 0:
+                continue  # warm-up
+            flush.append(nbytes / got["flush"] / 1e9)
+            raw_os.append(nbytes / got["os"] / 1e9)
+            raw_nat.append(nbytes / got["native"] / 1e9)
+        row.update(bytes=nbytes, flush_gbps=median(flush), raw_os_gbps=median(raw_os),
+                   raw_native_gbps=median(raw_nat), flush_all=[round(x, 2) for x in flush],
+                   raw_os_all=[round(x, 2) for x in raw_os], flush_threads=snap.flush_threads)
+        row["ratio"] = row["flush_gbps"] / row["raw_os_gbps"]
+    finally:
+        snap.close()
+        del snap, model, opt
+        release_gpu()
+        C.rm(disk)
+    res.add("d", row)
+    print(f"   {json.dumps(row, default=str)}", flush=True)
+
+
+# ------------------------------------------------------------------ main
+def gpu_probe() -> tuple[bool, str]:
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return False, f"torch is not importable ({type(e).__name__}: {e})"
+    try:
+        if not torch.cuda.is_available():
+            return False, (f"torch {torch.__version__} (CUDA {torch.version.cuda}): "
+                           "torch.cuda.is_available() is False")
+    except Exception as e:  # noqa: BLE001
+        return False, f"CUDA probe failed ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def environment(a: argparse.Namespace, res: Results) -> None:
+    import torch
+
+    import cudasnap
+    from cudasnap._native import native
+
+    p = torch.cuda.get_device_properties(a.device)
+    env = res.data["env"]
+    env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / GiB, 1),
+               torch=torch.__version__, cuda=torch.version.cuda,
+               cudasnap=getattr(cudasnap, "__version__", "?"), build=dict(native().BUILD_INFO),
+               python=sys.version.split()[0], cores=os.cpu_count(), machine=C.machine_line())
+    try:
+        import subprocess
+
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,"
+                            "pcie.link.width.current,clocks.sm,clocks.mem",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        parts = [x.strip() for x in q.stdout.strip().splitlines()[a.device].split(",")]
+        env.update(driver=parts[0], pcie=f"gen{parts[1]} x{parts[2]}", clocks=f"{parts[3]} / {parts[4]}")
+    except Exception as e:  # noqa: BLE001
+        env["driver"] = f"? ({type(e).__name__})"
+    if "cuda" not in env["build"].get("backends", []):
+        raise SystemExit("cudasnap._C was built without the CUDA backend: rebuild with "
+                         "CUDASNAP_REQUIRE_CUDA=1 python setup.py build_ext --inplace")
+    print(f"env: {json.dumps(env, default=str)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    ok, why = gpu_probe()
+    if not ok:
+        print(f"{SKIP_MSG} ({why})", flush=True)
+        return 0
+    res = Results(a.out, a.budget)
+    install_watchdog(res, a.budget)
+    status, rc = "complete", 0
+    tmp = Path(tempfile.mkdtemp(prefix="cudasnap-gpubench-"))
+    try:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="   %(name)s: %(message)s")
+        import torch
+
+        torch.cuda.set_device(a.device)
+        environment(a, res)
+        d2h = D2H(a.device)
+        res.data["env"]["copy_api"] = d2h.api
+        plan: list[tuple[str, Callable[[], None]]] = [
+            ("a", lambda: section_a(a, res, tmp, d2h)),
+            ("c", lambda: section_c(a, res, tmp)),
+            ("b", lambda: section_b(a, res, tmp)),
+            ("d", lambda: section_d(a, res, tmp)),
+        ]
+        for name, fn in plan:
+            if name not in a.sections:
+                continue
+            t0 = time.monotonic()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - keep the other sections
+                res.error(name, e)
+                rc = 1
+                try:
+                    release_gpu()
+                except Exception:  # noqa: BLE001
+                    pass
+            print(f"-- section ({name}) took {time.monotonic() - t0:.1f} s "
+                  f"(total {res.elapsed():.0f} s)", flush=True)
+        if rc:
+            status = "complete with errors"
+    except BudgetExceeded as e:
+        res.note(str(e))
+        status, rc = f"PARTIAL ({e})", 3
+    finally:
+        signal.alarm(0)
+        C.rm(tmp)
+        for p in Path("/dev/shm").glob(f"cudasnap-gpubench-{os.getpid()}*"):
+            C.rm(p)
+    res.finish(status)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
