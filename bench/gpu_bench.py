@@ -42,8 +42,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (stdlib only at import; puts the repo root on sys.path)
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: small sizes, few repeats, one small GPT batch (~1 min)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="check this script's own logic on the CPU backend, tiny sizes, no GPU "
+                        "needed (the numbers mean nothing; CUDA-only columns stay empty)")
     a = p.parse_args(argv)
     a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
     for s in a.sections:
@@ -100,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.sizes, a.repeats = [64 * MiB, 256 * MiB], min(a.repeats, 3)
         a.batches, a.pairs, a.block = [4], min(a.pairs, 3), min(a.block, 4)
         a.boundaries, a.flush_mib, a.flush_repeats = min(a.boundaries, 100), 256, 2
+    a.gpt = dict(vocab=50304, d=768, layers=12, heads=12, seq=1024)
+    a.c_numel = 16384
+    if a.cpu_smoke:
+        a.sizes, a.repeats = [4 * MiB], 2
+        a.batches, a.pairs, a.block = [2], 2, 2
+        a.gpt = dict(vocab=512, d=64, layers=2, heads=4, seq=64)
+        a.boundaries, a.c_numel, a.flush_mib, a.flush_repeats = 20, 256, 8, 1
     if a.repeats < 1 or a.pairs < 1 or a.block < 1 or a.boundaries < 1 or a.flush_repeats < 1:
         p.error("repeats, pairs, block, boundaries and flush-repeats must be >= 1")
     if a.budget <= 0:
@@ -161,6 +172,7 @@ class Results:
                 return
             self.printed = True
             self.data["status"] = status
+            self.data["elapsed_s"] = round(self.elapsed(), 1)
             self.save()
             print("\n" + table(self.data), flush=True)
 
@@ -242,12 +254,25 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def release_gpu() -> None:
     import torch
 
     gc.collect()
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        C.free_mem()
+        return
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks torch caches
+    if host_empty is not None:
+        host_empty()
     C.free_mem()
 
 
@@ -289,7 +314,7 @@ def adam_state(total_bytes: int, n_params: int, device: Any, seed: int = 0) -> t
         for i, st in enumerate(opt.state.values()):
             fill_random(st["exp_avg"], seed + 1000 + i)
             fill_random(st["exp_avg_sq"], seed + 2000 + i)
-    torch.cuda.synchronize()
+    sync()
     return model, opt
 
 
@@ -358,8 +383,7 @@ class ShmRegistered:
         import torch
 
         self.torch = torch
-        self.path = Path(C.shm_dir_default()) if hasattr(C, "shm_dir_default") else Path("/dev/shm")
-        self.file = self.path / f"cudasnap-gpubench-{os.getpid()}.ceiling"
+        self.file = Path("/dev/shm") / f"cudasnap-gpubench-{os.getpid()}.ceiling"
         fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -393,104 +417,120 @@ def _label(n: int) -> str:
 
 
 # ------------------------------------------------------------------ (a)
-def section_a(a: argparse.Namespace, res: Results, tmp: Path, d2h: D2H) -> None:
+def target_device(a: argparse.Namespace) -> Any:
     import torch
 
-    dev = torch.device("cuda", a.device)
-    for n in a.sizes:
-        label = _label(n)
-        row: dict[str, Any] = {"label": label, "bytes": n}
-        print(f"-- (a) {label}", flush=True)
-        # ceiling: cudaHostAlloc'd pinned buffer, and a registered /dev/shm mapping
-        src = torch.empty(n, dtype=torch.uint8, device=dev)
-        fill_random(src, 7)
-        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        d2h.time_copy(pinned, src, n)  # warm-up
-        ts = [d2h.time_copy(pinned, src, n) for _ in range(a.repeats)]
-        row["ceiling_pinned_gbps"] = n / median(ts) / 1e9
-        row["ceiling_pinned_all"] = [round(n / t / 1e9, 2) for t in ts]
-        if not torch.equal(pinned[:4096], src[:4096].cpu()):
-            raise RuntimeError("ceiling copy produced wrong bytes")
-        del pinned
-        C.free_mem()
-        if check_shm(n, f"(a) {label} shm ceiling", res):
-            shm = None
-            try:
-                shm = ShmRegistered(n)
-                d2h.time_copy(shm.tensor, src, n)
-                ts = [d2h.time_copy(shm.tensor, src, n) for _ in range(a.repeats)]
-                row["ceiling_shm_gbps"] = n / median(ts) / 1e9
-            except Exception as e:  # noqa: BLE001
-                res.note(f"(a) {label}: shm-registered ceiling failed: {e}")
-            finally:
-                if shm is not None:
-                    shm.close()
-        del src
-        release_gpu()
-        # cudasnap on a params + AdamW state of n bytes
-        if not check_shm(int(2.1 * n), f"(a) {label} cudasnap arena (2 slots)", res):
-            res.add("a", row)
-            continue
-        model, opt = adam_state(n, 8, dev, seed=11)
-        snap = snapshotter(model, opt, tmp, f"a{n}")
-        try:
-            t0 = time.perf_counter()
-            snap.boundary(0)  # builds plan + arena (pre-fault + cudaHostRegister)
-            if not snap.wait(timeout=300):
-                raise RuntimeError("first snapshot did not complete in 300 s")
-            row["first_boundary_s"] = time.perf_counter() - t0
-            row["arena_setup_s"] = snap.stats()["arena_setup_seconds"]
-            copy_stream = None
+    return torch.device("cpu") if a.cpu_smoke else torch.device("cuda", a.device)
+
+
+def ceilings(a: argparse.Namespace, res: Results, d2h: D2H, n: int, row: dict[str, Any]) -> None:
+    """Pinned cudaMemcpyAsync D2H GB/s into cudaHostAlloc'd and into registered shm memory."""
+    import torch
+
+    src = torch.empty(n, dtype=torch.uint8, device=target_device(a))
+    fill_random(src, 7)
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    d2h.time_copy(pinned, src, n)  # warm-up
+    ts = [d2h.time_copy(pinned, src, n) for _ in range(a.repeats)]
+    row["ceiling_pinned_gbps"] = n / median(ts) / 1e9
+    row["ceiling_pinned_all"] = [round(n / t / 1e9, 2) for t in ts]
+    if not torch.equal(pinned[:4096], src[:4096].cpu()):
+        raise RuntimeError("ceiling copy produced wrong bytes")
+    del pinned
+    release_gpu()
+    if not check_shm(n, f"(a) {row['label']} shm ceiling", res):
+        return
+    shm = None
+    try:
+        shm = ShmRegistered(n)
+        d2h.time_copy(shm.tensor, src, n)
+        ts = [d2h.time_copy(shm.tensor, src, n) for _ in range(a.repeats)]
+        row["ceiling_shm_gbps"] = n / median(ts) / 1e9
+    except Exception as e:  # noqa: BLE001
+        res.note(f"(a) {row['label']}: shm-registered ceiling failed: {e}")
+    finally:
+        if shm is not None:
+            shm.close()
+
+
+def snapshot_bandwidth(a: argparse.Namespace, res: Results, tmp: Path, n: int,
+                       row: dict[str, Any]) -> None:
+    """cudasnap on a params + AdamW state of n bytes: boundary() -> COMPLETE GB/s."""
+    import torch
+
+    dev = target_device(a)
+    model, opt = adam_state(n, 8, dev, seed=11)
+    snap = snapshotter(model, opt, tmp, f"a{n}")
+    try:
+        t0 = time.perf_counter()
+        snap.boundary(0)  # builds plan + arena (pre-fault + cudaHostRegister)
+        if not snap.wait(timeout=300):
+            raise RuntimeError("first snapshot did not complete in 300 s")
+        row["first_boundary_s"] = time.perf_counter() - t0
+        row["arena_setup_s"] = snap.stats()["arena_setup_seconds"]
+        copy_stream = None
+        if dev.type == "cuda":
             try:
                 copy_stream = torch.cuda.ExternalStream(int(snap._cuda.engine.copy_stream),
                                                         device=dev)
             except Exception as e:  # noqa: BLE001
                 res.note(f"(a) no copy-stream handle, DMA column empty: {e}")
-            cg, dma, wall = [], [], []
-            for r in range(1, a.repeats + 2):
-                opt.step()  # no grads: only the fence hook runs (as in training)
-                torch.cuda.synchronize()
+        cg: list[float] = []
+        dma: list[float] = []
+        wall: list[float] = []
+        for r in range(1, a.repeats + 2):
+            opt.step()  # no grads: only the fence hook runs (as in training)
+            sync()
+            e0 = e1 = None
+            if copy_stream is not None:
                 e0 = torch.cuda.Event(enable_timing=True)
                 e1 = torch.cuda.Event(enable_timing=True)
                 e0.record()
-                t0 = time.perf_counter()
-                snap.boundary(r)
-                if copy_stream is not None:
-                    e1.record(copy_stream)
-                if not snap.wait(timeout=120):
-                    raise RuntimeError(f"snapshot {r} did not complete in 120 s")
-                t1 = time.perf_counter()
-                st = snap.stats()
-                nbytes = st["bytes"]
-                if r == 1:
-                    continue  # warm-up (second slot's first use)
-                cg.append(st["last_copy_gbps"] or 0.0)
-                wall.append(nbytes / (t1 - t0) / 1e9)
-                if copy_stream is not None:
-                    e1.synchronize()
-                    dma.append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
+            t0 = time.perf_counter()
+            snap.boundary(r)
+            if e1 is not None:
+                e1.record(copy_stream)
+            if not snap.wait(timeout=120):
+                raise RuntimeError(f"snapshot {r} did not complete in 120 s")
+            t1 = time.perf_counter()
             st = snap.stats()
-            row.update(snap_bytes=st["bytes"], snap_complete_gbps=median(cg),
-                       snap_complete_all=[round(x, 2) for x in cg],
-                       snap_dma_gbps=median(dma), snap_wall_gbps=median(wall),
-                       boundary_us_median=st["boundary_us_median"],
-                       backend=st["backend"], skipped=st["skipped"])
-            try:
-                row["copy_ranges"] = int(snap._layout.plan.num_ranges)
-                row["private_arena_reason"] = snap._cuda.fallback_reason
-                row["tracking"] = snap._cuda.registry is not None
-            except Exception:  # noqa: BLE001
-                pass
-            if row.get("ceiling_pinned_gbps") and row["snap_complete_gbps"]:
-                row["ratio"] = row["snap_complete_gbps"] / row["ceiling_pinned_gbps"]
-                row["ok"] = row["ratio"] >= TARGETS["d2h_ratio"]
-        finally:
-            snap.close()
-            del snap, model, opt
+            if r == 1:
+                continue  # warm-up (the second slot's first use)
+            cg.append(st["last_copy_gbps"] or 0.0)
+            wall.append(st["bytes"] / (t1 - t0) / 1e9)
+            if e0 is not None and e1 is not None:
+                e1.synchronize()
+                dma.append(st["bytes"] / (e0.elapsed_time(e1) / 1e3) / 1e9)
+        st = snap.stats()
+        row.update(snap_bytes=st["bytes"], snap_complete_gbps=median(cg),
+                   snap_complete_all=[round(x, 2) for x in cg],
+                   snap_dma_gbps=median(dma), snap_wall_gbps=median(wall),
+                   boundary_us_median=st["boundary_us_median"],
+                   backend=st["backend"], skipped=st["skipped"],
+                   copy_ranges=int(snap._layout.plan.num_ranges))
+        if snap._cuda is not None:
+            row["private_arena_reason"] = snap._cuda.fallback_reason
+            row["tracking"] = snap._cuda.registry is not None
+    finally:
+        snap.close()
+
+
+def section_a(a: argparse.Namespace, res: Results, tmp: Path, d2h: D2H | None) -> None:
+    for n in a.sizes:
+        row: dict[str, Any] = {"label": _label(n), "bytes": n}
+        print(f"-- (a) {row['label']}", flush=True)
+        if d2h is not None:
+            ceilings(a, res, d2h, n, row)
             release_gpu()
+        if check_shm(int(2.1 * n), f"(a) {row['label']} cudasnap arena (2 slots)", res):
+            snapshot_bandwidth(a, res, tmp, n, row)
+            release_gpu()
+        if row.get("ceiling_pinned_gbps") and row.get("snap_complete_gbps"):
+            row["ratio"] = row["snap_complete_gbps"] / row["ceiling_pinned_gbps"]
+            row["ok"] = row["ratio"] >= TARGETS["d2h_ratio"]
         res.add("a", row)
-        print(f"   {json.dumps({k: v for k, v in row.items() if not k.endswith('_all')}, default=str)}",
-              flush=True)
+        shown = {k: v for k, v in row.items() if not k.endswith("_all")}
+        print(f"   {json.dumps(shown, default=str)}", flush=True)
 
 
 # ------------------------------------------------------------------ (b)
@@ -533,202 +573,220 @@ def gpt2_small(vocab: int = 50304, d: int = 768, layers: int = 12, heads: int = 
     return GPT()
 
 
-def section_b(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+def overhead(a: argparse.Namespace, tmp: Path, batch: int, row: dict[str, Any]) -> None:
+    """Iteration time without / with boundary() every step, interleaved A/B blocks."""
     import torch
     import torch.nn.functional as F
 
-    dev = torch.device("cuda", a.device)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    vocab, seq = 50304, 1024
-    for batch in a.batches:
-        label = f"batch {batch} x {seq}"
-        print(f"-- (b) {label}", flush=True)
-        torch.manual_seed(0)
-        model = gpt2_small(vocab=vocab, seq=seq).to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-        x = torch.randint(0, vocab, (batch, seq), device=dev)
-        y = torch.randint(0, vocab, (batch, seq), device=dev)
-        nparams = sum(p.numel() for p in model.parameters())
+    dev = target_device(a)
+    vocab, seq = a.gpt["vocab"], a.gpt["seq"]
+    torch.manual_seed(0)
+    model = gpt2_small(**a.gpt).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    x = torch.randint(0, vocab, (batch, seq), device=dev)
+    y = torch.randint(0, vocab, (batch, seq), device=dev)
+    row["params"] = sum(p.numel() for p in model.parameters())
 
-        def step() -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def step() -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        row: dict[str, Any] = {"label": label, "params": nparams}
-        snap = None
-        try:
-            for _ in range(5):
-                step()  # warm-up: kernels, AdamW state
-            snap = snapshotter(model, opt, tmp, f"b{batch}")
-            k = 0
-            for _ in range(3):  # arena + plan + both slots warm
-                step()
+    for _ in range(5):
+        step()  # warm-up: kernels, AdamW state
+    snap = snapshotter(model, opt, tmp, f"b{batch}")
+    try:
+        k = 0
+        for _ in range(3):  # arena + plan + both slots warm
+            step()
+            snap.boundary(k)
+            k += 1
+        snap.wait(timeout=120)
+        st0 = snap.stats()
+        row["state_bytes"] = st0["bytes"]
+
+        def block(with_snap: bool, k: int) -> tuple[float, int]:
+            step()  # untimed lead-in: the pipeline (copy of the previous step) is steady
+            if with_snap:
                 snap.boundary(k)
                 k += 1
-            snap.wait(timeout=120)
-            stats0 = snap.stats()
-            row["state_bytes"] = stats0["bytes"]
-            base_t, snap_t, ratios = [], [], []
-            fence0 = stats0["fence_wait_s"]
-            snapshots0 = stats0["snapshots"]
-
-            def block(with_snap: bool) -> float:
-                nonlocal k
-                step()  # untimed lead-in: the pipeline (copy of the previous step) is steady
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(a.block):
+                step()
                 if with_snap:
                     snap.boundary(k)
                     k += 1
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(a.block):
-                    step()
-                    if with_snap:
-                        snap.boundary(k)
-                        k += 1
-                torch.cuda.synchronize()
-                dt = (time.perf_counter() - t0) / a.block
-                if with_snap:
-                    snap.wait(timeout=120)  # untimed: the next block starts clean
-                return dt
+            sync()
+            dt = (time.perf_counter() - t0) / a.block
+            if with_snap:
+                snap.wait(timeout=120)  # untimed: the next block starts clean
+            return dt, k
 
-            for i in range(a.pairs):
-                order = (False, True) if i % 2 == 0 else (True, False)
-                got = {w: block(w) for w in order}
-                base_t.append(got[False])
-                snap_t.append(got[True])
-                ratios.append(got[True] / got[False])
-            st = snap.stats()
-            n_snaps = st["snapshots"] - snapshots0
-            row.update(base_ms=median(base_t) * 1e3, snap_ms=median(snap_t) * 1e3,
-                       ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                       ratios=[round(r, 4) for r in ratios],
-                       base_spread_pct=(max(base_t) - min(base_t)) / median(base_t) * 100,
-                       snapshots=n_snaps, skipped=st["skipped"],
-                       fence_wait_ms_per_step=(st["fence_wait_s"] - fence0) * 1e3 / max(1, n_snaps),
-                       last_copy_gbps=st["last_copy_gbps"],
-                       last_copy_ms=(st["last_copy_seconds"] or 0) * 1e3,
-                       boundary_us_median=st["boundary_us_median"],
-                       peak_gpu_gib=torch.cuda.max_memory_allocated(dev) / GiB)
-            row["ok"] = row["ratio"] <= TARGETS["overhead_ratio"]
+        base_t: list[float] = []
+        snap_t: list[float] = []
+        ratios: list[float] = []
+        for i in range(a.pairs):
+            got = {}
+            for with_snap in ((False, True) if i % 2 == 0 else (True, False)):
+                got[with_snap], k = block(with_snap, k)
+            base_t.append(got[False])
+            snap_t.append(got[True])
+            ratios.append(got[True] / got[False])
+        st = snap.stats()
+        n_snaps = st["snapshots"] - st0["snapshots"]
+        row.update(base_ms=median(base_t) * 1e3, snap_ms=median(snap_t) * 1e3,
+                   ratio=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                   ratios=[round(r, 4) for r in ratios],
+                   base_spread_pct=(max(base_t) - min(base_t)) / median(base_t) * 100,
+                   snapshots=n_snaps, skipped=st["skipped"],
+                   fence_wait_ms_per_step=(st["fence_wait_s"] - st0["fence_wait_s"]) * 1e3
+                   / max(1, n_snaps),
+                   last_copy_gbps=st["last_copy_gbps"],
+                   last_copy_ms=(st["last_copy_seconds"] or 0) * 1e3,
+                   boundary_us_median=st["boundary_us_median"],
+                   peak_gpu_gib=(torch.cuda.max_memory_allocated(dev) / GiB
+                                 if dev.type == "cuda" else None))
+        row["ok"] = row["ratio"] <= TARGETS["overhead_ratio"]
+    finally:
+        snap.close()
+
+
+def section_b(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    on_gpu = not a.cpu_smoke
+    for batch in a.batches:
+        row: dict[str, Any] = {"label": f"batch {batch} x {a.gpt['seq']}"}
+        print(f"-- (b) {row['label']}", flush=True)
+        try:
+            overhead(a, tmp, batch, row)
         except torch.cuda.OutOfMemoryError as e:
-            res.note(f"(b) {label}: out of GPU memory ({e}); skipped")
+            res.note(f"(b) {row['label']}: out of GPU memory ({e}); skipped")
             row["error"] = "OOM"
-        finally:
-            if snap is not None:
-                snap.close()
-            del snap, model, opt, x, y
-            release_gpu()
-            torch.cuda.reset_peak_memory_stats(dev)
+        release_gpu()
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(target_device(a))
         res.add("b", row)
-        print(f"   {json.dumps({k_: v for k_, v in row.items() if k_ != 'ratios'}, default=str)}",
-              flush=True)
+        shown = {k: v for k, v in row.items() if k != "ratios"}
+        print(f"   {json.dumps(shown, default=str)}", flush=True)
         if res.elapsed() > a.budget * 0.8:
             res.note("(b) stopping early: 80% of the budget used")
             break
 
 
 # ------------------------------------------------------------------ (c)
-def section_c(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+def boundary_cost(a: argparse.Namespace, tmp: Path, n: int, with_opt: bool,
+                  row: dict[str, Any]) -> None:
     import torch
 
-    dev = torch.device("cuda", a.device)
-    cases = [("1000 params, no optim", 1000, False), ("250 params + AdamW", 250, True)]
-    for label, n, with_opt in cases:
-        print(f"-- (c) {label}", flush=True)
-        model = torch.nn.Module()
-        model.p = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(16384, device=dev)) for _ in range(n))
-        opt = None
-        if with_opt:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        snap = snapshotter(model, opt, tmp, f"c{n}")
-        row: dict[str, Any] = {"label": label}
-        try:
-            for s in range(5):  # plan built, arena up, both slots used
-                snap.boundary(s)
-                snap.wait(timeout=60)
-            rebuilds0 = snap.stats()["layout_rebuilds"]
-            ns = []
-            for s in range(5, 5 + a.boundaries):
-                snap.wait(timeout=60)  # untimed: no copy in flight
-                t0 = time.perf_counter_ns()
-                snap.boundary(s)
-                ns.append(time.perf_counter_ns() - t0)
+    dev = target_device(a)
+    model = torch.nn.Module()
+    model.p = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(a.c_numel, device=dev)) for _ in range(n))
+    opt = None
+    if with_opt:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    snap = snapshotter(model, opt, tmp, f"c{n}")
+    try:
+        for s in range(5):  # plan built, arena up, both slots used
+            snap.boundary(s)
             snap.wait(timeout=60)
-            ns.sort()
-            st = snap.stats()
-            row.update(median_us=ns[len(ns) // 2] / 1e3, p90_us=ns[int(len(ns) * 0.9)] / 1e3,
-                       min_us=ns[0] / 1e3, calls=len(ns),
-                       layout_rebuilds=st["layout_rebuilds"] - rebuilds0,
-                       tensors=len(snap._layout.tensors), ranges=int(snap._layout.plan.num_ranges),
-                       skipped=st["skipped"])
-            row["ok"] = row["median_us"] < TARGETS["boundary_us"]
-        finally:
-            snap.close()
-            del snap, model, opt
-            release_gpu()
+        rebuilds0 = snap.stats()["layout_rebuilds"]
+        ns = []
+        for s in range(5, 5 + a.boundaries):
+            snap.wait(timeout=60)  # untimed: no copy in flight
+            t0 = time.perf_counter_ns()
+            snap.boundary(s)
+            ns.append(time.perf_counter_ns() - t0)
+        snap.wait(timeout=60)
+        ns.sort()
+        st = snap.stats()
+        row.update(median_us=ns[len(ns) // 2] / 1e3, p90_us=ns[int(len(ns) * 0.9)] / 1e3,
+                   min_us=ns[0] / 1e3, calls=len(ns),
+                   layout_rebuilds=st["layout_rebuilds"] - rebuilds0,
+                   tensors=len(snap._layout.tensors), ranges=int(snap._layout.plan.num_ranges),
+                   skipped=st["skipped"])
+        row["ok"] = row["median_us"] < TARGETS["boundary_us"]
+    finally:
+        snap.close()
+
+
+def section_c(a: argparse.Namespace, res: Results, tmp: Path) -> None:
+    for label, n, with_opt in (("1000 params, no optim", 1000, False),
+                               ("250 params + AdamW", 250, True)):
+        row: dict[str, Any] = {"label": label}
+        print(f"-- (c) {label}", flush=True)
+        boundary_cost(a, tmp, n, with_opt, row)
+        release_gpu()
         res.add("c", row)
         print(f"   {json.dumps(row, default=str)}", flush=True)
 
 
 # ------------------------------------------------------------------ (d)
-def section_d(a: argparse.Namespace, res: Results, tmp: Path) -> None:
-    import torch
+def _write_once(kind: str, snap: Any, slot: int, nbytes: int, path: Path) -> float:
+    """Seconds for one durable write of the slot's bytes by ``kind``."""
+    arena = snap._arena
+    if kind == "flush":
+        t0 = time.perf_counter()
+        out = snap.flush(wait=False)
+        dt = time.perf_counter() - t0
+        if out is None or not snap.stats()["last_flush_seconds"]:
+            raise RuntimeError(f"flush wrote nothing ({out})")
+        return dt
+    if kind == "os":
+        return C.raw_write_os(arena.data_view(slot, nbytes), path)
+    return C.raw_write_native(arena.data_ptr(slot), nbytes, path, threads=snap.flush_threads)
 
-    dev = torch.device("cuda", a.device)
+
+def flush_bandwidth(a: argparse.Namespace, disk: Path, n: int, row: dict[str, Any]) -> None:
+    dev = target_device(a)
+    model, opt = adam_state(n, 8, dev, seed=21)
+    snap = snapshotter(model, opt, disk, "d", keep=2)
+    try:
+        got: dict[str, list[float]] = {"flush": [], "os": [], "native": []}
+        kinds = list(got)
+        nbytes = 0
+        for r in range(a.flush_repeats + 1):
+            opt.step()
+            snap.boundary(r)  # a new step each time: flushing an already flushed slot is a no-op
+            if not snap.wait(timeout=120):
+                raise RuntimeError("snapshot did not complete")
+            slot = snap._arena.newest_complete()
+            nbytes = int(snap._arena.slot_info(slot)["data_bytes"])
+            order = kinds[r % 3:] + kinds[:r % 3]  # rotate: disk noise hits all alike
+            for kind in order:
+                dt = _write_once(kind, snap, slot, nbytes, disk / f"raw-{kind}-{r}")
+                if r > 0:  # r == 0: warm-up
+                    got[kind].append(nbytes / dt / 1e9)
+        row.update(bytes=nbytes, flush_gbps=median(got["flush"]), raw_os_gbps=median(got["os"]),
+                   raw_native_gbps=median(got["native"]),
+                   flush_all=[round(x, 2) for x in got["flush"]],
+                   raw_os_all=[round(x, 2) for x in got["os"]], flush_threads=snap.flush_threads)
+        row["ratio"] = row["flush_gbps"] / row["raw_os_gbps"]
+    finally:
+        snap.close()
+
+
+def section_d(a: argparse.Namespace, res: Results, tmp: Path) -> None:
     n = a.flush_mib * MiB
     if not check_shm(int(2.1 * n), "(d) arena", res):
         return
     disk = C.disk_tmpdir(a.tmp, "gpuflush")
-    label = _label(n)
-    print(f"-- (d) {label} to {C.disk_line(disk)}", flush=True)
-    model, opt = adam_state(n, 8, dev, seed=21)
-    snap = snapshotter(model, opt, disk, "d", keep=2)
-    row: dict[str, Any] = {"label": label, "fs": C.fs_type(disk), "dir": str(disk)}
+    row: dict[str, Any] = {"label": _label(n), "fs": C.fs_type(disk), "dir": str(disk)}
+    print(f"-- (d) {row['label']} to {C.disk_line(disk)}", flush=True)
     try:
-        flush, raw_os, raw_nat = [], [], []
-        for r in range(a.flush_repeats + 1):
-            opt.step()
-            snap.boundary(r)  # a new step each time: a flush of an already flushed slot is a no-op
-            if not snap.wait(timeout=120):
-                raise RuntimeError("snapshot did not complete")
-            arena = snap._arena
-            slot = arena.newest_complete()
-            nbytes = int(arena.slot_info(slot)["data_bytes"])
-            writers: list[tuple[str, Callable[[], float]]] = [
-                ("flush", lambda: (snap.flush(wait=False), snap.stats()["last_flush_seconds"])[1]),
-                ("os", lambda: C.raw_write_os(arena.data_view(slot, nbytes), disk / f"raw-{r}")),
-                ("native", lambda: C.raw_write_native(arena.data_ptr(slot), nbytes,
-                                                      disk / f"nat-{r}", threads=snap.flush_threads)),
-            ]
-            k = r % len(writers)
-            writers = writers[k:] + writers[:k]  # rotate: disk noise hits all alike
-            arena.lease(slot)
-            try:
-                got = {name: fn() for name, fn in writers}
-            finally:
-                arena.release(slot)
-            if r == 0:
-                continue  # warm-up
-            flush.append(nbytes / got["flush"] / 1e9)
-            raw_os.append(nbytes / got["os"] / 1e9)
-            raw_nat.append(nbytes / got["native"] / 1e9)
-        row.update(bytes=nbytes, flush_gbps=median(flush), raw_os_gbps=median(raw_os),
-                   raw_native_gbps=median(raw_nat), flush_all=[round(x, 2) for x in flush],
-                   raw_os_all=[round(x, 2) for x in raw_os], flush_threads=snap.flush_threads)
-        row["ratio"] = row["flush_gbps"] / row["raw_os_gbps"]
+        flush_bandwidth(a, disk, n, row)
     finally:
-        snap.close()
-        del snap, model, opt
         release_gpu()
         C.rm(disk)
     res.add("d", row)
@@ -756,34 +814,42 @@ def environment(a: argparse.Namespace, res: Results) -> None:
     import cudasnap
     from cudasnap._native import native
 
-    p = torch.cuda.get_device_properties(a.device)
     env = res.data["env"]
-    env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / GiB, 1),
-               torch=torch.__version__, cuda=torch.version.cuda,
+    env.update(torch=torch.__version__, cuda=torch.version.cuda,
                cudasnap=getattr(cudasnap, "__version__", "?"), build=dict(native().BUILD_INFO),
-               python=sys.version.split()[0], cores=os.cpu_count(), machine=C.machine_line())
+               python=sys.version.split()[0], cores=os.cpu_count(), machine=C.machine_line(),
+               shm_free_gib=round(C.shm_free() / GiB, 1))
+    if a.cpu_smoke:
+        env.update(gpu="none (--cpu-smoke: CPU backend, numbers meaningless)", driver="-")
+        print(f"env: {json.dumps(env, default=str)}", flush=True)
+        return
+    p = torch.cuda.get_device_properties(a.device)
+    env.update(gpu=p.name, capability=f"{p.major}.{p.minor}",
+               gpu_mem_gib=round(p.total_memory / GiB, 1))
     try:
         import subprocess
 
-        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,"
-                            "pcie.link.width.current,clocks.sm,clocks.mem",
+        q = subprocess.run(["nvidia-smi", f"--id={a.device}", "--query-gpu=driver_version,"
+                            "pcie.link.gen.current,pcie.link.width.current,clocks.sm,clocks.mem",
                             "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-        parts = [x.strip() for x in q.stdout.strip().splitlines()[a.device].split(",")]
-        env.update(driver=parts[0], pcie=f"gen{parts[1]} x{parts[2]}", clocks=f"{parts[3]} / {parts[4]}")
+        parts = [x.strip() for x in q.stdout.strip().splitlines()[0].split(",")]
+        env.update(driver=parts[0], pcie=f"gen{parts[1]} x{parts[2]}",
+                   clocks=f"{parts[3]} / {parts[4]}")
     except Exception as e:  # noqa: BLE001
         env["driver"] = f"? ({type(e).__name__})"
     if "cuda" not in env["build"].get("backends", []):
-        raise SystemExit("cudasnap._C was built without the CUDA backend: rebuild with "
-                         "CUDASNAP_REQUIRE_CUDA=1 python setup.py build_ext --inplace")
+        raise RuntimeError("cudasnap._C was built without the CUDA backend: rebuild with "
+                           "CUDASNAP_REQUIRE_CUDA=1 python setup.py build_ext --inplace")
     print(f"env: {json.dumps(env, default=str)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    ok, why = gpu_probe()
-    if not ok:
-        print(f"{SKIP_MSG} ({why})", flush=True)
-        return 0
+    if not a.cpu_smoke:
+        ok, why = gpu_probe()
+        if not ok:
+            print(f"{SKIP_MSG} ({why})", flush=True)
+            return 0
     res = Results(a.out, a.budget)
     install_watchdog(res, a.budget)
     status, rc = "complete", 0
@@ -794,10 +860,17 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="   %(name)s: %(message)s")
         import torch
 
-        torch.cuda.set_device(a.device)
-        environment(a, res)
-        d2h = D2H(a.device)
-        res.data["env"]["copy_api"] = d2h.api
+        d2h = None
+        try:
+            if not a.cpu_smoke:
+                torch.cuda.set_device(a.device)
+            environment(a, res)
+            if not a.cpu_smoke:
+                d2h = D2H(a.device)
+            res.data["env"]["copy_api"] = d2h.api if d2h is not None else "-"
+        except Exception as e:  # noqa: BLE001 - nothing else can run
+            res.error("env", e)
+            a.sections, rc = [], 1
         plan: list[tuple[str, Callable[[], None]]] = [
             ("a", lambda: section_a(a, res, tmp, d2h)),
             ("c", lambda: section_c(a, res, tmp)),

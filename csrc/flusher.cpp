@@ -108,7 +108,9 @@ FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
       }
       uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
       pwrite_all(fd, data + lo, hi - lo, lo, path);
+      if (piece == 0) test_kill_point("write");
     });
+    test_kill_point("fsync");
     if (durable) {
       double f0 = now_s();
       CUDASNAP_SYSCHECK(::fdatasync(fd), ErrorKind::Io, "fdatasync " << path);
@@ -145,9 +147,18 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
                       path << ": manifest lists " << crcs.size() << " chunk checksums for "
                            << nchunks << " chunks");
   double t0 = now_s();
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NOFOLLOW/O_NONBLOCK + S_ISREG: a symlink, FIFO or device planted as data.bin is
+  // refused without reading a byte outside the snapshot (or blocking on a FIFO).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == ELOOP) {
+    CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false, path << " is a symbolic link; refusing it");
+  }
   CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "open " << path);
   struct stat st {};
+  if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false, path << " is not a regular file");
+  }
   if (::fstat(fd, &st) < 0 || static_cast<uint64_t>(st.st_size) != nbytes) {
     uint64_t size = static_cast<uint64_t>(st.st_size);
     ::close(fd);

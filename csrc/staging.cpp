@@ -1,6 +1,7 @@
 #include "staging.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 
@@ -41,12 +43,30 @@ uint32_t arena_crc(const ArenaHeader& h) {
 }
 
 std::string human(uint64_t b) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.2f GiB", b / double(1ull << 30));
+  // GiB with two decimals for big sizes (what operators size /dev/shm in);
+  // smaller ones in MiB/KiB, always with the exact byte count: "0.00 GiB" says nothing.
+  char buf[96];
+  if (b >= (1ull << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / double(1ull << 30));
+  } else if (b >= (1ull << 20)) {
+    std::snprintf(buf, sizeof(buf), "%.2f MiB (%llu bytes)", b / double(1ull << 20),
+                  static_cast<unsigned long long>(b));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.2f KiB (%llu bytes)", b / 1024.0,
+                  static_cast<unsigned long long>(b));
+  }
   return buf;
 }
 
 }  // namespace
+
+void test_kill_point(const char* phase) {
+  static const std::string want = [] {
+    const char* v = std::getenv("CUDASNAP_TEST_KILL_AT");
+    return std::string(v ? v : "");
+  }();
+  if (!want.empty() && want == phase) ::kill(::getpid(), SIGKILL);
+}
 
 uint64_t monotonic_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -171,10 +191,23 @@ std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable) {
   auto a = std::shared_ptr<Arena>(new Arena());
   a->path_ = path;
   a->writable_ = writable;
-  a->fd_ = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  // O_NOFOLLOW + the checks below: /dev/shm is shared by every user of the host,
+  // and an arena planted there (or a symlink to one) must never be restored from.
+  a->fd_ = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW |
+                                    O_NONBLOCK);
   CUDASNAP_SYSCHECK(a->fd_, ErrorKind::Staging, "cannot open staging arena " << path);
   struct stat st {};
   CUDASNAP_SYSCHECK(fstat(a->fd_, &st), ErrorKind::Staging, "cannot stat " << path);
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, S_ISREG(st.st_mode),
+                      "staging arena " << path << " is not a regular file");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, st.st_uid == geteuid(),
+                      "staging arena " << path << " is owned by uid " << st.st_uid
+                                       << ", not by this process (uid " << geteuid()
+                                       << "); refusing to use it");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, (st.st_mode & 022) == 0,
+                      "staging arena " << path << " has mode " << std::oct
+                                       << (st.st_mode & 0777) << std::dec
+                                       << " (writable by group/others); refusing to use it");
   uint64_t size = static_cast<uint64_t>(st.st_size);
   CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, size >= kPage,
                       "staging arena " << path << " is truncated (" << size << " bytes)");
@@ -386,11 +419,13 @@ void Arena::commit(int slot, int64_t step, uint64_t data_bytes) {
                       __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == kWriting && s->step == step,
                       "commit of slot " << slot << " step " << step
                                         << " without a matching begin_write");
+  test_kill_point("copy");
   s->magic = kSlotMagic;
   s->version = kArenaVersion;
   s->data_bytes = data_bytes;
   s->num_chunks = (data_bytes + chunk_bytes() - 1) / chunk_bytes();
   s->table_crc = crc32c(0, table(slot), s->num_chunks * 4);
+  test_kill_point("header");
   s->meta_crc = crc32c(0, meta_ptr(base_, slot_offset(slot), max_chunks()), s->meta_bytes);
   s->complete_ns = wall_ns();
   s->header_crc = header_crc(*s);
@@ -415,6 +450,10 @@ std::string Arena::read_meta(int slot) const {
 
 std::vector<uint32_t> Arena::read_table(int slot) const {
   SlotInfo s = slot_info(slot);
+  // num_chunks of a slot that is not valid is unchecked: it could point past the table.
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, s.valid,
+                      "slot " << slot << " of " << path_ << " is not a complete snapshot"
+                              << (s.problem.empty() ? "" : ": " + s.problem));
   const uint32_t* t = table(slot);
   return std::vector<uint32_t>(t, t + s.num_chunks);
 }

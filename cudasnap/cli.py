@@ -13,22 +13,32 @@ from typing import Any
 log = logging.getLogger("cudasnap.cli")
 
 
+def _manifest_row(path: Path) -> dict[str, Any]:
+    from . import store
+
+    try:
+        m = store.load_manifest(path / store.MANIFEST)
+        return {"bytes": m["data"]["bytes"], "tensors": len(m["tensors"]),
+                "rank": m.get("rank", 0), "world_size": m.get("world_size", 1),
+                "created": m.get("created_unix"), "status": "ok"}
+    except Exception as e:  # noqa: BLE001 - reported per row
+        return {"status": f"bad: {e}"}
+
+
 def _snapshots_table(directory: Path) -> list[dict[str, Any]]:
     from . import store
 
     rows = []
     latest = store.read_latest(directory)
     for s in store.list_snapshots(directory):
-        row: dict[str, Any] = {"step": s.step, "path": str(s.path), "source": "disk",
-                               "latest": s.path.name == latest}
-        try:
-            m = store.load_manifest(s.manifest_path)
-            row.update(bytes=m["data"]["bytes"], tensors=len(m["tensors"]),
-                       rank=m.get("rank", 0), world_size=m.get("world_size", 1),
-                       created=m.get("created_unix"), status="ok")
-        except Exception as e:  # noqa: BLE001 - reported per row
-            row.update(status=f"bad: {e}")
-        rows.append(row)
+        ranks = sorted(p for p in s.path.glob("rank-*") if p.is_dir() and "." not in p.name)
+        base = {"step": s.step, "source": "disk", "latest": s.path.name == latest}
+        if not ranks:
+            rows.append({**base, "path": str(s.path), "commit": "single", **_manifest_row(s.path)})
+            continue
+        commit = "committed" if (s.path / "COMMIT").is_file() else "NOT committed"
+        for p in ranks:
+            rows.append({**base, "path": str(p), "commit": commit, **_manifest_row(p)})
     return rows
 
 
@@ -57,14 +67,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if not rows:
         print(f"no snapshots in {a.directory}")
         return 0
-    print(f"{'step':>10}  {'source':6}  {'MB':>10}  {'created':19}  status  path")
+    print(f"{'step':>10}  {'source':6}  {'rank':>4}  {'MB':>10}  {'created':19}  {'commit':13}  "
+          "status  path")
     for r in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) \
             if r.get("created") else "-"
         mb = f"{r['bytes'] / 1e6:10.1f}" if r.get("bytes") is not None else f"{'-':>10}"
         star = " (latest)" if r.get("latest") else ""
-        print(f"{r.get('step', '-'):>10}  {r['source']:6}  {mb}  {created:19}  "
-              f"{r['status']}{star}  {r['path']}")
+        print(f"{r.get('step', '-'):>10}  {r['source']:6}  {r.get('rank', '-'):>4}  {mb}  "
+              f"{created:19}  {r.get('commit', '-'):13}  {r['status']}{star}  {r['path']}")
     return 0
 
 

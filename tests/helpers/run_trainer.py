@@ -1,0 +1,188 @@
+"""A training process for tests/test_run.py and tests/test_cli.py.
+
+Runs as a script (``python run_trainer.py ...``) or, much faster, forked from
+the warm server in run_forkserver.py (``run_trainer.main(argv)``). The model,
+optimizer, scheduler, data position and RNG use are helpers.trainlib.Job's;
+the step is split here so a kill can land between its phases.
+
+    --steps N --stats FILE [--out final.npz] [--ref]
+    --kill-at K --kill-phase pre|mid|post_opt|post_boundary|post_wait|flush
+    --stall-after N     after boundary(N) and wait(): idle (a fault is due)
+    --block-after N     after boundary(N) and wait(): SIGTERM masked on the
+                        main thread, then block in threading.Event().wait()
+    --sleep-per-step S  a slow but live loop
+    --flush-end         flush once after the last step
+    --exit-hard         os._exit(0) after the last step (no close: arena stays)
+
+Kill/stall/block apply on the first attempt only (CUDASNAP_RESTART unset or 0).
+Events are JSON lines appended to --stats (start, boundary, stalled, blocked, final).
+The Snapshotter takes its directory/job/health settings from the environment
+(CUDASNAP_DIR, CUDASNAP_JOB, CUDASNAP_HEALTH, ...), as under ``cudasnap run``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent.parent), str(HERE.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from helpers.trainlib import Job  # noqa: E402
+
+PHASES = ("pre", "mid", "post_opt", "post_boundary", "post_wait", "flush")
+
+
+def emit(path: str, **rec) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(rec, default=str) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def train_step(job: Job, at) -> None:
+    """helpers.trainlib.Job.step, with a callback between its phases."""
+    i = job.data.pos % job.data.n_batches
+    x = job.dataset[i * job.batch:(i + 1) * job.batch]
+    noise = np.random.standard_normal(x.shape).astype(np.float32)
+    x = x + 0.05 * torch.from_numpy(noise)
+    scale = 1.0 + random.random()
+    loss = (job.model(x) - x).pow(2).mean() * scale
+    loss.backward()
+    at("mid")
+    job.opt.step()
+    job.opt.zero_grad(set_to_none=True)
+    job.sched.step()
+    job.data.pos += 1
+    at("post_opt")
+
+
+def warm_up() -> None:
+    """Imports what the first optimizer step imports lazily (seconds), single-threaded."""
+    job = Job(dim=4)
+    train_step(job, lambda _: None)
+
+
+def die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--stats", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--ref", action="store_true")
+    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--kill-phase", choices=PHASES, default="mid")
+    ap.add_argument("--stall-after", type=int, default=-1)
+    ap.add_argument("--block-after", type=int, default=-1)
+    ap.add_argument("--sleep-per-step", type=float, default=0.0)
+    ap.add_argument("--flush-end", action="store_true")
+    ap.add_argument("--exit-hard", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    attempt = int(os.environ.get("CUDASNAP_RESTART", "0") or 0)
+    first = attempt == 0
+    job = Job(dim=a.dim)
+    snap = None
+    start = 0
+    if not a.ref:
+        import cudasnap
+
+        snap = cudasnap.Snapshotter(job.model, job.opt, extra=job.extra(), copy_threads=1)
+        start = snap.restore_latest()
+    emit(a.stats, ev="start", attempt=attempt, pid=os.getpid(), start=start,
+         restore=snap.stats()["restore"] if snap else None,
+         guard=snap.guard is not None if snap else False)
+
+    def at(phase: str, step: int) -> None:
+        if first and step == a.kill_at and phase == a.kill_phase:
+            emit(a.stats, ev="kill", step=step, phase=phase)
+            die()
+
+    for step in range(start, a.steps):
+        if snap is not None and snap.guard is not None and snap.guard.should_hang(step):
+            emit(a.stats, ev="hang", step=step)
+            time.sleep(60)  # injected hang: the watchdog must fire long before this ends
+            emit(a.stats, ev="hang_expired", step=step)
+            return 5
+        at("pre", step)
+        train_step(job, lambda ph, s=step: at(ph, s))
+        if snap is not None:
+            snap.boundary(step)
+            emit(a.stats, ev="boundary", step=step)
+            at("post_boundary", step)
+            if first and step == a.kill_at and a.kill_phase in ("post_wait", "flush"):
+                snap.wait()
+                if a.kill_phase == "flush":
+                    from cudasnap import store
+
+                    real = store._write_file_durable
+
+                    def killing_write(path, data):
+                        if Path(path).name == store.MANIFEST:  # data.bin written, not renamed
+                            emit(a.stats, ev="kill", step=step, phase="flush")
+                            die()
+                        real(path, data)
+
+                    store._write_file_durable = killing_write
+                    snap.flush()
+                at("post_wait", step)
+            if first and step in (a.stall_after, a.block_after):
+                snap.wait()
+                if step == a.stall_after:
+                    emit(a.stats, ev="stalled", step=step)
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    emit(a.stats, ev="stall_expired", step=step)
+                    return 3
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+                emit(a.stats, ev="blocked", step=step)
+                threading.Event().wait(30)  # blocks in C; SIGTERM goes to another thread
+                emit(a.stats, ev="block_expired", step=step)
+                return 4
+        if a.sleep_per_step:
+            time.sleep(a.sleep_per_step)
+    rec = {"ev": "final", "attempt": attempt, "start": start, "steps": a.steps}
+    if snap is not None:
+        snap.wait()
+        if a.flush_end:
+            rec["flushed"] = str(snap.flush())
+        rec["stats"] = snap.stats()
+        if snap.guard is not None:
+            rec["triggers"] = [(h.trigger.kind, h.outcome) for h in snap.guard.history()]
+    if a.out:
+        np.savez(a.out, **job.arrays())
+    emit(a.stats, **rec)
+    if a.exit_hard:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    if snap is not None:
+        snap.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
