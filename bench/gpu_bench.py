@@ -346,6 +346,7 @@ class D2H:
                 # one tiny copy proves the call works with torch's pointers/stream
                 a = torch.arange(1024, dtype=torch.uint8, device=f"cuda:{device}")
                 h = torch.empty(1024, dtype=torch.uint8, pin_memory=True)
+                self.stream.wait_stream(torch.cuda.current_stream())
                 self._cupy(h.data_ptr(), a.data_ptr(), 1024)
                 self.stream.synchronize()
                 if not torch.equal(h, a.cpu()):
@@ -682,7 +683,7 @@ def section_b(a: argparse.Namespace, res: Results, tmp: Path) -> None:
 
 # ------------------------------------------------------------------ (c)
 def boundary_cost(a: argparse.Namespace, tmp: Path, n: int, with_opt: bool,
-                  row: dict[str, Any]) -> None:
+                  row: dict[str, Any], **snap_kw: Any) -> None:
     import torch
 
     dev = target_device(a)
@@ -696,7 +697,7 @@ def boundary_cost(a: argparse.Namespace, tmp: Path, n: int, with_opt: bool,
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    snap = snapshotter(model, opt, tmp, f"c{n}")
+    snap = snapshotter(model, opt, tmp, f"c{n}{len(snap_kw)}", **snap_kw)
     try:
         for s in range(5):  # plan built, arena up, both slots used
             snap.boundary(s)
@@ -722,11 +723,19 @@ def boundary_cost(a: argparse.Namespace, tmp: Path, n: int, with_opt: bool,
 
 
 def section_c(a: argparse.Namespace, res: Results, tmp: Path) -> None:
-    for label, n, with_opt in (("1000 params, no optim", 1000, False),
-                               ("250 params + AdamW", 250, True)):
-        row: dict[str, Any] = {"label": label}
+    import inspect
+
+    import cudasnap
+
+    cases: list[tuple[str, int, bool, dict[str, Any]]] = [
+        ("1000 params, no optim", 1000, False, {}), ("250 params + AdamW", 250, True, {})]
+    if "rng_sources" in inspect.signature(cudasnap.Snapshotter).parameters:
+        cases.append(("1000 params, torch RNG", 1000, False,
+                      {"rng_sources": ("torch", "cuda")}))
+    for label, n, with_opt, kw in cases:
+        row: dict[str, Any] = {"label": label, **({"snapshotter_kw": kw} if kw else {})}
         print(f"-- (c) {label}", flush=True)
-        boundary_cost(a, tmp, n, with_opt, row)
+        boundary_cost(a, tmp, n, with_opt, row, **kw)
         release_gpu()
         res.add("c", row)
         print(f"   {json.dumps(row, default=str)}", flush=True)

@@ -193,6 +193,7 @@ main() {
     "$PY" -c 'import cupy; print("cupy", cupy.__version__)' 2>/dev/null || echo "cupy: not importable (bench uses torch copies)"
     "$PY" -c 'import pybind11; print("pybind11", pybind11.__version__)' 2>/dev/null || echo "pybind11: MISSING (the build needs it)"
     "$PY" -c 'import pytest; print("pytest", pytest.__version__)' 2>/dev/null || echo "pytest: MISSING"
+    "$PY" -c 'import os, sysconfig; d = sysconfig.get_paths()["include"]; print("Python.h:", d, "ok" if os.path.exists(os.path.join(d, "Python.h")) else "MISSING (the build needs the Python headers)")' 2>/dev/null || true
     echo "CUDA_HOME: $(find_cuda_home)"
     echo "nvcc: $(command -v nvcc || echo none on PATH) $( (nvcc --version 2>/dev/null || "${CUDA_HOME:-/nonexistent}/bin/nvcc" --version 2>/dev/null) | grep -o 'release [0-9.]*' | head -n1)"
     echo "cmake: $( (PATH="$(dirname "$(command -v "$PY")"):$PATH" cmake --version 2>/dev/null || echo none) | head -n1)"
@@ -234,7 +235,7 @@ main() {
     t=$(min 240 $(( $(left) - 150 )))
     (( t < 60 )) && t=60
     local topt=()
-    "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && topt=(-p pytest_timeout --timeout=180)
+    "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && topt=(--timeout=180)
     log "$PY -m pytest -m gpu $GPU_TEST_FILES (timeout ${t} s)"
     rc=0
     set +e

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +56,8 @@ class Ctx:
         self.nbytes = C.state_bytes(self.flat)
         self.raw: list[float] = []
         self.out: dict[str, dict[str, Any]] = {}
+        C.free_mem()
+        self.base_rss = C.rss_bytes()  # after the state is built, before any peer work
 
     def raw_write(self) -> float:
         """os.write of every tensor's bytes into one file + fsync (the disk baseline)."""
@@ -88,7 +91,9 @@ class Ctx:
             C.free_mem()
             with C.PeakRss() as pk:
                 res = save(r)
-            self.rec(peer, save_peak=pk.extra, rss_method=pk.method, **res)
+            C.free_mem()
+            self.rec(peer, save_peak=pk.extra, rss_method=pk.method,
+                     held=max(0, C.rss_bytes() - self.base_rss), **res)
             if restore is not None:
                 C.free_mem()
                 with C.PeakRss() as pk:
@@ -308,6 +313,15 @@ def g_cudasnap(cx: Ctx) -> None:
 
     def save(_r: int) -> dict[str, float]:
         s = box["snap"]
+        extra = {}
+        if box.get("fresh"):  # a new Snapshotter (after the restore cycle) rebuilds its layout
+            box["step"] += 1
+            cx.opt.step()
+            t0 = time.perf_counter()
+            s.boundary(box["step"])
+            extra["rebuild_blocked"] = time.perf_counter() - t0
+            s.wait()
+            box["fresh"] = False
         box["step"] += 1
         cx.opt.step()
         t0 = time.perf_counter()
@@ -320,7 +334,7 @@ def g_cudasnap(cx: Ctx) -> None:
         flush = time.perf_counter() - t1
         C.drop_cache(path)
         return {"blocked": blocked, "in_memory": complete, "flush": flush,
-                "durable": complete + flush}
+                "durable": complete + flush, **extra}
 
     def restore(_r: int) -> dict[str, float]:
         s = box["snap"]
@@ -345,6 +359,7 @@ def g_cudasnap(cx: Ctx) -> None:
         finally:
             os.rename(away, ap)
         box["snap"] = mk()
+        box["fresh"] = True
         return {"restore_shm": shm, "restore_disk": disk}
 
     try:
@@ -366,8 +381,14 @@ def child_main(a: Any) -> int:
 
         traceback.print_exc()
         cx.out.setdefault(f"{a.group}", {})["error"] = f"{type(e).__name__}: {e}"
-    print("RESULT " + json.dumps({"group": a.group, "bytes": cx.nbytes, "tensors": len(cx.flat),
-                                  "raw": cx.raw, "peers": cx.out}), flush=True)
+    with open(a.result, "w") as f:
+        json.dump({"group": a.group, "bytes": cx.nbytes, "tensors": len(cx.flat),
+                   "raw": cx.raw, "peers": cx.out}, f)
+    import multiprocessing
+
+    for ch in multiprocessing.active_children():  # DLRover's saver process
+        ch.terminate()
+        ch.join(5)
     try:
         import torch.distributed as dist
 
@@ -384,21 +405,27 @@ def run_group(group: str, size: float, tensors: int, a: Any, tmp: Path) -> dict[
     d = tmp / f"{group}-{size:g}-{tensors}"
     d.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
+    result = d / "result.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", group, "--size", str(size),
-           "--tensors", str(tensors), "--repeats", str(a.repeats), "--dir", str(d)]
+           "--tensors", str(tensors), "--repeats", str(a.repeats), "--dir", str(d),
+           "--result", str(result)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
+    # own session: whatever the peer forks (DLRover's saver) is killed with it afterwards
+    p = subprocess.Popen(cmd, env=env, start_new_session=True)
+    err = None
     try:
-        out, _ = p.communicate(timeout=a.timeout)
+        p.wait(timeout=a.timeout)
     except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        out += "\nTIMEOUT"
-    res: dict[str, Any] = {"group": group, "error": f"no result (rc={p.returncode})"}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
+        err = f"timed out after {a.timeout:.0f} s"
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+    res: dict[str, Any] = {"group": group, "error": err or f"no result (rc={p.returncode})"}
+    if result.exists():
+        res = json.loads(result.read_text())
     res["wall_s"] = time.time() - t0
     # what this peer's process left in /dev/shm (only names it owns)
     mine = ("ckpt_shm_", f"cudasnap-peers-{p.pid}-", f"torch_{p.pid}_")
@@ -459,7 +486,7 @@ def report(cases: list[dict[str, Any]]) -> str:
                 f(r.get("restore_shm"), " s"), f(r.get("restore_disk"), " s"),
                 f(C.ratio(r.get("restore_disk"), cs.get("restore_disk")), "x"),
                 f(mem / C.GB if mem is not None else None, " GB"),
-                f(mem / case["bytes"] if mem is not None else None, "x"),
+                f(r["held"] / C.GB if r.get("held") is not None else None, " GB"),
                 f((r.get("restore_peak") or 0) / C.GB if r.get("restore_peak") is not None else None,
                   " GB")])
         title = (f"{case['label']}: {gb:.2f} GB in {case['tensors']} tensors "
@@ -469,14 +496,18 @@ def report(cases: list[dict[str, Any]]) -> str:
             ["peer", "blocked", "blocked / cudasnap", "in memory (COMPLETE)", "durable",
              "durable / cudasnap flush", "raw write / durable", "restore from memory",
              "restore from disk", "restore disk / cudasnap", "peak extra RSS (save)",
-             "x state", "peak extra RSS (restore)"], rows,
+             "RSS held after save", "peak extra RSS (restore)"], rows,
             "blocked: time the training thread is held in the call. durable: from the call to "
             "fsync'd files (cudasnap: boundary -> COMPLETE + flush(); its JIT flush alone is the "
             "`flush` figure the ratio column uses). raw write = os.write+fsync of the same bytes "
             "in the same process. RSS includes mapped shared memory (cudasnap's 2-slot arena, "
-            "DLRover's buffer)."))
+            "DLRover's buffer); 'held' = RSS after the save minus RSS before the peer's first "
+            "save (staging kept between saves)."))
         fl = cs.get("flush")
-        out.append(f"cudasnap {case['label']}: boundary blocked {f(cs.get('blocked'), ' s')}, "
+        out.append(f"cudasnap {case['label']}: boundary blocked {f(cs.get('blocked'), ' s')} "
+                   f"(first boundary of a new Snapshotter, layout rebuild: "
+                   f"{f(cs.get('rebuild_blocked'), ' s')}; first ever, arena set-up: "
+                   f"{f(cs.get('first_boundary_s'), ' s')}), "
                    f"COMPLETE {f(cs.get('in_memory'), ' s')}, JIT flush {f(fl, ' s')}, "
                    f"flush raw ratio {f(C.ratio(cs.get('raw'), fl), 'x')}\n")
         print(out[-1], flush=True)
@@ -529,6 +560,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--size", type=float, help=argparse_suppress())
     p.add_argument("--tensors", type=int, default=8, help=argparse_suppress())
     p.add_argument("--dir", help=argparse_suppress())
+    p.add_argument("--result", help=argparse_suppress())
     a = p.parse_args(argv)
     if a.child:
         a.group = a.child

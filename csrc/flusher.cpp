@@ -50,7 +50,7 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::s
   while (n > 0) {
     ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(off));
     if (w < 0 && errno == EINTR) continue;
-    CUDASNAP_SYSCHECK(w, ErrorKind::Io, "write of " << path << " at offset " << off);
+    CUDASNAP_SYSCHECK(w, ErrorKind::Io, "pwrite of " << path << " at offset " << off);
     p += w;
     n -= static_cast<uint64_t>(w);
     off += static_cast<uint64_t>(w);
@@ -60,13 +60,14 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::s
 }  // namespace
 
 void fsync_dir(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "open directory " << path);
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  errno = err;
-  CUDASNAP_SYSCHECK(rc, ErrorKind::Io, "fsync directory " << path);
+  int fd = -1;
+  CUDASNAP_SYSCHECK(fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), ErrorKind::Io,
+                    "open directory " << path);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  CUDASNAP_SYSCHECK(::fsync(fd), ErrorKind::Io, "fsync directory " << path);
 }
 
 FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes,
@@ -83,8 +84,9 @@ FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
   FlushStats st;
   st.bytes = nbytes;
   st.crcs.assign(nchunks, 0);
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "create " << path);
+  int fd = -1;
+  CUDASNAP_SYSCHECK(fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600),
+                    ErrorKind::Io, "create " << path);
   try {
     if (nbytes > 0) {
       int rc = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
@@ -153,7 +155,7 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
   if (fd < 0 && errno == ELOOP) {
     CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false, path << " is a symbolic link; refusing it");
   }
-  CUDASNAP_SYSCHECK(fd, ErrorKind::Io, "open " << path);
+  if (fd < 0) CUDASNAP_SYSCHECK(-1, ErrorKind::Io, "open(O_RDONLY|O_NOFOLLOW) of " << path);
   struct stat st {};
   if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -172,7 +174,7 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
       while (got < n) {
         ssize_t r = ::pread(fd, dst + lo + got, n - got, static_cast<off_t>(lo + got));
         if (r < 0 && errno == EINTR) continue;
-        CUDASNAP_SYSCHECK(r, ErrorKind::Io, "read of " << path << " at offset " << lo + got);
+        CUDASNAP_SYSCHECK(r, ErrorKind::Io, "pread of " << path << " at offset " << lo + got);
         CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, r > 0,
                             path << " ended early at offset " << lo + got);
         got += static_cast<uint64_t>(r);

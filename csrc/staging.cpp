@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -61,11 +62,23 @@ std::string human(uint64_t b) {
 }  // namespace
 
 void test_kill_point(const char* phase) {
-  static const std::string want = [] {
+  // "<phase>" or "<phase>@<n>": SIGKILL at the n-th time (default 1st) this
+  // process reaches <phase>. Parsed once, at the first call.
+  struct Want {
+    std::string phase;
+    long nth = 1;
+  };
+  static const Want want = [] {
+    Want w;
     const char* v = std::getenv("CUDASNAP_TEST_KILL_AT");
-    return std::string(v ? v : "");
+    std::string s = v ? v : "";
+    size_t at = s.find('@');
+    w.phase = s.substr(0, at);
+    if (at != std::string::npos) w.nth = std::max(1L, std::strtol(s.c_str() + at + 1, nullptr, 10));
+    return w;
   }();
-  if (!want.empty() && want == phase) ::kill(::getpid(), SIGKILL);
+  static std::atomic<long> hits{0};
+  if (!want.phase.empty() && want.phase == phase && ++hits >= want.nth) ::kill(::getpid(), SIGKILL);
 }
 
 uint64_t monotonic_ns() {
@@ -114,8 +127,8 @@ std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
   auto a = std::shared_ptr<Arena>(new Arena());
   a->path_ = path;
   a->writable_ = true;
-  a->fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  CUDASNAP_SYSCHECK(a->fd_, ErrorKind::Staging, "cannot create staging arena " << path);
+  CUDASNAP_SYSCHECK(a->fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600),
+                    ErrorKind::Staging, "cannot create staging arena " << path);
   try {
     CUDASNAP_SYSCHECK(fchmod(a->fd_, 0600), ErrorKind::Staging, "chmod 0600 " << path);
     int rc = posix_fallocate(a->fd_, 0, static_cast<off_t>(total));
@@ -192,22 +205,27 @@ std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable) {
   a->path_ = path;
   a->writable_ = writable;
   // O_NOFOLLOW + the checks below: /dev/shm is shared by every user of the host,
-  // and an arena planted there (or a symlink to one) must never be restored from.
-  a->fd_ = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW |
-                                    O_NONBLOCK);
-  CUDASNAP_SYSCHECK(a->fd_, ErrorKind::Staging, "cannot open staging arena " << path);
+  // and an arena planted there (or a symlink to one) must never be used. A
+  // writable open (adopt, restore, flush) also refuses another user's arena and
+  // one writable by group/others; read-only opens (inspection: `cudasnap
+  // status`/`gc` read the owner pid) accept any owner.
+  const int flags = (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
+  CUDASNAP_SYSCHECK(a->fd_ = ::open(path.c_str(), flags), ErrorKind::Staging,
+                    "cannot open staging arena " << path);
   struct stat st {};
   CUDASNAP_SYSCHECK(fstat(a->fd_, &st), ErrorKind::Staging, "cannot stat " << path);
   CUDASNAP_CHECK_KIND(ErrorKind::Staging, S_ISREG(st.st_mode),
                       "staging arena " << path << " is not a regular file");
-  CUDASNAP_CHECK_KIND(ErrorKind::Staging, st.st_uid == geteuid(),
-                      "staging arena " << path << " is owned by uid " << st.st_uid
-                                       << ", not by this process (uid " << geteuid()
-                                       << "); refusing to use it");
-  CUDASNAP_CHECK_KIND(ErrorKind::Staging, (st.st_mode & 022) == 0,
-                      "staging arena " << path << " has mode " << std::oct
-                                       << (st.st_mode & 0777) << std::dec
-                                       << " (writable by group/others); refusing to use it");
+  if (writable) {
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, st.st_uid == geteuid(),
+                        "staging arena " << path << " is owned by uid " << st.st_uid
+                                         << ", not by this process (uid " << geteuid()
+                                         << "); refusing to use it");
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, (st.st_mode & 022) == 0,
+                        "staging arena " << path << " has mode " << std::oct
+                                         << (st.st_mode & 0777) << std::dec
+                                         << " (writable by group/others); refusing to use it");
+  }
   uint64_t size = static_cast<uint64_t>(st.st_size);
   CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, size >= kPage,
                       "staging arena " << path << " is truncated (" << size << " bytes)");

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import (ConfigError, CorruptSnapshot, CudaError, FlushError, IncompatibleSnapshot,
-                     SnapshotError, StagingError)
+from .errors import (
+    ConfigError,
+    CorruptSnapshot,
+    CudaError,
+    FlushError,
+    IncompatibleSnapshot,
+    SnapshotError,
+    StagingError,
+)
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,8 @@ import itertools
 import logging
 import sys
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ._native import native
 from .errors import ConfigError, SnapshotError

@@ -17,8 +17,9 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger("cudasnap.health")
 
@@ -259,7 +260,8 @@ class NvmlBackend:
         self._setup_events()
         self._baseline()
         if self._event_set is not None:
-            self._threads.append(threading.Thread(target=self._event_loop, name="cudasnap-nvml-events", daemon=True))
+            self._threads.append(threading.Thread(target=self._event_loop,
+                                                  name="cudasnap-nvml-events", daemon=True))
         self._threads.append(threading.Thread(target=self._poll_loop, name="cudasnap-nvml-poll", daemon=True))
         for t in self._threads:
             t.start()
@@ -308,8 +310,9 @@ class NvmlBackend:
 
     # -- events ------------------------------------------------------------------------
     def _setup_events(self) -> None:
-        types = [(n, const(n)) for n in ("nvmlEventTypeXidCriticalError", "nvmlEventTypeDoubleBitEccError",
-                                         "nvmlEventTypeGpuUnavailableError", "nvmlEventTypeGpuRecoveryAction")]
+        names = ("nvmlEventTypeXidCriticalError", "nvmlEventTypeDoubleBitEccError",
+                 "nvmlEventTypeGpuUnavailableError", "nvmlEventTypeGpuRecoveryAction")
+        types = [(n, const(n)) for n in names]
         types = [(n, v) for n, v in types if v is not None]
         try:
             self._event_set = call("nvmlEventSetCreate")
@@ -484,11 +487,13 @@ def read_gpu_status(devices: list[int] | None = None) -> list[dict[str, Any]]:
                 continue
             queries: list[tuple[str, Callable[[], Any]]] = [
                 ("name", lambda: _to_str(call("nvmlDeviceGetName", h))),
-                ("temperature", lambda: int(call("nvmlDeviceGetTemperature", h, const("NVML_TEMPERATURE_GPU", 0)))),
+                ("temperature", lambda: int(call("nvmlDeviceGetTemperature", h,
+                                                 const("NVML_TEMPERATURE_GPU", 0)))),
                 ("ecc_uncorrected", lambda: int(call("nvmlDeviceGetTotalEccErrors", h,
                                                      const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
                                                      const("NVML_VOLATILE_ECC", 0)))),
-                ("remapped_rows", lambda: dict(zip(("correctable", "uncorrectable", "pending", "failure"),
+                ("remapped_rows", lambda: dict(zip(("correctable", "uncorrectable", "pending",
+                                                    "failure"),
                                                    (int(x) for x in call("nvmlDeviceGetRemappedRows", h))))),
             ]
             if fid is not None:

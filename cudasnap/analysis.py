@@ -127,8 +127,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 

@@ -146,8 +146,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
             bad += not ok
             print(f"step {step} {p.name if p.name.startswith('rank-') else ''}: "
                   f"{'ok' if ok else 'FAILED'} ({msg})".replace(" : ", ": "))
-    if not dirs:
-        print(f"no snapshots in {a.directory}")
+    if not dirs:  # nothing verified is not a success
+        print(f"no snapshots in {a.directory}", file=sys.stderr)
+        return 2
     return 1 if bad else 0
 
 
@@ -248,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(argv[1:])
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    return int(a.fn(a))
+    from .errors import SnapshotError
+
+    try:
+        return int(a.fn(a))
+    except SnapshotError as e:  # a clear one-line error, not a traceback
+        print(f"cudasnap {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

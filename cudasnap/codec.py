@@ -106,41 +106,55 @@ def _decode_tensor(spec: dict[str, Any], path: str) -> Any:
         dtype = getattr(torch, spec["dtype"])
         shape = [int(s) for s in spec["shape"]]
         raw = base64.b64decode(spec["data"], validate=True)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise CorruptSnapshot(f"bad tensor encoding at {path}: {e}") from e
     if not isinstance(dtype, torch.dtype):
         raise CorruptSnapshot(f"bad tensor dtype {spec['dtype']!r} at {path}")
+    try:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+    except RuntimeError as e:  # quantized and other dtypes plain storage cannot hold
+        raise CorruptSnapshot(f"tensor dtype {spec['dtype']!r} at {path} is not supported") from e
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     if any(s < 0 for s in shape) or numel * itemsize != len(raw):
         raise CorruptSnapshot(
             f"tensor at {path}: shape {shape} of {spec['dtype']} needs {numel * itemsize} bytes, "
             f"the snapshot holds {len(raw)}")
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    try:
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(
+            shape).clone()
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise CorruptSnapshot(f"tensor at {path} cannot be rebuilt: {e}") from e
 
 
 def decode(obj: Any, path: str = "state") -> Any:
     """Inverse of :func:`encode`; raises CorruptSnapshot on malformed input."""
+    try:
+        return _decode(obj, path)
+    except RecursionError as e:  # nesting json.loads accepted but decoding is deeper
+        raise CorruptSnapshot(f"{path}: value nested too deeply") from e
+
+
+def _decode(obj: Any, path: str) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, list):
-        return [decode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [_decode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if not isinstance(obj, dict):
         raise CorruptSnapshot(f"unexpected JSON value of type {type(obj).__name__} at {path}")
     tags = [t for t in _TAGS if t in obj]
     if not tags:
-        return {k: decode(v, f"{path}.{k}") for k, v in obj.items()}
+        return {k: _decode(v, f"{path}.{k}") for k, v in obj.items()}
     if len(obj) != 1:
         raise CorruptSnapshot(f"malformed tagged value at {path}: keys {sorted(obj)}")
     tag = tags[0]
     val = obj[tag]
     try:
         if tag == "__tuple__":
-            return tuple(decode(v, f"{path}[{i}]") for i, v in enumerate(val))
+            return tuple(_decode(v, f"{path}[{i}]") for i, v in enumerate(val))
         if tag == "__dict__":
-            return {decode(k, f"{path}.<key>"): decode(v, f"{path}[{k!r}]") for k, v in val}
+            return {_decode(k, f"{path}.<key>"): _decode(v, f"{path}[{k!r}]") for k, v in val}
         if tag == "__float__":
             return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[val]
         if tag == "__bytes__":
@@ -156,7 +170,7 @@ def decode(obj: Any, path: str = "state") -> Any:
         return np.frombuffer(raw, dtype=dt).reshape([int(s) for s in val["shape"]]).copy()
     except CorruptSnapshot:
         raise
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CorruptSnapshot(f"malformed {tag} value at {path}: {e}") from e
 
 

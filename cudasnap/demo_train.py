@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         snap.wait()
         rec.update(snap.stats())
         snap.close()
-    np.savez(a.out, **final_state(model, opt))
+    arrays: dict[str, Any] = final_state(model, opt)
+    np.savez(a.out, **arrays)
     with open(a.stats, "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
     return 0

@@ -200,6 +200,7 @@ class Coordinator:
         self._gen = 0  # flush rounds this rank took part in, this epoch (keys: flush/<gen>/...)
         self._peer_lock = threading.Lock()
         self.last_flush: dict[str, Any] | None = None
+        self._restores = 0  # restore() calls this epoch (keys: restore/<n>/...)
         die = os.environ.get(ENV_TEST_DIE_IN_FLUSH, "").partition(":")
         # "RANK[:MIN_STEP]": that rank SIGKILLs itself in a round of step >= MIN_STEP
         self._die_in_flush = int(die[2] or 0) if die[0] == str(self.rank) else None
@@ -529,20 +530,30 @@ class Coordinator:
             shutil.rmtree(d, ignore_errors=True)
 
     def _flush_rank(self, rank: int, step: int, arena: Any) -> Path | None:
+        """Writes ``rank``'s slot of ``step``; None (logged) when it cannot."""
         if arena is None:
             return None
-        slot = next((i for i in range(arena.num_slots) if arena.slot_info(i)["valid"]
-                     and arena.slot_info(i)["step"] == step), -1)
+        slot = -1
+        for i in range(arena.num_slots):
+            if arena.slot_info(i)["valid"] and arena.slot_info(i)["step"] == step:
+                arena.lease(i)  # then check again: a copy may have claimed it meanwhile
+                info = arena.slot_info(i)
+                if info["valid"] and info["step"] == step:
+                    slot = i
+                    break
+                arena.release(i)
         if slot < 0:
             log.error("rank %d: step %d is not in shared memory (%s)", rank, step, arena.path)
             return None
-        self._clear_stale(step, rank)
-        arena.lease(slot)
         try:
+            self._clear_stale(step, rank)
             path, _ = store.write_slot(arena, slot, self.snap.directory,
                                        threads=self.snap.flush_threads, subdir=rank_dirname(rank),
                                        update_latest=False,
                                        extra_manifest={"replica_group": self.replicas_of(rank)})
+        except SnapshotError as e:
+            log.error("rank %d: writing step %d failed: %s", rank, step, e)
+            return None
         finally:
             arena.release(slot)
         return path
@@ -641,12 +652,14 @@ class Coordinator:
     def restore(self) -> int:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
         self._event("restore_start")
+        n = self._restores
+        self._restores += 1
         committed = {s.step: s for s in committed_steps(self.snap.directory)}
         mine = set(self.complete_steps())
-        self._k(f"restore/{self.rank}", _csv(mine))
+        self._k(f"restore/{n}/{self.rank}", _csv(mine))
         peers: list[set[int]] = []
         for r in range(self.world):
-            v = self._wait_key(f"restore/{r}", self.restore_timeout_s)
+            v = self._wait_key(f"restore/{n}/{r}", self.restore_timeout_s)
             if v is None:
                 raise SnapshotError(f"rank {self.rank}: rank {r} did not take part in the restore "
                                     f"within {self.restore_timeout_s:.0f} s")
@@ -664,10 +677,10 @@ class Coordinator:
             except CorruptSnapshot as e:
                 log.warning("rank %d: step %d not loadable here: %s", self.rank, step, e)
             except IncompatibleSnapshot as e:
-                log.error("rank %d: step %d: %s", self.rank, step, e)
+                log.error("%s", e)
                 vote = f"E:{e}"
-            self._k(f"restored/{step}/{self.rank}", vote)
-            votes = [self._wait_key(f"restored/{step}/{r}", self.restore_timeout_s)
+            self._k(f"restore/{n}/{step}/{self.rank}", vote)
+            votes = [self._wait_key(f"restore/{n}/{step}/{r}", self.restore_timeout_s)
                      for r in range(self.world)]
             if all(v == "1" for v in votes):
                 self._event("restored", step=step,
@@ -693,10 +706,9 @@ class Coordinator:
                 return v
             time.sleep(0.02)
 
-    def _check_world(self, step: int, saved_world: int, saved_groups: Any, where: str) -> None:
-        if saved_world == self.world:
-            return
-        if len(self.replica_groups) != 1 or (saved_groups is not None and len(saved_groups) != 1):
+    def _check_world(self, step: int, saved_world: int, where: str) -> None:
+        # Replication is the live job's declaration (replicas=), as when the step was saved.
+        if saved_world != self.world and len(self.replica_groups) != 1:
             raise IncompatibleSnapshot(
                 f"rank {self.rank}: step {step} ({where}) was saved by {saved_world} ranks, this "
                 f"job has {self.world}, and its state is not replicated")
@@ -711,7 +723,7 @@ class Coordinator:
                     info = a.slot_info(i)
                     if info["valid"] and info["step"] == step:
                         meta = json.loads(a.read_meta(i))
-                        self._check_world(step, int(meta.get("world_size", self.world)), None,
+                        self._check_world(step, int(meta.get("world_size", self.world)),
                                           f"{a.path} slot {i}")
                         got = s._restore_from_slot(a, i, f"{a.path} slot {i}")
                         s._stats["restore"] = {"source": "shm", "step": got, "where": str(a.path)}
@@ -720,11 +732,9 @@ class Coordinator:
             return None
         commit = read_commit(snap_dir.path)
         saved_world = commit["world_size"]
-        saved_groups = commit.get("replica_groups") or [[r] for r in range(saved_world)]
-        self._check_world(step, saved_world, saved_groups, str(snap_dir.path))
+        self._check_world(step, saved_world, str(snap_dir.path))
         if saved_world == self.world:
-            group = next((g for g in saved_groups if self.rank in g), [self.rank])
-            sources = [self.rank] + [r for r in group if r != self.rank]
+            sources = [self.rank] + [r for r in self.replicas_of(self.rank) if r != self.rank]
         else:
             sources = list(range(saved_world))
         for r in sources:

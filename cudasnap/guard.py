@@ -42,6 +42,9 @@ def _env_float(name: str) -> float | None:
         raise ValueError(f"environment variable {name}={v!r} is not a number") from None
 
 
+# Guard.stop() waits this long for a triggered flush still in progress.
+_STOP_WAIT_S = 120.0
+
 _KINDS = {signal.SIGTERM: "sigterm", signal.SIGUSR1: "sigusr1"}
 
 
@@ -93,6 +96,11 @@ class SignalThread:
 
         native().uninstall_signal_pipe()
 
+    def join(self, timeout: float | None = None) -> None:
+        """After :meth:`uninstall`: lets the thread handle signals already in the pipe."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
 
 class Guard:
     """Health monitor + signals + watchdog + excepthook for one Snapshotter."""
@@ -105,13 +113,16 @@ class Guard:
         self.dispatcher = Dispatcher(self._flush, policy=policy or Policy.from_env(),
                                      exit_fn=exit_fn, step_fn=lambda: self.last_step)
         poll = poll_s if poll_s is not None else (_env_float("CUDASNAP_POLL_S") or 1.0)
-        self.monitor = HealthMonitor(self.dispatcher.handle, poll_interval=poll, inject=inject)
+        self.monitor = HealthMonitor(self._on_health, poll_interval=poll, inject=inject)
         wd = watchdog_s if watchdog_s is not None else _env_float("CUDASNAP_WATCHDOG_S")
         self.watchdog = Watchdog(wd, self.dispatcher.on_hang) if wd else None
         self._want_signals = signals
         self._signals: Any = None
         self._hooks: Any = None
         self._started = False
+
+    def _on_health(self, trigger: Trigger) -> None:
+        self.dispatcher.handle(trigger)
 
     def start(self) -> None:
         if self._started:
@@ -128,7 +139,9 @@ class Guard:
                 if threading.current_thread() is threading.main_thread():
                     self._signals = install_signal_handlers(self.dispatcher.handle)
         self._hooks = install_excepthook(self.dispatcher.handle)
-        log.info("guard on: %s; watchdog %s; policy %s", self.monitor.describe(),
+        # Without NVML the warning was logged once per process already: don't repeat it here.
+        health = self.monitor.describe() if self.monitor.available else "GPU health monitor off"
+        log.info("guard on: %s; watchdog %s; policy %s", health,
                  f"{self.watchdog.timeout_s:.1f} s" if self.watchdog else "off",
                  self.dispatcher.policy.describe())
 
@@ -166,5 +179,13 @@ class Guard:
             self.watchdog.stop()
         if self._signals is not None:
             self._signals.uninstall()
+            join = getattr(self._signals, "join", None)
+            if join is not None:
+                join(_STOP_WAIT_S)  # a signal already received is still handled
         if self._hooks is not None:
             self._hooks.uninstall()
+        # A flush a trigger started (SIGUSR1, a health event) must finish before the
+        # Snapshotter closes its arena under it.
+        if not self.dispatcher.wait_idle(_STOP_WAIT_S):
+            log.warning("a triggered flush is still running after %.0f s; closing anyway",
+                        _STOP_WAIT_S)

@@ -339,7 +339,8 @@ class HealthMonitor:
                 return
             self._started = True
         self.source.start()
-        logger.info("%s", self.describe())
+        if self.available:  # an unavailable NVML was already reported once per process
+            logger.info("%s", self.describe())
 
     def stop(self) -> None:
         with self._lock:

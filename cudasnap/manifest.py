@@ -17,7 +17,6 @@ the snapshot directory.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .errors import CorruptSnapshot, IncompatibleSnapshot
@@ -97,7 +96,8 @@ def validate_tensors(tensors: Any, data_bytes: int, where: str) -> None:
         _need(off % itemsize == 0, w, f"offset {off} not aligned to {dt}")
         _need(off + nbytes <= data_bytes, w,
               f"bytes {off}..{off + nbytes} lie outside the data ({data_bytes} bytes)")
-        _need(e.get("phase", 1) in (0, 1), w, "phase must be 0 or 1")
+        _need(_is_int(e.get("phase", 1)) and e.get("phase", 1) in (0, 1), w,
+              "phase must be 0 or 1")
         # Required: restore dispatches on it (a missing one was a KeyError, not a fallback).
         _need(isinstance(e.get("group"), str), w, "group must be a string")
 
@@ -107,7 +107,7 @@ def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
     _need(isinstance(m, dict), where, "manifest is not a JSON object")
     _need(m.get("format") == FORMAT, where, f"not a cudasnap manifest (format={m.get('format')!r})")
     ver = m.get("format_version")
-    if ver not in SUPPORTED_VERSIONS:
+    if not (_is_int(ver) and ver in SUPPORTED_VERSIONS):
         raise IncompatibleSnapshot(
             f"{where}: format version {ver!r}; this cudasnap reads {list(SUPPORTED_VERSIONS)}")
     _need(_is_int(m.get("step")) and m["step"] >= 0, where, "bad step")
@@ -120,7 +120,8 @@ def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
         nbytes, chunk, crcs = d.get("bytes"), d.get("chunk_bytes"), d.get("crc32c")
         _need(_is_int(nbytes) and nbytes >= 0 and _is_int(chunk) and chunk >= 4096, where,
               "bad data size or chunk size")
-        _need(isinstance(crcs, list) and len(crcs) == math.ceil(nbytes / chunk), where,
+        # Integer ceil: nbytes / chunk is a float and overflows for a hostile 10**400.
+        _need(isinstance(crcs, list) and len(crcs) == -(-nbytes // chunk), where,
               "chunk checksum list does not match the data size")
         _need(all(_is_int(c) and 0 <= c < 2**32 for c in crcs), where, "bad checksum entries")
         validate_tensors(m.get("tensors"), nbytes, where)

@@ -17,8 +17,9 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Mapping
+from typing import Any
 
 log = logging.getLogger("cudasnap.metrics")
 
@@ -174,7 +175,8 @@ class MetricsServer:
             allow_reuse_address = True
 
         self._server = Server((host, port), Handler)
-        self.host, self.port = self._server.server_address[:2]
+        addr = self._server.server_address
+        self.host, self.port = str(addr[0]), int(addr[1])
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={
             "poll_interval": 0.2}, name="cudasnap-metrics", daemon=True)
         self._thread.start()

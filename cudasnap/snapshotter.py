@@ -23,8 +23,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -546,7 +547,7 @@ class Snapshotter:
         for s in store.list_snapshots(self.directory):
             candidates.append((s.step, 0, "disk", s))
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-        for step, _, source, ref in candidates:
+        for _step, _, source, ref in candidates:
             try:
                 if source == "shm":
                     where = f"{arena.path} slot {ref}"

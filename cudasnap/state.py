@@ -11,8 +11,9 @@ from __future__ import annotations
 import array
 import logging
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,7 +78,8 @@ def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, Any]:
         rng["python"] = {"version": version, "state": array.array("I", words).tobytes(),
                          "gauss": gauss}
     if "numpy" in sources:
-        _, key, pos, has_gauss, gauss = np.random.get_state()
+        np_state: Any = np.random.get_state()
+        _, key, pos, has_gauss, gauss = np_state
         rng["numpy"] = {"key": key.tobytes(), "pos": int(pos), "has_gauss": int(has_gauss),
                         "gauss": float(gauss)}
     if "cuda" in sources and torch.cuda.is_available() and torch.cuda.is_initialized():

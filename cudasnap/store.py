@@ -13,16 +13,30 @@ Commit protocol (``write_slot``): write data and manifest into the ``.tmp``
 directory, fsync both and the directory, rename it to ``step-N``, fsync
 ``DIR``, then replace ``latest`` atomically (write, fsync, rename, fsync).
 A crash at any moment leaves the previous snapshot loadable.
+
+Trust on restore (``load_manifest`` / ``read_data``): files are opened without
+following symlinks, must be regular files, are size-checked before any read,
+and must belong to this process's user (else ConfigError, unless
+``allow_foreign_owner`` or ``CUDASNAP_ALLOW_FOREIGN_OWNER=1``); a snapshot
+writable by group/others loads with a warning.
+
+Test-only crash hook: ``CUDASNAP_TEST_KILL_AT=<phase>`` makes the process
+SIGKILL itself at that phase (``_kill_point``; the C++ engine has the phases
+copy/header/write/fsync, this module manifest/rename/renamed/latest). Only the
+fault tests (tests/test_faults.py, bench/faults.py) set it.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +59,84 @@ _STEP_RE = re.compile(r"^step-(\d{8,})$")
 MANIFEST_CRC = "manifest_crc32c"
 
 
+KILL_ENV = "CUDASNAP_TEST_KILL_AT"
+
+
+_kill_hits: dict[str, int] = {}
+
+
+def _kill_point(phase: str) -> None:
+    """TEST-ONLY: SIGKILL this process at ``phase`` when $CUDASNAP_TEST_KILL_AT says so.
+
+    The value is ``<phase>`` or ``<phase>@<n>`` (the n-th time this process
+    gets here). Unset (always, outside the fault tests) this is one dict lookup.
+    """
+    want = os.environ.get(KILL_ENV)
+    if not want:
+        return
+    name, _, nth = want.partition("@")
+    if name != phase:
+        return
+    _kill_hits[phase] = _kill_hits.get(phase, 0) + 1
+    if _kill_hits[phase] >= max(1, int(nth or 1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+FOREIGN_ENV = "CUDASNAP_ALLOW_FOREIGN_OWNER"
+
+
+def _allow_foreign(allow: bool | None) -> bool:
+    if allow is not None:
+        return bool(allow)
+    return os.environ.get(FOREIGN_ENV, "") not in ("", "0")
+
+
+def _check_trust(path: Path, st: os.stat_result, allow_foreign_owner: bool | None) -> None:
+    """Refuses files of another user (unless allowed); warns about group/other-writable ones."""
+    uid = os.geteuid()
+    if st.st_uid != uid and not _allow_foreign(allow_foreign_owner):
+        raise ConfigError(
+            f"{path} is owned by uid {st.st_uid}, not by this process (uid {uid}); refusing to "
+            f"restore a snapshot another user could have written. Check it, then chown it or "
+            f"pass allow_foreign_owner=True (or set {FOREIGN_ENV}=1)")
+    if st.st_mode & 0o022:
+        log.warning("%s has mode %o: writable by group/others, so its content may have been "
+                    "altered by another user (checksums catch damage, not forgery)", path,
+                    stat.S_IMODE(st.st_mode))
+
+
+def _read_regular(path: Path, limit: int, what: str) -> tuple[bytes, os.stat_result]:
+    """Reads a small regular file without following symlinks or blocking on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            raise CorruptSnapshot(f"{path} is a symbolic link; a {what} never is") from e
+        raise CorruptSnapshot(f"cannot read {path}: {e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptSnapshot(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise CorruptSnapshot(f"{path} is {st.st_size} bytes, larger than any {what}")
+        chunks = []
+        left = limit + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    except OSError as e:
+        raise CorruptSnapshot(f"cannot read {path}: {e}") from e
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > limit:
+        raise CorruptSnapshot(f"{path} grew past {limit} bytes while being read")
+    return raw, st
+
+
 def manifest_crc(manifest: dict[str, Any]) -> int:
     """CRC32C of a manifest's canonical JSON (without its own checksum field).
 
@@ -55,7 +147,7 @@ def manifest_crc(manifest: dict[str, Any]) -> int:
     body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
     try:
         text = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=True)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise CorruptSnapshot(f"manifest cannot be checksummed: {e}") from e
     return int(native().crc32c(text.encode()))
 
@@ -80,7 +172,15 @@ def check_directory(directory: Path) -> Path:
     """Creates ``directory`` (0700) if needed and proves it is writable now."""
     directory = Path(directory)
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Parents too are created 0700 (Path.mkdir gives them 0777 & ~umask: 0777 under umask 0).
+        missing = []
+        p = directory
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for p in reversed(missing):
+            p.mkdir(mode=0o700, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
         probe = directory / f".probe-{os.getpid()}"
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.write(fd, b"ok")
@@ -130,33 +230,58 @@ class DirectoryLock:
 
 
 def _write_file_durable(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """Creates ``path`` (0600, must not exist), writes and fsyncs it; errors name the file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:
             n = os.write(fd, view)
             view = view[n:]
         os.fsync(fd)
+    except OSError as e:  # os.write/fsync errors carry no file name (disk full: which file?)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)
 
 
 def _replace_latest(directory: Path, name: str) -> None:
     tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
-    if tmp.exists():
-        tmp.unlink()
-    _write_file_durable(tmp, (name + "\n").encode())
-    os.replace(tmp, directory / LATEST)
+    try:
+        tmp.unlink(missing_ok=True)
+        _write_file_durable(tmp, (name + "\n").encode())
+        _kill_point("latest")
+        os.replace(tmp, directory / LATEST)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     native().fsync_dir(str(directory))
 
 
 def clean_partial(directory: Path) -> list[Path]:
-    """Removes ``.tmp`` directories of interrupted flushes; returns what it removed."""
+    """Removes ``.tmp`` directories of interrupted flushes; returns what it removed.
+
+    A ``.old-<pid>`` copy (a committed step moved aside while a new copy of the
+    same step replaced it) whose replacement never arrived is renamed back: it
+    is the only committed copy of that step.
+    """
+    d = Path(directory)
     removed = []
-    for p in [*Path(directory).glob("step-*.tmp*"), *Path(directory).glob("step-*/rank-*.tmp-*"),
-              *Path(directory).glob("step-*.old-*"), *Path(directory).glob("step-*/rank-*.old-*")]:
+    for p in [*d.glob("step-*.old-*"), *d.glob("step-*/rank-*.old-*")]:
+        orig = p.with_name(p.name.split(".old-")[0])
+        if not orig.exists():
+            try:
+                os.rename(p, orig)
+                log.warning("restored %s: its replacement was interrupted", orig)
+                continue
+            except OSError:
+                pass
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
+    for p in [*d.glob("step-*.tmp*"), *d.glob("step-*/rank-*.tmp-*")]:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    for p in d.glob(f".{LATEST}.tmp-*"):
+        p.unlink(missing_ok=True)
     return removed
 
 
@@ -176,8 +301,9 @@ def list_snapshots(directory: Path) -> list[StoredSnapshot]:
 
 def read_latest(directory: Path) -> str | None:
     try:
-        name = (Path(directory) / LATEST).read_text().strip()
-    except OSError:
+        raw, _ = _read_regular(Path(directory) / LATEST, 4096, "latest pointer")
+        name = raw.decode("ascii", errors="replace").strip()
+    except SnapshotError:
         return None
     return name if _STEP_RE.match(name) else None
 
@@ -191,7 +317,12 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     info = arena.slot_info(slot)
     if not info["valid"]:
         raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
-    meta = json.loads(arena.read_meta(slot))
+    try:
+        meta = json.loads(arena.read_meta(slot))
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError) as e:  # CRC-consistent but not JSON: refuse, don't crash
+        raise CorruptSnapshot(f"slot {slot} of {arena.path}: manifest is not valid JSON: {e}") from e
     step = int(info["step"])
     directory = Path(directory)
     final = directory / step_dirname(step)
@@ -213,7 +344,6 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid>
         # and renames it into place; the COMMIT marker (cudasnap.distributed)
         # makes the step visible, never the directory itself.
-        final.mkdir(mode=0o700, exist_ok=True)
         tmp = final / f"{subdir}.tmp-{os.getpid()}"
         tmp_target = tmp
     else:
@@ -221,7 +351,9 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         tmp_target = tmp
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp_target.mkdir(mode=0o700, parents=True)
+        if subdir:
+            final.mkdir(mode=0o700, exist_ok=True)
+        tmp_target.mkdir(mode=0o700)
         st = C.write_slot_file(arena, slot, str(tmp_target / DATA), threads, io_bytes, True)
         manifest = dict(meta)
         manifest.update({
@@ -235,10 +367,14 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         manifest[MANIFEST_CRC] = manifest_crc(manifest)
         body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         _write_file_durable(tmp_target / MANIFEST, body)
+        _kill_point("manifest")
         C.fsync_dir(str(tmp_target))
+        _kill_point("rename")
         if stale is not None:
             os.rename(target, stale)
+            _kill_point("replace")
         os.rename(tmp, target)
+        _kill_point("renamed")
         C.fsync_dir(str(target.parent))
         if subdir:
             C.fsync_dir(str(directory))
@@ -251,7 +387,13 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
     if update_latest:
-        _replace_latest(directory, final.name)
+        # The step is committed (renamed, fsync'd); restore never needs `latest`,
+        # but a failure here (disk full) must still surface as a FlushError.
+        try:
+            _replace_latest(directory, final.name)
+        except OSError as e:
+            raise FlushError(f"step {step} is on disk at {target}, but updating "
+                             f"{directory / LATEST} failed: {e}") from e
         prune(directory, keep)
     elapsed = time.perf_counter() - t0
     stats = {"bytes": st["bytes"], "seconds": elapsed, "write_seconds": st["seconds"],
@@ -302,17 +444,23 @@ def prune(directory: Path, keep: int) -> None:
             shutil.rmtree(s.path, ignore_errors=True)
 
 
-def load_manifest(path: Path) -> dict[str, Any]:
-    """Reads and validates one manifest; raises CorruptSnapshot / IncompatibleSnapshot."""
+def load_manifest(path: Path, *, allow_foreign_owner: bool | None = None) -> dict[str, Any]:
+    """Reads and validates one manifest; raises CorruptSnapshot / IncompatibleSnapshot.
+
+    The manifest must be a regular file (no symlink, FIFO or device) of this
+    user's (see ``_check_trust``), carry its own CRC32C, and pass
+    ``validate_manifest`` before anything else is read.
+    """
     from .manifest import validate_manifest
 
+    path = Path(path)
+    raw, st = _read_regular(path, MAX_MANIFEST_BYTES, "manifest")
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptSnapshot(f"{path} is {size} bytes, larger than any manifest")
-        raw = path.read_bytes()
+        dst = os.lstat(path.parent)
     except OSError as e:
-        raise CorruptSnapshot(f"cannot read {path}: {e}") from e
+        raise CorruptSnapshot(f"cannot stat {path.parent}: {e}") from e
+    _check_trust(path.parent, dst, allow_foreign_owner)
+    _check_trust(path, st, allow_foreign_owner)
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -321,18 +469,41 @@ def load_manifest(path: Path) -> dict[str, Any]:
         if manifest[MANIFEST_CRC] != manifest_crc(manifest):
             raise CorruptSnapshot(f"{path}: manifest checksum mismatch (the file was damaged)")
     validate_manifest(manifest, str(path))
+    if MANIFEST_CRC not in manifest:
+        # write_slot always adds it: without it a damaged offset or lr would load silently.
+        raise CorruptSnapshot(f"{path}: no {MANIFEST_CRC} field (damaged or not written by "
+                              "cudasnap)")
     return manifest
 
 
-def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4) -> Any:
-    """Reads data.bin into a new uint8 tensor, every chunk CRC32C-verified."""
+def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4, *,
+              allow_foreign_owner: bool | None = None) -> Any:
+    """Reads data.bin into a new uint8 tensor, every chunk CRC32C-verified.
+
+    ``manifest`` must have passed ``load_manifest``: the file name is always
+    ``data.bin`` (never a name from the manifest), its size must equal the
+    manifest's byte count before a byte is read, and every tensor range lies
+    inside it.
+    """
     import torch
 
     data = manifest["data"]
-    path = Path(snapshot_dir) / data["file"]
+    if data.get("file") != DATA:  # validate_manifest refuses it; never trust a path from JSON
+        raise CorruptSnapshot(f"{snapshot_dir}: data file must be {DATA!r}")
+    path = Path(snapshot_dir) / DATA
     nbytes = int(data["bytes"])
-    if not path.is_file():  # torn (e.g. a prune killed half-way): skip it, don't fail restore
-        raise CorruptSnapshot(f"{path} is missing (the snapshot is incomplete)")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:  # torn (e.g. a prune killed half-way): skip it, don't fail restore
+        raise CorruptSnapshot(f"{path} is missing (the snapshot is incomplete)") from None
+    except OSError as e:
+        raise CorruptSnapshot(f"cannot stat {path}: {e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptSnapshot(f"{path} is not a regular file")
+    _check_trust(path, st, allow_foreign_owner)
+    if st.st_size != nbytes:
+        raise CorruptSnapshot(f"{path} is {st.st_size} bytes, the manifest says {nbytes} "
+                              "(truncated or replaced)")
     buf = torch.empty(nbytes, dtype=torch.uint8)
     native().read_file_verified(str(path), buf.data_ptr(), nbytes, int(data["chunk_bytes"]),
                                 [int(c) for c in data["crc32c"]], threads)

@@ -497,6 +497,22 @@ class Dispatcher:
                 self._cond.notify_all()
         return result
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until no flush is running (True), or ``timeout`` passes (False).
+
+        Returns False at once when called from the flushing thread itself.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._flushing_thread is not None:
+                if self._flushing_thread == threading.get_ident():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
     def manual(self, detail: str = "manual flush", step: int | None = None) -> str | None:
         return self.handle(Trigger(kind="manual", detail=detail, step=step))
 

@@ -47,8 +47,9 @@ import json
 import logging
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -49,7 +49,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ try:  # the unified package first, then the standalone one
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
-    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
 
 from .. import codec
 from ..errors import ConfigError

@@ -15,6 +15,7 @@ Env:
   REPLICAS      the Snapshotter's replicas= ("auto" default, "all", "none")
   FLUSH_AT=S    every rank calls snap.flush() after step S (first attempt only)
   FLUSH_AT_END=1, KEEP_ARENA=1   flush / keep the arena at the end
+  WIDTH, DEPTH  model size (default 64, 0: 2.4k parameters); the bench makes it larger
 Restored state right after restore_latest(): OUT/restored-rank-R.npz.
 """
 import time
@@ -80,8 +81,10 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     mode = os.environ.get("MODE", "manual" if os.environ.get("MANUAL") == "1" else "ddp")
     torch.manual_seed(0)
-    core = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
-                               torch.nn.Dropout(0.1), torch.nn.Linear(64, 4))
+    width, depth = int(os.environ.get("WIDTH", "64")), int(os.environ.get("DEPTH", "0"))
+    hidden = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+    core = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(),
+                               torch.nn.Dropout(0.1), *hidden, torch.nn.Linear(width, 4))
     if mode == "manual":
         model = core
     elif mode == "ddp":
@@ -92,7 +95,7 @@ def main() -> int:
         # element in an order that depends on its offset in the bucket, so a restarted
         # process's first step differs by ~1e-8 ("ddp_plain"). bucket_cap_mb_list fixes
         # the layout for both (here: one gradient per bucket, as in the steady state).
-        model = DDP(core, bucket_cap_mb_list=[1e-6] * 4)
+        model = DDP(core, bucket_cap_mb_list=[1e-6] * len(list(core.parameters())))
     elif mode == "ddp_plain":
         model = DDP(core, bucket_cap_mb=1e-6)
     else:

@@ -13,6 +13,7 @@ the step is split here so a kill can land between its phases.
     --sleep-per-step S  a slow but live loop
     --flush-end         flush once after the last step
     --exit-hard         os._exit(0) after the last step (no close: arena stays)
+    --second-snapshotter  then a second Snapshotter (DIR-2, job JOB-2) with health on
 
 Kill/stall/block apply on the first attempt only (CUDASNAP_RESTART unset or 0).
 Events are JSON lines appended to --stats (start, boundary, stalled, blocked, final).
@@ -97,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-per-step", type=float, default=0.0)
     ap.add_argument("--flush-end", action="store_true")
     ap.add_argument("--exit-hard", action="store_true")
+    ap.add_argument("--second-snapshotter", action="store_true",
+                    help="then a second Snapshotter (own directory and job) snapshots and flushes")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+                        format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     attempt = int(os.environ.get("CUDASNAP_RESTART", "0") or 0)
     first = attempt == 0
@@ -169,18 +172,27 @@ def main(argv: list[str] | None = None) -> int:
         snap.wait()
         if a.flush_end:
             rec["flushed"] = str(snap.flush())
-        rec["stats"] = snap.stats()
-        if snap.guard is not None:
-            rec["triggers"] = [(h.trigger.kind, h.outcome) for h in snap.guard.history()]
     if a.out:
         np.savez(a.out, **job.arrays())
-    emit(a.stats, **rec)
     if a.exit_hard:
+        emit(a.stats, **rec)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     if snap is not None:
-        snap.close()
+        snap.close()  # (a triggered flush still running completes first)
+        rec["stats"] = snap.stats()
+        if snap.guard is not None:
+            rec["triggers"] = [(h.trigger.kind, h.outcome) for h in snap.guard.history()]
+    emit(a.stats, **rec)
+    if a.second_snapshotter:
+        import cudasnap
+
+        two = cudasnap.Snapshotter(job.model, job.opt, directory=str(snap.directory) + "-2",
+                                   job=snap.job + "-2", health=True, copy_threads=1)
+        two.boundary(a.steps)
+        emit(a.stats, ev="second", flushed=str(two.flush()), guard=two.guard is not None)
+        two.close()
     return 0
 
 

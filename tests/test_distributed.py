@@ -1,0 +1,217 @@
+"""Multi-rank snapshots on CPU/gloo: torchrun kill/hang/restart runs and in-process spawn tests.
+
+The torchrun tests run tests/dist/ddp_train.py (DDP, 4 ranks) and compare
+with an uninterrupted reference run of the same script. With a fixed DDP
+bucket layout (see the script) the resumed runs are bitwise identical to the
+reference on every rank.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cudasnap.distributed import COMMIT, committed_steps, read_commit
+from tests.dist import launch
+
+STEPS = 20
+WORLD = 4
+
+
+def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _ok(r: launch.Run) -> str:
+    return f"rc={r.rc} after {r.seconds:.0f} s\n{launch.log_tail(r)}"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="module")
+def ref(base: Path) -> launch.Run:
+    """Uninterrupted run, no snapshots, state saved after every step."""
+    r = launch.run(base / "ref", max_restarts=0,
+                   env={"STEPS": str(STEPS), "NO_SNAP": "1", "DUMP_STEPS": "1"})
+    assert r.rc == 0 and len(r.ranks) == WORLD, _ok(r)
+    return r
+
+
+def _check_resumed(r: launch.Run, ref: launch.Run, restored_step: int) -> None:
+    for rank in range(WORLD):
+        info = r.ranks[rank]
+        assert info["start"] == restored_step + 1, (rank, info)
+        assert _equal(r.restored(rank), ref.step_state(rank, restored_step)), \
+            f"rank {rank}: restored state differs from the reference at step {restored_step}"
+        assert _equal(r.state(rank), ref.state(rank)), \
+            f"rank {rank}: final state differs from the reference"
+
+
+def _events(r: launch.Run, event: str, epoch: int = 0) -> list[dict]:
+    return [e for e in r.events() if e["event"] == event and e["epoch"] == epoch]
+
+
+@pytest.fixture(scope="module")
+def killed(base: Path) -> launch.Run:
+    r = launch.run(base / "kill", env={"STEPS": str(STEPS), "KILL_RANK": "2", "KILL_STEP": "14",
+                                       "CUDASNAP_PEER_TIMEOUT_S": "5"})
+    launch.cleanup_arenas(r.job)
+    return r
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_flush_restart_resume(killed: launch.Run, ref: launch.Run) -> None:
+    r = killed
+    assert r.rc == 0 and len(r.ranks) == WORLD, _ok(r)
+    assert "Unable to shutdown" not in r.log, "a survivor outlived torchrun's SIGTERM grace"
+    kill = r.kill()
+    assert kill is not None and kill["step"] == 14
+    committed = _events(r, "committed")
+    # Step 13 unless rank 2's copy of it was still running when it died (then 12).
+    assert len(committed) == 1 and committed[0]["step"] in (12, 13), committed
+    assert committed[0]["present"] == [0, 1, 2, 3]
+    assert read_commit(r.ckpt / f"step-{committed[0]['step']:08d}")["dead"] == [2]
+    # The survivors' flushes start, agree and commit within seconds of the kill.
+    assert committed[0]["t"] - kill["t"] < 10, (committed[0]["t"] - kill["t"])
+    for rank, info in r.ranks.items():
+        assert info["attempt"] == 1
+        restored = info["restore"]["step"]
+        assert kill["step"] - 1 - restored <= 1, info  # replayed steps
+        if rank == 2:
+            assert info["restore"]["source"] == "shm"  # the killed rank: its own arena
+    _check_resumed(r, ref, r.ranks[0]["restore"]["step"])
+
+
+@pytest.mark.slow
+def test_lost_rank_restores_from_replica_files(killed: launch.Run, ref: launch.Run,
+                                               base: Path) -> None:
+    """Rank 2's arena and its files of the committed step are gone: it loads rank 0's."""
+    assert killed.rc == 0, _ok(killed)
+    [step] = [s.step for s in committed_steps(killed.ckpt)]
+    step_dir = killed.ckpt / f"step-{step:08d}"
+
+    shutil.rmtree(step_dir / "rank-00002")
+    launch.cleanup_arenas(killed.job)  # (closed arenas are removed anyway; be explicit)
+    shutil.rmtree(killed.out)
+    r = launch.run(base / "kill", max_restarts=0, job=killed.job, out="out-replica",
+                   env={"STEPS": str(STEPS)})
+    launch.cleanup_arenas(r.job)
+    assert r.rc == 0 and len(r.ranks) == WORLD, _ok(r)
+    sources = {rank: info["restore"]["source"] for rank, info in r.ranks.items()}
+    assert sources == {0: "disk", 1: "disk", 2: "replica:0", 3: "disk"}, sources
+    _check_resumed(r, ref, step)
+
+
+@pytest.mark.slow
+def test_sigstop_hang_detected_flushed_resumed(base: Path, ref: launch.Run) -> None:
+    timeout_s = 3.0
+    r = launch.run(base / "stop", env={"STEPS": str(STEPS), "KILL_RANK": "1", "KILL_STEP": "10",
+                                       "KILL_SIG": "SIGSTOP",
+                                       "CUDASNAP_PEER_TIMEOUT_S": str(timeout_s)})
+    launch.cleanup_arenas(r.job)
+    assert r.rc == 0 and len(r.ranks) == WORLD, _ok(r)
+    stop = r.kill()
+    starts = _events(r, "flush_start")
+    assert starts, _ok(r)
+    detect = min(e["t"] for e in starts) - stop["t"]
+    # (its last heartbeat may be up to one interval older than the stop)
+    assert timeout_s - 1 <= detect < timeout_s + 3, detect
+    committed = _events(r, "committed")
+    assert len(committed) == 1 and committed[0]["step"] in (8, 9), committed
+    step = committed[0]["step"]
+    assert read_commit(r.ckpt / f"step-{step:08d}")["dead"] == [1]
+    assert all(info["attempt"] == 1 for info in r.ranks.values())
+    restored = r.ranks[0]["restore"]["step"]
+    assert stop["step"] - 1 - restored <= 1  # replayed steps
+    _check_resumed(r, ref, restored)
+
+
+@pytest.mark.slow
+def test_rank_dies_during_flush_step_not_committed(base: Path, ref: launch.Run) -> None:
+    """Step 8 is committed; rank 1 dies inside the flush of step 13: no COMMIT for 13."""
+    env = {"STEPS": str(STEPS), "FLUSH_AT": "8", "KILL_RANK": "2", "KILL_STEP": "14",
+           "CUDASNAP_TEST_DIE_IN_FLUSH": "1:10", "CUDASNAP_PEER_TIMEOUT_S": "5"}
+    r1 = launch.run(base / "die", max_restarts=0, env=env)
+    assert r1.rc != 0 and not r1.ranks, _ok(r1)
+    # (a rank that joined the step-8 round early may have made it commit 7 first)
+    assert max(c["step"] for c in _events(r1, "committed")) == 8, _ok(r1)
+    failed = _events(r1, "commit_failed")
+    assert len(failed) == 1 and failed[0]["step"] in (12, 13) and failed[0]["ranks"] == [1], \
+        _ok(r1)
+    torn = r1.ckpt / f"step-{failed[0]['step']:08d}"
+    assert (torn / "rank-00001" / "manifest.json").is_file()  # its files, but no marker
+    assert not (torn / COMMIT).exists()
+    assert committed_steps(r1.ckpt)[0].step == 8
+    # Every arena is gone (say the node was replaced): restore must use committed step 8.
+    launch.cleanup_arenas(r1.job)
+    r2 = launch.run(base / "die", max_restarts=0, job=r1.job, out="out2",
+                    env={"STEPS": str(STEPS)})
+    launch.cleanup_arenas(r2.job)
+    assert r2.rc == 0 and len(r2.ranks) == WORLD, _ok(r2)
+    assert {i["restore"]["source"] for i in r2.ranks.values()} == {"disk"}
+    _check_resumed(r2, ref, 8)
+
+
+# ------------------------------------------------------------- spawn tests
+def _spawn(base: Path, world: int, scenarios: list[str]) -> dict[str, list[dict]]:
+    import torch.multiprocessing as mp
+
+    from tests.dist import spawn_worker
+
+    mp.spawn(spawn_worker.worker, args=(world, str(base), scenarios), nprocs=world, join=True)
+    out = {}
+    for sc in scenarios:
+        out[sc] = [json.loads((base / f"{sc}-rank-{r}.json").read_text()) for r in range(world)]
+        for r, res in enumerate(out[sc]):
+            assert "crash" not in res, f"{sc} rank {r}:\n{res['crash']}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict]]]:
+    base = tmp_path_factory.mktemp("spawn")
+    t0 = time.monotonic()
+    res = _spawn(base, 2, ["save_sharded", "save_replicated", "missing_shard"])
+    res.update(_spawn(base, 3, ["world3_sharded", "world3_replicated"]))
+    assert time.monotonic() - t0 < 120
+    return base, res
+
+
+def test_spawn_agreed_step_commit_and_join(spawned) -> None:
+    base, res = spawned
+    r0, r1 = res["save_sharded"]
+    assert r0["complete"] == [5, 4] and r1["complete"] == [6, 5]
+    # Newest step COMPLETE on both ranks; rank 1 joined the round rank 0 asked for.
+    assert r0["path"] == str(base / "save_sharded" / "step-00000005" / "rank-00000")
+    assert r1["last_flush"]["step"] == "5" and r1["last_flush"]["committed"] == "True"
+    commit = read_commit(base / "save_sharded" / "step-00000005")
+    assert commit["present"] == [0, 1] and commit["world_size"] == 2 and commit["dead"] == []
+    assert (base / "save_sharded" / "latest").read_text().strip() == "step-00000005"
+    # A second trigger with nothing newer returns the committed result without a round.
+    assert r0["again"] == r0["path"] and r0["again_s"] < 0.5 and r0["gen"] == 1
+
+
+def test_spawn_sharded_missing_shard_is_an_error_on_every_rank(spawned) -> None:
+    _, res = spawned
+    for r in res["missing_shard"]:
+        assert "error" in r, r
+        assert r["error"].startswith("IncompatibleSnapshot") and "rank 1" in r["error"] \
+            and "step 5" in r["error"], r["error"]
+
+
+def test_spawn_world_size_change(spawned) -> None:
+    _, res = spawned
+    for r in res["world3_sharded"]:
+        assert "error" in r and "saved by 2 ranks" in r["error"] and "has 3" in r["error"], r
+    saved = res["save_replicated"][0]["weights"]
+    for rank, r in enumerate(res["world3_replicated"]):
+        assert r.get("start") == 6, r
+        assert r["restore"]["source"] == ("disk" if rank == 0 else "replica:0")
+        assert r["weights"] == saved
