@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import fmt, log, machine_line, print_table  # noqa: E402
+from bench._common import log, machine_line, print_table  # noqa: E402
 from tests.dist import launch  # noqa: E402
 
 PHASES = ["detection", "agreement", "flush+commit", "exit+restart", "startup", "restore"]
@@ -88,8 +88,8 @@ def main() -> int:
             log("  " + ", ".join(f"{p} {runs[-1][p]:.2f} s" for p in PHASES + ["total"]))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows = [[p, fmt(statistics.median(r[p] for r in runs), " s"),
-             fmt(min(r[p] for r in runs), " s"), fmt(max(r[p] for r in runs), " s")]
+    rows = [[p, f"{statistics.median(r[p] for r in runs):.2f} s",
+             f"{min(r[p] for r in runs):.2f} s", f"{max(r[p] for r in runs):.2f} s"]
             for p in PHASES + ["total"]]
     note = (f"torchrun --standalone --nproc-per-node=4 --max-restarts=1, DDP on gloo (CPU), "
             f"{runs[0]['mb_per_rank']:.0f} MB of model + AdamW state per rank; SIGKILL of rank 2 "

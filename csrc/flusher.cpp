@@ -90,11 +90,10 @@ FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
   try {
     if (nbytes > 0) {
       int rc = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
-      if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-        errno = rc;
-        CUDASNAP_SYSCHECK(-1, ErrorKind::Io,
-                          "cannot reserve " << nbytes << " bytes for " << path);
-      }
+      CUDASNAP_CHECK_KIND(ErrorKind::Io, rc == 0 || rc == EOPNOTSUPP || rc == EINVAL,
+                          "cannot reserve " << nbytes << " bytes for " << path
+                                            << ": posix_fallocate failed: " << std::strerror(rc)
+                                            << " (errno " << rc << ")");
     }
     uint64_t per = io_bytes / chunk_bytes;
     uint64_t pieces = (nchunks + per - 1) / per;
@@ -155,7 +154,12 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
   if (fd < 0 && errno == ELOOP) {
     CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false, path << " is a symbolic link; refusing it");
   }
-  if (fd < 0) CUDASNAP_SYSCHECK(-1, ErrorKind::Io, "open(O_RDONLY|O_NOFOLLOW) of " << path);
+  if (fd < 0) {
+    int err = errno;
+    CUDASNAP_CHECK_KIND(ErrorKind::Io, false, "open(O_RDONLY|O_NOFOLLOW) of " << path << " failed: "
+                                                 << std::strerror(err) << " (errno " << err
+                                                 << ")");
+  }
   struct stat st {};
   if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
     ::close(fd);

@@ -132,11 +132,10 @@ std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
   try {
     CUDASNAP_SYSCHECK(fchmod(a->fd_, 0600), ErrorKind::Staging, "chmod 0600 " << path);
     int rc = posix_fallocate(a->fd_, 0, static_cast<off_t>(total));
-    if (rc != 0) {
-      errno = rc;
-      CUDASNAP_SYSCHECK(-1, ErrorKind::Staging,
-                        "cannot reserve " << human(total) << " for staging arena " << path);
-    }
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, rc == 0,
+                        "cannot reserve " << human(total) << " for staging arena " << path
+                                          << ": posix_fallocate failed: " << std::strerror(rc)
+                                          << " (errno " << rc << ")");
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd_, 0);
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, p != MAP_FAILED,
                         "mmap of " << human(total) << " staging arena " << path

@@ -68,7 +68,6 @@ def install() -> None:
     global _handle
     if _handle is not None:
         return
-    import torch
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 

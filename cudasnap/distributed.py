@@ -706,9 +706,10 @@ class Coordinator:
                 return v
             time.sleep(0.02)
 
-    def _check_world(self, step: int, saved_world: int, where: str) -> None:
-        # Replication is the live job's declaration (replicas=), as when the step was saved.
-        if saved_world != self.world and len(self.replica_groups) != 1:
+    def _check_world(self, step: int, saved_world: int, saved_groups: Any, where: str) -> None:
+        """A new world size needs replicated state: declared now and when it was saved."""
+        if saved_world != self.world and (len(self.replica_groups) != 1
+                                          or len(saved_groups or [[0], [1]]) != 1):
             raise IncompatibleSnapshot(
                 f"rank {self.rank}: step {step} ({where}) was saved by {saved_world} ranks, this "
                 f"job has {self.world}, and its state is not replicated")
@@ -723,8 +724,10 @@ class Coordinator:
                     info = a.slot_info(i)
                     if info["valid"] and info["step"] == step:
                         meta = json.loads(a.read_meta(i))
-                        self._check_world(step, int(meta.get("world_size", self.world)),
-                                          f"{a.path} slot {i}")
+                        if int(meta.get("world_size", self.world)) != self.world:
+                            log.warning("rank %d: %s slot %d is from a job of %s ranks; not used",
+                                        self.rank, a.path, i, meta.get("world_size"))
+                            continue
                         got = s._restore_from_slot(a, i, f"{a.path} slot {i}")
                         s._stats["restore"] = {"source": "shm", "step": got, "where": str(a.path)}
                         return got
@@ -732,7 +735,7 @@ class Coordinator:
             return None
         commit = read_commit(snap_dir.path)
         saved_world = commit["world_size"]
-        self._check_world(step, saved_world, str(snap_dir.path))
+        self._check_world(step, saved_world, commit.get("replica_groups"), str(snap_dir.path))
         if saved_world == self.world:
             sources = [self.rank] + [r for r in self.replicas_of(self.rank) if r != self.rank]
         else:

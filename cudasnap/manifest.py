@@ -111,7 +111,6 @@ def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
         raise IncompatibleSnapshot(
             f"{where}: format version {ver!r}; this cudasnap reads {list(SUPPORTED_VERSIONS)}")
     _need(_is_int(m.get("step")) and m["step"] >= 0, where, "bad step")
-    _need(isinstance(m.get("host", {}), dict), where, "'host' must be an object")
     if need_data:
         d = m.get("data")
         _need(isinstance(d, dict), where, "missing 'data' section")
@@ -125,6 +124,8 @@ def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
               "chunk checksum list does not match the data size")
         _need(all(_is_int(c) and 0 <= c < 2**32 for c in crcs), where, "bad checksum entries")
         validate_tensors(m.get("tensors"), nbytes, where)
+    _need("host" in m, where, "missing 'host' object")  # restore reads it unconditionally
+    _need(isinstance(m["host"], dict), where, "'host' must be an object")
     for key in ("rank", "world_size"):
         if key in m:
             _need(_is_int(m[key]) and m[key] >= 0, where, f"bad {key}")

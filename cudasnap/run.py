@@ -96,10 +96,12 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
     attempt = 0
     child: subprocess.Popen[bytes] | None = None
     stop_requested = False
+    stop_signal = signal.SIGTERM
 
     def forward(signum: int, _frame: Any) -> None:
-        nonlocal stop_requested
+        nonlocal stop_requested, stop_signal
         stop_requested = True
+        stop_signal = signal.Signals(signum)
         if child is not None and child.poll() is None:
             log.warning("forwarding %s to the training process", signal.Signals(signum).name)
             child.send_signal(signum)
@@ -126,6 +128,11 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
             env.update(extra_env or {})
             t_start = time.time()
             child = subprocess.Popen(cmd, env=env)
+            if stop_requested and child.poll() is None:
+                # The signal came before this child existed (or during the restart
+                # gap): it must not run on as if nothing had been asked.
+                log.warning("forwarding %s to the training process", stop_signal.name)
+                child.send_signal(stop_signal)
             rc = child.wait()
             t_dead = time.time()
             entry: dict[str, Any] = {"attempt": attempt, "rc": rc, "started": t_start,

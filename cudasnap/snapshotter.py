@@ -18,6 +18,7 @@ it on a bad sign.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -31,7 +32,7 @@ import torch
 
 from . import store
 from ._native import native
-from .errors import ConfigError, CorruptSnapshot, SnapshotError, StagingError
+from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
 from .progress import io_progress
 from .state import LiveTensor, TrainingState
@@ -484,7 +485,8 @@ class Snapshotter:
         complete first, so the flushed step is the newest one. Returns None when
         no snapshot exists yet.
         """
-        with self._flush_lock:
+        wd = self.guard.watchdog if self.guard is not None else None
+        with self._flush_lock, (wd.paused() if wd is not None else contextlib.nullcontext()):
             if wait:
                 self._wait_job(timeout)
             if self.dist is not None:
@@ -568,10 +570,30 @@ class Snapshotter:
         return 0
 
     def _restore_from_dir(self, path: Path) -> int:
+        if not (path / store.MANIFEST).exists() and any(path.glob("rank-*")):
+            path = self._single_rank_view(path)
         manifest = store.load_manifest(path / store.MANIFEST)
         with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {path.name}", "read"):
             data = store.read_data(path, manifest, self.flush_threads)
         return self.state.apply(manifest["tensors"], manifest["host"], data, str(path))
+
+    def _single_rank_view(self, step_dir: Path) -> Path:
+        """A multi-rank snapshot opened by one process: only replicated state loads."""
+        from .distributed import rank_dirname, read_commit
+
+        if not (step_dir / "COMMIT").is_file():
+            raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")
+        commit = read_commit(step_dir)
+        groups = commit.get("replica_groups") or []
+        if len(groups) != 1:
+            raise IncompatibleSnapshot(
+                f"{step_dir} holds sharded state of {commit['world_size']} ranks; restore it with "
+                f"torch.distributed and {commit['world_size']} ranks")
+        for r in commit.get("present", range(commit["world_size"])):
+            d = step_dir / rank_dirname(int(r))
+            if (d / store.MANIFEST).is_file():
+                return d
+        raise CorruptSnapshot(f"{step_dir}: no rank's files are present")
 
     def _restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
         import json
@@ -614,7 +636,9 @@ class Snapshotter:
         if arena is None or arena.newest_complete() < 0:
             raise SnapshotError("rollback(): no COMPLETE snapshot in memory yet")
         slot = arena.newest_complete()
-        step = self._restore_from_slot(arena, slot, f"{arena.path} slot {slot}")
+        wd = self.guard.watchdog if self.guard is not None else None
+        with wd.paused() if wd is not None else contextlib.nullcontext():
+            step = self._restore_from_slot(arena, slot, f"{arena.path} slot {slot}")
         return step + 1
 
     # -------------------------------------------------------------- misc

@@ -330,9 +330,9 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     stale: Path | None = None
     if (target / MANIFEST).exists():
         try:
-            prev = json.loads((target / MANIFEST).read_bytes())
+            prev = json.loads(_read_regular(target / MANIFEST, MAX_MANIFEST_BYTES, "manifest")[0])
             same = prev.get("slot_seq") == int(info["seq"]) and prev.get("job") == meta.get("job")
-        except (OSError, ValueError):
+        except (SnapshotError, ValueError, RecursionError, AttributeError):
             same = False
         if same:
             log.info("step %d already on disk at %s", step, target)
@@ -378,12 +378,16 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         C.fsync_dir(str(target.parent))
         if subdir:
             C.fsync_dir(str(directory))
-    except OSError as e:
+    except (OSError, SnapshotError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if stale is not None and stale.exists() and not target.exists():
+            try:  # the committed copy we moved aside is still the only one: put it back
+                os.rename(stale, target)
+            except OSError:
+                pass  # clean_partial() brings it back at the next start
+        if isinstance(e, SnapshotError):
+            raise
         raise FlushError(f"flush of step {step} to {directory} failed: {e}") from e
-    except SnapshotError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
     if update_latest:
@@ -421,16 +425,18 @@ def _append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
 
 
 def read_flush_log(directory: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (Path(directory) / FLUSH_LOG).read_text().splitlines()
-    except OSError:
+    try:  # (not a FIFO, not a symlink; a damaged line is skipped, not a crash)
+        raw, _ = _read_regular(Path(directory) / FLUSH_LOG, MAX_MANIFEST_BYTES, "flush log")
+    except SnapshotError:
         return []
     out = []
-    for line in lines:
+    for line in raw.decode("utf-8", errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
-        except ValueError:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if isinstance(rec, dict):
+            out.append(rec)
     return out
 
 

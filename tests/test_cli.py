@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.layout import flip_byte
 
 from cudasnap import _nvml, cli, store
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
-from helpers.layout import flip_byte
 
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ["demo", "run", "inspect", "verify", "export", "gc", "health", "advise"]
@@ -127,6 +127,17 @@ def test_verify_good_and_flipped_byte_names_file_and_chunk(snap_env, capsys):
     assert "FAILED" in out and str(data) in out and "chunk 2 " in out, out
     rc, out = run_cli(capsys, "verify", snap_env.dir, "--step", "7")
     assert rc != 0
+
+
+def test_verify_and_export_of_an_empty_directory_fail_cleanly(snap_env, capsys):
+    snap_env.dir.mkdir()
+    capsys.readouterr()
+    assert cli.main(["verify", str(snap_env.dir)]) == 2  # nothing verified is no success
+    assert "no snapshots in" in capsys.readouterr().err
+    assert cli.main(["export", str(snap_env.dir), "--to", "torch", str(snap_env.tmp / "x.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cudasnap export: error: no snapshot in") and "Traceback" not in err
+    assert not (snap_env.tmp / "x.pt").exists()
 
 
 # ----------------------------------------------------------------------------- gc
@@ -240,7 +251,7 @@ def test_transparent_mode_flush_then_export_loads_into_fresh_model_and_optimizer
     snaps = store.list_snapshots(snap_env.dir)
     assert snaps and snaps[0].step in (6, 7), p.stderr[-4000:]  # step k = after opt step k
     step = snaps[0].step
-    assert "flushed step %d left in" % step in p.stderr
+    assert f"flushed step {step} left in" in p.stderr
     rc, out = run_cli(capsys, "verify", snap_env.dir)
     assert rc == 0, out
 

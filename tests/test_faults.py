@@ -18,8 +18,15 @@ from helpers import faultlib as F
 
 from cudasnap import store
 from cudasnap._native import native
-from cudasnap.errors import (ConfigError, CorruptSnapshot, CudaError, FlushError,
-                             IncompatibleSnapshot, SnapshotError, StagingError)
+from cudasnap.errors import (
+    ConfigError,
+    CorruptSnapshot,
+    CudaError,
+    FlushError,
+    IncompatibleSnapshot,
+    SnapshotError,
+    StagingError,
+)
 
 SEED = int(os.environ.get("CUDASNAP_FAULT_SEED", "20261202"))
 

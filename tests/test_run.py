@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.run_fork import ForkServer
 
 from cudasnap import _nvml, store
 from cudasnap._native import native
 from cudasnap.run import flush_orphans, supervise
-from helpers.run_fork import ForkServer
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 REPO = Path(__file__).resolve().parents[1]
@@ -213,6 +213,24 @@ def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, 
     assert "exiting with code 78 after sigterm" in log.read_text()
 
 
+def test_sigterm_just_before_the_child_starts_still_reaches_it(snap_env, monkeypatch):
+    """A stop signal in the gap before Popen returns is forwarded once the child exists."""
+    import cudasnap.run as runmod
+
+    real = subprocess.Popen
+
+    def popen_after_sigterm(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by supervise()'s forwarder
+        time.sleep(0.05)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runmod.subprocess, "Popen", popen_after_sigterm)
+    report: list[dict] = []
+    rc = supervise([sys.executable, "-c", "import time; time.sleep(60)"], snap_env.dir,
+                   max_restarts=3, report=report)
+    assert rc == 128 + signal.SIGTERM and [r["rc"] for r in report] == [-signal.SIGTERM]
+
+
 def test_cudasnap_run_without_a_command_says_how():
     from cudasnap.run import main
 
@@ -220,11 +238,14 @@ def test_cudasnap_run_without_a_command_says_how():
         main(["--max-restarts", "0"])
 
 
-def test_sigusr1_flushes_and_training_continues(server, snap_env, reference):
+@pytest.mark.parametrize("at", [3, STEPS - 1], ids=["mid-run", "last-step"])
+def test_sigusr1_flushes_and_training_continues(server, snap_env, reference, at):
+    """Flush and go on. At the last step the flush overlaps the end of training: close()
+    must let it finish instead of removing the arena under it."""
     stats, log, out = snap_env.tmp / "stats.jsonl", snap_env.tmp / "log", snap_env.tmp / "out.npz"
     rc, report = run_supervised(server, snap_env, ["--steps", STEPS, "--stats", stats,
-                                                   "--out", out],
-                                log, max_restarts=0, inject_first="sigusr1@step=3")
+                                                   "--out", out, "--slow-flush", 0.5],
+                                log, max_restarts=0, inject_first=f"sigusr1@step={at}")
     assert rc == 0, log.read_text()
     assert len(report) == 1
     evs = events(stats)
@@ -232,7 +253,7 @@ def test_sigusr1_flushes_and_training_continues(server, snap_env, reference):
     assert final["ev"] == "final" and final["start"] == 0 and final["attempt"] == 0
     assert ["sigusr1", "flushed"] in final["triggers"]
     flushes = [r for r in store.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
-    assert len(flushes) == 1 and 3 <= flushes[0]["step"] < STEPS
+    assert len(flushes) == 1 and at <= flushes[0]["step"] < STEPS, log.read_text()
     # The flush did not perturb training: still bitwise the uninterrupted run.
     same_state(out, reference)
 
@@ -302,6 +323,14 @@ def test_watchdog_quiet_on_a_slow_loop_within_its_limit(server, snap_env):
     final = events(stats)[-1]
     assert final["ev"] == "final" and final["triggers"] == []
     assert store.read_flush_log(snap_env.dir) == []
+
+
+def test_watchdog_quiet_during_the_users_own_long_flush(server, snap_env):
+    stats, log = snap_env.tmp / "stats.jsonl", snap_env.tmp / "log"
+    p = server.spawn(["--steps", 4, "--stats", stats, "--flush-end", "--slow-flush", 2.0],
+                     trainer_env(snap_env, CUDASNAP_WATCHDOG_S="1.0"), log)
+    rc = p.wait(120)
+    assert rc == 0, log.read_text()
 
 
 def test_nvml_absent_logged_once_and_everything_else_works(server, snap_env):

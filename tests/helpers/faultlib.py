@@ -38,9 +38,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -53,7 +54,7 @@ import torch  # noqa: E402
 import cudasnap  # noqa: E402
 from cudasnap import store  # noqa: E402
 from cudasnap._native import native  # noqa: E402
-from cudasnap.errors import FlushError, SnapshotError, StagingError  # noqa: E402
+from cudasnap.errors import FlushError, StagingError  # noqa: E402
 from cudasnap.snapshotter import Snapshotter  # noqa: E402
 from helpers import layout as L  # noqa: E402
 from helpers.trainlib import Job  # noqa: E402

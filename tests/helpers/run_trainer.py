@@ -12,6 +12,7 @@ the step is split here so a kill can land between its phases.
                         main thread, then block in threading.Event().wait()
     --sleep-per-step S  a slow but live loop
     --flush-end         flush once after the last step
+    --slow-flush S      every flush first sleeps S seconds (a big state, a slow disk)
     --exit-hard         os._exit(0) after the last step (no close: arena stays)
     --second-snapshotter  then a second Snapshotter (DIR-2, job JOB-2) with health on
 
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-per-step", type=float, default=0.0)
     ap.add_argument("--flush-end", action="store_true")
     ap.add_argument("--exit-hard", action="store_true")
+    ap.add_argument("--slow-flush", type=float, default=0.0,
+                    help="every flush first sleeps this long (a big state, a slow disk)")
     ap.add_argument("--second-snapshotter", action="store_true",
                     help="then a second Snapshotter (own directory and job) snapshots and flushes")
     a = ap.parse_args(argv)
@@ -107,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     attempt = int(os.environ.get("CUDASNAP_RESTART", "0") or 0)
     first = attempt == 0
     job = Job(dim=a.dim)
+    if a.slow_flush:
+        from cudasnap import store
+
+        real_write_slot = store.write_slot
+
+        def slow_write_slot(*args, **kw):
+            time.sleep(a.slow_flush)
+            return real_write_slot(*args, **kw)
+
+        store.write_slot = slow_write_slot
     snap = None
     start = 0
     if not a.ref:
