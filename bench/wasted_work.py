@@ -99,7 +99,7 @@ def plot(path: str, base: Scenario, gpus: list[int], mc: dict[int, dict], title:
     ax.plot(grid, jit, color="tab:blue", label="JIT, closed form")
     ax.scatter(gpus, [periodic_waste(base.with_gpus(n)) for n in gpus], color="tab:red", s=14, zorder=3)
     ax.scatter(gpus, [jit_waste(base.with_gpus(n)) for n in gpus], color="tab:blue", s=14, zorder=3)
-    for name, color in (("periodic", "tab:red"), ("jit", "tab:blue")):
+    for name, _color in (("periodic", "tab:red"), ("jit", "tab:blue")):
         xs = sorted(mc)
         if not xs:
             continue

@@ -80,6 +80,16 @@ size_t first_range(const CopyPlan& plan, uint64_t lo) {
 }
 }  // namespace
 
+void check_submit(const std::shared_ptr<Arena>& arena, const std::shared_ptr<const CopyPlan>& plan) {
+  CUDASNAP_CHECK(arena && plan, "submit needs an arena and a plan");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->chunk_bytes == arena->chunk_bytes(),
+                      "plan chunk size " << plan->chunk_bytes << " differs from the arena's "
+                                         << arena->chunk_bytes());
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->total_bytes <= arena->data_capacity(),
+                      "snapshot needs " << plan->total_bytes << " bytes, arena slots hold "
+                                        << arena->data_capacity());
+}
+
 uint32_t copy_chunk(const CopyPlan& plan, uint8_t* data, uint64_t chunk) {
   uint64_t lo = chunk * plan.chunk_bytes;
   uint64_t hi = std::min(lo + plan.chunk_bytes, plan.total_bytes);
@@ -149,13 +159,7 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
                                                const std::shared_ptr<const CopyPlan>& plan,
                                                int64_t step, const std::string& meta,
                                                uint64_t /*stream*/) {
-  CUDASNAP_CHECK(arena && plan, "submit needs an arena and a plan");
-  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->chunk_bytes == arena->chunk_bytes(),
-                      "plan chunk size " << plan->chunk_bytes << " differs from the arena's "
-                                         << arena->chunk_bytes());
-  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->total_bytes <= arena->data_capacity(),
-                      "snapshot needs " << plan->total_bytes << " bytes, arena slots hold "
-                                        << arena->data_capacity());
+  check_submit(arena, plan);
   for (const PlanRange& r : plan->ranges)
     CUDASNAP_CHECK(r.host, "the CPU copy engine cannot read device memory (range at 0x"
                                << std::hex << r.src << "); use the CUDA backend");

@@ -71,6 +71,10 @@ class CopyEngine {
   virtual void shutdown() = 0;
 };
 
+// Checks shared by every engine's submit(): arena and plan present, same chunk
+// size, the snapshot fits a slot. Throws StagingError naming the mismatch.
+void check_submit(const std::shared_ptr<Arena>& arena, const std::shared_ptr<const CopyPlan>& plan);
+
 // Copies one destination chunk of `plan` into `data` and returns its CRC32C.
 uint32_t copy_chunk(const CopyPlan& plan, uint8_t* data, uint64_t chunk);
 // CRC of chunk `chunk` of an already-filled data area.

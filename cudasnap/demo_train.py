@@ -57,7 +57,7 @@ def build(dim: int, hidden: int, layers: int, device: str) -> tuple[torch.nn.Mod
 
 def final_state(model: torch.nn.Module, opt: Any) -> dict[str, np.ndarray]:
     out = {f"model.{k}": v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    for i, (p, st) in enumerate(opt.state.items()):
+    for i, st in enumerate(opt.state.values()):
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 out[f"optim.{i}.{k}"] = v.detach().cpu().numpy().copy()

@@ -17,11 +17,11 @@ import logging
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .health import HealthMonitor, Trigger
-from .triggers import (EXIT_PREEMPTED, Dispatcher, Policy, Watchdog, install_excepthook,
-                       install_signal_handlers)
+from .triggers import EXIT_PREEMPTED, Dispatcher, Policy, Watchdog, install_excepthook, install_signal_handlers
 
 if TYPE_CHECKING:
     from .snapshotter import Snapshotter

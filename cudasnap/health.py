@@ -27,7 +27,8 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cudasnap import _nvml
 

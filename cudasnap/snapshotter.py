@@ -88,6 +88,8 @@ class Snapshotter:
         copy_threads / flush_threads: worker threads of the copy engine / flusher.
         keep: committed snapshots kept on disk.
         shm_dir: where the staging arena file lives (default /dev/shm).
+        allow_foreign_owner: restore snapshot files owned by another user (refused by
+            default: ConfigError); default from CUDASNAP_ALLOW_FOREIGN_OWNER=1.
         job: arena name; default derived from the directory, so a restarted
             process finds the arena its predecessor left.
         rank / world_size: default from torch.distributed, else RANK / WORLD_SIZE.
@@ -112,7 +114,8 @@ class Snapshotter:
                  health: bool | None = None, watchdog_s: float | None = None,
                  policy: Any = None, inject: str | None = None, distributed: bool | None = None,
                  replicas: Any = "auto",
-                 rng_sources: tuple[str, ...] = ("torch", "cuda", "numpy", "python")) -> None:
+                 rng_sources: tuple[str, ...] = ("torch", "cuda", "numpy", "python"),
+                 allow_foreign_owner: bool | None = None) -> None:
         if num_slots < 2:
             raise ConfigError(f"num_slots must be >= 2, got {num_slots}")
         if chunk_bytes < 4096 or chunk_bytes % 4096:
@@ -139,6 +142,10 @@ class Snapshotter:
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
         self.keep = keep
+        # Restore refuses snapshot files of another user unless this (or
+        # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.store._check_trust.
+        self.allow_foreign_owner = allow_foreign_owner
+        self._partly_applied: str | None = None
         ncpu = os.cpu_count() or 2
         # Leave a core to the training thread; copies run at lower priority anyway.
         self.copy_threads = copy_threads or max(1, min(4, ncpu - 1))
@@ -540,12 +547,16 @@ class Snapshotter:
                 log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
             return nxt
         candidates: list[tuple[int, int, str, Any]] = []
+        self._partly_applied = None
         arena = self._arena or self._inherited
         if arena is not None:
             for slot in range(arena.num_slots):  # every COMPLETE slot: the older one too
                 info = arena.slot_info(slot)
                 if info["valid"]:
                     candidates.append((info["step"], 1 + info["seq"], "shm", slot))
+                elif info["problem"]:  # COMPLETE-looking but damaged: say so, never load it
+                    log.warning("skipping snapshot %s slot %d: %s", arena.path, slot,
+                                info["problem"])
         for s in store.list_snapshots(self.directory):
             candidates.append((s.step, 0, "disk", s))
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
@@ -567,15 +578,34 @@ class Snapshotter:
             self._layout = None
             return got + 1
         self._stats["restore"] = {"source": None, "step": None, "seconds": 0.0, "where": None}
+        if self._partly_applied:
+            raise CorruptSnapshot(
+                f"no snapshot could be restored, and {self._partly_applied} failed half-way "
+                "through being applied: the live model/optimizer are no longer in their "
+                "initial state; remove that snapshot and rebuild them before training")
         return 0
+
+    def _apply(self, tensors: Any, host: Any, data: Any, where: str) -> int:
+        """state.apply, with a malformed (CRC-consistent but hostile) host state reported
+        as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
+        try:
+            return self.state.apply(tensors, host, data, where)
+        except SnapshotError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+            self._partly_applied = where
+            raise CorruptSnapshot(
+                f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
 
     def _restore_from_dir(self, path: Path) -> int:
         if not (path / store.MANIFEST).exists() and any(path.glob("rank-*")):
             path = self._single_rank_view(path)
-        manifest = store.load_manifest(path / store.MANIFEST)
+        manifest = store.load_manifest(path / store.MANIFEST,
+                                       allow_foreign_owner=self.allow_foreign_owner)
         with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {path.name}", "read"):
-            data = store.read_data(path, manifest, self.flush_threads)
-        return self.state.apply(manifest["tensors"], manifest["host"], data, str(path))
+            data = store.read_data(path, manifest, self.flush_threads,
+                                   allow_foreign_owner=self.allow_foreign_owner)
+        return self._apply(manifest["tensors"], manifest["host"], data, str(path))
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""
@@ -599,7 +629,12 @@ class Snapshotter:
         import json
 
         info = arena.slot_info(slot)
-        meta = json.loads(arena.read_meta(slot))
+        try:
+            meta = json.loads(arena.read_meta(slot))
+        except (ValueError, RecursionError) as e:  # CRC-consistent, yet not JSON
+            raise CorruptSnapshot(f"{where}: manifest is not valid JSON: {e}") from e
+        if not isinstance(meta, dict):
+            raise CorruptSnapshot(f"{where}: manifest is not a JSON object")
         meta["data"] = {"file": "data.bin", "bytes": info["data_bytes"],
                         "chunk_bytes": arena.chunk_bytes, "crc32c": arena.read_table(slot)}
         validate_manifest(meta, where)
@@ -612,7 +647,7 @@ class Snapshotter:
         try:
             data = torch.frombuffer(arena.data_view(slot, info["data_bytes"]), dtype=torch.uint8) \
                 if info["data_bytes"] else torch.empty(0, dtype=torch.uint8)
-            return self.state.apply(meta["tensors"], meta["host"], data, where)
+            return self._apply(meta["tensors"], meta["host"], data, where)
         finally:
             arena.release(slot)
 

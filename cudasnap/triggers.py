@@ -33,7 +33,8 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from cudasnap.health import TRIGGER_KINDS, Trigger
 

@@ -17,8 +17,15 @@ from typing import Any
 import pytest
 
 from cudasnap import _nvml, health
-from cudasnap.health import (HealthMonitor, InjectedFault, InjectedSource, NvmlSource, Trigger,
-                             classify_xid, parse_inject)
+from cudasnap.health import (
+    HealthMonitor,
+    InjectedFault,
+    InjectedSource,
+    NvmlSource,
+    Trigger,
+    classify_xid,
+    parse_inject,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,20 @@ import pytest
 
 from cudasnap import triggers
 from cudasnap.health import Trigger
-from cudasnap.triggers import (EXIT_GPU_FAULT, EXIT_GPU_LOST, EXIT_HANG, EXIT_PEER_FAILURE, EXIT_PREEMPTED,
-                               Action, Dispatcher, Policy, Watchdog, guard, install_excepthook,
-                               install_signal_handlers)
+from cudasnap.triggers import (
+    EXIT_GPU_FAULT,
+    EXIT_GPU_LOST,
+    EXIT_HANG,
+    EXIT_PEER_FAILURE,
+    EXIT_PREEMPTED,
+    Action,
+    Dispatcher,
+    Policy,
+    Watchdog,
+    guard,
+    install_excepthook,
+    install_signal_handlers,
+)
 
 A = Action
 

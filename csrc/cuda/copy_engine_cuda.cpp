@@ -140,13 +140,7 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
                                                 const std::shared_ptr<const CopyPlan>& plan,
                                                 int64_t step, const std::string& meta,
                                                 uint64_t stream) {
-  CUDASNAP_CHECK(arena && plan, "submit needs an arena and a plan");
-  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->chunk_bytes == arena->chunk_bytes(),
-                      "plan chunk size " << plan->chunk_bytes << " differs from the arena's "
-                                         << arena->chunk_bytes());
-  CUDASNAP_CHECK_KIND(ErrorKind::Staging, plan->total_bytes <= arena->data_capacity(),
-                      "snapshot needs " << plan->total_bytes << " bytes, arena slots hold "
-                                        << arena->data_capacity());
+  check_submit(arena, plan);
   CUDASNAP_CHECK_KIND(ErrorKind::Staging, arena->cuda_registered,
                       "staging arena " << arena->path()
                                        << " is not page-locked for CUDA: register it with "
