@@ -168,6 +168,12 @@ def cmd_gc(a: argparse.Namespace) -> int:
     removed = 0
     for path in sorted(shm.glob("cudasnap-*.arena")):
         try:
+            if path.lstat().st_uid != os.getuid() and os.getuid() != 0:
+                print(f"skip   {path} (owned by uid {path.lstat().st_uid})")
+                continue
+        except OSError:
+            continue
+        try:
             owner = native().Arena.open(str(path), False).owner_pid
         except Exception as e:  # noqa: BLE001
             owner = -1

@@ -91,8 +91,9 @@ def committed_steps(directory: Path) -> list[store.StoredSnapshot]:
 
 def read_commit(step_dir: Path) -> dict[str, Any]:
     try:
-        c = json.loads((step_dir / COMMIT).read_text())
-    except (OSError, ValueError) as e:
+        raw, _ = store._read_regular(step_dir / COMMIT, 1 << 20, "commit marker")
+        c = json.loads(raw)
+    except (OSError, ValueError, SnapshotError) as e:
         raise CorruptSnapshot(f"{step_dir / COMMIT}: unreadable commit marker: {e}") from e
     if not isinstance(c, dict) or not isinstance(c.get("step"), int) \
             or not isinstance(c.get("world_size"), int):
