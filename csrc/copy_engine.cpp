@@ -220,21 +220,32 @@ void CpuCopyEngine::worker() {
 void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
   if (chunk < w.p0chunks && w.p0done.fetch_add(1) + 1 == w.p0chunks) w.job->mark(0);
   if (w.done.fetch_add(1) + 1 != w.nchunks) return;
-  if (!w.failed.load()) {
+  bool ok = !w.failed.load();
+  std::string err;
+  if (ok) {
     try {
       w.arena->commit(w.job->slot(), w.job->step(), w.plan->total_bytes);
-      w.job->mark(1);
     } catch (const std::exception& e) {
-      w.job->fail(e.what());
+      ok = false;
+      err = e.what();
     }
   } else {
     w.arena->invalidate(w.job->slot());
   }
+  // Become idle BEFORE waking the trainer: the workers run at a lower priority,
+  // and a trainer that wakes first would otherwise wait in its next submit()
+  // for this thread to be scheduled again on a busy host.
+  std::shared_ptr<CopyJob> job = w.job;
   {
     std::lock_guard<std::mutex> g(mu_);
     cur_.reset();
   }
   idle_cv_.notify_all();
+  if (ok) {
+    job->mark(1);
+  } else if (!err.empty()) {
+    job->fail(err);
+  }
 }
 
 }  // namespace cudasnap
