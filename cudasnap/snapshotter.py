@@ -433,7 +433,8 @@ class Snapshotter:
         self._wait_job()  # a previous copy still running (no optimizer step in between)
         lay = self._current_layout()
         host = self.state.encode_host(step).encode()
-        meta = lay.prefix + host + b',"step":' + str(int(step)).encode() + b"}"
+        # One allocation: the tensor table prefix can be ~200 B per tensor.
+        meta = b"".join((lay.prefix, host, b',"step":', str(int(step)).encode(), b"}"))
         arena = self._ensure_arena(lay.plan, len(meta))
         with self._slot_lock:
             slot = arena.pick_write_slot()
