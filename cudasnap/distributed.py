@@ -183,8 +183,7 @@ class Coordinator:
         self.restore_timeout_s = restore_timeout_s
         self.epoch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                         os.environ.get("CUDASNAP_RESTART", "0")))
-        base = dist.distributed_c10d._get_default_store()
-        self.store = base.clone()
+        self.store = self._open_store()
         self.store.set_timeout(datetime.timedelta(seconds=30))
         self._store_lock = threading.Lock()  # one store client, several threads
         self.prefix = f"cudasnap/{snap.job}/e{self.epoch}/"
@@ -214,6 +213,29 @@ class Coordinator:
                                         daemon=True)
         self._thread.start()
         self._worker.start()
+
+    @staticmethod
+    def _open_store() -> Any:
+        """Our own connection for heartbeats and agreement.
+
+        Under torchrun this is the elastic agent's TCPStore (MASTER_ADDR/PORT with
+        TORCHELASTIC_USE_AGENT_STORE): it lives in the agent, outlives every
+        worker, and a frozen (SIGSTOPped) or dead worker cannot hold it up — unlike
+        a FileStore whose lock a stopped process may be holding. Otherwise a
+        clone of the default process group's store.
+        """
+        import torch.distributed as dist
+
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and addr and port:
+            try:
+                tcp = dist.TCPStore(addr, int(port), is_master=False,
+                                    timeout=datetime.timedelta(seconds=30))
+                return dist.PrefixStore("cudasnap-coord", tcp)
+            except Exception as e:  # noqa: BLE001 - fall back to the process group's store
+                log.warning("agent store %s:%s unavailable (%s); using the process group's store",
+                            addr, port, e)
+        return dist.distributed_c10d._get_default_store().clone()
 
     # ----------------------------------------------------------- helpers
     def _k(self, key: str, value: str | None = None) -> str | None:
