@@ -57,6 +57,7 @@ from transformers import TrainerCallback
 
 from .. import codec, store
 from ..errors import ConfigError, SnapshotError
+from ._owner import SnapshotterOwner
 
 log = logging.getLogger("cudasnap.hf")
 
@@ -120,7 +121,7 @@ def _set_host_rng(rng: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-class CudaSnapTrainerCallback(TrainerCallback):
+class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
     """Just-in-time snapshots of a ``transformers.Trainer`` run: ≤ 1 optimizer step lost.
 
     Args:
@@ -310,13 +311,3 @@ class CudaSnapTrainerCallback(TrainerCallback):
                 snap.flush(wait=True, timeout=60.0)
         finally:
             self._close()
-
-    def _close(self, keep_arena: bool = False) -> None:
-        snap, self.snapshotter = self.snapshotter, None
-        if snap is not None:
-            self.last_stats = snap.stats()
-            snap.close(keep_arena=keep_arena)
-
-    def stats(self) -> dict[str, Any] | None:
-        """The live Snapshotter's stats(), or the last ones after training ended."""
-        return self.snapshotter.stats() if self.snapshotter is not None else self.last_stats

@@ -65,6 +65,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from .. import codec
 from ..errors import ConfigError
+from ._owner import SnapshotterOwner
 
 log = logging.getLogger("cudasnap.lightning")
 
@@ -209,7 +210,7 @@ def _has_state(cb: Any) -> bool:
     return type(cb).state_dict is not Callback.state_dict
 
 
-class CudaSnapCallback(Callback):
+class CudaSnapCallback(SnapshotterOwner, Callback):
     """Just-in-time snapshots of a Lightning ``fit``: ≤ 1 optimizer step lost on a failure.
 
     Args:
@@ -344,13 +345,3 @@ class CudaSnapCallback(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._close()
-
-    def _close(self, keep_arena: bool = False) -> None:
-        snap, self.snapshotter = self.snapshotter, None
-        if snap is not None:
-            self.last_stats = snap.stats()
-            snap.close(keep_arena=keep_arena)
-
-    def stats(self) -> dict[str, Any] | None:
-        """The live Snapshotter's stats(), or the last ones after the fit ended."""
-        return self.snapshotter.stats() if self.snapshotter is not None else self.last_stats

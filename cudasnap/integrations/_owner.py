@@ -1,0 +1,21 @@
+"""What the framework callbacks share: owning one Snapshotter and its last stats."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class SnapshotterOwner:
+    """Mixin: ``self.snapshotter`` (or None) and ``self.last_stats`` after it closed."""
+
+    snapshotter: Any = None
+    last_stats: dict[str, Any] | None = None
+
+    def _close(self, keep_arena: bool = False) -> None:
+        snap, self.snapshotter = self.snapshotter, None
+        if snap is not None:
+            self.last_stats = snap.stats()
+            snap.close(keep_arena=keep_arena)
+
+    def stats(self) -> dict[str, Any] | None:
+        """The live Snapshotter's stats(), or the last ones after training ended."""
+        return self.snapshotter.stats() if self.snapshotter is not None else self.last_stats
