@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 import warnings
 from pathlib import Path
 
 import pytest
+from helpers.zygote import LineServer
 
 from cudasnap import store
 from cudasnap._native import native
@@ -40,41 +37,14 @@ _stats = {"torn_copies": 0, "torn_flushes": 0, "copy_kills": 0, "flush_kills": 0
           "from_shm": 0, "from_disk": 0, "fresh": 0}
 
 
-class Zygote:
+class Zygote(LineServer):
     def __init__(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1", "CUDASNAP_HEALTH": "0"}
-        env.pop("CUDASNAP_JOB", None)
-        self.p = subprocess.Popen([sys.executable, "-u", str(HELPERS / "torn_worker.py")],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-        self.q: queue.Queue[str] = queue.Queue()
-        self.err: list[str] = []
-        threading.Thread(target=self._pump, args=(self.p.stdout, self.q.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.p.stderr, self.err.append),
-                         daemon=True).start()
-        line = self.next(120.0)
-        assert line == "READY", (line, self.stderr())
+        super().__init__(HELPERS / "torn_worker.py", 120.0)
         self.ids = iter(range(1, 10**6))
         self.pending: list[str] = []
 
-    @staticmethod
-    def _pump(stream, put) -> None:
-        for line in stream:
-            put(line.rstrip("\n"))
-
-    def stderr(self) -> str:
-        return "\n".join(self.err[-40:])
-
     def next(self, timeout: float = TIMEOUT) -> str:
-        try:
-            return self.q.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"torn_worker silent for {timeout}s; stderr:\n{self.stderr()}")
-
-    def send(self, **cmd) -> None:
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
+        return super().next(timeout)
 
     def run(self, role: str, **kw) -> tuple[int, int]:
         tid = next(self.ids)
@@ -122,14 +92,6 @@ class Zygote:
             if line.startswith(f"EXIT {pid} "):
                 return int(line.split()[2])
             self.pending.append(line)
-
-    def close(self) -> None:
-        try:
-            self.send(cmd="quit")
-            self.p.wait(timeout=20)
-        except Exception:
-            self.p.kill()
-            self.p.wait()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import itertools
 import json
 import logging
 import os
-import queue
 import random
 import resource
 import shutil
@@ -36,12 +35,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+try:
+    from .zygote import LineServer
+except ImportError:  # imported as a top-level module by the spawned distributed workers
+    from zygote import LineServer  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -407,40 +410,15 @@ def shm_cases(ctx: Ctx, base: Base, n: int = 24, seed: int = 2) -> list[Case]:
 
 # ----------------------------------------------------------- family: kill
 
-class Zygote:
+class Zygote(LineServer):
     """tests/helpers/fault_worker.py: forks training processes that kill themselves."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1", "CUDASNAP_HEALTH": "0"}
-        env.pop("CUDASNAP_JOB", None)
-        env.pop(store.KILL_ENV, None)
-        self.p = subprocess.Popen([sys.executable, "-u", str(HERE / "fault_worker.py")],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-        self.q: queue.Queue[str] = queue.Queue()
-        self.err: list[str] = []
-        threading.Thread(target=self._pump, args=(self.p.stdout, self.q.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.p.stderr, self.err.append),
-                         daemon=True).start()
-        line = self.next(180.0)
-        assert line == "READY", (line, "\n".join(self.err[-30:]))
-
-    @staticmethod
-    def _pump(stream: Any, put: Callable[[str], Any]) -> None:
-        for line in stream:
-            put(line.rstrip("\n"))
+        super().__init__(HERE / "fault_worker.py", 180.0, drop_env=(store.KILL_ENV,),
+                         stderr_lines=30)
 
     def next(self, timeout: float = 120.0) -> str:
-        try:
-            return self.q.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError("fault_worker silent; stderr:\n" + "\n".join(self.err[-30:]))
-
-    def send(self, **cmd: Any) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
+        return super().next(timeout)
 
     def run(self, **cmd: Any) -> tuple[int, list[dict]]:
         """Runs one child to its end; returns (wait status, its records)."""
@@ -453,11 +431,7 @@ class Zygote:
         return status, recs
 
     def close(self) -> None:
-        try:
-            self.send(cmd="quit")
-            self.p.wait(timeout=10)
-        except Exception:  # noqa: BLE001
-            self.p.kill()
+        super().close(timeout=10.0)
 
 
 # phase -> (step restored with the arena, step restored from disk alone), for a
