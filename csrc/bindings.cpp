@@ -93,6 +93,18 @@ void init_crc(py::module_& m) {
     return crc32c(0, reinterpret_cast<const void*>(ptr), n);
   });
   m.def("crc32c_hardware", &crc32c_hardware);
+  m.def("_crc32c_impl", [](py::buffer b, const std::string& impl, uint32_t crc) {
+    py::buffer_info info = b.request();
+    uint64_t n = uint64_t(info.size) * info.itemsize;
+    uint32_t out = 0;
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = crc32c_impl(impl.c_str(), crc, info.ptr, n, &out);
+    }
+    if (!ok) throw py::value_error("crc32c implementation '" + impl + "' is unknown or unsupported by this CPU");
+    return out;
+  }, py::arg("data"), py::arg("impl"), py::arg("crc") = 0);
 }
 
 void init_staging(py::module_& m) {
@@ -243,6 +255,8 @@ void init_flusher(py::module_& m) {
         py::arg("ptr"), py::arg("nbytes"), py::arg("chunk_bytes"), py::arg("crcs"),
         py::arg("threads") = 4);
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
+  m.def("flush_active", &flush_active, "flusher writes running now in this process");
+  m.def("flushes_started", &flushes_started);
 }
 
 void init_layout_check(py::module_& m) {

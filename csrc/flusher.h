@@ -4,8 +4,9 @@
 // write_slot_file: several threads pwrite large chunk-aligned pieces straight
 // from the mapped slot, re-verifying each chunk's CRC32C against the slot's
 // table first (shared memory is not trusted blindly), reserve the space with
-// posix_fallocate up front (a full disk fails before any byte is written), then
-// fdatasync. The directory protocol (tmp dir, manifest, fsync, rename, latest)
+// fallocate up front (a full disk fails before any byte is written), then
+// fdatasync (each piece's writeback is started with sync_file_range as soon as it
+// is written, so the final fdatasync waits for the tail only). The directory protocol (tmp dir, manifest, fsync, rename, latest)
 // is in cudasnap/store.py on top of this.
 #pragma once
 
@@ -43,6 +44,13 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
 // Verifies a buffer against chunk CRCs; returns the first bad chunk or -1.
 int64_t verify_buffer(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes,
                       const std::vector<uint32_t>& crcs, int threads);
+
+// Number of write_file / write_slot_file calls running now in this process
+// (an atomic load, cheap enough for a copy loop to poll per chunk), and how
+// many have started since load. A copy engine that sees flush_active() > 0
+// should yield the disk-feeding CPU and memory bandwidth to the flush.
+int flush_active() noexcept;
+uint64_t flushes_started() noexcept;
 
 // fsync of a directory (after creating or renaming entries in it).
 void fsync_dir(const std::string& path);

@@ -270,3 +270,43 @@ def test_manifest_checksum_catches_a_flipped_digit(C, snap_env):
     assert json.loads(man.read_bytes())["host"]["optim"]["lr"] == 0.004
     with pytest.raises(CorruptSnapshot, match="manifest checksum mismatch"):
         store.load_manifest(man)
+
+
+def test_flush_active_counts_running_flushes(C, snap_env):
+    """flush_active() (polled by copy engines to yield to a flush) is > 0 exactly while
+    a write runs, and drops back after a success and after a failure."""
+    import threading
+
+    assert C.flush_active() == 0
+    started = C.flushes_started()
+    src = np.ones(64 << 20, np.uint8)
+    seen = False
+    for attempt in range(5):  # a 64 MiB write + CRC takes tens of ms; polling sees it
+        path = snap_env.tmp / f"active-{attempt}.bin"
+        th = threading.Thread(target=C.write_buffer_file,
+                              args=(src.ctypes.data, src.size, 1 << 20, str(path), 1, 1 << 20,
+                                    True))
+        th.start()
+        while th.is_alive() and not seen:
+            seen = C.flush_active() > 0
+        th.join()
+        assert C.flush_active() == 0
+        if seen:
+            break
+    assert seen, "flush_active() never reported the running flush"
+    assert C.flushes_started() == started + attempt + 1
+    with pytest.raises(FlushError, match="create"):  # the file exists: fails at open
+        C.write_buffer_file(src.ctypes.data, 4096, 4096, str(path), 1, 4096, True)
+    assert C.flush_active() == 0
+    assert C.flushes_started() == started + attempt + 2
+
+
+def test_durable_flush_file_is_fully_allocated(C, snap_env):
+    """The space is reserved and written (no holes): a full disk fails before the data."""
+    src = np.random.default_rng(4).integers(0, 256, (3 << 20) + 4097, dtype=np.uint8)
+    path = snap_env.tmp / "alloc.bin"
+    C.write_buffer_file(src.ctypes.data, src.size, 1 << 20, str(path), 2, 1 << 20, True)
+    st = os.stat(path)
+    assert st.st_size == src.size
+    assert st.st_blocks * 512 >= src.size
+    assert path.read_bytes() == src.tobytes()
