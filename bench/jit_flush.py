@@ -24,6 +24,16 @@ in the same run, while the child is held at a gate (no copy running):
 durable no slower than 1/0.8 of the raw write.
 
     python bench/jit_flush.py [--sizes 1,4] [--repeats 3] [--quick] [--json]
+
+``--direct`` (issue 15, target 4): no training child; in this one process the
+flusher (``_C.write_buffer_file``: per-chunk CRC32C + pwrite threads +
+fdatasync, then the directory fsync a flush does) and a raw ``os.write`` +
+fsync of the same bytes alternate ``--repeats`` times (order rotating), quiet
+and with ``--load-threads`` threads memcpy-ing 256 MiB blocks meanwhile (the
+boundary copies of a training loop that goes on during an Xid flush). Write and
+fsync phases are timed apart for both.
+
+    python bench/jit_flush.py --direct [--sizes 1] [--repeats 5] [--load-threads 1]
 """
 from __future__ import annotations
 
@@ -416,9 +426,142 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+# =================================================================== --direct
+def _raw_split(view: memoryview, path: Path) -> tuple[float, float]:
+    """os.write loop + fsync; (total, fsync part) seconds."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        off, n = 0, len(view)
+        while off < n:
+            off += os.write(fd, view[off:off + (1 << 30)])
+        f0 = time.perf_counter()
+        os.fsync(fd)
+        f1 = time.perf_counter()
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    C.drop_cache(path)
+    C.rm(path)
+    return dt, f1 - f0
+
+
+class _CopyLoad:
+    """Threads copying 256 MiB blocks back and forth (numpy copies release the GIL)."""
+
+    def __init__(self, threads: int) -> None:
+        import numpy as np
+
+        self.stop = threading.Event()
+        self.bufs = [(np.ones(256 << 20, np.uint8), np.empty(256 << 20, np.uint8))
+                     for _ in range(threads)]
+        self.ths = [threading.Thread(target=self._run, args=(b,), daemon=True) for b in self.bufs]
+        self.copied = 0
+
+    def _run(self, pair: Any) -> None:
+        import numpy as np
+
+        src, dst = pair
+        while not self.stop.is_set():
+            np.copyto(dst, src)
+            self.copied += len(src)
+
+    def __enter__(self) -> "_CopyLoad":
+        for t in self.ths:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self.ths:
+            t.join()
+
+
+def direct_size(size_gb: float, a: Any, tmp: Path) -> dict[str, Any] | None:
+    import numpy as np
+
+    from cudasnap._native import native
+
+    n_ = native()
+    size = C.fit_size(size_gb, ram_per_gb=1.3, shm_per_gb=0.0, what="jit_flush --direct")
+    if size is None:
+        return None
+    nbytes = int(size * C.GB)
+    buf = np.empty(nbytes, np.uint8)
+    buf[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # non-zero pages, not sparse
+    view = memoryview(buf)
+    ptr = buf.ctypes.data
+    threads = a.flush_threads or min(8, max(2, os.cpu_count() or 1))
+    chunk = 4 * C.MiB
+    res: dict[str, Any] = {"size_gb": size, "bytes": nbytes, "threads": threads, "cases": {}}
+    for load in sorted({0, a.load_threads}):
+        rec: dict[str, list[float]] = {k: [] for k in ("flush", "flush_fsync", "raw", "raw_fsync",
+                                                       "flush_1thr", "flush_1thr_fsync")}
+        with (_CopyLoad(load) if load else _NoLoad()):
+            for r in range(a.repeats):
+                order = ["flush", "raw", "flush_1thr"]
+                order = order[r % 3:] + order[:r % 3]
+                for k in order:
+                    if k == "raw":
+                        dt, fs = _raw_split(view, tmp / "raw.bin")
+                        rec["raw"].append(dt)
+                        rec["raw_fsync"].append(fs)
+                        continue
+                    d = tmp / f"step-{r}.tmp"
+                    d.mkdir()
+                    t0 = time.perf_counter()
+                    st = n_.write_buffer_file(ptr, nbytes, chunk, str(d / "data.bin"),
+                                              1 if k == "flush_1thr" else threads, 16 * C.MiB, True)
+                    n_.fsync_dir(str(d))
+                    rec[k].append(time.perf_counter() - t0)
+                    rec[k + "_fsync"].append(st["fsync_seconds"])
+                    C.drop_cache(d / "data.bin")
+                    C.rm(d)
+        res["cases"][f"load={load}"] = rec
+        C.log(f"  {size:g} GB load={load}: flush {C.med(rec['flush']):.3f} s, "
+              f"raw {C.med(rec['raw']):.3f} s")
+    del buf, view
+    C.free_mem()
+    return res
+
+
+class _NoLoad:
+    def __enter__(self) -> "_NoLoad":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def direct_report(results: list[dict[str, Any]]) -> str:
+    f, m = C.fmt, C.med
+    rows = []
+    for r in results:
+        for case, rec in r["cases"].items():
+            raw = m(rec["raw"])
+            for k, label in (("flush", f"{r['threads']} thr"), ("flush_1thr", "1 thr")):
+                fl = m(rec[k])
+                rows.append([f"{r['size_gb']:g} GB", case, label, len(rec[k]), f(fl, " s"),
+                             f(m(rec[k + "_fsync"]), " s"), f(raw, " s"), f(m(rec["raw_fsync"]), " s"),
+                             f(C.ratio(raw, fl), "x"),
+                             "yes" if raw and fl and raw / fl >= 0.8 else "NO"])
+    return C.print_table(
+        "Flusher vs raw os.write+fsync, same bytes, same process, alternating (median)",
+        ["size", "copy load", "flusher", "n", "flush (write+CRC+fdatasync+dir fsync)",
+         "of which fdatasync", "raw os.write+fsync", "of which fsync", "raw / flush",
+         ">= 0.8?"], rows,
+        "copy load=k: k threads memcpy 256 MiB blocks during BOTH the flush and the raw write.")
+
+
 def parse_args(argv: list[str] | None = None) -> Any:
     p = C.base_parser(__doc__.split("\n\n")[0], quick_sizes="0.1")
     p.add_argument("--step-s", type=float, default=0.2, help="simulated compute per step (s)")
+    p.add_argument("--direct", action="store_true",
+                   help="in-process flusher vs raw write+fsync, alternating (no training child)")
+    p.add_argument("--load-threads", type=int, default=1,
+                   help="--direct: memcpy threads running during the second set of rounds")
+    p.add_argument("--flush-threads", type=int, default=0,
+                   help="--direct: flusher threads (default: as Snapshotter)")
     p.add_argument("--child", action="store_true", help=argparse_suppress())
     p.add_argument("--size", type=float, help=argparse_suppress())
     p.add_argument("--events", help=argparse_suppress())
@@ -450,6 +593,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# sizes {a.sizes} GB, repeats {a.repeats}, step {a.step_s} s + copy\n", flush=True)
     t0 = time.perf_counter()
     results = []
+    if a.direct:
+        try:
+            for s in a.sizes:
+                r = direct_size(s, a, tmp)
+                if r is not None:
+                    results.append(r)
+        finally:
+            C.rm(tmp)
+        direct_report(results)
+        print(f"total wall time {time.perf_counter() - t0:.0f} s", flush=True)
+        if a.json:
+            C.emit_json({"bench": "jit_flush_direct", "results": results})
+        return 0
     try:
         for s in a.sizes:
             r = run_size(s, a, tmp)
