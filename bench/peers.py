@@ -16,6 +16,10 @@ same bytes as its disk baseline. Peers:
 * DLRover Flash Checkpoint 0.6.1 ``DdpCheckpointer`` without ``dlrover-run`` (it
   starts its own saver process): save to memory, save to disk (durable when its
   tracker file names the step and the data file is fsync'd), load from memory;
+* Meta's torch-checkpointing 0.1.1: ``CheckpointManager`` async save (staging
+  into shared memory, background writer process; + fsync of its files) / ``load``;
+* Hugging Face Transformers ``enable_jit_checkpoint`` (bench/hf_jit_peer.py): the
+  Trainer's SIGTERM-time checkpoint of the same state, CPU;
 * cudasnap: ``boundary()`` blocked, time to COMPLETE, JIT ``flush()`` to durable,
   ``restore_latest()`` from shared memory and from disk.
 
@@ -39,7 +43,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-GROUPS = ["cudasnap", "torch", "dcp", "torchsnapshot", "dlrover"]
+GROUPS = ["cudasnap", "torch", "dcp", "torchsnapshot", "dlrover", "torchckpt", "hf_jit"]
 PNG = Path(__file__).resolve().parent / "peers.png"
 
 
@@ -297,6 +301,79 @@ def g_dlrover(cx: Ctx) -> None:
         pass
 
 
+def g_torchckpt(cx: Ctx) -> None:
+    """Meta's torch-checkpointing: ``CheckpointManager`` with its default async saver
+    (staging into shared memory on a thread pool, a background writer process)."""
+    try:
+        from torch_checkpointing import CheckpointManager
+    except Exception as e:
+        cx.out["torch-checkpointing"] = {
+            "error": f"import torch_checkpointing failed: {type(e).__name__}: {e}"}
+        return
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    # Its default O_DIRECT writes (torch.save's unaligned records) fail with EINVAL on
+    # ext4 here (0.1.1 falls back only when open() refuses O_DIRECT): buffered I/O.
+    t0 = time.perf_counter()
+    mgr = CheckpointManager(CheckpointManager.Config(
+        save=AsyncCheckpointSaverConfig(),
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
+    init_s = time.perf_counter() - t0
+    step = [0]
+
+    def path(k: int) -> Path:
+        return cx.tmp / "tc" / f"step_{k}"
+
+    def save(_r: int) -> dict[str, float]:
+        step[0] += 1
+        p = path(step[0])
+        t0 = time.perf_counter()
+        fut = mgr.save(str(p), {"state": cx.flat})
+        blocked = time.perf_counter() - t0
+        staged = None
+        sf = getattr(mgr, "_staging_future", None)
+        if sf is not None:
+            sf.result()
+            staged = time.perf_counter() - t0
+        if fut is not None:
+            fut.result()
+        C.fsync_tree(p)  # its writer process does not fsync
+        return {"blocked": blocked, "in_memory": staged, "durable": time.perf_counter() - t0}
+
+    def restore(_r: int) -> dict[str, float]:
+        p = path(step[0])
+        for f in p.rglob("*"):
+            if f.is_file():
+                C.drop_cache(f)
+        t0 = time.perf_counter()
+        got = mgr.load(str(p), into={"state": cx.flat})
+        state = got.get("state", {})
+        moved = [k for k, t in cx.flat.items() if state.get(k) is not t]
+        if moved:
+            C.copy_into(cx.flat, state)
+        return {"restore_disk": time.perf_counter() - t0}
+
+    try:
+        # The first save starts its writer process (spawn + imports): timed apart,
+        # as cudasnap's arena set-up is, then the repeats measure steady saves.
+        first = save(-1)
+        C.rm(path(step[0]))
+        cx.measure("torch-checkpointing", save, restore, lambda: C.rm(path(step[0])))
+        cx.out["torch-checkpointing"].update(init_s=[init_s], first_save_blocked=[first["blocked"]])
+    finally:
+        mgr.close()
+
+
+def g_hf_jit(cx: Ctx) -> None:
+    """Transformers' ``enable_jit_checkpoint``: on SIGTERM the Trainer saves a full
+    checkpoint (``_save_checkpoint``: model + optimizer + scheduler + RNG) from the
+    live state; training is stopped meanwhile (blocked == durable)."""
+    from hf_jit_peer import hf_jit_peer
+
+    hf_jit_peer(cx)
+
+
 def g_cudasnap(cx: Ctx) -> None:
     import cudasnap
 
@@ -375,7 +452,7 @@ def child_main(a: Any) -> int:
     C.log(f"  [{a.group}] {cx.nbytes / C.GB:.2f} GB in {len(cx.flat)} tensors")
     try:
         {"torch": g_torch, "dcp": g_dcp, "torchsnapshot": g_torchsnapshot, "dlrover": g_dlrover,
-         "cudasnap": g_cudasnap}[a.group](cx)
+         "cudasnap": g_cudasnap, "torchckpt": g_torchckpt, "hf_jit": g_hf_jit}[a.group](cx)
     except Exception as e:
         import traceback
 
@@ -464,7 +541,8 @@ def report(cases: list[dict[str, Any]]) -> str:
     f = C.fmt
     out = []
     order = ["cudasnap", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+stager",
-             "torchsnapshot.take", "torchsnapshot.async_take", "dlrover.memory", "dlrover.disk"]
+             "torchsnapshot.take", "torchsnapshot.async_take", "dlrover.memory", "dlrover.disk",
+             "torch-checkpointing", "hf enable_jit_checkpoint"]
     for case in cases:
         rows_d = summarize(case)
         cs = rows_d.get("cudasnap", {})
@@ -511,6 +589,14 @@ def report(cases: list[dict[str, Any]]) -> str:
                    f"COMPLETE {f(cs.get('in_memory'), ' s')}, JIT flush {f(fl, ' s')}, "
                    f"flush raw ratio {f(C.ratio(cs.get('raw'), fl), 'x')}\n")
         print(out[-1], flush=True)
+        tc, hf = rows_d.get("torch-checkpointing", {}), rows_d.get("hf enable_jit_checkpoint", {})
+        if tc.get("first_save_blocked") is not None or hf.get("grace_s") is not None:
+            out.append(f"torch-checkpointing {case['label']}: first save blocked "
+                       f"{f(tc.get('first_save_blocked'), ' s')} (starts its writer process). "
+                       f"hf enable_jit_checkpoint: SIGTERM -> durable "
+                       f"{f(hf.get('signal_to_durable'), ' s')} (its fixed kill_wait grace "
+                       f"{f(hf.get('grace_s'), ' s')} + the save; training stops for the save)\n")
+            print(out[-1], flush=True)
     return "\n".join(out)
 
 
@@ -521,7 +607,8 @@ def plot(cases: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     order = ["cudasnap", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+stager",
-             "torchsnapshot.take", "torchsnapshot.async_take", "dlrover.memory", "dlrover.disk"]
+             "torchsnapshot.take", "torchsnapshot.async_take", "dlrover.memory", "dlrover.disk",
+             "torch-checkpointing", "hf enable_jit_checkpoint"]
     fig, axes = plt.subplots(len(cases), 3, figsize=(16, 3.6 * len(cases)), squeeze=False)
     for row, case in zip(axes, cases):
         rd = summarize(case)
