@@ -192,7 +192,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
 
 
 def cmd_health(a: argparse.Namespace) -> int:
-    from .health import read_gpu_status
+    from .triggers.nvml import read_gpu_status
 
     try:
         rows = read_gpu_status()

@@ -193,7 +193,7 @@ class Snapshotter:
         if health is None:
             health = os.environ.get("CUDASNAP_HEALTH", "") == "1"
         if health:
-            from .guard import Guard
+            from .triggers.guard import Guard
 
             self.guard = Guard(self, policy=policy, inject=inject, watchdog_s=watchdog_s)
             self.guard.start()
@@ -493,8 +493,7 @@ class Snapshotter:
         complete first, so the flushed step is the newest one. Returns None when
         no snapshot exists yet.
         """
-        wd = self.guard.watchdog if self.guard is not None else None
-        with self._flush_lock, (wd.paused() if wd is not None else contextlib.nullcontext()):
+        with self._flush_lock, (self.guard.paused() if self.guard is not None else contextlib.nullcontext()):
             if wait:
                 self._wait_job(timeout)
             if self.dist is not None:
@@ -672,8 +671,7 @@ class Snapshotter:
         if arena is None or arena.newest_complete() < 0:
             raise SnapshotError("rollback(): no COMPLETE snapshot in memory yet")
         slot = arena.newest_complete()
-        wd = self.guard.watchdog if self.guard is not None else None
-        with wd.paused() if wd is not None else contextlib.nullcontext():
+        with self.guard.paused() if self.guard is not None else contextlib.nullcontext():
             step = self._restore_from_slot(arena, slot, f"{arena.path} slot {slot}")
         return step + 1
 

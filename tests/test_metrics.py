@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from cudasnap.metrics import CONTENT_TYPE, prometheus_text, serve_metrics
+from cudasnap.metrics import CONTENT_TYPE, TimingHistograms, prometheus_text, serve_metrics
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
@@ -31,7 +31,7 @@ def parse(text: str) -> dict[str, dict]:
             fams.setdefault(name, {"samples": []})["help"] = help_text
         elif line.startswith("# TYPE "):
             name, _, kind = line[7:].partition(" ")
-            assert kind in ("counter", "gauge"), line
+            assert kind in ("counter", "gauge", "histogram"), line
             fam = fams.setdefault(name, {"samples": []})
             assert "type" not in fam and not fam["samples"], f"TYPE after samples: {line}"
             fam["type"] = kind
@@ -39,6 +39,10 @@ def parse(text: str) -> dict[str, dict]:
             m = _SAMPLE.match(line)
             assert m, f"not a sample line: {line!r}"
             name, _, body, value = m.groups()
+            for suffix in ("_bucket", "_sum", "_count"):  # histogram samples belong to their family
+                base = name.removesuffix(suffix)
+                if base != name and fams.get(base, {}).get("type") == "histogram":
+                    name = base
             assert name in fams and "type" in fams[name], f"sample before its TYPE: {line}"
             labels = {}
             pos = 0
@@ -50,6 +54,7 @@ def parse(text: str) -> dict[str, dict]:
                                              lm.group(2))
                 pos = lm.end()
             fams[name]["samples"].append((labels, float(value)))
+            fams[name].setdefault("lines", []).append(m.group(1))
     for name, fam in fams.items():
         assert "help" in fam and "type" in fam and fam["samples"], name
         if fam["type"] == "counter":
@@ -168,3 +173,49 @@ def test_server_reports_a_failing_source() -> None:
     with serve_metrics(Broken(), 0) as server:
         code, _, body = _get(server.url)
     assert code == 500 and "boom" in body
+
+
+def test_histograms_count_real_observations() -> None:
+    t = TimingHistograms(boundary_buckets=(1e-5, 1e-4), copy_buckets=(0.1, 1.0))
+    for v in (5e-6, 2e-5, 3e-5, 0.5):
+        t.observe_boundary(v)
+    t.observe_copy(0.05)
+    t.observe_copy(2.0)
+    fams = parse(prometheus_text(FULL, labels={"rank": 0}, timings=t))
+    b = fams["cudasnap_boundary_seconds"]
+    assert b["type"] == "histogram"
+    got = {(lines, lab.get("le")): v for (lab, v), lines in zip(b["samples"], b["lines"])}
+    assert got[("cudasnap_boundary_seconds_bucket", "1e-05")] == 1
+    assert got[("cudasnap_boundary_seconds_bucket", "0.0001")] == 3
+    assert got[("cudasnap_boundary_seconds_bucket", "+Inf")] == 4
+    assert got[("cudasnap_boundary_seconds_count", None)] == 4
+    assert abs(got[("cudasnap_boundary_seconds_sum", None)] - (5e-6 + 2e-5 + 3e-5 + 0.5)) < 1e-12
+    c = {(lines, lab.get("le")): v for (lab, v), lines in zip(fams["cudasnap_copy_seconds"]["samples"],
+                                                              fams["cudasnap_copy_seconds"]["lines"])}
+    assert (c[("cudasnap_copy_seconds_bucket", "0.1")], c[("cudasnap_copy_seconds_bucket", "1.0")],
+            c[("cudasnap_copy_seconds_count", None)]) == (1, 1, 2)
+    assert all(lab["rank"] == "0" for lab, _ in b["samples"])
+
+
+def test_server_serves_the_histograms_it_was_given() -> None:
+    with serve_metrics(_Fake(), 0) as server:
+        server.timings.observe_copy(0.3)
+        code, _, body = _get(server.url)
+    fams = parse(body)
+
+    def count(name: str) -> float:
+        fam = fams[name]
+        (v,) = [v for (_, v), line in zip(fam["samples"], fam["lines"]) if line == name + "_count"]
+        return v
+
+    assert code == 200 and count("cudasnap_copy_seconds") == 1 and count("cudasnap_boundary_seconds") == 0
+
+
+def test_without_prometheus_client_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ImportError, match="pip install 'prometheus-client"):
+        prometheus_text(FULL)
+    with pytest.raises(ImportError, match="prometheus_client"):
+        serve_metrics(_Fake(), 0)

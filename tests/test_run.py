@@ -30,9 +30,10 @@ import numpy as np
 import pytest
 from helpers.run_fork import ForkServer
 
-from cudasnap import _nvml, store
+from cudasnap import store
 from cudasnap._native import native
 from cudasnap.run import flush_orphans, supervise
+from cudasnap.triggers import nvml as _nvml
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 REPO = Path(__file__).resolve().parents[1]

@@ -566,7 +566,7 @@ def diskfull_cases(ctx: Ctx) -> list[Case]:
 
 
 def _diskfull(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
-    from cudasnap.guard import Guard
+    from cudasnap.triggers.guard import Guard
 
     fs = mount_tmpfs(ctx, "8m") if mode == "tmpfs" else ctx.dir("rl")
     assert fs is not None

@@ -30,12 +30,10 @@ import torch  # noqa: E402
 import torch.distributed  # noqa: E402,F401  (the Snapshotter imports it)
 
 import cudasnap  # noqa: E402,F401
-import cudasnap._nvml  # noqa: E402,F401
-import cudasnap.guard  # noqa: E402,F401
-import cudasnap.health  # noqa: E402,F401
 import cudasnap.snapshotter  # noqa: E402,F401
 import cudasnap.store  # noqa: E402,F401
 import cudasnap.triggers  # noqa: E402,F401
+import cudasnap.triggers.guard  # noqa: E402,F401
 from cudasnap._native import native  # noqa: E402
 from helpers import run_trainer  # noqa: E402
 

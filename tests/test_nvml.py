@@ -1,13 +1,8 @@
-"""Tests for cudasnap.health / cudasnap._nvml (no GPU needed: NVML is faked where used)."""
+"""Tests for cudasnap.triggers.nvml / nvml_source (no GPU needed: NVML is faked where used)."""
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import types
@@ -16,16 +11,10 @@ from typing import Any
 
 import pytest
 
-from cudasnap import _nvml, health
-from cudasnap.health import (
-    HealthMonitor,
-    InjectedFault,
-    InjectedSource,
-    NvmlSource,
-    Trigger,
-    classify_xid,
-    parse_inject,
-)
+from cudasnap.triggers import nvml as _nvml
+from cudasnap.triggers.kinds import Trigger
+from cudasnap.triggers.monitor import HealthMonitor
+from cudasnap.triggers.nvml_source import NvmlSource
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,31 +53,6 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(_nvml, "_warned_unavailable", False)
 
-
-# ----------------------------------------------------------------------------- Xid / Trigger
-
-@pytest.mark.parametrize("code,cls", [
-    (48, "fatal"), (63, "fatal"), (64, "fatal"), (74, "fatal"), (79, "fatal"), (92, "fatal"), (94, "fatal"),
-    (95, "fatal"), (119, "fatal"), (120, "fatal"), (140, "fatal"),
-    (13, "application"), (31, "application"), (43, "application"), (45, "application"), (68, "application"),
-    (8, "other"), (61, "other"), (62, "other"), (0, "other"), (999, "other"),
-])
-def test_classify_xid(code: int, cls: str) -> None:
-    assert classify_xid(code) == cls
-    assert Trigger(kind="xid", code=code).xid_class == cls
-
-
-def test_trigger_validates_kind_and_is_frozen() -> None:
-    with pytest.raises(ValueError, match="unknown trigger kind 'bogus'"):
-        Trigger(kind="bogus")
-    t = Trigger(kind="ecc_dbe", device=1)
-    assert t.xid_class is None and abs(t.time - time.time()) < 5
-    with pytest.raises(Exception):
-        t.kind = "xid"  # type: ignore[misc]
-
-
-# ----------------------------------------------------------------------------- real NVML (no driver here)
-
 def _real_nvml_works() -> bool:
     return _nvml.init() is None and (_nvml.shutdown() or True)
 
@@ -114,7 +78,7 @@ def test_nvml_unavailable_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     mon.stop()
     mon.stop()  # idempotent
     with pytest.raises(RuntimeError, match="NVML unavailable"):
-        health.read_gpu_status()
+        _nvml.read_gpu_status()
 
 
 # ----------------------------------------------------------------------------- fake NVML
@@ -338,136 +302,12 @@ def test_cuda_visible_devices_limits_monitored_gpus(fake: types.ModuleType,
 
 def test_read_gpu_status_with_fake(fake: types.ModuleType) -> None:
     fake.state["remap"][fake.handles[0]] = (3, 1, 0, 0)
-    rows = health.read_gpu_status()
+    rows = _nvml.read_gpu_status()
     assert [r["index"] for r in rows] == [0, 1]
     assert rows[0]["name"] == "Fake H200" and rows[0]["temperature"] == 41
     assert rows[0]["ecc_uncorrected"] == 5 and rows[0]["recovery_action"] == 0
     assert rows[0]["remapped_rows"] == {"correctable": 3, "uncorrectable": 1, "pending": 0, "failure": 0}
     assert rows[1]["recovery_action"] is None        # NotSupported
     fake.state["lost"].add(fake.handles[1])
-    assert health.read_gpu_status()[1]["error"] == "GPU is lost"
+    assert _nvml.read_gpu_status()[1]["error"] == "GPU is lost"
     assert fake.state["unlocked_calls"] == []
-
-
-# ----------------------------------------------------------------------------- injection
-
-def test_injected_kinds_fire_at_their_step_and_not_before() -> None:
-    got = Collector()
-    spec = ("xid=79@step=2, ecc_dbe@step=3; gpu_lost@step=4,thermal@step=5,remap_failure@step=6,"
-            "ecc_uncorrected=3@step=7,xid=13@step=8@dev=2,hang@step=9")
-    src = InjectedSource(spec, got)
-    src.start()
-    try:
-        expected = {2: ("xid", 79, "fatal", 0), 3: ("ecc_dbe", None, None, 0), 4: ("gpu_lost", None, None, 0),
-                    5: ("thermal", None, None, 0), 6: ("remap_failure", None, None, 0),
-                    7: ("ecc_uncorrected", 3, None, 0), 8: ("xid", 13, "application", 2)}
-        n = 0
-        for step in range(12):
-            src.notify_step(step)
-            if step in expected:
-                n += 1
-                t = got.wait_for(n)[-1]
-                assert (t.kind, t.code, t.xid_class, t.device) == expected[step]
-                assert t.step == step and t.detail.startswith("injected")
-            time.sleep(0.005)
-            assert len(got.items) == n, f"unexpected trigger after step {step}: {got.items}"
-            assert src.should_hang(step) is (step >= 9)
-        assert n == 7
-    finally:
-        src.stop()
-
-
-def test_injected_skipped_steps_and_time_based() -> None:
-    got = Collector()
-    src = InjectedSource("ecc_dbe@step=3,thermal@step=5,recovery_action=4@t=0.05", got)
-    t0 = time.monotonic()
-    src.start()
-    try:
-        src.notify_step(10)                               # jumped past both step faults
-        trig = got.wait_for(3)
-        assert time.monotonic() - t0 >= 0.05
-        assert sorted(t.kind for t in trig) == ["ecc_dbe", "recovery_action", "thermal"]
-        timed = next(t for t in trig if t.kind == "recovery_action")
-        assert timed.code == 4 and timed.step == 10
-    finally:
-        src.stop()
-
-
-def test_injected_exception_and_monitor_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDASNAP_INJECT", "exception@step=2,hang@t=0")
-    mon = HealthMonitor(lambda t: None)
-    assert mon.injected and mon.available and "exception@step=2" in mon.describe()
-    mon.start()
-    mon.notify_step(1)
-    with pytest.raises(InjectedFault, match="step 2"):
-        mon.notify_step(2)
-    mon.notify_step(3)                                    # fires once only
-    assert mon.should_hang(0)
-    mon.stop()
-
-
-@pytest.mark.parametrize("spec,bad", [
-    ("xid@step=3", "xid@step=3"), ("bogus@step=1", "bogus@step=1"), ("ecc_dbe", "ecc_dbe"),
-    ("ecc_dbe@stp=1", "ecc_dbe@stp=1"), ("xid=79@step=x", "xid=79@step=x"), ("thermal@t=-1", "thermal@t=-1"),
-    ("ecc_dbe@step=1,gpu_lost@step=2@t=3", "gpu_lost@step=2@t=3"), (" , ", ""),
-])
-def test_bad_inject_spec(spec: str, bad: str) -> None:
-    with pytest.raises(ValueError) as ei:
-        parse_inject(spec)
-    assert bad in str(ei.value)
-
-
-def test_injected_sigusr1_runs_real_handler_path() -> None:
-    from cudasnap.triggers import Dispatcher, install_signal_handlers
-    flushed: list[Trigger] = []
-    exits: list[int] = []
-    d = Dispatcher(lambda t: flushed.append(t) or "/snap/1", exit_fn=exits.append, step_fn=lambda: 4)
-    handlers = install_signal_handlers(d.handle, signals=(signal.SIGUSR1,))
-    try:
-        src = InjectedSource("sigusr1@step=4")
-        src.notify_step(3)
-        assert not flushed
-        src.notify_step(4)
-        deadline = time.monotonic() + 2
-        while not flushed and time.monotonic() < deadline:
-            time.sleep(0.001)
-    finally:
-        handlers.uninstall()
-    assert [(t.kind, t.step) for t in flushed] == [("sigusr1", 4)] and exits == []
-
-
-CHILD = textwrap.dedent("""
-    import logging, os, sys, time
-    logging.basicConfig(level=logging.INFO)
-    from cudasnap.health import HealthMonitor
-    from cudasnap.triggers import Dispatcher, install_signal_handlers
-    out = sys.argv[1]
-    def flush(trig):
-        with open(out + ".tmp", "w") as f:
-            f.write("begin\\n"); f.flush(); time.sleep(0.3)
-            f.write("complete %s\\n" % trig.kind)
-        os.replace(out + ".tmp", out)
-        return out
-    step = [0]
-    d = Dispatcher(flush, step_fn=lambda: step[0])
-    install_signal_handlers(d.handle)
-    mon = HealthMonitor(d.handle, inject="sigterm@step=10")
-    mon.start()
-    for step[0] in range(300):
-        mon.notify_step(step[0])
-        time.sleep(0.002)
-    sys.exit(3)
-""")
-
-
-def test_injected_sigterm_child_flushes_then_exits_78(tmp_path: Path) -> None:
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    out = tmp_path / "snap.txt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDASNAP_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True,
-                          text=True, timeout=20)
-    assert proc.returncode == 78, proc.stderr
-    assert out.read_text() == "begin\ncomplete sigterm\n"
-    assert "step=10" in proc.stderr and "exiting with code 78" in proc.stderr

@@ -1,10 +1,4 @@
-"""GPU health monitoring for cudasnap: NVML events/polling and scripted fault injection.
-
-:class:`HealthMonitor` turns GPU health problems into :class:`Trigger` objects
-delivered to a callback (normally :meth:`cudasnap.triggers.Dispatcher.handle`).
-It uses :class:`NvmlSource` (real NVML via pynvml) unless fault injection is
-requested with ``inject=`` or the ``CUDASNAP_INJECT`` environment variable, in
-which case :class:`InjectedSource` emits the same triggers on a script.
+"""Scripted fault injection: the same Triggers as NVML, on a script (``CUDASNAP_INJECT``).
 
 Injection syntax (tokens separated by ``,`` or ``;``)::
 
@@ -27,102 +21,12 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
-from cudasnap import _nvml
+from .kinds import TRIGGER_KINDS, Trigger, TriggerCallback
 
 logger = logging.getLogger("cudasnap.health")
 
 ENV_INJECT = "CUDASNAP_INJECT"
-
-TRIGGER_KINDS: frozenset[str] = frozenset({
-    "xid", "ecc_dbe", "ecc_uncorrected", "remap_failure", "remap_pending", "recovery_action",
-    "gpu_lost", "thermal", "sigterm", "sigusr1", "hang", "exception", "manual", "peer_failure",
-})
-
-#: Xids after which the GPU itself is unusable (reset/reboot needed).
-FATAL_XIDS: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
-#: Xids caused by the application (illegal address, MMU fault, ...): GPU still fine.
-APPLICATION_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68})
-
-
-def classify_xid(code: int) -> str:
-    """Return ``"fatal"``, ``"application"`` or ``"other"`` for an Xid code."""
-    code = int(code)
-    if code in FATAL_XIDS:
-        return "fatal"
-    if code in APPLICATION_XIDS:
-        return "application"
-    return "other"
-
-
-@dataclasses.dataclass(frozen=True)
-class Trigger:
-    """One reason to checkpoint (and possibly exit)."""
-
-    kind: str
-    device: int | None = None
-    code: int | None = None
-    detail: str = ""
-    xid_class: str | None = None
-    time: float = dataclasses.field(default_factory=time.time)
-    step: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in TRIGGER_KINDS:
-            raise ValueError(f"unknown trigger kind {self.kind!r}; expected one of {sorted(TRIGGER_KINDS)}")
-        if self.kind == "xid" and self.xid_class is None and self.code is not None:
-            object.__setattr__(self, "xid_class", classify_xid(self.code))
-
-    def describe(self) -> str:
-        parts = [self.kind]
-        if self.code is not None:
-            parts.append(f"code={self.code}")
-        if self.xid_class:
-            parts.append(f"class={self.xid_class}")
-        if self.device is not None:
-            parts.append(f"gpu={self.device}")
-        if self.step is not None:
-            parts.append(f"step={self.step}")
-        if self.detail:
-            parts.append(f"({self.detail})")
-        return " ".join(parts)
-
-
-TriggerCallback = Callable[[Trigger], None]
-
-
-class NvmlSource(_nvml.NvmlBackend):
-    """Real NVML health source: an event thread (Xid / DBE / GPU unavailable) and a
-    poll thread (uncorrected ECC, row remapping, recovery action, clock slowdown)."""
-
-    def __init__(self, on_trigger: TriggerCallback, devices: list[int] | None = None,
-                 poll_interval: float = 1.0, event_timeout_ms: int = 100) -> None:
-        self._on_trigger = on_trigger
-        self._step: int | None = None
-        super().__init__(devices=devices, poll_interval=poll_interval, event_timeout_ms=event_timeout_ms)
-
-    def notify_step(self, step: int) -> None:
-        self._step = step  # O(1); read by the monitor threads
-
-    def should_hang(self, step: int) -> bool:
-        return False
-
-    def _emit(self, kind: str, device: int | None, code: int | None, detail: str) -> None:
-        trig = Trigger(kind=kind, device=device, code=code, detail=detail, step=self._step)
-        logger.debug("NVML trigger: %s", trig.describe())
-        try:
-            self._on_trigger(trig)
-        except Exception:
-            logger.exception("trigger callback failed for %s", trig.describe())
-
-    def describe(self) -> str:
-        if not self.available:
-            return f"NVML unavailable: {self.reason}"
-        events = ",".join(self._event_types) if self._event_types else "none registered yet"
-        return (f"NVML health monitor: GPUs {[i for i, _ in self.handles]}, poll every {self.poll_interval:g}s, "
-                f"events: {events}")
 
 
 class InjectedFault(RuntimeError):
@@ -309,72 +213,3 @@ class InjectedSource:
 
     def describe(self) -> str:
         return f"fault injection ({ENV_INJECT}): " + ", ".join(f.token for f in self.faults)
-
-
-class HealthMonitor:
-    """GPU health monitor: NVML (default) or scripted injection (``inject`` / ``CUDASNAP_INJECT``)."""
-
-    def __init__(self, on_trigger: TriggerCallback, devices: list[int] | None = None,
-                 poll_interval: float = 1.0, inject: str | None = None) -> None:
-        self._on_trigger = on_trigger
-        spec = inject if inject is not None else os.environ.get(ENV_INJECT)
-        self.source: NvmlSource | InjectedSource
-        if spec is not None and spec.strip():
-            self.source = InjectedSource(spec, on_trigger)
-        else:
-            self.source = NvmlSource(on_trigger, devices=devices, poll_interval=poll_interval)
-        self._started = False
-        self._lock = threading.Lock()
-
-    @property
-    def available(self) -> bool:
-        return bool(self.source.available)
-
-    @property
-    def injected(self) -> bool:
-        return isinstance(self.source, InjectedSource)
-
-    def start(self) -> None:
-        with self._lock:
-            if self._started:
-                return
-            self._started = True
-        self.source.start()
-        if self.available:  # an unavailable NVML was already reported once per process
-            logger.info("%s", self.describe())
-
-    def stop(self) -> None:
-        with self._lock:
-            if not self._started:
-                return
-            self._started = False
-        self.source.stop()
-
-    def notify_step(self, step: int) -> None:
-        self.source.notify_step(step)
-
-    def should_hang(self, step: int) -> bool:
-        return self.source.should_hang(step)
-
-    def describe(self) -> str:
-        return self.source.describe()
-
-    def __enter__(self) -> "HealthMonitor":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def read_gpu_status(devices: list[int] | None = None) -> list[dict[str, Any]]:
-    """Per-GPU status dicts (index, name, temperature, ecc_uncorrected, remapped_rows,
-    recovery_action, error) for ``cudasnap health``.  Raises ``RuntimeError("NVML unavailable: ...")``."""
-    return _nvml.read_gpu_status(devices)
-
-
-__all__ = [
-    "TRIGGER_KINDS", "FATAL_XIDS", "APPLICATION_XIDS", "ENV_INJECT", "Trigger", "TriggerCallback",
-    "classify_xid", "NvmlSource", "InjectedSource", "InjectedFault", "HealthMonitor", "parse_inject",
-    "read_gpu_status",
-]
