@@ -273,3 +273,18 @@ def test_step_hook_fence_waits_for_a_stalled_copy(snap_env):
             assert torch.equal(v, want[k]), k
     finally:
         snap.close()
+
+
+def test_stats_report_the_staging_footprint(snap_env):
+    model, opt = _adam()
+    _step(model, opt)
+    snap = _snap(snap_env, model, opt)
+    try:
+        assert snap.stats()["staging"] is None  # no arena before the first boundary
+        snap.boundary(0)
+        st = snap.stats()["staging"]
+        assert st["path"] == str(snap.arena_path) and st["shared"]
+        assert st["bytes"] == snap_env.arena_path().stat().st_size
+        assert st["page_locked"] is False and st["fallback_reason"] is None  # CPU backend
+    finally:
+        snap.close()
