@@ -126,6 +126,7 @@ void init_staging(py::module_& m) {
       .def_property_readonly("owner_pid", &Arena::owner_pid)
       .def("claim_owner", &Arena::claim_owner)
       .def_property_readonly("writable", &Arena::writable)
+      .def_property_readonly("shared", &Arena::shared)
       .def_readonly("cuda_registered", &Arena::cuda_registered)
       .def("slot_info", [](const Arena& a, int s) { return slot_info_dict(a.slot_info(s)); })
       .def("newest_complete", &Arena::newest_complete)
@@ -189,7 +190,8 @@ void init_copy_engine(py::module_& m) {
       .def_property_readonly("error", &CopyJob::error)
       .def("wait", &CopyJob::wait, py::arg("phase") = 1, py::arg("timeout") = -1.0,
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("seconds_to_complete", &CopyJob::seconds_to_complete);
+      .def_property_readonly("seconds_to_complete", &CopyJob::seconds_to_complete)
+      .def("cancel", &CopyJob::cancel, py::arg("why"));
   py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine")
       .def_property_readonly("backend", &CopyEngine::backend)
       .def("submit",
@@ -204,10 +206,18 @@ void init_copy_engine(py::module_& m) {
            py::arg("meta"), py::arg("stream") = 0)
       .def("fence", &CopyEngine::fence, py::arg("job"), py::arg("phase"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
-      .def("shutdown", &CopyEngine::shutdown, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "shutdown",
+          [](CopyEngine& e, double timeout) {
+            return e.shutdown(timeout < 0 ? e.wait_timeout_s() : timeout);
+          },
+          py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def_property("wait_timeout_s", &CopyEngine::wait_timeout_s,
+                    &CopyEngine::set_wait_timeout_s);
   py::class_<CpuCopyEngine, CopyEngine, std::shared_ptr<CpuCopyEngine>>(m, "CpuCopyEngine")
       .def(py::init<int, int>(), py::arg("threads"), py::arg("nice") = 10)
-      .def_property_readonly("threads", &CpuCopyEngine::threads);
+      .def_property_readonly("threads", &CpuCopyEngine::threads)
+      .def("set_test_chunk_delay_us", &CpuCopyEngine::set_test_chunk_delay_us, py::arg("us"));
 }
 
 void init_flusher(py::module_& m) {
@@ -454,6 +464,8 @@ void init_cuda_backend(py::module_& m) {
       .def_property_readonly("gather_small", &CudaCopyEngine::gather_small)
       .def_property_readonly("gather_max_bytes", &CudaCopyEngine::gather_max_bytes)
       .def_property_readonly("busy", &CudaCopyEngine::busy)
+      .def_property_readonly("hung", &CudaCopyEngine::hung)
+      .def("set_test_copy_delay_us", &CudaCopyEngine::set_test_copy_delay_us, py::arg("us"))
       .def_property_readonly("copy_stream", &CudaCopyEngine::copy_stream)
       .def_property_readonly("last_memcpy_calls", &CudaCopyEngine::last_memcpy_calls)
       .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered);

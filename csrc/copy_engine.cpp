@@ -45,6 +45,29 @@ bool CopyJob::wait(int phase, double timeout_s) {
   return true;
 }
 
+bool CopyJob::cancel(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (committing_ || phase_done_[1] || failed_) return false;
+    failed_ = true;
+    error_ = why;
+  }
+  cv_.notify_all();
+  return true;
+}
+
+bool CopyJob::begin_commit() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (failed_) return false;
+  committing_ = true;
+  return true;
+}
+
+void CopyEngine::set_wait_timeout_s(double s) {
+  CUDASNAP_CHECK(s > 0, "wait timeout must be > 0 seconds, got " << s);
+  wait_s_.store(s);
+}
+
 double CopyJob::seconds_to_complete() const {
   uint64_t c = complete_ns.load();
   return c ? (c - submit_ns) * 1e-9 : -1.0;
@@ -141,18 +164,42 @@ void lower_thread_priority(int nice) {
   if (nice > 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
 }
 
-CpuCopyEngine::~CpuCopyEngine() { shutdown(); }
+CpuCopyEngine::~CpuCopyEngine() {
+  try {
+    shutdown(wait_timeout_s());
+  } catch (...) {
+  }
+}
 
-void CpuCopyEngine::shutdown() {
+bool CpuCopyEngine::shutdown(double timeout_s) {
+  bool clean = true;
+  std::shared_ptr<Work> left;
   {
     std::unique_lock<std::mutex> lk(mu_);
-    if (stop_) return;
-    idle_cv_.wait(lk, [&] { return !cur_; });  // let the running snapshot finish
+    if (stop_) return true;
+    // Let the running snapshot finish, for a bounded time.
+    clean = idle_cv_.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)),
+                              [&] { return !cur_; });
+    if (!clean) {
+      left = cur_;
+      left->job->cancel("snapshot copy abandoned: the copy engine was shut down after waiting " +
+                        std::to_string(timeout_s) + " s for it");
+      left->failed.store(true);
+    }
     stop_ = true;
   }
   cv_.notify_all();
+  idle_cv_.notify_all();
+  // Workers finish at most the chunk they are on (cancelled chunks are skipped).
   for (auto& t : workers_)
     if (t.joinable()) t.join();
+  if (left && left->arena) {  // no worker finished it (null once a worker did)
+    try {
+      left->arena->invalidate(left->job->slot());
+    } catch (...) {
+    }
+  }
+  return clean;
 }
 
 std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
@@ -175,7 +222,14 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
   {
     std::unique_lock<std::mutex> lk(mu_);
     CUDASNAP_CHECK(!stop_, "copy engine is shut down");
-    idle_cv_.wait(lk, [&] { return !cur_; });  // one snapshot in flight at a time
+    // One snapshot in flight at a time; a stalled one must not hang the trainer.
+    double wait_s = wait_timeout_s();
+    bool idle = idle_cv_.wait_for(lk, std::chrono::duration<double>(wait_s),
+                                  [&] { return !cur_ || stop_; });
+    CUDASNAP_CHECK(!stop_, "copy engine is shut down");
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, idle,
+                        "the previous snapshot (step " << cur_->job->step()
+                            << ") is still copying after " << wait_s << " s");
     arena->begin_write(slot, step, meta);
     if (work->nchunks == 0) {
       arena->commit(slot, step, 0);
@@ -189,7 +243,14 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
   return work->job;
 }
 
-void CpuCopyEngine::fence(CopyJob& job, int phase, uint64_t /*stream*/) { job.wait(phase); }
+bool CpuCopyEngine::fence(CopyJob& job, int phase, uint64_t /*stream*/) {
+  double wait_s = wait_timeout_s();
+  if (job.wait(phase, wait_s)) return true;
+  if (job.cancel("snapshot copy abandoned: a fence waited " + std::to_string(wait_s) +
+                 " s for phase " + std::to_string(phase) + " (copier stalled)"))
+    return false;
+  return job.wait(phase, wait_s);  // it was committing: done in a moment
+}
 
 void CpuCopyEngine::worker() {
   lower_thread_priority(nice_);
@@ -204,7 +265,10 @@ void CpuCopyEngine::worker() {
     for (;;) {
       uint64_t c = w->next.fetch_add(1);
       if (c >= w->nchunks) break;
-      if (!w->failed.load()) {
+      // TEST-ONLY stall; re-read each millisecond, so a test releases it by setting 0.
+      for (uint64_t slept = 0; delay_us_.load() > slept && !w->job->failed(); slept += 1000)
+        std::this_thread::sleep_for(std::chrono::microseconds(1000));
+      if (!w->failed.load() && !w->job->failed()) {
         try {
           w->table[c] = copy_chunk(*w->plan, w->data, c);
         } catch (const std::exception& e) {
@@ -220,7 +284,7 @@ void CpuCopyEngine::worker() {
 void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
   if (chunk < w.p0chunks && w.p0done.fetch_add(1) + 1 == w.p0chunks) w.job->mark(0);
   if (w.done.fetch_add(1) + 1 != w.nchunks) return;
-  bool ok = !w.failed.load();
+  bool ok = !w.failed.load() && w.job->begin_commit();
   std::string err;
   if (ok) {
     try {
@@ -232,6 +296,9 @@ void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
   } else {
     w.arena->invalidate(w.job->slot());
   }
+  // Drop the engine's reference before the job is marked: a trainer that then
+  // replaces the arena (regrowth) must be able to unmap it at once.
+  w.arena.reset();
   // Become idle BEFORE waking the trainer: the workers run at a lower priority,
   // and a trainer that wakes first would otherwise wait in its next submit()
   // for this thread to be scheduled again on a busy host.

@@ -38,6 +38,12 @@ class CopyJob {
   // the job's error, if any. timeout_s < 0 waits forever; returns false on timeout.
   bool wait(int phase, double timeout_s = -1.0);
   double seconds_to_complete() const;  // submit -> COMPLETE, -1 while running
+  // Abandons the job (a bounded wait ran out): it fails with `why` and its slot
+  // is invalidated instead of committed. False when it is already complete or
+  // being committed (its data is whole: nothing to abandon).
+  bool cancel(const std::string& why);
+  // Engines: called once the data is copied; false when the job was cancelled.
+  bool begin_commit();
 
   // Used by the engines.
   void mark(int phase);
@@ -54,6 +60,7 @@ class CopyJob {
   std::condition_variable cv_;
   bool phase_done_[2] = {false, false};
   bool failed_ = false;
+  bool committing_ = false;
   std::string error_;
 };
 
@@ -67,8 +74,20 @@ class CopyEngine {
                                           const std::shared_ptr<const CopyPlan>& plan,
                                           int64_t step, const std::string& meta,
                                           uint64_t stream) = 0;
-  virtual void fence(CopyJob& job, int phase, uint64_t stream) = 0;
-  virtual void shutdown() = 0;
+  // Orders `stream` (CUDA) or the calling thread (CPU) after `phase` of the
+  // copy. A host wait lasts at most wait_timeout_s(); then the job is
+  // cancelled (its slot never becomes COMPLETE) and false is returned.
+  virtual bool fence(CopyJob& job, int phase, uint64_t stream) = 0;
+  // Waits up to `timeout_s` for the running copy, then abandons it (the job
+  // fails, its slot stays invalid) and stops the threads. False if abandoned.
+  virtual bool shutdown(double timeout_s) = 0;
+  // Bound of every internal wait: submit() for the previous copy, a host
+  // fence, the completion of a CUDA copy. Default 120 s.
+  double wait_timeout_s() const { return wait_s_.load(); }
+  void set_wait_timeout_s(double s);
+
+ protected:
+  std::atomic<double> wait_s_{120.0};
 };
 
 // Checks shared by every engine's submit(): arena and plan present, same chunk
@@ -89,9 +108,12 @@ class CpuCopyEngine : public CopyEngine {
   std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
                                   const std::shared_ptr<const CopyPlan>& plan, int64_t step,
                                   const std::string& meta, uint64_t stream) override;
-  void fence(CopyJob& job, int phase, uint64_t stream) override;
-  void shutdown() override;
+  bool fence(CopyJob& job, int phase, uint64_t stream) override;
+  bool shutdown(double timeout_s) override;
   int threads() const { return static_cast<int>(workers_.size()); }
+  // TEST-ONLY: every chunk copy first sleeps this long (a stalled copier; set 0
+  // to release it), so tests can prove that fences wait and waits are bounded.
+  void set_test_chunk_delay_us(uint64_t us) { delay_us_.store(us); }
 
  private:
   struct Work;
@@ -105,6 +127,7 @@ class CpuCopyEngine : public CopyEngine {
   bool stop_ = false;
   std::vector<std::thread> workers_;
   int nice_ = 10;
+  std::atomic<uint64_t> delay_us_{0};
 };
 
 // Lowers the calling thread's scheduling priority (per-thread nice on Linux).

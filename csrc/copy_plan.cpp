@@ -38,7 +38,16 @@ CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
         uint64_t gs = spans[idx[k]].ptr;
         uint64_t ge = gs + spans[idx[k]].nbytes;
         size_t first = k++;
-        while (k < idx.size() && spans[idx[k]].ptr <= ge + merge_gap) {
+        // Device spans merge only when they strictly overlap (views of one
+        // storage): two allocations may lie back to back in the address space,
+        // and one cudaMemcpyAsync across their boundary reads memory that can
+        // be freed or unmapped under the copy. Same-segment coalescing of device
+        // spans is done before this, by the allocator registry. Host spans may
+        // also merge across gaps up to merge_gap.
+        auto joins = [&](const TensorSpan& s) {
+          return host ? s.ptr <= ge + merge_gap : s.ptr < ge;
+        };
+        while (k < idx.size() && joins(spans[idx[k]])) {
           ge = std::max(ge, spans[idx[k]].ptr + spans[idx[k]].nbytes);
           ++k;
         }

@@ -68,6 +68,10 @@ class Error : public std::runtime_error {
   do {                                                                        \
     cudaError_t cudasnap_st_ = (call);                                        \
     if (cudasnap_st_ != cudaSuccess) {                                        \
+      /* Clear the runtime's per-thread "last error" so that torch does not   \
+         report this (non-sticky) failure later against an unrelated kernel; \
+         a sticky error (context lost) cannot be cleared and stays visible. */ \
+      (void)cudaGetLastError();                                               \
       int cudasnap_dev_ = -1;                                                 \
       (void)cudaGetDevice(&cudasnap_dev_);                                    \
       std::ostringstream cudasnap_os_;                                        \

@@ -61,7 +61,8 @@ class CudaBackend:
     """The CUDA copy engine of one device, its staging arena and allocator tracking."""
 
     def __init__(self, device: Any, crc_threads: int = 4, *, track: bool = True,
-                 gather_small: bool = False, auto_drain: int = AUTO_DRAIN_EVENTS) -> None:
+                 gather_small: bool = False, auto_drain: int = AUTO_DRAIN_EVENTS,
+                 wait_timeout_s: float = 120.0) -> None:
         import torch
 
         dev = torch.device(device)
@@ -73,6 +74,7 @@ class CudaBackend:
         self.index = int(index)
         C = native()
         self.engine = C.CudaCopyEngine(self.index, int(crc_threads), bool(gather_small))
+        self.engine.wait_timeout_s = float(wait_timeout_s)
         self.registry: Any = None
         self.tracker_error: str | None = None
         self.fallback_reason: str | None = None  # why the arena is process-private
@@ -128,16 +130,25 @@ class CudaBackend:
                 except SnapshotError as e:
                     log.warning("cudasnap: cudaHostUnregister failed: %s", e)
 
-    def release_arena(self, arena: Any) -> None:
-        """Unregisters ``arena`` now (waits for a running copy first)."""
+    def release_arena(self, arena: Any, timeout: float = 120.0) -> bool:
+        """Unregisters ``arena`` now (waits up to ``timeout`` s for a running copy first).
+
+        False (and the arena stays registered) when the copy is still running.
+        """
         C = native()
         for i, a in enumerate(self._arenas):
             if a is arena:
+                deadline = time.monotonic() + timeout
                 while self.engine.busy:
+                    if time.monotonic() > deadline:
+                        log.error("cudasnap: cannot release the staging arena: a copy into "
+                                  "it is still running after %.0f s", timeout)
+                        return False
                     time.sleep(0.001)
                 del self._arenas[i]
                 C.unregister_arena(arena)
-                return
+                return True
+        return True
 
     # ---------------------------------------------------------- tracking
     def plan_key(self) -> int:
@@ -202,12 +213,18 @@ class CudaBackend:
             s["registry"] = dict(self.registry.stats())
         return s
 
-    def close(self) -> None:
-        """Waits for the running copy, stops the engine and unregisters the arenas."""
+    def close(self, timeout: float = 120.0) -> None:
+        """Waits (at most ``timeout`` s) for the running copy, stops the engine and
+        unregisters the arenas; on a hung GPU it gives up instead of hanging."""
         if self._closed:
             return
         self._closed = True
-        self.engine.shutdown()
+        if not self.engine.shutdown(timeout) or self.engine.hung:
+            log.error("cudasnap: the GPU did not finish the snapshot copy within %.0f s (hung "
+                      "or lost); the copy was abandoned and the staging arena is left "
+                      "registered (cudaHostUnregister could block on the device)", timeout)
+            self._arenas.clear()
+            return
         C = native()
         while self._arenas:
             a = self._arenas.pop()

@@ -35,7 +35,7 @@ from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
 from .progress import io_progress
-from .state import LiveTensor, TrainingState
+from .state import LiveTensor, TrainingState, single_cuda_device
 
 log = logging.getLogger("cudasnap")
 
@@ -178,7 +178,11 @@ class Snapshotter:
             "snapshots": 0, "skipped": 0, "bytes": 0, "boundary_ns": [], "fence_wait_ns": 0,
             "last_copy_seconds": None, "last_copy_gbps": None, "flushes": 0,
             "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
-            "health_events": 0, "restore": None, "layout_rebuilds": 0}
+            "health_events": 0, "restore": None, "layout_rebuilds": 0, "abandoned": 0,
+            "arena_regrowths": 0}
+        # Bound of every wait on a copy (fences, the next submit, close()).
+        self.wait_timeout_s = float(os.environ.get("CUDASNAP_WAIT_S") or 120.0)
+        self._job_layout: _Layout | None = None  # keeps the running copy's tensors alive
         self._hooks: list[Any] = []
         self._install_fences()
         self._open_inherited_arena()
@@ -215,13 +219,29 @@ class Snapshotter:
     def _before_load(self, *_: Any) -> None:
         self._fence(1)  # never let load_state_dict race a running copy
 
+    def fence(self) -> None:
+        """Orders the caller's next writes of the state after the running copy.
+
+        Call it before writing state tensors in a way the optimizer-step and
+        forward hooks do not see: an EMA ``lerp_``/``copy_`` outside
+        ``optimizer.step()``, manual edits, a CUDA-graph replay of the step.
+        CUDA backend: the current stream waits on the copy (no host block);
+        CPU backend: a host wait. A no-op when no copy is running. A wait longer
+        than ``wait_timeout_s`` abandons that snapshot (logged) instead of hanging.
+        """
+        self._fence(1)
+
     def _fence(self, phase: int) -> None:
         job = self._job
         if job is None or self._fenced[phase]:
             return
         t0 = time.perf_counter_ns()
         stream = self._cuda.current_stream() if self._cuda is not None else 0
-        self._engine.fence(job, phase, stream)
+        if not self._engine.fence(job, phase, stream):
+            self._stats["abandoned"] += 1
+            log.error("snapshot of step %d abandoned: its copy did not reach phase %d within "
+                      "%.0f s (copier stalled or GPU hung); the previous snapshot stays the "
+                      "newest", job.step, phase, self.wait_timeout_s)
         self._fenced[phase] = True
         if phase == 1:
             self._fenced[0] = True
@@ -240,11 +260,13 @@ class Snapshotter:
         if name == "cuda":
             from ._cuda import CudaBackend
 
-            dev = next(lt.tensor.device for lt in tensors if lt.tensor.is_cuda)
-            self._cuda = CudaBackend(dev, crc_threads=self.copy_threads)
+            dev = single_cuda_device(tensors)
+            self._cuda = CudaBackend(dev, crc_threads=self.copy_threads,
+                                     wait_timeout_s=self.wait_timeout_s)
             self._engine = self._cuda.engine
         else:
             self._engine = native().CpuCopyEngine(self.copy_threads)
+            self._engine.wait_timeout_s = self.wait_timeout_s
         self.backend = name
         log.info("cudasnap: %s backend, %d copy threads, arena %s", name, self.copy_threads,
                  self.arena_path)
@@ -273,6 +295,8 @@ class Snapshotter:
     def _build_layout(self) -> _Layout:
         tensors = self.state.live_tensors()
         self._ensure_engine(tensors)
+        if self._cuda is not None:
+            single_cuda_device(tensors, self._cuda.index)
         plan, offsets = self._make_plan(tensors)
         entries = []
         for lt, off in zip(tensors, offsets):
@@ -355,7 +379,8 @@ class Snapshotter:
         Needed only after replacing state tensors outside ``optimizer.step()`` /
         ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
         replacement is otherwise found by the full re-scan every
-        ``RESCAN_EVERY`` boundaries.
+        ``RESCAN_EVERY`` boundaries. The running copy keeps reading the old
+        tensors, which stay alive until it completes.
         """
         self._layout = None
 
@@ -388,24 +413,57 @@ class Snapshotter:
             return self._arena
         if a is not None:
             log.warning("state grew to %d bytes; re-creating the staging arena", plan.total_bytes)
-            self._wait_job()
-            a.unlink()
-            self._arena = None
+            del a  # the old mapping must go before the new arena's free-space check
+            if not self._retire_arena():
+                return None
         if self._inherited is not None:
             self._inherited.unlink()
             self._inherited = None
         capacity = plan.total_bytes + plan.total_bytes // 64 + self.chunk_bytes
         capacity = (capacity + 4095) // 4096 * 4096
         t0 = time.perf_counter()
-        C = native()
         self.arena_path.unlink(missing_ok=True)
-        arena = C.Arena.create(str(self.arena_path), self.num_slots, capacity,
-                               (need_meta + 4095) // 4096 * 4096, self.chunk_bytes, self.job, True)
+        arena = self._create_arena(capacity, (need_meta + 4095) // 4096 * 4096)
         self._arena = self._adopt(arena)
         self._stats["arena_setup_seconds"] = time.perf_counter() - t0
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
                  self.num_slots, capacity / 1e6, self._stats["arena_setup_seconds"])
         return self._arena
+
+    def _create_arena(self, capacity: int, meta_capacity: int) -> Any:
+        return native().Arena.create(str(self.arena_path), self.num_slots, capacity,
+                                     meta_capacity, self.chunk_bytes, self.job, True)
+
+    def _retire_arena(self) -> bool:
+        """Frees the current arena before a bigger one is made, keeping its snapshot.
+
+        /dev/shm must hold only one arena at a time, so the old one is released
+        (unregistered, unlinked, unmapped) first. Its newest COMPLETE snapshot
+        is written to disk beforehand unless the disk already has that step: a
+        crash before the new arena holds a COMPLETE snapshot then still finds
+        it. False (the boundary is skipped) while a copy into it still runs.
+        """
+        if not self._wait_job(self.wait_timeout_s):
+            log.warning("staging arena not re-created: a copy into the old one is still running")
+            return False
+        old = self._arena
+        slot = old.newest_complete()
+        if slot >= 0:
+            step = old.slot_info(slot)["step"]
+            if self.dist is not None:
+                log.warning("state grew: the in-memory snapshot of step %d is dropped with the "
+                            "old staging arena (multi-rank flushes are coordinated; flush "
+                            "before the state grows to keep it)", step)
+            elif not any(s.step == step for s in store.list_snapshots(self.directory)):
+                log.warning("state grew: writing the snapshot of step %d to disk before its "
+                            "staging arena is replaced", step)
+                self.flush(wait=False)
+        if self._cuda is not None and not self._cuda.release_arena(old, self.wait_timeout_s):
+            return False
+        old.unlink()
+        self._arena = old = None  # drops the mapping (the engine holds none once idle)
+        self._stats["arena_regrowths"] += 1
+        return True
 
     def _adopt(self, arena: Any) -> Any:
         if arena.writable:
@@ -430,27 +488,39 @@ class Snapshotter:
                 self.guard.on_boundary(step)
 
     def _snapshot(self, step: int, t0: int) -> None:
-        self._wait_job()  # a previous copy still running (no optimizer step in between)
+        # A previous copy still running (no optimizer step in between): bounded.
+        if not self._wait_job(self.wait_timeout_s):
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: the previous copy is still running after "
+                        "%.0f s", step, self.wait_timeout_s)
+            return
         lay = self._current_layout()
         host = self.state.encode_host(step).encode()
         # One allocation: the tensor table prefix can be ~200 B per tensor.
         meta = b"".join((lay.prefix, host, b',"step":', str(int(step)).encode(), b"}"))
         arena = self._ensure_arena(lay.plan, len(meta))
-        with self._slot_lock:
+        if arena is None:
+            self._stats["skipped"] += 1
+            return
+        with self._slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
-            if slot < 0:
-                self._stats["skipped"] += 1
-                log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
-                return
-            stream = self._cuda.current_stream() if self._cuda is not None else 0
-            try:
-                job = self._engine.submit(arena, slot, lay.plan, int(step), meta, stream)
-            except StagingError as e:
-                self._stats["skipped"] += 1
-                log.warning("step %d not snapshotted: %s", step, e)
-                return
+        if slot < 0:
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
+            return
+        stream = self._cuda.current_stream() if self._cuda is not None else 0
+        try:
+            # begin_write() inside refuses a slot a concurrent flush leased since
+            # the pick (the arena's own lock orders the two): StagingError.
+            job = self._engine.submit(arena, slot, lay.plan, int(step), meta, stream)
+        except StagingError as e:
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: %s", step, e)
+            return
+        with self._slot_lock:
             self._fenced = [False, False]
             self._job = job
+            self._job_layout = lay
         self._stats["snapshots"] += 1
         self._stats["bytes"] = lay.plan.total_bytes
         ns = self._stats["boundary_ns"]
@@ -478,6 +548,7 @@ class Snapshotter:
             with self._slot_lock:
                 if self._job is job:
                     self._job = None
+                    self._job_layout = None
                     self._fenced = [True, True]
         return ok
 
@@ -534,7 +605,7 @@ class Snapshotter:
         with a warning naming it; a snapshot that does not fit the live
         model/optimizer raises IncompatibleSnapshot.
         """
-        self._wait_job()
+        self._wait_job(self.wait_timeout_s)
         t0 = time.perf_counter()
         if self.dist is not None:
             nxt = self.dist.restore()
@@ -666,7 +737,7 @@ class Snapshotter:
         For a fault the process survives (a NaN loss, a peer failure): training
         continues at the returned step (snapshot step + 1).
         """
-        self._wait_job()
+        self._wait_job(self.wait_timeout_s)
         arena = self._arena
         if arena is None or arena.newest_complete() < 0:
             raise SnapshotError("rollback(): no COMPLETE snapshot in memory yet")
@@ -683,6 +754,12 @@ class Snapshotter:
         s["boundary_us_median"] = ns[len(ns) // 2] / 1e3 if ns else None
         s["fence_wait_s"] = s.pop("fence_wait_ns") / 1e9
         s["backend"] = getattr(self, "backend", None)
+        a = self._arena or self._inherited
+        s["staging"] = None if a is None else {
+            "path": a.path, "bytes": a.total_bytes, "shared": a.shared,
+            "page_locked": a.cuda_registered,
+            # Why the arena is process-private (cudaHostRegister of the shared file refused).
+            "fallback_reason": self._cuda.fallback_reason if self._cuda is not None else None}
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())
         return s
@@ -700,7 +777,7 @@ class Snapshotter:
             return
         self._closed = True
         try:
-            self._wait_job(60.0)
+            self._wait_job(min(60.0, self.wait_timeout_s))
         finally:
             if self.guard is not None:
                 self.guard.stop()
@@ -710,9 +787,10 @@ class Snapshotter:
                 h.remove()
             self._hooks.clear()
             if self._cuda is not None:
-                self._cuda.close()
-            elif self._engine is not None:
-                self._engine.shutdown()
+                self._cuda.close(self.wait_timeout_s)
+            elif self._engine is not None and not self._engine.shutdown(self.wait_timeout_s):
+                log.error("close(): the running snapshot copy was abandoned after %.0f s",
+                          self.wait_timeout_s)
             for a in (self._arena, self._inherited):
                 if a is not None and not keep_arena:
                     a.unlink()

@@ -41,6 +41,35 @@ class LiveTensor:
         return span_bytes(list(t.shape), list(t.stride()), t.element_size())
 
 
+def single_cuda_device(tensors: Any, expect: int | None = None) -> torch.device:
+    """The one CUDA device the state lives on; ConfigError naming the devices when
+    it spans several (one Snapshotter copies from one device: its plan offsets
+    would assume tensors the device's engine cannot read).
+
+    ``tensors``: LiveTensor-like objects (``.name``, ``.tensor``) or tensors.
+    ``expect``: the device index the engine was created for.
+    """
+    first: dict[int, str] = {}
+    for i, it in enumerate(tensors):
+        t = getattr(it, "tensor", it)
+        if not getattr(t, "is_cuda", False):
+            continue
+        idx = t.device.index if t.device.index is not None else -1
+        first.setdefault(idx, getattr(it, "name", f"tensor {i}"))
+    if expect is not None:
+        first.setdefault(expect, "the copy engine")
+    if not first:
+        raise ConfigError("the CUDA backend needs state on a CUDA device; none is")
+    if len(first) > 1:
+        where = ", ".join(f"cuda:{d} ({n})" for d, n in sorted(first.items()))
+        raise ConfigError(
+            f"state lives on more than one CUDA device: {where}; one Snapshotter snapshots "
+            "one device: move the state to one device, or use one process (and "
+            "Snapshotter) per device")
+    idx = next(iter(first))
+    return torch.device("cuda", idx) if idx >= 0 else torch.device("cuda")
+
+
 def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, Any]:
     if obj is None:
         return {}

@@ -329,6 +329,10 @@ def test_failed_copy_keeps_previous_complete_slot(snap_env):
                 print("job failed:", e)
         except SnapshotError as e:
             print("submit failed:", e)
+        # Issue 11 item 6: the failed CUDA call left no "last error" for torch's next
+        # kernel-launch check to blame on an unrelated kernel.
+        (x + 1).sum().item()  # raised "invalid argument" here when the error stuck
+        torch.cuda.synchronize()
         newest = arena.newest_complete()
         assert newest == 0 and arena.slot_info(0)["step"] == 1, arena.slot_info(newest)
         assert arena.slot_info(1)["state"] == "EMPTY"
@@ -450,3 +454,40 @@ def test_backend_prepare_arena_and_streams(snap_env):
         print("OK")
     """
     assert run_py(code).strip().endswith("OK")
+
+
+@pytest.mark.gpu
+def test_shutdown_and_fences_are_bounded_on_a_stalled_copy_stream(snap_env):
+    """Issue 11 item 2 on CUDA: a copy stream stalled (host function sleeping 3 s) must
+    not hang shutdown(): it gives up after its timeout, fails the job, leaves the slot
+    invalid and reports the engine hung."""
+    code = f"""
+        import time
+        import torch
+        from cudasnap import _C
+        from cudasnap.errors import SnapshotError
+        x = torch.randn(1 << 20, device="cuda")
+        chunk = 1 << 20
+        plan = _C.build_plan([x.data_ptr()], [x.numel() * 4], [1], [False], chunk, 4096, 4096)
+        arena = _C.Arena.create({str(snap_env.scratch_arena("hang"))!r}, 2, 8 * chunk,
+                                1 << 16, chunk, "j", True)
+        assert _C.register_arena(arena, 0)[0]
+        eng = _C.CudaCopyEngine(0, 2)
+        eng.wait_timeout_s = 0.2
+        eng.set_test_copy_delay_us(3_000_000)
+        s = torch.cuda.current_stream().cuda_stream
+        job = eng.submit(arena, 0, plan, 1, b"{{}}", s)
+        try:
+            job.wait(1, 10)
+            print("stalled job completed")
+        except SnapshotError as e:
+            print("job failed:", e)
+        assert eng.hung
+        assert eng.shutdown(0.1) in (True, False)
+        assert not arena.slot_info(0)["valid"]
+        time.sleep(3.5)  # let the delayed DMA land before the arena is unmapped at exit
+        print("OK")
+    """
+    out = run_py(code)
+    assert out.strip().endswith("OK"), out
+    assert "job failed" in out and "hung or lost" in out, out

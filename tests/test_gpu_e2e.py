@@ -42,7 +42,11 @@ pytestmark = pytest.mark.gpu
 
 SHM = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
 VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 16384, 256, 2, 4, 64, 8  # ~60 MB of state
-SLEEP_CYCLES = 20_000_000  # ~10 ms at ~2 GHz: the copy starts late, a racing write would land
+# A host function sleeping this long runs on the COPY stream before each snapshot's copies
+# (CudaCopyEngine.set_test_copy_delay_us): the compute stream runs the next step's forward
+# and optimizer step at once, so a missing phase-0 or phase-1 fence corrupts the slot every
+# time. (A sleep on the compute stream would delay the racing writes as well: vacuous.)
+COPY_DELAY_US = 20_000
 
 
 # ------------------------------------------------------------------ the model
@@ -166,9 +170,9 @@ def check_snapshots_equal_clone(snap: Any, model: nn.Module, opt: Any, steps: in
     """Trains ``steps`` steps with a boundary each; checks every slot against the clone.
 
     Per step: train (fenced writes of the previous copy's state), clone().cpu() the state,
-    queue a GPU sleep, boundary(): the copy waits behind the sleep while the host goes on
-    to the next step's forward (BatchNorm buffers: phase-0 fence) and optimizer step
-    (phase-1 fence); only then does the host wait and read the slot.
+    boundary(): the copy stream sleeps (COPY_DELAY_US) before copying while the compute
+    stream goes on to the next step's forward (BatchNorm buffers: phase-0 fence) and
+    optimizer step (phase-1 fence); only then does the host wait and read the slot.
     """
     expected: dict[int, dict[str, torch.Tensor]] = {}
     checked = 0
@@ -185,8 +189,11 @@ def check_snapshots_equal_clone(snap: Any, model: nn.Module, opt: Any, steps: in
         if i == start + steps:
             break
         expected[i] = live_state(snap)  # synchronous reference, same boundary
-        torch.cuda._sleep(SLEEP_CYCLES)
+        if snap._cuda is not None:  # the engine exists from the first boundary on
+            snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
         snap.boundary(i)
+    if snap._cuda is not None:
+        snap._cuda.engine.set_test_copy_delay_us(0)
     return checked
 
 
@@ -482,3 +489,33 @@ def test_flushed_cuda_snapshot_restores_into_a_cpu_copy(cuda_snap, snap_env):
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def test_arena_regrowth_unregisters_the_old_arena_and_keeps_its_snapshot(snap_env):
+    """Issue 11 item 1 on CUDA: a boundary before the first optimizer step (AdamW state
+    empty), then growth: the old arena is unregistered and unmapped before the new one
+    is created, and step 0 stays restorable (flushed) while step 1 copies."""
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        snap.boundary(0)
+        assert snap.wait(timeout=120)
+        train_step(model, opt, 1)
+        snap._cuda.engine.set_test_copy_delay_us(200_000)
+        snap.boundary(1)
+        assert snap._cuda.stats()["registered_arenas"] == 1
+        assert any(s.step == 0 for s in cudasnap_store().list_snapshots(snap_env.dir))
+        assert snap.stats()["arena_regrowths"] == 1
+        snap._cuda.engine.set_test_copy_delay_us(0)
+        assert snap.wait(timeout=120)
+        assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 1
+        st = snap.stats()["staging"]
+        assert st["page_locked"] or st["fallback_reason"], st
+    finally:
+        snap.close()
+
+
+def cudasnap_store() -> Any:
+    from cudasnap import store
+
+    return store

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "../error.h"
 
@@ -29,6 +32,16 @@ class DeviceGuard {
 };
 
 constexpr uint64_t kParallelCrcBytes = 32ull << 20;  // below this one thread is faster
+
+uint64_t deadline_after(double seconds) {
+  return monotonic_ns() + static_cast<uint64_t>(std::max(0.0, seconds) * 1e9);
+}
+
+// TEST-ONLY delay on the copy stream (set_test_copy_delay_us). A host function
+// makes no CUDA call, as cudaLaunchHostFunc requires.
+void CUDART_CB sleep_host_fn(void* us) {
+  std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<uintptr_t>(us)));
+}
 
 }  // namespace
 
@@ -65,7 +78,7 @@ CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
 
 CudaCopyEngine::~CudaCopyEngine() {
   try {
-    shutdown();
+    shutdown(wait_timeout_s());
   } catch (...) {
   }
 }
@@ -75,12 +88,16 @@ void CudaCopyEngine::release_cuda() noexcept {
   int prev = -1;
   (void)cudaGetDevice(&prev);
   (void)cudaSetDevice(device_);
+  const bool hung = hung_.load();
   for (int r = 0; r < kRing; ++r) {
+    // Event and stream destruction return at once even with work pending.
     for (int k = 0; k < 3; ++k) {
       if (ev_[r][k]) (void)cudaEventDestroy(ev_[r][k]);
       ev_[r][k] = nullptr;
     }
-    if (desc_[r]) (void)cudaFreeHost(desc_[r]);
+    // cudaFreeHost may synchronize with the device: on a hung GPU leak the
+    // (small) descriptor buffers rather than hang the process's exit.
+    if (desc_[r] && !hung) (void)cudaFreeHost(desc_[r]);
     desc_[r] = nullptr;
     desc_cap_[r] = 0;
   }
@@ -90,18 +107,49 @@ void CudaCopyEngine::release_cuda() noexcept {
   (void)cudaGetLastError();
 }
 
-void CudaCopyEngine::shutdown() {
+bool CudaCopyEngine::shutdown(double timeout_s) {
+  bool clean = true;
   {
     std::unique_lock<std::mutex> lk(mu_);
-    if (shut_) return;
-    idle_cv_.wait(lk, [&] { return !in_flight_; });  // let the running snapshot finish
+    if (shut_) return true;
+    // Let the running snapshot finish, for a bounded time; then the completion
+    // thread (polling its events) abandons it: the job fails, the slot stays
+    // invalid.
+    clean = idle_cv_.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)),
+                              [&] { return !in_flight_; });
+    if (!clean) {
+      abandon_.store(true);
+      hung_.store(true);
+    }
     shut_ = true;
     stop_ = true;
   }
   cv_.notify_all();
   idle_cv_.notify_all();  // a submit() waiting for its turn fails cleanly
-  if (completion_.joinable()) completion_.join();
+  if (completion_.joinable()) completion_.join();  // bounded: it polls abandon_
   release_cuda();
+  return clean;
+}
+
+void CudaCopyEngine::wait_event(cudaEvent_t ev, uint64_t deadline_ns, const char* what) {
+  uint64_t sleep_us = 20;
+  for (;;) {
+    cudaError_t st = cudaEventQuery(ev);
+    if (st == cudaSuccess) return;
+    if (st != cudaErrorNotReady) CUDASNAP_CUDA_CHECK(st);
+    (void)cudaGetLastError();  // cudaErrorNotReady is recorded as the last error too
+    CUDASNAP_CHECK_KIND(ErrorKind::Cuda, !abandon_.load(),
+                        "copy abandoned while waiting for " << what
+                                                            << ": the engine was shut down");
+    if (monotonic_ns() > deadline_ns) {
+      hung_.store(true);
+      CUDASNAP_CHECK_KIND(ErrorKind::Cuda, false,
+                          what << " did not complete within " << wait_timeout_s()
+                               << " s: the GPU is hung or lost");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min<uint64_t>(sleep_us * 2, 1000);
+  }
 }
 
 bool CudaCopyEngine::busy() const {
@@ -155,8 +203,12 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
   {
     std::unique_lock<std::mutex> lk(mu_);
     CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
-    idle_cv_.wait(lk, [&] { return !in_flight_ || shut_; });  // one snapshot at a time
+    double wait_s = wait_timeout_s();  // one snapshot at a time, waited for a bounded time
+    bool idle = idle_cv_.wait_for(lk, std::chrono::duration<double>(wait_s),
+                                  [&] { return !in_flight_ || shut_; });
     CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, idle,
+                        "the previous snapshot is still copying after " << wait_s << " s");
     in_flight_ = true;
     ring = ring_next_;
     ring_next_ = (ring_next_ + 1) % kRing;
@@ -241,6 +293,9 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     issued = true;
     CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][0], compute));
     CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));
+    if (uint64_t us = test_delay_us_.load())
+      CUDASNAP_CUDA_CHECK(cudaLaunchHostFunc(copy_stream_, sleep_host_fn,
+                                             reinterpret_cast<void*>(uintptr_t(us))));
     issue(*plan, 0, data, data_dev, ring, desc_used);
     CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][1], copy_stream_));
     issue(*plan, 1, data, data_dev, ring, desc_used);
@@ -253,8 +308,17 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     return job;
   } catch (...) {
     if (issued) {
-      // Never leave a DMA running into a slot we give up on.
-      (void)cudaStreamSynchronize(copy_stream_);
+      // Never leave a DMA running into a slot we give up on (bounded wait).
+      cudaEvent_t drain = nullptr;
+      if (cudaEventCreateWithFlags(&drain, cudaEventDisableTiming) == cudaSuccess) {
+        if (cudaEventRecord(drain, copy_stream_) == cudaSuccess) {
+          try {
+            wait_event(drain, deadline_after(wait_timeout_s()), "the aborted copy");
+          } catch (...) {
+          }
+        }
+        (void)cudaEventDestroy(drain);
+      }
       (void)cudaGetLastError();
     }
     if (began) {
@@ -270,9 +334,9 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
 
 // ---------------------------------------------------------------- fence
 
-void CudaCopyEngine::fence(CopyJob& job, int phase, uint64_t stream) {
+bool CudaCopyEngine::fence(CopyJob& job, int phase, uint64_t stream) {
   CUDASNAP_CHECK(phase == 0 || phase == 1, "phase must be 0 or 1, got " << phase);
-  if (job.done(phase)) return;  // also true when the job failed
+  if (job.done(phase)) return true;  // also true when the job failed
   auto ev = static_cast<cudaEvent_t>(job.cuda_events[phase == 0 ? 1 : 2]);
   CUDASNAP_CHECK(ev != nullptr, "fence: the job was not submitted by a CUDA copy engine");
   DeviceGuard g(device_);  // stream 0 means this device's legacy default stream
@@ -282,10 +346,15 @@ void CudaCopyEngine::fence(CopyJob& job, int phase, uint64_t stream) {
   if (cap != cudaStreamCaptureStatusNone) {
     // A wait on an event recorded outside the capture would invalidate it; no
     // kernel runs while capturing, so a host wait here orders nothing away.
-    job.wait(phase);
-    return;
+    double wait_s = wait_timeout_s();
+    if (job.wait(phase, wait_s)) return true;
+    if (job.cancel("snapshot copy abandoned: a fence inside graph capture waited " +
+                   std::to_string(wait_s) + " s"))
+      return false;
+    return job.wait(phase, wait_s);
   }
   CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));
+  return true;
 }
 
 // ----------------------------------------------------- completion thread
@@ -301,6 +370,7 @@ void CudaCopyEngine::completion_loop() {
       w = std::move(pending_);
     }
     finish(*w);
+    w.reset();  // the arena reference goes before busy() turns false (regrowth unmaps it)
     {
       std::lock_guard<std::mutex> g(mu_);
       in_flight_ = false;
@@ -349,7 +419,8 @@ void CudaCopyEngine::finish(Work& w) {
         if (a < b) std::memset(data + a, 0, b - a);
       }
     };
-    CUDASNAP_CUDA_CHECK(cudaEventSynchronize(ev_[w.ring][1]));
+    const uint64_t deadline = deadline_after(wait_timeout_s());
+    wait_event(ev_[w.ring][1], deadline, "the phase-0 copy (buffers)");
     job.mark(0);
     const uint64_t nchunks = plan.num_chunks();
     // Chunks wholly inside the phase-0 region (no phase-1 DMA writes there) are
@@ -358,13 +429,21 @@ void CudaCopyEngine::finish(Work& w) {
     const uint64_t split = p0_full * plan.chunk_bytes;
     zero_pads(0, split);
     crc_chunks(plan, data, table, 0, p0_full);
-    CUDASNAP_CUDA_CHECK(cudaEventSynchronize(ev_[w.ring][2]));
+    wait_event(ev_[w.ring][2], deadline, "the snapshot copy");
     zero_pads(split, plan.total_bytes);
     crc_chunks(plan, data, table, p0_full, nchunks);
+    // A job a fence gave up on (cancelled) is never published: the trainer
+    // went on writing while it copied.
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, job.begin_commit(), "cancelled: " << job.error());
     w.arena->commit(w.slot, job.step(), plan.total_bytes);
     job.mark(1);
   } catch (const std::exception& e) {
-    (void)cudaEventSynchronize(ev_[w.ring][2]);  // no DMA may still run into the slot
+    if (!hung_.load() && !abandon_.load()) {
+      try {  // no DMA may still run into the slot (bounded: a hung GPU gives up)
+        wait_event(ev_[w.ring][2], deadline_after(wait_timeout_s()), "the failed copy");
+      } catch (...) {
+      }
+    }
     (void)cudaGetLastError();
     try {
       w.arena->invalidate(w.slot);

@@ -15,8 +15,13 @@
 // CUDA graph the fence is a host wait instead (an event wait from outside the
 // capture would invalidate it); submit() refuses a capturing compute stream.
 //
-// One snapshot is in flight at a time: submit() waits (host) for the previous
-// one to finish. Events come from a ring of two triples, never destroyed
+// Every host wait is bounded by wait_timeout_s(): the completion thread polls
+// its events (cudaEventQuery) against a deadline instead of blocking in
+// cudaEventSynchronize, so a hung or lost GPU fails the job and never hangs
+// close(), __exit__ or an atexit handler.
+//
+// One snapshot is in flight at a time: submit() waits (host, bounded) for the
+// previous one to finish. Events come from a ring of two triples, never destroyed
 // before shutdown(), so a fence racing the next submit waits on a valid
 // (newer, hence stricter) event.
 #pragma once
@@ -46,14 +51,21 @@ class CudaCopyEngine : public CopyEngine {
   std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
                                   const std::shared_ptr<const CopyPlan>& plan, int64_t step,
                                   const std::string& meta, uint64_t stream) override;
-  void fence(CopyJob& job, int phase, uint64_t stream) override;
-  void shutdown() override;
+  bool fence(CopyJob& job, int phase, uint64_t stream) override;
+  bool shutdown(double timeout_s) override;
 
   int device() const { return device_; }
   int crc_threads() const { return crc_threads_; }
   bool gather_small() const { return gather_small_; }
   uint64_t gather_max_bytes() const { return gather_max_; }
   bool busy() const;
+  // A copy did not complete within wait_timeout_s() (GPU hung or lost): the
+  // job was failed, and shutdown() skips calls that could block on the device.
+  bool hung() const { return hung_.load(); }
+  // TEST-ONLY: a host function sleeping this long runs on the copy stream
+  // before each snapshot's copies (tests/test_gpu_e2e.py): the copy then
+  // certainly overlaps the next step, so a missing fence is always caught.
+  void set_test_copy_delay_us(uint64_t us) { test_delay_us_.store(us); }
   uint64_t copy_stream() const { return reinterpret_cast<uint64_t>(copy_stream_); }
   // Counters of the last submitted snapshot: cudaMemcpyAsync calls, gathered ranges.
   uint64_t last_memcpy_calls() const { return last_memcpy_.load(); }
@@ -76,6 +88,9 @@ class CudaCopyEngine : public CopyEngine {
   void issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev, int ring,
              uint64_t& desc_used);
   void release_cuda() noexcept;
+  // Polls `ev` until it completes; throws on a CUDA error, on `deadline_ns`
+  // (monotonic) passing (sets hung_) or when shutdown() abandons the copy.
+  void wait_event(cudaEvent_t ev, uint64_t deadline_ns, const char* what);
 
   int device_;
   int crc_threads_;
@@ -88,6 +103,9 @@ class CudaCopyEngine : public CopyEngine {
   int ring_next_ = 0;
   std::atomic<uint64_t> last_memcpy_{0};
   std::atomic<uint64_t> last_gathered_{0};
+  std::atomic<bool> hung_{false};
+  std::atomic<bool> abandon_{false};
+  std::atomic<uint64_t> test_delay_us_{0};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // work for the completion thread / stop
