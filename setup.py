@@ -9,6 +9,7 @@ Environment:
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -69,6 +70,16 @@ class CMakeBuild(build_ext):
             ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
             args.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
         cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or "cmake"
+        # One build at a time per build directory (make build, pip wheel, a second make test).
+        lock = open(build_dir / ".build.lock", "w")  # noqa: SIM115 - held until the build ends
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            self._cmake(cmake, build_dir, args)
+        finally:
+            lock.close()
+
+    @staticmethod
+    def _cmake(cmake: str, build_dir: Path, args: list[str]) -> None:
         cache = build_dir / "CMakeCache.txt"
         if not cache.exists() or os.environ.get("CUDASNAP_RECONFIGURE") == "1":
             subprocess.check_call([cmake, "-S", str(ROOT), "-B", str(build_dir), *args])
