@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     python_inc = sysconfig.get_paths()["include"]
     cuda = cuda_home()
     if cuda is None:
+        if os.environ.get("CUDASNAP_REQUIRE_CUDA") == "1":
+            log("FAILED: CUDASNAP_REQUIRE_CUDA=1 but no CUDA toolkit found (set CUDA_HOME)")
+            return 1
         log("no CUDA toolkit found: checking the CPU-only configuration (csrc/cuda skipped)")
     targets: list[tuple[str, Path | None]] = []
     if not args.no_installed:
