@@ -239,11 +239,12 @@ main() {
   if (( build_ok )); then
     phase preflight
     rc=0
-    local dev=cuda
-    [[ "${CUDASNAP_GPU_CHECK_FAKE:-}" == 1 ]] && dev=cpu
-    log "preflight on $dev (timeout 45 s)"
+    local dev=cuda pt=45
+    # faked (CPU test of this script, maybe on a loaded machine): more time
+    [[ "${CUDASNAP_GPU_CHECK_FAKE:-}" == 1 ]] && dev=cpu pt=120
+    log "preflight on $dev (timeout $pt s)"
     set +e
-    CUDASNAP_PREFLIGHT_DEVICE=$dev timeout -k 5 45 "$PY" - <<'PYEOF' 2>&1 | sed 's/^/   /'
+    CUDASNAP_PREFLIGHT_DEVICE=$dev timeout -k 5 "$pt" "$PY" - <<'PYEOF' 2>&1 | sed 's/^/   /'
 
 import os, shutil, tempfile, time
 t0 = time.monotonic()

@@ -111,7 +111,8 @@ def test_every_phase_of_the_script_with_faked_detection(tmp_path):
     out = tmp_path / "out"
     p = run(["bash", str(SCRIPT), "--no-build", "--budget", "400"], timeout=420,
             OUT=str(out), CUDASNAP_GPU_CHECK_FAKE="1")
-    assert p.returncode == 0, (p.stdout[-4000:], p.stderr[-2000:])
+    summary = p.stdout[p.stdout.find("gpu_check summary"):][:1500]  # the phase table
+    assert p.returncode == 0, (summary, p.stdout[-4000:], p.stderr[-2000:])
     for name in ("gpu_check.log", "pytest.log", "gpu_tests.xml", "gpu_results.json",
                  "gpu_results.txt", "gpu_check_table.md"):
         assert (out / name).is_file(), name
