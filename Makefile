@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build demo test lint clean
+.PHONY: all venv build demo test lint compile-check clean
 
 all: build
 
@@ -27,11 +27,18 @@ build: $(STAMP)
 demo: build
 	$(BIN)/python -m cudasnap demo
 
+# ruff, mypy, and actionlint on the GPU runner's workflow (.github/workflows).
 lint: $(STAMP)
-	$(BIN)/ruff check cudasnap tests bench
+	$(BIN)/ruff check cudasnap tests bench tools
 	$(BIN)/mypy cudasnap
+	$(BIN)/actionlint .github/workflows/*.yml
 
-test: build lint
+# Every C++/CUDA source against the headers of other torch releases (2.6, 2.11,
+# 2.15; fetched once into build/torch-headers) as well as the installed one.
+compile-check: $(STAMP)
+	$(BIN)/python tools/compile_check.py
+
+test: build lint compile-check
 	$(BIN)/python -m pytest -q tests
 
 clean:

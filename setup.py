@@ -9,6 +9,7 @@ Environment:
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -18,34 +19,23 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
+from cuda_home import cuda_home as _cuda_home  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent
 VERSION = "0.1.0"
 
 
-def _cuda_home() -> str | None:
-    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
-                 "/usr/local/cuda", "/usr/local/cuda-13.0"):
-        if cand and (Path(cand) / "include" / "cuda_runtime.h").exists():
-            return str(Path(cand).resolve())
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        # /usr/local/bin/nvcc may be a wrapper script: read the path it execs.
-        text = Path(nvcc).read_text(errors="ignore") if Path(nvcc).stat().st_size < 4096 else ""
-        for tok in text.split():
-            if tok.endswith("/bin/nvcc"):
-                root = Path(tok).parent.parent
-                if (root / "include" / "cuda_runtime.h").exists():
-                    return str(root)
-        root = Path(nvcc).resolve().parent.parent
-        if (root / "include" / "cuda_runtime.h").exists():
-            return str(root)
-    return None
-
-
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:  # noqa: D102
-        import pybind11
-        import torch
+        try:
+            import pybind11
+            import torch
+        except ImportError as e:
+            raise RuntimeError(
+                f"cudasnap builds against the torch already installed in this environment ({e}); "
+                "install torch (2.6 to 2.15) and pybind11 first, then build without isolation: "
+                "`pip install --no-build-isolation .`") from e
 
         out = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(os.environ.get("CUDASNAP_BUILD_DIR", ROOT / "build" / "cmake"))
@@ -64,6 +54,7 @@ class CMakeBuild(build_ext):
             f"-DTORCH_INCLUDE_DIR={torch_dir / 'include'}",
             f"-DTORCH_LIB_DIR={torch_dir / 'lib'}",
             f"-DTORCH_CUDA_VERSION={cuda_version}",
+            f"-DTORCH_VERSION_STRING={torch.__version__}",
             f"-DCUDASNAP_VERSION={VERSION}",
             f"-DCUDASNAP_CUDA_ARCHS={os.environ.get('CUDASNAP_CUDA_ARCHS', '90')}",
             f"-DCUDASNAP_EXTRA_RPATH={';'.join(rpath)}",
@@ -79,6 +70,16 @@ class CMakeBuild(build_ext):
             ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
             args.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
         cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or "cmake"
+        # One build at a time per build directory (make build, pip wheel, a second make test).
+        lock = open(build_dir / ".build.lock", "w")  # noqa: SIM115 - held until the build ends
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            self._cmake(cmake, build_dir, args)
+        finally:
+            lock.close()
+
+    @staticmethod
+    def _cmake(cmake: str, build_dir: Path, args: list[str]) -> None:
         cache = build_dir / "CMakeCache.txt"
         if not cache.exists() or os.environ.get("CUDASNAP_RECONFIGURE") == "1":
             subprocess.check_call([cmake, "-S", str(ROOT), "-B", str(build_dir), *args])
@@ -97,5 +98,18 @@ setup(
     ext_modules=[Extension("cudasnap._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
+    # What cudasnap imports at run time. torch is whatever the environment has:
+    # the extension is built against it (pip install --no-build-isolation).
+    install_requires=[
+        "torch>=2.6,<2.16",
+        "numpy>=1.24",
+        "nvidia-ml-py>=12.535",
+        "tqdm>=4.64",
+    ],
+    extras_require={
+        "lightning": ["lightning>=2.1"],
+        "hf": ["transformers>=4.40", "accelerate>=0.30", "safetensors>=0.4"],
+        "bench": ["matplotlib>=3.7"],
+    },
     entry_points={"console_scripts": ["cudasnap=cudasnap.cli:main"]},
 )

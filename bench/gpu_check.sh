@@ -11,13 +11,17 @@
 #   detect   nvidia-smi / /dev/nvidia*, then torch.cuda in $PY; no GPU: prints
 #            "skipped: no CUDA device (...)" and exits 0 before anything expensive
 #   env      python, torch, nvcc, cmake, driver, PCIe link, clocks, /dev/shm, disk
-#   build    CUDASNAP_REQUIRE_CUDA=1 $PY setup.py build_ext --inplace (build/gpu-cmake)
+#   build    CUDASNAP_REQUIRE_CUDA=1 $PY setup.py build_ext --inplace (build/gpu-cmake),
+#            against whatever python3 + torch the machine has (2.6 to 2.15)
+#   preflight at most ~30 s: /dev/shm free space, a small Snapshotter on the GPU (arena in
+#            /dev/shm, cudaHostRegister), one submit + fence + flush, every fallback reason
 #   tests    $PY -m pytest -m gpu on the test files that hold GPU tests
 #   bench    $PY bench/gpu_bench.py --budget <what is left, at most 420 s>
-#   summary  phase table, pytest's summary line, the bench table
+#   summary  phase table, pytest's summary line, the bench table; also written, dated, to
+#            $LOGDIR/gpu_check_table.md (for bench/RESULTS.md; the CI artifact)
 #
-# --budget S  wall seconds for the whole script (default 540; run it with a tool timeout
-#             of at least S + 30). --quick: bench smoke sizes. --dry-run: print the plan
+# --budget S  wall seconds for the whole script (default 540, 300 with --quick; run it with
+#             a tool timeout of at least S + 30). --quick: bench smoke sizes, fits 5 minutes. --dry-run: print the plan
 #             and the GPU detection result, run nothing. Environment: PYTHON (interpreter
 #             to use), CUDASNAP_CUDA_ARCHS (default 90), CUDA_HOME; CUDASNAP_GPU_CHECK_FAKE=1
 #             checks this script itself without a GPU (detection passes, the bench runs
@@ -29,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$(pwd)
 T0=$(date +%s)
-BUDGET=540
+BUDGET=""
 QUICK=0 DRY=0 DO_BUILD=1 DO_TESTS=1 DO_BENCH=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "gpu_check.sh: unknown argument: $1 (try --help)" >&2; exit 2 ;;
   esac
 done
+if [[ -z "$BUDGET" ]]; then if (( QUICK )); then BUDGET=300; else BUDGET=540; fi; fi
 [[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget must be whole seconds" >&2; exit 2; }
 
 export PYTHONUNBUFFERED=1
@@ -153,6 +158,8 @@ if (( DRY )); then
   echo "  python: $PY"
   echo "  logs:   ${OUT:-<a fresh /tmp/cudasnap-gpu-check.* directory>}"
   (( DO_BUILD )) && echo "  build:  CUDASNAP_REQUIRE_CUDA=1 CUDASNAP_CUDA_ARCHS=$ARCHS CUDASNAP_BUILD_DIR=$BUILD_DIR $PY setup.py build_ext --inplace"
+  (( DO_BUILD )) || echo "  build:  skipped (--no-build)"
+  echo "  preflight: /dev/shm free, Snapshotter on cuda:0 (arena in /dev/shm), submit + fence + flush, fallback reasons (<= 45 s)"
   (( DO_TESTS )) && echo "  tests:  $PY -m pytest -m gpu -q -rfEs $GPU_TEST_FILES"
   (( DO_BENCH )) && echo "  bench:  $PY bench/gpu_bench.py --budget <left, <= 420>$( (( QUICK )) && echo ' --quick')"
   rc=0; detect_gpu >/dev/null || rc=$?
@@ -229,6 +236,58 @@ main() {
     fi
   fi
 
+  if (( build_ok )); then
+    phase preflight
+    rc=0
+    local dev=cuda pt=45
+    # faked (CPU test of this script, maybe on a loaded machine): more time
+    [[ "${CUDASNAP_GPU_CHECK_FAKE:-}" == 1 ]] && dev=cpu pt=120
+    log "preflight on $dev (timeout $pt s)"
+    set +e
+    CUDASNAP_PREFLIGHT_DEVICE=$dev timeout -k 5 "$pt" "$PY" - <<'PYEOF' 2>&1 | sed 's/^/   /'
+
+import os, shutil, tempfile, time
+t0 = time.monotonic()
+du = shutil.disk_usage("/dev/shm")
+print(f"/dev/shm: {du.free / 2**30:.1f} GiB free of {du.total / 2**30:.1f} GiB")
+import torch
+import cudasnap
+dev = os.environ["CUDASNAP_PREFLIGHT_DEVICE"]
+info = cudasnap.build_info()
+print(f"build_info: backends {info['backends']}, built against torch {info['torch_built_against']}, "
+      f"CUDA {info['cuda_version']}, archs {info['cuda_architectures']}")
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)).to(dev)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+d = tempfile.mkdtemp(prefix="cudasnap-preflight-")
+snap = cudasnap.Snapshotter(model, opt, directory=d, backend="cuda" if dev == "cuda" else "auto", keep=1)
+try:
+    model(torch.randn(4, 512, device=dev)).sum().backward()
+    opt.step()
+    snap.boundary(1)                      # one submit (copy of every tensor into the arena)
+    path = snap.flush(wait=True, timeout=20)  # fence: waits for the copy, then writes it out
+    print(f"submit + fence + flush: ok ({path})")
+    st = snap.stats()
+    def reasons(obj, prefix=""):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from reasons(v, f"{prefix}{k}.")
+        elif any(w in prefix.lower() for w in ("reason", "fallback", "error")):
+            yield prefix[:-1], obj
+    found = list(reasons(st))
+    for k, v in found:
+        print(f"fallback/reason {k}: {v}")
+    if not found:
+        print("fallback/reason: (stats() reports none)")
+finally:
+    snap.close()
+    shutil.rmtree(d, ignore_errors=True)
+print(f"preflight done in {time.monotonic() - t0:.1f} s")
+PYEOF
+    rc=${PIPESTATUS[0]}
+    set -e
+    if (( rc == 0 )); then phase_end preflight ok; else phase_end preflight "FAILED rc=$rc"; fi
+  fi
+
   local tests_line="(not run)"
   if (( DO_TESTS )) && (( build_ok )); then
     phase tests
@@ -284,6 +343,23 @@ main() {
   done
   printf '  %-8s %6ss  %s\n' total "$(elapsed)" "(budget ${BUDGET} s)"
   echo "tests: $tests_line"
+  {
+    echo "### gpu_check $(date -u +%Y-%m-%d) ($(date -u +%H:%M) UTC)$( (( QUICK )) && echo ', --quick')"
+    echo
+    echo "GPU: $GPU_LINE"
+    echo
+    echo "| phase | seconds | status |"
+    echo "|---|---:|---|"
+    for i in "${!PH_NAMES[@]}"; do echo "| ${PH_NAMES[$i]} | ${PH_SECS[$i]} | ${PH_STATUS[$i]} |"; done
+    echo "| total | $(elapsed) | budget ${BUDGET} s |"
+    echo
+    echo "tests: $tests_line"
+    echo
+    echo '```'
+    if [[ -f "$LOGDIR/gpu_results.txt" ]]; then cat "$LOGDIR/gpu_results.txt"; else echo "bench: no results"; fi
+    echo '```'
+  } > "$LOGDIR/gpu_check_table.md"
+  echo "dated table: $LOGDIR/gpu_check_table.md"
   if [[ -f "$LOGDIR/gpu_results.txt" ]]; then
     cat "$LOGDIR/gpu_results.txt"
   else

@@ -486,9 +486,17 @@ void init_cuda_backend(py::module_& m) {
 }
 #endif
 
+#ifndef CUDASNAP_TORCH_VERSION
+#define CUDASNAP_TORCH_VERSION "unknown"
+#endif
+// The torch this library was built against, also readable from the file
+// without loading it (cudasnap/_native.py looks for the marker prefix).
+const char kBuiltWithTorch[] = "cudasnap-built-with-torch:" CUDASNAP_TORCH_VERSION;
+
 void init_build_info(py::module_& m) {
   py::dict info;
   info["version"] = CUDASNAP_VERSION;
+  info["torch"] = kBuiltWithTorch + sizeof("cudasnap-built-with-torch:") - 1;
   py::list backends;
   backends.append("cpu");
 #ifdef CUDASNAP_WITH_CUDA

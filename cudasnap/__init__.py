@@ -25,12 +25,14 @@ __version__ = "0.1.0"
 
 
 def build_info() -> dict[str, Any]:
-    """Version, torch version, compiled backends, CUDA version and architectures."""
+    """Version, torch version (the one built against, which is the running one:
+    loading refuses another), compiled backends, CUDA version and architectures."""
     import torch
 
     from ._native import native
 
     info = dict(native().BUILD_INFO)
+    info["torch_built_against"] = info["torch"]
     info["torch"] = torch.__version__
     info["torch_cuda"] = torch.version.cuda
     info["backends"] = list(info["backends"])

@@ -65,6 +65,9 @@ def test_script_dry_run_and_arguments():
     assert "pytest -m gpu" in out and "tests/test_gpu_e2e.py" in out, out
     assert "bench/gpu_bench.py --budget" in out, out
     assert "detect:" in out and SKIP in out, out
+    assert "preflight:" in out and "(budget 540 s" in out, out
+    p = run(["bash", str(SCRIPT), "--dry-run", "--quick"], timeout=60)
+    assert p.returncode == 0 and "(budget 300 s" in p.stdout, p.stdout  # --quick fits 5 minutes
     p = run(["bash", str(SCRIPT), "--help"])
     assert p.returncode == 0 and "--budget" in p.stdout and "--dry-run" in p.stdout, p.stdout
     p = run(["bash", str(SCRIPT), "--no-such-flag"])
@@ -108,9 +111,10 @@ def test_every_phase_of_the_script_with_faked_detection(tmp_path):
     out = tmp_path / "out"
     p = run(["bash", str(SCRIPT), "--no-build", "--budget", "400"], timeout=420,
             OUT=str(out), CUDASNAP_GPU_CHECK_FAKE="1")
-    assert p.returncode == 0, (p.stdout[-4000:], p.stderr[-2000:])
+    summary = p.stdout[p.stdout.find("gpu_check summary"):][:1500]  # the phase table
+    assert p.returncode == 0, (summary, p.stdout[-4000:], p.stderr[-2000:])
     for name in ("gpu_check.log", "pytest.log", "gpu_tests.xml", "gpu_results.json",
-                 "gpu_results.txt"):
+                 "gpu_results.txt", "gpu_check_table.md"):
         assert (out / name).is_file(), name
     res = json.loads((out / "gpu_results.json").read_text())
     assert res["status"] == "complete" and not res["errors"], res
@@ -122,3 +126,8 @@ def test_every_phase_of_the_script_with_faked_detection(tmp_path):
     assert lines[-len(table):] == table, "the bench table is not printed last"
     assert any("cudasnap gpu_check summary" in ln for ln in lines[-40:])
     assert "tests: " in p.stdout and "skipped" in p.stdout
+    # the preflight ran (on the CPU backend here) before the tests, and reported /dev/shm
+    assert "/dev/shm:" in p.stdout and "submit + fence + flush: ok" in p.stdout, p.stdout[-4000:]
+    assert p.stdout.index("phase preflight") < p.stdout.index("phase tests")
+    md = (out / "gpu_check_table.md").read_text()
+    assert md.startswith("### gpu_check 20") and "| preflight |" in md and "| tests |" in md, md

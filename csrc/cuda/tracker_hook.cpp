@@ -3,8 +3,12 @@
 // The tracker callback runs under the allocator's per-device mutex, on any
 // thread, possibly holding the GIL: it only converts the entry and calls
 // AllocatorRegistry::record() (noexcept; takes the registry's queue lock only).
+//
+// Supports torch 2.6 to 2.15 (tools/compile_check.py checks the headers of
+// several releases); the differences are gated on torch's version macros.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/version.h>
 
 #include <mutex>
 
@@ -15,8 +19,13 @@ namespace cudasnap {
 
 namespace {
 
+#define CUDASNAP_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
 namespace CCA = c10::cuda::CUDACachingAllocator;
-using c10::CachingDeviceAllocator::TraceEntry;
+// TraceEntry moved from c10::cuda::CUDACachingAllocator to
+// c10::CachingDeviceAllocator in torch 2.11; CCA declares or re-exports it in every release.
+using TraceEntry = CCA::TraceEntry;
 
 TraceAction convert(TraceEntry::Action a) noexcept {
   switch (a) {
@@ -29,7 +38,9 @@ TraceAction convert(TraceEntry::Action a) noexcept {
     case TraceEntry::SEGMENT_UNMAP: return TraceAction::SEGMENT_UNMAP;
     case TraceEntry::SNAPSHOT: return TraceAction::SNAPSHOT;
     case TraceEntry::OOM: return TraceAction::OOM;
-    case TraceEntry::ANNOTATE: return TraceAction::ANNOTATE;
+#if CUDASNAP_TORCH_AT_LEAST(2, 14)
+    case TraceEntry::ANNOTATE: return TraceAction::ANNOTATE;  // added in torch 2.14
+#endif
     default: return TraceAction::UNKNOWN;  // an action a newer torch added
   }
 }
@@ -71,14 +82,22 @@ std::shared_ptr<AllocatorRegistry> attach_allocator_tracker(uint64_t auto_drain)
     ev.addr = static_cast<uint64_t>(te.addr_);
     ev.size = static_cast<uint64_t>(te.size_);
     ev.stream = reinterpret_cast<uint64_t>(te.stream_);
+#if CUDASNAP_TORCH_AT_LEAST(2, 8)
     ev.pool = PoolId{static_cast<uint64_t>(te.mempool_.first),
                      static_cast<uint64_t>(te.mempool_.second)};
+#else  // TraceEntry::mempool_ was added in torch 2.8: events carry no pool id
+    ev.pool = PoolId{0, 0};
+#endif
     reg->record(ev);
   });
 
   // snapshot() takes the allocator's locks: none of ours is held here (the
   // registry's locks are only taken inside record()/seed()).
+#if CUDASNAP_TORCH_AT_LEAST(2, 11)
   CCA::SnapshotInfo snap = alloc->snapshot({0, 0}, /*include_traces=*/false);
+#else  // include_traces arrived in torch 2.11 (2.8-2.10: snapshot(mempool_id), 2.6-2.7: snapshot())
+  CCA::SnapshotInfo snap = alloc->snapshot();
+#endif
   std::vector<std::vector<SeedSegment>> per_dev(static_cast<size_t>(ndev));
   for (const auto& si : snap.segments) {
     int d = static_cast<int>(si.device);
