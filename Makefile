@@ -27,11 +27,11 @@ build: $(STAMP)
 demo: build
 	$(BIN)/python -m cudasnap demo
 
-# ruff, mypy, and actionlint on the GPU runner's workflow (.github/workflows).
+# ruff, mypy, and the GPU runner's workflow against GitHub's workflow schema.
 lint: $(STAMP)
 	$(BIN)/ruff check cudasnap tests bench tools
 	$(BIN)/mypy cudasnap
-	$(BIN)/actionlint .github/workflows/*.yml
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
 # Every C++/CUDA source against the headers of other torch releases (2.6, 2.11,
 # 2.15; fetched once into build/torch-headers) as well as the installed one.

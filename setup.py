@@ -110,6 +110,7 @@ setup(
         "lightning": ["lightning>=2.1"],
         "hf": ["transformers>=4.40", "accelerate>=0.30", "safetensors>=0.4"],
         "bench": ["matplotlib>=3.7"],
+        "metrics": ["prometheus-client>=0.17"],
     },
     entry_points={"console_scripts": ["cudasnap=cudasnap.cli:main"]},
 )
