@@ -188,3 +188,38 @@ def test_directory_lock_files_are_private(snap_env):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the run ended
     finally:
         os.close(fd)
+
+
+def test_a_deleted_directory_is_a_fresh_start_not_a_resume(snap_env, monkeypatch, caplog):
+    """Item 5: after ``rm -rf DIR`` the orphan arena of the old DIR is not adopted (logged,
+    left for gc); the new run starts at step 0."""
+    import shutil
+
+    import torch
+
+    from cudasnap.snapshotter import Snapshotter
+
+    monkeypatch.delenv("CUDASNAP_JOB", raising=False)  # the job derived from the directory
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snap = Snapshotter(model, opt, directory=snap_env.dir, health=False, copy_threads=1)
+    old_arena = snap.arena_path
+    try:
+        snap.boundary(30)
+        snap.wait()
+    finally:
+        snap.close(keep_arena=True)
+    try:
+        assert old_arena.exists()
+        shutil.rmtree(snap_env.dir)
+        snap = Snapshotter(model, opt, directory=snap_env.dir, health=False, copy_threads=1)
+        try:
+            assert snap.arena_path != old_arena
+            assert snap.restore_latest() == 0
+        finally:
+            snap.close()
+        assert old_arena.exists()  # left for `cudasnap gc`
+        assert any("not adopting staging arena" in r.getMessage() and str(old_arena) in
+                   r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        old_arena.unlink(missing_ok=True)
