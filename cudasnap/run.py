@@ -140,11 +140,48 @@ class SupervisorLock:
             self._fd = None
 
 
-def _check_not_in_use(directory: Path) -> None:
-    """Raises ConfigError when another process (not a child of ours) holds the directory."""
+def _check_not_in_use(directory: Path, dead_child: int | None = None) -> None:
+    """Raises ConfigError when another job holds the directory.
+
+    A holder that names ``dead_child`` is ours: a process it forked (a data-loader
+    worker) still has the lock's file open for a moment after the child died.
+    """
     lock = store.DirectoryLock(directory)
-    lock.acquire()  # no child of ours is alive here: a holder is another job
+    try:
+        lock.acquire()
+    except ConfigError:
+        try:
+            owner = (Path(directory) / ".lock").read_text().split()
+        except OSError:
+            owner = []
+        if dead_child is not None and f"pid={dead_child}" in owner:
+            _wait_released(lock.path, _WORKER_GRACE_S)
+            return
+        raise
     lock.release()
+
+
+_WORKER_GRACE_S = 30.0
+
+
+def _wait_released(path: Path, timeout: float) -> None:
+    """Waits (blocking flock in a helper thread, no polling) for a dead child's workers
+    to close the directory lock, so that the restarted child can take it."""
+    released = threading.Event()
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def take_and_drop() -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+            released.set()
+
+    threading.Thread(target=take_and_drop, name="cudasnap-lock-wait", daemon=True).start()
+    if not released.wait(timeout):
+        log.warning("%s is still held by a process the dead training process started, after "
+                    "%.0f s; restarting anyway", path, timeout)
 
 
 def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
@@ -295,7 +332,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             if flusher is not None:
                 flusher.join()  # the previous attempt's flush (one at a time)
             try:
-                _check_not_in_use(directory)
+                _check_not_in_use(directory, child.pid)
             except ConfigError as e:
                 log.error("%s: not flushing, not restarting", e)
                 return 2

@@ -224,3 +224,25 @@ def test_a_deleted_directory_is_a_fresh_start_not_a_resume(snap_env, monkeypatch
                    r.getMessage() for r in caplog.records), caplog.text
     finally:
         old_arena.unlink(missing_ok=True)
+
+
+_FORKS_THEN_DIES = r"""
+import os, signal, sys, time
+from cudasnap import store
+lock = store.DirectoryLock(sys.argv[1])
+lock.acquire()
+if os.environ["CUDASNAP_RESTART"] == "0":
+    if os.fork() == 0:  # a data-loader-like worker: shares the lock's open file
+        time.sleep(3)
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_lock_still_held_by_the_dead_childs_own_worker_does_not_stop_the_run(snap_env):
+    report: list[dict] = []
+    rc = supervise([sys.executable, "-c", _FORKS_THEN_DIES, str(snap_env.dir)], snap_env.dir,
+                   max_restarts=1, report=report,
+                   extra_env={"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                                    "")})
+    assert rc == 0 and [e["rc"] for e in report] == [-9, 0], report
