@@ -254,7 +254,8 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
             aside = start_over(directory)
             log.warning("--fresh: starting over in %s%s", directory,
                         f" (old snapshots moved to {aside})" if aside else "")
-        job = os.environ.get("CUDASNAP_JOB") or job_for(directory)
+        # (logs the arenas of an earlier directory at this path, which are not adopted)
+        job = os.environ.get("CUDASNAP_JOB") or dirid.snapshotter_job(directory, shm)
         if not fresh:
             where = _resume_point(directory, job, shm)
             if where is not None:
