@@ -7,7 +7,10 @@ Columns: faults tried, recovered (the expected step restored bitwise, with a
 message naming the damaged file where one is due), lost snapshots (an
 undamaged snapshot that did not load: must be 0), torn loads (a restored state
 that is not bitwise one step's: must be 0), named (messages that name the
-file/arena, of those required), errors (a case that crashed). Exit status 1
+file/arena, of those required), errors (a case that crashed). The supervisor family
+(`cudasnap run`: kill + restart, disk full in the orphan flush, two runs on one
+directory, a deleted directory, a clean exit) counts steps resumed or, where a case
+says so, attempts. Exit status 1
 when anything was lost, torn or crashed. Needs root for the tmpfs families
 (disk full falls back to RLIMIT_FSIZE without it).
 """
@@ -27,8 +30,9 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from helpers import faultlib as F  # noqa: E402
+from helpers.supervisor_faults import supervisor_cases  # noqa: E402
 
-FAMILIES = ("disk", "shm", "kill", "diskfull", "shmfull", "lock", "dist")
+FAMILIES = ("disk", "shm", "kill", "diskfull", "shmfull", "lock", "dist", "supervisor")
 
 
 def main() -> int:
@@ -51,6 +55,9 @@ def main() -> int:
         try:
             cases = F.run_matrix(ctx, seed=a.seed, n_trunc=a.trunc, n_flip=a.flip, n_shm=a.shm,
                                  families=fams, progress=lambda s: print(f"  {s}", flush=True))
+            if "supervisor" in fams:  # `cudasnap run` itself: kills, full disk, shared dirs
+                cases += supervisor_cases(ctx)
+                print("  supervisor done", flush=True)
         finally:
             ctx.cleanup()
         secs = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <iomanip>
 #include <limits>
 #include <sstream>
@@ -135,10 +136,20 @@ uint64_t AllocatorRegistry::drain_locked() {
   {
     std::lock_guard<std::mutex> g(queue_mu_);
     std::swap(queue_, spare_);  // the queue keeps the spare's capacity
+    in_flight_ = spare_.size();
   }
-  for (const TraceEvent& ev : spare_) apply(ev);
   uint64_t n = spare_.size();
-  applied_.fetch_add(n, std::memory_order_relaxed);
+  struct Done {  // even when apply() throws: waiters must not see a batch stuck in flight
+    AllocatorRegistry* r;
+    uint64_t n;
+    ~Done() {
+      std::lock_guard<std::mutex> g(r->queue_mu_);  // stats() reads both under it
+      r->applied_.fetch_add(n, std::memory_order_relaxed);
+      r->in_flight_ = 0;
+      r->drained_cv_.notify_all();
+    }
+  } done{this, n};
+  for (const TraceEvent& ev : spare_) apply(ev);
   if (spare_.capacity() > (1u << 20) && n < (1u << 16)) {
     std::vector<TraceEvent>().swap(spare_);  // do not pin a burst's memory forever
   } else {
@@ -567,13 +578,14 @@ Coalesced AllocatorRegistry::coalesce(int device, const std::vector<Span>& spans
 
 RegistryStats AllocatorRegistry::stats() const {
   RegistryStats s;
+  // One consistent view: record() and the end of a drain update these under queue_mu_.
+  std::lock_guard<std::mutex> g(queue_mu_);
   s.recorded = recorded_.load();
   s.applied = applied_.load();
   s.ignored = ignored_.load();
   s.dropped = dropped_.load();
   s.seeded_blocks = seeded_blocks_.load();
-  std::lock_guard<std::mutex> g(queue_mu_);
-  s.queued = queue_.size();
+  s.queued = queue_.size() + in_flight_;  // a batch being applied is still queued
   return s;
 }
 
@@ -599,6 +611,20 @@ void AllocatorRegistry::stop_auto_drain() {
   std::lock_guard<std::mutex> g(queue_mu_);
   auto_threshold_ = 0;
   auto_stop_ = false;
+  drained_cv_.notify_all();  // waiters: nothing more will be drained for them
+}
+
+bool AllocatorRegistry::wait_auto_drained(double timeout_s) {
+  std::unique_lock<std::mutex> lk(queue_mu_);
+  auto idle = [&] {
+    return auto_threshold_ == 0 ||
+           queue_.size() + in_flight_ < auto_threshold_;
+  };
+  if (timeout_s < 0) {
+    drained_cv_.wait(lk, idle);
+    return true;
+  }
+  return drained_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), idle);
 }
 
 void AllocatorRegistry::auto_drain_loop() {

@@ -206,6 +206,10 @@ class AllocatorRegistry {
   // so the queue stays bounded without the trainer paying for it.
   void start_auto_drain(uint64_t threshold);
   void stop_auto_drain();
+  // Blocks (at most timeout_s) until the auto-drain thread has APPLIED all but
+  // fewer than `threshold` of the events recorded so far, or auto drain is off.
+  // Signalled by the drain thread after each drain (no polling). True when so.
+  bool wait_auto_drained(double timeout_s);
 
  private:
   struct Device {
@@ -238,7 +242,9 @@ class AllocatorRegistry {
   mutable std::mutex queue_mu_;
   std::vector<TraceEvent> queue_;
   std::unordered_map<int, Watch> watches_;
-  std::condition_variable drain_cv_;
+  std::condition_variable drain_cv_;     // record() -> drain thread: threshold reached
+  std::condition_variable drained_cv_;   // drain() -> waiters: a batch was applied
+  uint64_t in_flight_ = 0;               // moved out of queue_, not yet applied
   uint64_t auto_threshold_ = 0;  // 0: no auto drain
   bool auto_stop_ = false;
   std::thread auto_thread_;

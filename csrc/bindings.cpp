@@ -449,6 +449,8 @@ void init_allocator_tracker(py::module_& m) {
       .def_property_readonly("healthy", &AllocatorRegistry::healthy)
       .def("start_auto_drain", &AllocatorRegistry::start_auto_drain, py::arg("threshold"))
       .def("stop_auto_drain", &AllocatorRegistry::stop_auto_drain,
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_auto_drained", &AllocatorRegistry::wait_auto_drained, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>());
 }
 

@@ -5,27 +5,48 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError, CorruptSnapshot, SnapshotError
+
 log = logging.getLogger("cudasnap.cli")
 
 
-def _manifest_row(path: Path) -> dict[str, Any]:
+def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
+    """One row; its data is "unverified" (manifest read only) unless ``verify``."""
     from . import store
 
     try:
         m = store.load_manifest(path / store.MANIFEST)
-        return {"bytes": m["data"]["bytes"], "tensors": len(m["tensors"]),
-                "rank": m.get("rank", 0), "world_size": m.get("world_size", 1),
-                "created": m.get("created_unix"), "status": "ok"}
+        row = {"bytes": m["data"]["bytes"], "tensors": len(m["tensors"]),
+               "rank": m.get("rank", 0), "world_size": m.get("world_size", 1),
+               "created": m.get("created_unix"), "status": "unverified"}
     except Exception as e:  # noqa: BLE001 - reported per row
-        return {"status": f"bad: {e}"}
+        return {"status": f"bad: {_clean(str(e))}"}
+    if verify:
+        try:
+            ok, msg = _verify_one(path, _NoProgress())
+        except Exception as e:  # noqa: BLE001 - reported per row
+            ok, msg = False, _clean(str(e))
+        row["status"] = "ok" if ok else f"FAILED: {msg}"
+    return row
 
 
-def _snapshots_table(directory: Path) -> list[dict[str, Any]]:
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+def _clean(msg: str) -> str:
+    """An engine error for a user: without the internal check expression."""
+    return re.sub(r" \[check: .*\]$", "", msg.strip())
+
+
+def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, Any]]:
     from . import store
 
     rows = []
@@ -34,22 +55,26 @@ def _snapshots_table(directory: Path) -> list[dict[str, Any]]:
         ranks = sorted(p for p in s.path.glob("rank-*") if p.is_dir() and "." not in p.name)
         base = {"step": s.step, "source": "disk", "latest": s.path.name == latest}
         if not ranks:
-            rows.append({**base, "path": str(s.path), "commit": "single", **_manifest_row(s.path)})
+            rows.append({**base, "path": str(s.path), "commit": "single",
+                         **_manifest_row(s.path, verify)})
             continue
         commit = "committed" if (s.path / "COMMIT").is_file() else "NOT committed"
         for p in ranks:
-            rows.append({**base, "path": str(p), "commit": commit, **_manifest_row(p)})
+            rows.append({**base, "path": str(p), "commit": commit, **_manifest_row(p, verify)})
     return rows
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from . import run as runmod
+    from . import dirid
     from ._native import native
 
-    rows = _snapshots_table(a.directory)
-    job = os.environ.get("CUDASNAP_JOB") or runmod.job_for(a.directory)
+    if not a.directory.is_dir():
+        raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
+                          else f"no such directory: {a.directory}")
+    rows = _snapshots_table(a.directory, a.verify)
+    job = os.environ.get("CUDASNAP_JOB") or dirid.job_for(a.directory, create=False)
     shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
-    for path in sorted(shm.glob(f"cudasnap-{job}-r*.arena")):
+    for path in sorted(shm.glob(f"cudasnap-{job}-r*.arena")) if job else []:
         try:
             arena = native().Arena.open(str(path), False)
             for i in range(arena.num_slots):
@@ -153,8 +178,15 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from .export import export_torch
+    from . import store
+    from .export import check_export_target, export_torch
 
+    check_export_target(a.directory, a.to_file)
+    snaps = [s for s in store.list_snapshots(a.directory) if a.step is None or s.step == a.step]
+    if snaps:  # the checksums first, for a message with the file, chunk and hex CRCs
+        ok, msg = _verify_one(snaps[0].path, _NoProgress())
+        if not ok:
+            raise CorruptSnapshot(f"step {snaps[0].step} fails its checksum: {msg}")
     path = export_torch(a.directory, a.to_file, step=a.step)
     print(f"wrote {path}")
     return 0
@@ -207,6 +239,11 @@ def cmd_health(a: argparse.Namespace) -> int:
 def cmd_advise(a: argparse.Namespace) -> int:
     from .analysis import advise, format_advice
 
+    for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):
+        v = getattr(a, name)
+        if not v > 0 or v != v or v == float("inf"):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, not {v}")
+
     d = advise(a.gpus, a.mtbf_hours, a.iter_seconds, a.state_gb, per_gpu=not a.job_mtbf)
     print(json.dumps(d, default=str) if a.json else format_advice(d))
     return 0
@@ -215,12 +252,15 @@ def cmd_advise(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing")
+    p.add_argument("--debug", action="store_true", help="tracebacks for errors")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="train, inject a failure, resume bit for bit", add_help=False)
     sub.add_parser("run", help="supervise a training command (flush + restart)", add_help=False)
     q = sub.add_parser("inspect", help="list snapshots on disk and in shared memory")
     q.add_argument("directory", type=Path)
     q.add_argument("--json", action="store_true")
+    q.add_argument("--verify", action="store_true",
+                   help="check every checksum (status ok/FAILED instead of unverified)")
     q.set_defaults(fn=cmd_inspect)
     q = sub.add_parser("verify", help="check every checksum; non-zero exit on a mismatch")
     q.add_argument("directory", type=Path)
@@ -245,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--state-gb", type=float, required=True, help="state per GPU (GB)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_advise)
+    if argv[:1] == ["--debug"] and argv[1:2] == ["run"]:
+        argv = ["run", "--debug", *argv[2:]]
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 
@@ -255,12 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(argv[1:])
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    from .errors import SnapshotError
-
     try:
         return int(a.fn(a))
-    except SnapshotError as e:  # a clear one-line error, not a traceback
-        print(f"cudasnap {a.cmd}: error: {e}", file=sys.stderr)
+    except (SnapshotError, OSError, ValueError) as e:  # one line, not a traceback
+        if a.debug:
+            raise
+        print(f"cudasnap {a.cmd}: error: {_clean(str(e))}", file=sys.stderr)
         return 2
 
 

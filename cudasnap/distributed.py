@@ -186,6 +186,10 @@ class Coordinator:
         self.store = self._open_store()
         self.store.set_timeout(datetime.timedelta(seconds=30))
         self._store_lock = threading.Lock()  # one store client, several threads
+        # The peer monitor has a connection of its own, used by no other thread: its
+        # heartbeats never queue behind a flush's or a restore's store traffic.
+        self._mon_store = self._open_store()
+        self._mon_store.set_timeout(datetime.timedelta(seconds=30))
         self.prefix = f"cudasnap/{snap.job}/e{self.epoch}/"
         self.host = socket.gethostname()
         self._ident = _proc_ident()
@@ -206,6 +210,10 @@ class Coordinator:
         self._die_in_flush = int(die[2] or 0) if die[0] == str(self.rank) else None
         self._k(f"host/{self.rank}", self.host)
         self._k(f"proc/{self.rank}", f"{self._ident}:{os.getpid()}")
+        # The first heartbeat before __init__ returns: a rank that freezes (SIGSTOP) soon
+        # after, before its monitor thread ever ran, must still be timed out ("a peer that
+        # never sent a heartbeat" is one still starting, and is not).
+        self._beat()
         self._actions: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._joined: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="cudasnap-peers", daemon=True)
@@ -239,13 +247,18 @@ class Coordinator:
 
     # ----------------------------------------------------------- helpers
     def _k(self, key: str, value: str | None = None) -> str | None:
+        if threading.current_thread() is getattr(self, "_thread", None):
+            return self._kv(self._mon_store, key, value)  # the monitor's own client
         with self._store_lock:
-            if value is not None:
-                self.store.set(self.prefix + key, value)
-                return value
-            if not self.store.check([self.prefix + key]):
-                return None
-            return self.store.get(self.prefix + key).decode()
+            return self._kv(self.store, key, value)
+
+    def _kv(self, st: Any, key: str, value: str | None) -> str | None:
+        if value is not None:
+            st.set(self.prefix + key, value)
+            return value
+        if not st.check([self.prefix + key]):
+            return None
+        return st.get(self.prefix + key).decode()
 
     def _propose(self, key: str, value: str) -> str:
         """compare_set: the first value stored under ``key`` wins; returns the winner."""

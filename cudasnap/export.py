@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from . import codec, store
-from .errors import SnapshotError
+from .errors import ConfigError, SnapshotError
 from .manifest import torch_dtype
 
 
@@ -31,6 +31,22 @@ def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, An
     return out, m
 
 
+def check_export_target(directory: Path, to_file: Path) -> None:
+    """Refuses an export target that is one of the snapshot directory's own files.
+
+    (``cudasnap export D --to torch D/latest`` overwrote the ``latest`` pointer.)
+    """
+    d = Path(directory).resolve()
+    t = Path(to_file).resolve()
+    if t == d or t.is_dir():
+        raise ConfigError(f"export target {to_file} is a directory; give a file name")
+    if t.parent == d and (t.name == store.LATEST or t.name.startswith(".")
+                          or t.name.startswith("step-")) or d in t.parents and any(
+            p.name.startswith("step-") for p in t.relative_to(d).parents if p != Path(".")):
+        raise ConfigError(f"export target {to_file} is inside the snapshot directory's own "
+                          f"files (it would overwrite {t.relative_to(d)}); write it elsewhere")
+
+
 def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Path:
     """Writes ``{"model": state_dict, "optimizer": {...}, "step": N, "extra": {...}}`` with torch.save.
 
@@ -41,6 +57,7 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
     """
     import torch
 
+    check_export_target(directory, to_file)
     tensors, m = load_tensors(directory, step)
     host = codec.decode(m["host"], "host")
     models: dict[str, dict[str, Any]] = {}

@@ -19,7 +19,6 @@ it on a bad sign.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import store
+from . import dirid, store
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
@@ -150,10 +149,9 @@ class Snapshotter:
         # Leave a core to the training thread; copies run at lower priority anyway.
         self.copy_threads = copy_threads or max(1, min(4, ncpu - 1))
         self.flush_threads = flush_threads or min(8, max(2, ncpu))
-        real_dir = os.path.realpath(self.directory)
-        self.job = job or os.environ.get("CUDASNAP_JOB") or hashlib.sha1(
-            real_dir.encode()).hexdigest()[:16]
         shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+        # The arena name carries the directory's identity (cudasnap.dirid), not just its path.
+        self.job = job or os.environ.get("CUDASNAP_JOB") or dirid.snapshotter_job(self.directory, shm)
         self.arena_path = shm / f"cudasnap-{self.job}-r{self.rank}.arena"
         self._lock = store.DirectoryLock(self.directory, self.rank)
         self._lock.acquire()

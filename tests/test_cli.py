@@ -92,7 +92,10 @@ def test_inspect_lists_disk_and_shared_memory_snapshots(snap_env, capsys):
         assert rc == 0
         got = json.loads(out)
         assert {(r["source"], r["step"]) for r in got} == {("disk", 0), ("shm", 0), ("shm", 1)}
-        assert all(r["status"] == "ok" for r in got), got
+        assert all(r["status"] == ("unverified" if r["source"] == "disk" else "ok")
+                   for r in got), got
+        rc, out = run_cli(capsys, "inspect", snap_env.dir, "--json", "--verify")
+        assert all(r["status"] == "ok" for r in json.loads(out)), out
         disk = [r for r in got if r["source"] == "disk"][0]
         assert disk["latest"] and disk["bytes"] == snap.stats()["bytes"]
     finally:
@@ -101,7 +104,7 @@ def test_inspect_lists_disk_and_shared_memory_snapshots(snap_env, capsys):
     assert {r["source"] for r in json.loads(out)} == {"disk"}  # close() removed the arena
 
 
-def test_inspect_empty_directory(snap_env, capsys):
+def test_inspect_empty_directory(snap_env, capsys):  # exists, holds nothing: not an error
     snap_env.dir.mkdir()
     rc, out = run_cli(capsys, "inspect", snap_env.dir)
     assert rc == 0 and "no snapshots" in out
@@ -283,3 +286,85 @@ def test_transparent_mode_flush_then_export_loads_into_fresh_model_and_optimizer
     one_step(m3, o3, x)
     for (k, a), (_, b) in zip(m2.state_dict().items(), m3.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def cli_err(capsys, *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def one_line_error(rc: int, err: str, *needles: str) -> None:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert all(n in err for n in needles), err
+
+
+def test_inspect_of_a_missing_directory_is_an_error(snap_env, capsys):
+    rc, err = cli_err(capsys, "inspect", snap_env.tmp / "nope")
+    one_line_error(rc, err, "no such directory", str(snap_env.tmp / "nope"))
+    assert not (snap_env.tmp / "nope").exists()
+
+
+@pytest.fixture
+def corrupt_snapshot(snap_env):
+    model, opt = small_job()
+    snap = Snapshotter(model, opt, directory=snap_env.dir, health=False, chunk_bytes=4096,
+                       copy_threads=1)
+    try:
+        train(model, opt, snap, 2)
+        path = snap.flush()
+    finally:
+        snap.close()
+    flip_byte(path / "data.bin", 4096 + 7)
+    return path
+
+
+def test_inspect_never_calls_an_unverified_snapshot_ok(snap_env, capsys, corrupt_snapshot):
+    rc, out = run_cli(capsys, "inspect", snap_env.dir)
+    row = [ln for ln in out.splitlines() if " disk " in ln]
+    assert rc == 0 and len(row) == 1 and " ok" not in row[0] and "unverified" in row[0], out
+    rc, out = run_cli(capsys, "inspect", snap_env.dir, "--verify")
+    row = [ln for ln in out.splitlines() if " disk " in ln]
+    assert "FAILED" in row[0] and "chunk 1 " in row[0] and "(latest)" in row[0], out
+
+
+def test_export_of_a_corrupt_snapshot_names_file_chunk_and_hex_crcs(snap_env, capsys,
+                                                                    corrupt_snapshot):
+    rc, err = cli_err(capsys, "export", snap_env.dir, "--to", "torch", snap_env.tmp / "x.pt")
+    one_line_error(rc, err, str(corrupt_snapshot / "data.bin"), "chunk 1 ", "stored 0x",
+                   "read 0x")
+    assert "[check:" not in err and not (snap_env.tmp / "x.pt").exists()
+
+
+def test_export_refuses_to_overwrite_the_latest_pointer(snap_env, capsys):
+    model, opt = small_job()
+    snap = Snapshotter(model, opt, directory=snap_env.dir, health=False, copy_threads=1)
+    try:
+        train(model, opt, snap, 1)
+        snap.flush()
+    finally:
+        snap.close()
+    before = (snap_env.dir / "latest").read_bytes()
+    rc, err = cli_err(capsys, "export", snap_env.dir, "--to", "torch", snap_env.dir / "latest")
+    one_line_error(rc, err, "latest")
+    assert (snap_env.dir / "latest").read_bytes() == before
+    rc, err = cli_err(capsys, "export", snap_env.dir, "--to", "torch",
+                      snap_env.dir / "step-00000000" / "x.pt")
+    one_line_error(rc, err, "snapshot directory")
+    assert store.read_latest(snap_env.dir) == "step-00000000"
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--mtbf-hours", "--iter-seconds", "--state-gb"])
+def test_advise_refuses_non_positive_inputs(capsys, flag):
+    args = {"--gpus": "8", "--mtbf-hours": "100", "--iter-seconds": "1", "--state-gb": "1"}
+    args[flag] = "0"
+    rc, err = cli_err(capsys, "advise", *[x for kv in args.items() for x in kv])
+    one_line_error(rc, err, flag, "positive")
+
+
+def test_debug_shows_the_traceback(snap_env, capsys):
+    with pytest.raises(Exception, match="no such directory"):
+        cli.main(["--debug", "inspect", str(snap_env.tmp / "nope")])

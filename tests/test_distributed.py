@@ -89,10 +89,6 @@ def test_sigkill_one_rank_flush_restart_resume(killed: launch.Run, ref: launch.R
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "known flake under full-suite load (2 of 3 full runs on 2026-12-02): the survivors' flush "
-    "started only at gloo's 60 s timeout, not at the 3 s heartbeat timeout; passes when run "
-    "alone. Open bug: find why the peer monitor did not fire."))
 def test_sigstop_hang_detected_flushed_resumed(base: Path, ref: launch.Run) -> None:
     timeout_s = 3.0
     r = launch.run(base / "stop", env={"STEPS": str(STEPS), "KILL_RANK": "1", "KILL_STEP": "10",
@@ -231,3 +227,37 @@ def test_spawn_world_size_change(spawned) -> None:
     [r] = res["world1_replicated"]
     assert r.get("start") == 6 and r["restore"]["source"] == "disk", r
     assert r["weights"] == res["save_replicated"][0]["weights"]  # rank 0's files
+
+
+_FIRST_BEAT = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+import cudasnap
+store = dist.FileStore(sys.argv[1] + "/store", 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+model = torch.nn.Linear(4, 4)
+snap = cudasnap.Snapshotter(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            directory=sys.argv[1] + "/ckpt", distributed=True, health=False)
+c = snap.dist
+print("BEAT" if c.store.check([c.prefix + "hb/0"]) else "NOBEAT", flush=True)
+snap.close()
+dist.destroy_process_group()
+"""
+
+
+def test_first_heartbeat_is_published_before_the_coordinator_returns(tmp_path: Path) -> None:
+    """A rank frozen right after start (before its monitor thread first ran) was never
+    timed out: "a peer that never sent a heartbeat" is one still starting. Its first
+    heartbeat is now part of the Coordinator's construction."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDASNAP_")}
+    env.update({"OMP_NUM_THREADS": "1", "CUDASNAP_JOB": f"fb{os.getpid()}"})
+    p = subprocess.run([sys.executable, "-c", _FIRST_BEAT, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=240)
+    for a in Path("/dev/shm").glob(f"cudasnap-fb{os.getpid()}-*"):
+        a.unlink(missing_ok=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "BEAT" in p.stdout.split() and "NOBEAT" not in p.stdout, p.stdout + p.stderr[-2000:]
