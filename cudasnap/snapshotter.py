@@ -213,7 +213,8 @@ class Snapshotter:
         self._install_fences()
         self._open_inherited_arena()
         if fresh_from_env(fresh):
-            move_aside(self.directory, self._inherited, self.flush_threads)
+            move_aside(self.directory, self._inherited, self.flush_threads,
+                       None if self.world_size == 1 else f"rank-{self.rank:05d}")
             if self._inherited is not None:
                 self._inherited.unlink()
                 self._inherited = None
@@ -595,6 +596,10 @@ class Snapshotter:
             self._layout = None
             if nxt:
                 log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
+                if not self._resume_logged:
+                    self._resume_logged = True
+                    log.warning("rank %d: %s", self.rank,
+                                resume_message(nxt - 1, r.get("source"), r.get("where")))
             return nxt
         candidates: list[tuple[int, int, str, Any]] = []
         self._partly_applied = None

@@ -59,14 +59,15 @@ def fresh_from_env(fresh: bool | None) -> bool:
     return os.environ.get(FRESH_ENV, "") == "1"
 
 
-def move_aside(directory: Path, arena: Any, threads: int) -> Path | None:
+def move_aside(directory: Path, arena: Any, threads: int, subdir: str | None = None) -> Path | None:
     """``fresh=True``: moves committed snapshots (and the arena's newest one) aside.
 
     Nothing is deleted: step directories, ``latest`` and the flush log go to
     ``DIR/.old-<UTC time>/``, and the newest COMPLETE snapshot of a leftover
     arena is written there too when no step directory holds it. The caller
     removes the arena afterwards. Returns the folder, or None when there was
-    nothing to move.
+    nothing to move. Several ranks may do this at once on one directory: each
+    moves what is still there (``subdir``: where this rank's arena snapshot goes).
     """
     directory = Path(directory)
     snaps = store.list_snapshots(directory)
@@ -78,19 +79,26 @@ def move_aside(directory: Path, arena: Any, threads: int) -> Path | None:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     old = directory / f".old-{stamp}"
     n = 0
-    while old.exists():
-        n += 1
-        old = directory / f".old-{stamp}-{n}"
-    old.mkdir(mode=0o700)
+    while True:
+        try:
+            old.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            n += 1
+            old = directory / f".old-{stamp}-{n}"
     for p in [s.path for s in snaps] + extras:
-        os.rename(p, old / p.name)
+        try:
+            os.rename(p, old / p.name)
+        except FileNotFoundError:  # another rank moved it first
+            pass
     what = [f"{len(snaps)} snapshot(s)"]
     if slot >= 0:
         step = int(arena.slot_info(slot)["step"])
-        if not (old / store.step_dirname(step)).exists():
+        if not (old / store.step_dirname(step) / (subdir or "")).exists():
             arena.lease(slot)
             try:
-                store.write_slot(arena, slot, old, threads=threads, keep=0)
+                store.write_slot(arena, slot, old, threads=threads, keep=0, subdir=subdir,
+                                 update_latest=subdir is None)
             finally:
                 arena.release(slot)
             what.append(f"step {step} from {arena.path}")
@@ -113,14 +121,15 @@ def final_flush(snap: Any) -> bool:
         return True
     try:
         snap.wait(60.0)
-        slot = arena.newest_complete()
-        if slot < 0:
-            return True
-        step = int(arena.slot_info(slot)["step"])
-        if step == snap._flushed_step or (
-                snap.directory / store.step_dirname(step) / store.MANIFEST).is_file():
-            return True
-        snap.flush()
+        with snap._flush_lock:  # a triggered flush still running finishes first
+            slot = arena.newest_complete()
+            if slot < 0:
+                return True
+            step = int(arena.slot_info(slot)["step"])
+            if step == snap._flushed_step or (
+                    snap.directory / store.step_dirname(step) / store.MANIFEST).is_file():
+                return True
+            snap.flush()
         return True
     except SnapshotError as e:
         log.error("close(): the final flush failed (%s); the arena %s is kept", e, arena.path)
