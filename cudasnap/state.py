@@ -112,7 +112,7 @@ def check_classes(state: "TrainingState", hd: Any, where: str) -> None:
             what = "optimizer" if key in state.optimizers and obj is state.optimizers[key] \
                 else "extra"
             raise IncompatibleSnapshot(
-                f"{where}: {what} {key!r} is a {was} in the snapshot but a "
+                f"{where}: {what} {key!r} is {was} in the snapshot but "
                 f"{type(obj).__qualname__} here; restore it into a {was}")
 
 

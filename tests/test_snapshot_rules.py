@@ -206,7 +206,25 @@ def test_adamw_snapshot_into_sgd_names_both_classes(snap_env):
     job2.sched = torch.optim.lr_scheduler.StepLR(job2.opt, step_size=3)
     snap2 = _snap(snap_env, job2)
     try:
-        with pytest.raises(IncompatibleSnapshot, match=r"AdamW.*SGD"):
+        with pytest.raises(IncompatibleSnapshot,
+                           match=r"optimizer 'optim' is AdamW in the snapshot but SGD here"):
+            snap2.restore_latest()
+    finally:
+        snap2.close(flush=False)
+
+
+def test_other_lr_scheduler_class_names_both(snap_env):
+    job = Job(dim=16)
+    snap = _snap(snap_env, job)
+    job.step()
+    snap.boundary(0)
+    snap.close()
+    job2 = Job(dim=16)
+    job2.sched = torch.optim.lr_scheduler.CosineAnnealingLR(job2.opt, T_max=10)
+    snap2 = _snap(snap_env, job2)
+    try:
+        with pytest.raises(IncompatibleSnapshot,
+                           match=r"extra 'sched' is StepLR in the snapshot but CosineAnnealingLR"):
             snap2.restore_latest()
     finally:
         snap2.close(flush=False)
