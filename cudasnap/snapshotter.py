@@ -35,6 +35,7 @@ from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, Snapshot
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
 from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
+from .timeline import arena_slots, check_step, final_flush, fresh_from_env, move_aside, resume_message
 
 log = logging.getLogger("cudasnap")
 
@@ -83,9 +84,26 @@ class Snapshotter:
         extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
             data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
         num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
+        spare_slot: one more slot in the arena (default on), so a flush, which holds
+            the slot it writes for its whole duration, never stops the snapshots: the
+            newest step stays in shared memory (replay <= 1 step after a death during
+            or right after a flush). Costs one slot of /dev/shm (about the state's
+            bytes; ``stats()["spare_slot_bytes"]``). Off: boundaries during a flush
+            are skipped once the other slot holds the newest step.
+        flush_on_close: ``close()`` flushes the newest snapshot (unless that step is
+            already on disk) before removing the arena, so a restart after a clean
+            end resumes from disk at the last step. Not with ``close(keep_arena=True)``
+            (the arena keeps the state) nor in distributed mode (a coordinated flush
+            needs every rank: call ``flush()`` on every rank before ``close()``).
+        fresh: start over: committed snapshots, ``latest`` and the flush log are
+            moved aside to ``DIR/.old-<UTC time>/`` (with the newest snapshot of a
+            leftover arena written there too; nothing is deleted), the arena is
+            removed, and ``restore_latest()`` returns 0. Default: CUDASNAP_FRESH=1
+            (set by ``cudasnap run --fresh``). Without it, a resume is logged at
+            WARNING once, naming the step and where it comes from.
         backend: "auto" (CUDA when state lives on a GPU), "cpu" or "cuda".
         copy_threads / flush_threads: worker threads of the copy engine / flusher.
-        keep: committed snapshots kept on disk.
+        keep: committed snapshots kept on disk; 0 keeps every snapshot (no pruning).
         shm_dir: where the staging arena file lives (default /dev/shm).
         allow_foreign_owner: restore snapshot files owned by another user (refused by
             default: ConfigError); default from CUDASNAP_ALLOW_FOREIGN_OWNER=1.
@@ -114,9 +132,15 @@ class Snapshotter:
                  policy: Any = None, inject: str | None = None, distributed: bool | None = None,
                  replicas: Any = "auto",
                  rng_sources: tuple[str, ...] = ("torch", "cuda", "numpy", "python"),
-                 allow_foreign_owner: bool | None = None) -> None:
+                 allow_foreign_owner: bool | None = None, spare_slot: bool = True,
+                 flush_on_close: bool = True, fresh: bool | None = None) -> None:
         if num_slots < 2:
             raise ConfigError(f"num_slots must be >= 2, got {num_slots}")
+        if num_slots + bool(spare_slot) > 8:
+            raise ConfigError(f"num_slots must be <= {8 - bool(spare_slot)} (the arena holds at "
+                              f"most 8 slots, spare_slot={bool(spare_slot)}), got {num_slots}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ConfigError(f"keep must be an int >= 0 (0 keeps every snapshot), got {keep!r}")
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
         if backend not in ("auto", "cpu", "cuda"):
@@ -138,7 +162,13 @@ class Snapshotter:
         if bad:
             raise ConfigError(f"unknown rng_sources {sorted(bad)}; use torch, cuda, numpy, python")
         self.state.rng_sources = tuple(rng_sources)
-        self.num_slots = num_slots
+        # Slots of the arena: the spare one lets snapshots go on while a flush holds a slot.
+        self.num_slots = num_slots + (1 if spare_slot else 0)
+        self.spare_slot = bool(spare_slot)
+        self.flush_on_close = flush_on_close
+        self._restored: int | None = None  # step put back by the last restore/rollback
+        self._flushed_step: int | None = None
+        self._resume_logged = False
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         # Restore refuses snapshot files of another user unless this (or
@@ -184,6 +214,12 @@ class Snapshotter:
         self._hooks: list[Any] = []
         self._install_fences()
         self._open_inherited_arena()
+        if fresh_from_env(fresh):
+            move_aside(self.directory, self._inherited, self.flush_threads,
+                       None if self.world_size == 1 else f"rank-{self.rank:05d}")
+            if self._inherited is not None:
+                self._inherited.unlink()
+                self._inherited = None
         self.dist: Any = None
         if distributed is None:
             distributed = dist_on and self.world_size > 1
@@ -472,10 +508,17 @@ class Snapshotter:
 
     # ---------------------------------------------------------- boundary
     def boundary(self, step: int) -> None:
-        """Snapshot the state after ``step``'s optimizer step; returns at once."""
+        """Snapshot the state after ``step``'s optimizer step; returns at once.
+
+        ``step`` is a non-negative int, strictly above the previous boundary's step
+        or, after ``restore_latest()``/``rollback()``, above the restored step;
+        anything else raises ConfigError naming both steps (see cudasnap.timeline).
+        """
         t0 = time.perf_counter_ns()
         if self._closed:
             raise SnapshotError("boundary() on a closed Snapshotter")
+        step = check_step(step, self.last_step, self._restored)
+        self._restored = None
         self._boundaries += 1
         self.last_step = step
         try:
@@ -562,6 +605,8 @@ class Snapshotter:
         complete first, so the flushed step is the newest one. Returns None when
         no snapshot exists yet.
         """
+        if self._closed:
+            raise SnapshotError("flush() on a closed Snapshotter")
         with self._flush_lock, (self.guard.paused() if self.guard is not None else contextlib.nullcontext()):
             if wait:
                 self._wait_job(timeout)
@@ -590,6 +635,7 @@ class Snapshotter:
             finally:
                 arena.release(slot)
             self._stats["flushes"] += 1
+            self._flushed_step = int(st["step"])
             self._stats["last_flush_seconds"] = st["seconds"]
             self._stats["last_flush_path"] = str(path)
             return path
@@ -603,10 +649,14 @@ class Snapshotter:
         with a warning naming it; a snapshot that does not fit the live
         model/optimizer raises IncompatibleSnapshot.
         """
+        if self._closed:
+            raise SnapshotError("restore_latest() on a closed Snapshotter")
         self._wait_job(self.wait_timeout_s)
         t0 = time.perf_counter()
         if self.dist is not None:
             nxt = self.dist.restore()
+            if nxt:
+                self._restored = nxt - 1
             r = self._stats.get("restore") or {}
             r["seconds"] = time.perf_counter() - t0
             self._stats["restore"] = r if nxt else {"source": None, "step": None,
@@ -614,6 +664,10 @@ class Snapshotter:
             self._layout = None
             if nxt:
                 log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
+                if not self._resume_logged:
+                    self._resume_logged = True
+                    log.warning("rank %d: %s", self.rank,
+                                resume_message(nxt - 1, r.get("source"), r.get("where")))
             return nxt
         candidates: list[tuple[int, int, str, Any]] = []
         self._partly_applied = None
@@ -644,6 +698,10 @@ class Snapshotter:
             self._stats["restore"] = {"source": source, "step": got, "seconds": secs,
                                       "where": where}
             log.info("restored step %d from %s (%s) in %.3f s", got, source, where, secs)
+            if not self._resume_logged:
+                self._resume_logged = True
+                log.warning("%s", resume_message(got, source, where))
+            self._restored = got
             self._layout = None
             return got + 1
         self._stats["restore"] = {"source": None, "step": None, "seconds": 0.0, "where": None}
@@ -735,6 +793,8 @@ class Snapshotter:
         For a fault the process survives (a NaN loss, a peer failure): training
         continues at the returned step (snapshot step + 1).
         """
+        if self._closed:
+            raise SnapshotError("rollback() on a closed Snapshotter")
         self._wait_job(self.wait_timeout_s)
         arena = self._arena
         if arena is None or arena.newest_complete() < 0:
@@ -742,6 +802,7 @@ class Snapshotter:
         slot = arena.newest_complete()
         with self.guard.paused() if self.guard is not None else contextlib.nullcontext():
             step = self._restore_from_slot(arena, slot, f"{arena.path} slot {slot}")
+        self._restored = step
         return step + 1
 
     # -------------------------------------------------------------- misc
@@ -760,6 +821,7 @@ class Snapshotter:
             "fallback_reason": self._cuda.fallback_reason if self._cuda is not None else None}
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())
+        s.update(arena_slots(self._arena or self._inherited, self.num_slots, self.spare_slot))
         return s
 
     def coverage(self) -> dict[str, Any]:
@@ -769,10 +831,15 @@ class Snapshotter:
         lay = self._current_layout()
         return self._cuda.coverage(lay.tensors)
 
-    def close(self, keep_arena: bool = False) -> None:
-        """Waits for the running copy, stops threads and hooks, removes the arena."""
+    def close(self, keep_arena: bool = False, flush: bool | None = None) -> None:
+        """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
+        and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed)."""
         if self._closed:
             return
+        if flush is None:
+            flush = self.flush_on_close and not keep_arena and self.dist is None
+        if flush and not final_flush(self):
+            keep_arena = True  # the arena holds the only copy of the final state
         self._closed = True
         try:
             self._wait_job(min(60.0, self.wait_timeout_s))

@@ -127,6 +127,24 @@ def _param_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def check_classes(state: "TrainingState", hd: Any, where: str) -> None:
+    """IncompatibleSnapshot when an optimizer (or LR scheduler) is of another class than the
+    one snapshotted; snapshots without the recorded class (older format) pass."""
+    if not isinstance(hd, dict):
+        return
+    for key, obj, saved in [(k, o, (hd.get("optim") or {}).get(k)) for k, o in
+                            state.optimizers.items()] + [
+            (k, o, (hd.get("extra") or {}).get(k)) for k, o in state.extra.items()
+            if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]:
+        was = saved.get("class") if isinstance(saved, dict) else None
+        if isinstance(was, str) and was != type(obj).__qualname__:
+            what = "optimizer" if key in state.optimizers and obj is state.optimizers[key] \
+                else "extra"
+            raise IncompatibleSnapshot(
+                f"{where}: {what} {key!r} is {was} in the snapshot but "
+                f"{type(obj).__qualname__} here; restore it into a {was}")
+
+
 class TrainingState:
     """The registered objects of one Snapshotter."""
 
@@ -211,13 +229,15 @@ class TrainingState:
             params = _param_order(opt)
             scalars = [[i, k, opt.state[params[i]][k]] for i, k in self._scalar_keys.get(okey, [])
                        if params[i] in opt.state and k in opt.state[params[i]]]
-            optim[okey] = {"param_groups": groups, "scalars": scalars}
+            optim[okey] = {"param_groups": groups, "scalars": scalars,
+                           "class": type(opt).__qualname__}
         extra: dict[str, Any] = {}
         for key, obj in self.extra.items():
             if isinstance(obj, torch.Generator):
                 extra[key] = {"kind": "generator", "state": obj.get_state()}
             else:
-                extra[key] = {"kind": "state_dict", "state": obj.state_dict()}
+                extra[key] = {"kind": "state_dict", "state": obj.state_dict(),
+                              "class": type(obj).__qualname__}
         return {"step": step, "rng": rng, "optim": optim, "extra": extra}
 
     def encode_host(self, step: int) -> str:
@@ -257,6 +277,8 @@ class TrainingState:
               where: str) -> int:
         """Copies a snapshot into the live objects; returns its step."""
         self.check_compatible(tensors, where)
+        hd = codec.decode(host, "host")
+        check_classes(self, hd, where)  # before anything is changed
         live = {lt.name: lt for lt in self.live_tensors()}
         for lt in list(live.values()):
             for a in lt.aliases:
@@ -272,7 +294,6 @@ class TrainingState:
             for e in tensors:
                 if e["group"].startswith("model:"):
                     live[e["name"]].tensor.copy_(view(e))
-        hd = codec.decode(host, "host")
         for okey, opt in self.optimizers.items():
             self._apply_optimizer(okey, opt, [e for e in tensors if e["group"] == f"optim:{okey}"],
                                   hd.get("optim", {}).get(okey), view, where)

@@ -44,4 +44,6 @@ def test_demo_json_bitwise_identical(snap_env, fault, exit_text, resume):
     assert "result            : PASS" in p.stdout
     # The demo's supervised run flushed the newest COMPLETE step: the one it resumed from.
     recs = [json.loads(ln) for ln in (work / "ckpt" / "flush-log.jsonl").read_text().splitlines()]
-    assert max(rec["step"] for rec in recs) == r["resumed_at"] - 1, recs
+    assert recs[0]["step"] == r["resumed_at"] - 1, recs
+    # ... and the resumed run's close() made its final step durable (flush_on_close).
+    assert recs[-1]["step"] == 11, recs

@@ -1,0 +1,144 @@
+"""The step rule of ``Snapshotter.boundary()`` and the resume / fresh-start bookkeeping.
+
+Step rule: a step is a non-negative integer (``bool`` and floats are refused;
+numpy/torch integer scalars are accepted) and steps strictly increase. The
+reference for "increase" is the previous ``boundary()`` step or, after
+``restore_latest()`` / ``rollback()``, the restored step, whichever came last:
+after a restore the next step may be anything above the restored one. A lower
+step is refused (disk snapshots are ordered by step, so a lower step would be
+hidden behind the old ones at the next restore); to start over, pass
+``fresh=True`` (or ``cudasnap run --fresh``), which moves the old snapshots aside.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from . import store
+from ._native import native
+from .errors import ConfigError, SnapshotError
+
+log = logging.getLogger("cudasnap")
+
+FRESH_ENV = "CUDASNAP_FRESH"
+
+
+def check_step(step: Any, last: int | None, restored: int | None) -> int:
+    """Returns ``step`` as an int, or raises ConfigError naming the rule it breaks.
+
+    ``last`` is the previous boundary's step, ``restored`` the step a restore put
+    back after that boundary (None when neither happened).
+    """
+    if isinstance(step, bool):
+        raise ConfigError(f"boundary({step!r}): the step must be an int, got a bool")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ConfigError(f"boundary({step!r}): the step must be an int, got "
+                          f"{type(step).__name__}") from None
+    if value < 0:
+        raise ConfigError(f"boundary({value}): the step must not be negative")
+    if restored is not None:
+        if value <= restored:
+            raise ConfigError(
+                f"boundary({value}) after the restored step {restored}: steps must increase "
+                f"(resume at {restored + 1}); to start over use fresh=True")
+    elif last is not None and value <= last:
+        raise ConfigError(f"boundary({value}) after boundary step {last}: steps must "
+                          "strictly increase; to start over use fresh=True")
+    return value
+
+
+def fresh_from_env(fresh: bool | None) -> bool:
+    if fresh is not None:
+        return bool(fresh)
+    return os.environ.get(FRESH_ENV, "") == "1"
+
+
+def move_aside(directory: Path, arena: Any, threads: int, subdir: str | None = None) -> Path | None:
+    """``fresh=True``: moves committed snapshots (and the arena's newest one) aside.
+
+    Nothing is deleted: step directories, ``latest`` and the flush log go to
+    ``DIR/.old-<UTC time>/``, and the newest COMPLETE snapshot of a leftover
+    arena is written there too when no step directory holds it. The caller
+    removes the arena afterwards. Returns the folder, or None when there was
+    nothing to move. Several ranks may do this at once on one directory: each
+    moves what is still there (``subdir``: where this rank's arena snapshot goes).
+    """
+    directory = Path(directory)
+    snaps = store.list_snapshots(directory)
+    extras = [directory / n for n in (store.LATEST, store.FLUSH_LOG, "dist-log.jsonl")
+              if (directory / n).exists()]
+    slot = arena.newest_complete() if arena is not None else -1
+    if not snaps and not extras and slot < 0:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    old = directory / f".old-{stamp}"
+    n = 0
+    while True:
+        try:
+            old.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            n += 1
+            old = directory / f".old-{stamp}-{n}"
+    for p in [s.path for s in snaps] + extras:
+        try:
+            os.rename(p, old / p.name)
+        except FileNotFoundError:  # another rank moved it first
+            pass
+    what = [f"{len(snaps)} snapshot(s)"]
+    if slot >= 0:
+        step = int(arena.slot_info(slot)["step"])
+        if not (old / store.step_dirname(step) / (subdir or "")).exists():
+            arena.lease(slot)
+            try:
+                store.write_slot(arena, slot, old, threads=threads, keep=0, subdir=subdir,
+                                 update_latest=subdir is None)
+            finally:
+                arena.release(slot)
+            what.append(f"step {step} from {arena.path}")
+    native().fsync_dir(str(directory))
+    log.warning("fresh start: moved %s aside to %s (nothing deleted); starting at step 0",
+                " and ".join(what), old)
+    return old
+
+
+def resume_message(step: int, source: str | None, where: str | None) -> str:
+    return (f"resuming at step {step + 1} from the snapshot of step {step} in {source} "
+            f"({where}); pass fresh=True (cudasnap run --fresh) to start over")
+
+
+def final_flush(snap: Any) -> bool:
+    """``close()`` with ``flush_on_close``: flushes the newest snapshot unless that step is
+    already on disk. False when the flush failed (the caller then keeps the arena)."""
+    arena = snap._arena or snap._inherited
+    if arena is None:
+        return True
+    try:
+        snap.wait(60.0)
+        with snap._flush_lock:  # a triggered flush still running finishes first
+            slot = arena.newest_complete()
+            if slot < 0:
+                return True
+            step = int(arena.slot_info(slot)["step"])
+            if step == snap._flushed_step or (
+                    snap.directory / store.step_dirname(step) / store.MANIFEST).is_file():
+                return True
+            snap.flush()
+        return True
+    except SnapshotError as e:
+        log.error("close(): the final flush failed (%s); the arena %s is kept", e, arena.path)
+        return False
+
+
+def arena_slots(arena: Any, num_slots: int, spare: bool) -> dict[str, Any]:
+    """stats() fields: the arena's slot count and bytes, and what the spare slot costs."""
+    n = arena.num_slots if arena is not None else num_slots
+    per_slot = (arena.total_bytes - 4096) // n if arena is not None else None
+    return {"arena_slots": n, "arena_bytes": arena.total_bytes if arena is not None else None,
+            "spare_slot_bytes": (per_slot if spare else 0) if per_slot is not None else None}
