@@ -207,16 +207,12 @@ def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
 
 
 def start_over(directory: Path) -> Path | None:
-    """``--fresh``: moves the snapshots aside and renews the directory's identity."""
-    names = [p for p in directory.iterdir()
-             if p.name in (store.LATEST, "dist-log.jsonl") or p.name.startswith("step-")]
-    aside = None
-    if names:
-        aside = directory / time.strftime(".replaced-%Y%m%d-%H%M%S")
-        aside.mkdir(mode=0o700)
-        for p in names:
-            os.rename(p, aside / p.name)
-    dirid.renew_id(directory)  # this job's old arenas are not adopted any more (gc removes them)
+    """``--fresh``: moves the snapshots aside (as ``fresh=True`` does) and renews the
+    directory's identity, so this job's old arenas are not adopted (``gc`` removes them)."""
+    from .timeline import move_aside
+
+    aside = move_aside(directory, None, threads=1)
+    dirid.renew_id(directory)
     return aside
 
 

@@ -151,7 +151,7 @@ def test_resume_is_announced_once_and_fresh_starts_over(snap_env):
     assert "resuming" not in p.stderr and "starting over" in p.stderr, p.stderr
     listing = (snap_env.tmp / "listing").read_text().split()
     assert "step-00000005" not in listing and "latest" not in listing
-    moved = list(snap_env.dir.glob(".replaced-*/step-00000005"))
+    moved = list(snap_env.dir.glob(".old-*/step-00000005"))
     assert len(moved) == 1
     assert dirid.directory_id(snap_env.dir, create=False) not in (None, old_id)
 
