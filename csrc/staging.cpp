@@ -392,7 +392,7 @@ int Arena::pick_write_slot() const {
   uint64_t pick_seq = 0;
   bool pick_invalid = false;
   for (int i = 0; i < num_slots(); ++i) {
-    if (i == newest || leases_[i].load() > 0) continue;
+    if (i == newest || leases_[i].load() > 0 || leased_elsewhere(i)) continue;
     SlotInfo s = slot_info(i);
     bool invalid = !s.valid;  // EMPTY, WRITING (torn) or bad: reuse first
     if (pick < 0 || (invalid && !pick_invalid) ||
@@ -415,6 +415,9 @@ void Arena::begin_write(int slot, int64_t step, const std::string& meta) {
   // Checked under the lock that lease() takes: a reader that leased first wins.
   CUDASNAP_CHECK_KIND(ErrorKind::Staging, leases_[slot].load() == 0,
                       "slot " << slot << " is being read (leased); cannot overwrite it");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, !leased_elsewhere(slot),
+                      "slot " << slot << " is being read (leased) by another process (a flush of "
+                                 "the supervisor?); cannot overwrite it");
   SlotHeader* s = slot_hdr(slot);
   __atomic_store_n(&s->state, uint32_t(kWriting), __ATOMIC_SEQ_CST);
   verified_seq_[slot] = 0;
@@ -478,19 +481,55 @@ std::vector<uint32_t> Arena::read_table(int slot) const {
   return std::vector<uint32_t>(t, t + s.num_chunks);
 }
 
+// Cross-process leases. Besides the in-process count, the first lease of a slot
+// takes an open-file-description read lock on byte `slot` of the arena file
+// (advisory: it does not affect the mapping). A writer in another process sees
+// it with F_OFD_GETLK and leaves the slot alone; the lock dies with the process
+// (or open file) holding it, so a killed flusher never pins a slot. Where the
+// kernel has no OFD locks (EINVAL) leases stay per process, as before.
+namespace {
+bool ofd_lock(int fd, int slot, short type) {
+  struct flock fl;
+  std::memset(&fl, 0, sizeof(fl));
+  fl.l_type = type;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = slot;
+  fl.l_len = 1;
+  return ::fcntl(fd, F_OFD_SETLK, &fl) == 0;
+}
+}  // namespace
+
+bool Arena::leased_elsewhere(int slot) const {
+  if (fd_ < 0) return false;  // a process-private arena: nobody else can read it
+  struct flock fl;
+  std::memset(&fl, 0, sizeof(fl));
+  fl.l_type = F_WRLCK;  // would a write lock conflict? Only with another file's read lock.
+  fl.l_whence = SEEK_SET;
+  fl.l_start = slot;
+  fl.l_len = 1;
+  if (::fcntl(fd_, F_OFD_GETLK, &fl) != 0) return false;  // no OFD locks: per-process leases
+  return fl.l_type != F_UNLCK;
+}
+
 void Arena::lease(int slot) {
   check_slot(slot);
   std::lock_guard<std::mutex> g(mu_);
-  leases_[slot].fetch_add(1);
+  if (leases_[slot].fetch_add(1) == 0 && fd_ >= 0) {
+    // A read lock conflicts only with write locks, which nobody takes: failure
+    // means no OFD support (EINVAL) or a kernel lock-table limit (ENOLCK).
+    (void)ofd_lock(fd_, slot, F_RDLCK);
+  }
 }
 
 void Arena::release(int slot) {
   check_slot(slot);
+  std::lock_guard<std::mutex> g(mu_);
   int prev = leases_[slot].fetch_sub(1);
   if (prev <= 0) {
     leases_[slot].fetch_add(1);
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, false, "release of slot " << slot << " not leased");
   }
+  if (prev == 1 && fd_ >= 0) (void)ofd_lock(fd_, slot, F_UNLCK);
 }
 
 int Arena::leases(int slot) const {

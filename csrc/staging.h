@@ -147,6 +147,8 @@ class Arena {
   void lease(int slot);
   void release(int slot);
   int leases(int slot) const;
+  // Leased by a reader in another process (an OFD lock on the arena file).
+  bool leased_elsewhere(int slot) const;
 
   // Zero-filled-page touch of the whole mapping (used by create()).
   void prefault();
