@@ -42,8 +42,11 @@ def test_demo_json_bitwise_identical(snap_env, fault, exit_text, resume):
     assert r["restore_source"] in ("shm", "disk")
     assert r["flush_seconds"] is not None  # a snapshot reached the disk
     assert "result            : PASS" in p.stdout
-    # The demo's supervised run flushed the newest COMPLETE step: the one it resumed from.
+    # The step it resumed from reached the disk (the fault's flush, or the supervisor's flush
+    # of the dead process's newest COMPLETE slot), and the fault's flush (the first record)
+    # never wrote a step newer than the one resumed from.
     recs = [json.loads(ln) for ln in (work / "ckpt" / "flush-log.jsonl").read_text().splitlines()]
-    assert recs[0]["step"] == r["resumed_at"] - 1, recs
+    assert r["resumed_at"] - 1 in {rec["step"] for rec in recs}, recs
+    assert recs[0]["step"] <= r["resumed_at"] - 1, recs
     # ... and the resumed run's close() made its final step durable (flush_on_close).
     assert recs[-1]["step"] == 11, recs
