@@ -145,6 +145,26 @@ def check_classes(state: "TrainingState", hd: Any, where: str) -> None:
                 f"{type(obj).__qualname__} here; restore it into a {was}")
 
 
+def check_plain_tensor(name: str, t: torch.Tensor) -> None:
+    """ConfigError for a tensor whose bytes cudasnap cannot read as raw memory.
+
+    A wrapper subclass (DTensor from FSDP2 / tensor parallel, quantized or other
+    ``__torch_dispatch__`` tensors) has no storage of its own: its ``data_ptr``
+    is not its data, and copying from it would read unrelated memory.
+    """
+    cls = type(t)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return
+    if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
+            hasattr(t, "__tensor_flatten__"):
+        raise ConfigError(
+            f"{name} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass whose bytes do "
+            "not live in its own storage (sharded DTensor state of FSDP2 / tensor parallelism, "
+            "or another __torch_dispatch__ wrapper); cudasnap cannot snapshot it yet: snapshot "
+            "plain tensors only (e.g. the unsharded model), or use torch.distributed.checkpoint "
+            "for sharded state")
+
+
 class TrainingState:
     """The registered objects of one Snapshotter."""
 
@@ -168,6 +188,12 @@ class TrainingState:
                     "or must be a torch.Generator")
         self._scalar_keys: dict[str, list[tuple[int, str]]] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
+        # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
+        # state created later is checked when the layout is built).
+        for mkey, mod in self.models.items():
+            for name, t in mod.state_dict(keep_vars=True).items():
+                if isinstance(t, torch.Tensor):
+                    check_plain_tensor(f"{mkey}.{name}", t)
 
     # ----------------------------------------------------------- layout
     def signature(self) -> tuple[int, ...]:
@@ -207,6 +233,7 @@ class TrainingState:
             self._scalar_keys[okey] = scalars
         for lt in out:
             t = lt.tensor
+            check_plain_tensor(lt.name, t)
             if t.layout != torch.strided or t.is_sparse:
                 raise ConfigError(f"{lt.name}: only dense strided tensors can be snapshotted")
             dtype_name(t.dtype)

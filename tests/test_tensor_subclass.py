@@ -1,0 +1,71 @@
+"""Tensor subclasses without storage of their own (DTensor from FSDP2) are refused with a
+clear error at construction: copying their wrapper's data_ptr crashed the copy workers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cudasnap.errors import ConfigError
+from cudasnap.state import TrainingState, check_plain_tensor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_plain_tensors_and_parameters_pass():
+    check_plain_tensor("t", torch.zeros(3))
+    check_plain_tensor("p", torch.nn.Parameter(torch.zeros(3)))
+
+
+def test_a_dispatch_wrapper_subclass_is_refused():
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("odd", Wrapper(torch.zeros(2)))
+    with pytest.raises(ConfigError, match=r"model\.odd is a .*Wrapper, a tensor subclass"):
+        TrainingState(m, None)
+
+
+@pytest.mark.slow
+def test_fully_shard_model_is_refused_at_construction_not_crashing(snap_env):
+    """FSDP2 on a one-rank CPU mesh (gloo): a ConfigError naming the parameter, no segfault."""
+    code = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        import cudasnap
+        dist.init_process_group("gloo", init_method="file://{snap_env.tmp / 'pg'}", rank=0,
+                                world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters())
+        try:
+            cudasnap.Snapshotter(model, opt, directory={str(snap_env.dir)!r}, backend="cpu")
+        except cudasnap.ConfigError as e:
+            print("REFUSED:", e)
+        else:
+            print("ACCEPTED")
+        dist.destroy_process_group()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDASNAP_JOB": snap_env.job}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "REFUSED: model.0.weight is a torch.distributed.tensor" in p.stdout, p.stdout
+    assert "DTensor" in p.stdout
