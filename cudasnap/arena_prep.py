@@ -22,6 +22,7 @@ synchronously at the first boundary, as before.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -209,6 +210,10 @@ class ArenaPreparer:
         return Prepared(arena, time.perf_counter() - t0, reason, created)
 
     def _run(self, job: Callable[[Any], tuple[Any, str | None, bool]], cancel: Any) -> None:
+        try:  # like the copy workers: spare cycles only, never ahead of the training thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
         try:
             gate = test_gate
             while gate is not None and not gate.wait(0.05):
