@@ -181,16 +181,23 @@ class ArenaPreparer:
         self._error: BaseException | None = None
         self._logged = False
         self._what = ""
+        self._speculative = False
 
     @property
     def busy(self) -> bool:
         t = self._thread
         return t is not None and t.is_alive()
 
-    def start(self, what: str, job: Callable[[Any], tuple[Any, str | None, bool]]) -> None:
-        """Runs ``job(cancel_flag) -> (arena, fallback_reason, created)`` in the background."""
+    def start(self, what: str, job: Callable[[Any], tuple[Any, str | None, bool]],
+              speculative: bool = False) -> None:
+        """Runs ``job(cancel_flag) -> (arena, fallback_reason, created)`` in the background.
+
+        ``speculative`` (sized before the first boundary): a failure is logged, not
+        raised; the first boundary then sizes the arena from its copy plan.
+        """
         if self.busy:
             raise StagingError("an arena set-up is already running")
+        self._speculative = speculative
         self._cancel = native().CancelFlag()
         self._result = self._error = None
         self._logged = False
@@ -244,6 +251,10 @@ class ArenaPreparer:
             return None
         err, res = self._error, self._result
         self._error = self._result = None
+        if err is not None and self._speculative:
+            log.warning("cudasnap: preparing %s failed (%s); the first boundary sizes the "
+                        "arena from its copy plan instead", self._what, err)
+            return None
         if err is not None:
             raise err
         if res is not None and self.skipped:
@@ -318,7 +329,8 @@ def start_at_construction(snap: Any) -> None:
             prep.warmed = inh
         else:
             prep.start(f"the staging arena left by the previous process ({inh.path}, "
-                       f"{inh.total_bytes / 2**30:.2f} GiB)", _warm_job(inh, prep.device))
+                       f"{inh.total_bytes / 2**30:.2f} GiB)", _warm_job(inh, prep.device),
+                       speculative=True)
         return
     nbytes, ntensors = estimate_state_bytes(snap.state)
     cap = slot_capacity(nbytes, snap.chunk_bytes)
@@ -327,7 +339,7 @@ def start_at_construction(snap: Any) -> None:
     if total > prep.sync_max_bytes:
         prep.start(_what(snap, total), _create_job(snap, cap, meta_cap, prep.device,
                                                     retire=False, drop_inherited=False,
-                                                    discard=None))
+                                                    discard=None), speculative=True)
 
 
 def _what(snap: Any, total: int) -> str:
@@ -419,7 +431,8 @@ def shutdown(snap: Any, timeout: float) -> None:
         prep.cancel(timeout)
     try:
         got = prep.take()
-    except SnapshotError:
-        got = None  # cancelled (or failed): nothing was left behind
+    except Exception as e:  # cancelled (or failed): a cancelled create removes its file
+        log.info("cudasnap: arena set-up stopped by close(): %s", e)
+        got = None
     if got is not None and got.created and got.arena is not None:
         drop(got.arena)
