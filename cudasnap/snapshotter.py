@@ -120,8 +120,9 @@ class Snapshotter:
         health: start the health monitor, signal handlers and watchdog
             (default: on when running under ``cudasnap run`` or CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
-        arena_sync_max_bytes: staging arenas up to this size are made at the first
-            boundary, on the training thread (well under 5 ms); larger ones, and the
+        arena_sync_max_bytes: staging arenas whose slots hold up to this many bytes of
+            snapshot data in all are made at the first boundary, on the training
+            thread (small models snapshot from step 0 on); larger ones, and the
             pre-fault / page-locking of an arena left by a previous process, are
             prepared on a background thread from construction on (see
             cudasnap.arena_prep): boundaries before it is ready are skipped and
