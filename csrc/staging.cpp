@@ -135,16 +135,20 @@ std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
     // reserved range with huge pages.
     CUDASNAP_SYSCHECK(ftruncate(a->fd_, static_cast<off_t>(total)), ErrorKind::Staging,
                       "cannot size staging arena " << path << " to " << human(total));
-    for (uint64_t off = 0; off < total; off += kSetupPiece) {
-      CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
-                          "set-up of staging arena " << path << " cancelled");
-      uint64_t n = std::min(kSetupPiece, total - off);
+    auto reserve = [&](uint64_t off, uint64_t n) {
       int rc = posix_fallocate(a->fd_, static_cast<off_t>(off), static_cast<off_t>(n));
       CUDASNAP_CHECK_KIND(ErrorKind::Staging, rc == 0,
                           "cannot reserve " << human(total) << " for staging arena " << path
                                             << ": posix_fallocate failed: " << std::strerror(rc)
                                             << " (errno " << rc << ")");
-    }
+    };
+    // Header pages first, then the headers: a crash (or a reader) during the
+    // long reservation below sees a valid arena with empty slots, never a
+    // zero-filled file. prefault() of an adopted arena reserves whatever a
+    // crashed set-up left unreserved.
+    const uint64_t stride = stride_for(data_capacity, meta_capacity, chunk_bytes);
+    reserve(0, kPage);
+    for (int i = 0; i < num_slots; ++i) reserve(kPage + uint64_t(i) * stride, kPage);
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd_, 0);
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, p != MAP_FAILED,
                         "mmap of " << human(total) << " staging arena " << path
@@ -153,7 +157,12 @@ std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
     a->size_ = total;
     a->advise_huge_pages();
     a->init_layout(num_slots, data_capacity, meta_capacity, chunk_bytes, job);
-    if (prefault) a->prefault(cancel);
+    for (uint64_t off = 0; off < total; off += kSetupPiece) {
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
+                          "set-up of staging arena " << path << " cancelled");
+      reserve(off, std::min(kSetupPiece, total - off));
+    }
+    if (prefault) a->populate(cancel);
   } catch (...) {
     a->unlink_file();
     throw;
@@ -284,6 +293,23 @@ Arena::~Arena() {
 
 void Arena::prefault(const CancelFlag* cancel) {
   if (!base_ || size_ == 0) return;
+  if (fd_ >= 0 && writable_) {
+    // Reserve what is not yet (a set-up that crashed half-way): no SIGBUS later.
+    for (uint64_t off = 0; off < size_; off += kSetupPiece) {
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
+                          "pre-faulting staging arena " << path_ << " cancelled");
+      uint64_t n = std::min(kSetupPiece, size_ - off);
+      int rc = posix_fallocate(fd_, static_cast<off_t>(off), static_cast<off_t>(n));
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, rc == 0,
+                          "cannot reserve the " << human(size_) << " of staging arena " << path_
+                                                << ": posix_fallocate failed: "
+                                                << std::strerror(rc));
+    }
+  }
+  populate(cancel);
+}
+
+void Arena::populate(const CancelFlag* cancel) {
   bool populate = true;
   for (uint64_t off = 0; off < size_; off += kSetupPiece) {
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),

@@ -161,9 +161,10 @@ class Arena {
   void release(int slot);
   int leases(int slot) const;
 
-  // Maps every page of the arena now (MADV_POPULATE_WRITE, else a read touch:
-  // never a write, so it is safe beside readers and writers of the slots), in
-  // pieces, checking `cancel` between them (throws StagingError when set).
+  // Reserves (fallocate: a set-up that crashed half-way left holes) and maps
+  // every page of the arena now (MADV_POPULATE_WRITE, else a read touch: never
+  // a write, so it is safe beside readers and writers of the slots), in pieces,
+  // checking `cancel` between them (throws StagingError when set).
   void prefault(const CancelFlag* cancel = nullptr);
   // MADV_HUGEPAGE on the mapping: "advised", or why not. tmpfs (/dev/shm) uses
   // huge pages only when /sys/kernel/mm/transparent_hugepage/shmem_enabled is
@@ -184,6 +185,7 @@ class Arena {
   FreeFn free_fn_ = nullptr;
   uint64_t slot_offset(int slot) const;
   void advise_huge_pages();
+  void populate(const CancelFlag* cancel);
   std::string huge_pages_ = "not advised";
 
   std::string path_;
