@@ -310,11 +310,15 @@ void Arena::prefault(const CancelFlag* cancel) {
 }
 
 void Arena::populate(const CancelFlag* cancel) {
+  // Small pieces: MADV_POPULATE_WRITE holds the process's mmap lock (read) while it
+  // runs, and an mmap/munmap of the training thread (a large tensor allocation)
+  // waits for the piece in progress: 4 MiB keep that wait to about a millisecond.
+  constexpr uint64_t kPiece = 4ull << 20;
   bool populate = true;
-  for (uint64_t off = 0; off < size_; off += kSetupPiece) {
+  for (uint64_t off = 0; off < size_; off += kPiece) {
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
                         "pre-faulting staging arena " << path_ << " cancelled");
-    uint64_t n = std::min(kSetupPiece, size_ - off);
+    uint64_t n = std::min(kPiece, size_ - off);
 #ifdef MADV_POPULATE_WRITE
     // Simulated write faults: pages mapped writable, contents untouched.
     if (populate && writable_ && madvise(base_ + off, n, MADV_POPULATE_WRITE) == 0) continue;
