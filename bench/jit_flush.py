@@ -98,6 +98,8 @@ def child_main(a: Any) -> int:
             p.unlink()
             deleted = True
     snap = cudasnap.Snapshotter(model, opt)
+    if attempt == 0:
+        snap.arena_ready()  # the first gate's flush needs a snapshot: arena made in the background
     t0 = time.time()
     start = snap.restore_latest()
     rst = snap.stats().get("restore") or {}

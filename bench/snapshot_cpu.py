@@ -17,6 +17,14 @@ on the same bytes and in the same run:
   (single-rank gloo group on a FileStore): time blocked, time until durable.
 
     python bench/snapshot_cpu.py [--sizes 1,4] [--repeats 3] [--quick] [--json]
+
+``--first-boundary``: only the start-up stall (issue 15 target 1). Per size, in
+the same run and alternating, the old behaviour (``arena_sync_max_bytes`` huge:
+the arena is made inside the first ``boundary()``) and the default (made by the
+background preparer from construction on): constructor time, first
+``boundary()`` blocked, the longest ``boundary()`` until the first COMPLETE
+snapshot, skipped boundaries, construction -> first COMPLETE; then the same after
+a restart that adopts the arena left behind (``close(keep_arena=True)``).
 """
 from __future__ import annotations
 
@@ -40,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--peers", choices=["all", "few", "none"], default="few",
                    help="dcp.save/async_save in which shapes (torch.save always runs); "
                         "default: the 'few' shape only (peers.py covers many tensors)")
+    p.add_argument("--first-boundary", action="store_true",
+                   help="measure only the first boundary's stall, old vs background arena")
     a = C.finish_args(p.parse_args(argv))
     if a.quick:
         a.boundaries = min(a.boundaries, 4)
@@ -131,6 +141,7 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
 
     # --- boundaries -------------------------------------------------------
     step = 0
+    snap.arena_ready()  # steady-state figures: --first-boundary measures the start
     t0 = time.perf_counter()
     snap.boundary(step)
     first_blocked = time.perf_counter() - t0
@@ -245,6 +256,94 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
     return res
 
 
+# ------------------------------------------------------------ first boundary
+def _until_complete(mk: Any, opt: Any, step: int, limit_s: float = 600.0) -> dict[str, Any]:
+    """Constructs a Snapshotter, then boundaries (with the fence-only opt.step() between)
+    until the first snapshot is COMPLETE; the loop pauses 10 ms per boundary like a
+    short training step."""
+    t0 = time.perf_counter()
+    snap = mk()
+    ctor = time.perf_counter() - t0
+    blocked: list[float] = []
+    t_end = t0 + limit_s
+    while time.perf_counter() < t_end:
+        opt.step()
+        b0 = time.perf_counter()
+        snap.boundary(step)
+        blocked.append(time.perf_counter() - b0)
+        step += 1
+        if snap.stats()["snapshots"] and snap.wait(limit_s):
+            break
+        time.sleep(0.01)
+    st = snap.stats()
+    return {"snap": snap, "step": step, "ctor_s": ctor, "first_s": blocked[0],
+            "max_s": max(blocked), "boundaries": len(blocked),
+            "skipped": st["skipped_not_ready"], "to_complete_s": time.perf_counter() - t0,
+            "huge_pages": (st.get("staging") or {}).get("huge_pages")}
+
+
+def first_boundary_case(size_gb: float, a: Any, tmp: Path) -> dict[str, Any] | None:
+    import cudasnap
+
+    # live state S + 3 arena slots (2 + spare) in /dev/shm
+    size = C.fit_size(size_gb, ram_per_gb=4.3, shm_per_gb=3.1, what="first boundary")
+    if size is None:
+        return None
+    model, opt = C.build_state(size, SHAPES["few"])
+    res: dict[str, Any] = {"size_gb": size, "modes": {}}
+    modes = {"old (in boundary)": 1 << 62, "background (default)": None}
+    for r in range(a.repeats):
+        names = list(modes) if r % 2 == 0 else list(reversed(modes))
+        for name in names:
+            job = f"bench-fb-{os.getpid()}-{r}-{len(res['modes'].get(name, []))}"
+            d = tmp / job
+            mk = lambda: cudasnap.Snapshotter(  # noqa: E731
+                model, opt, directory=d, job=job, keep=1, health=False,
+                arena_sync_max_bytes=modes[name], flush_on_close=False)
+            C.free_mem()
+            first = _until_complete(mk, opt, 0)
+            first.pop("snap").close(keep_arena=True)
+            C.free_mem()
+            again = _until_complete(mk, opt, first["step"])  # restart: adopts the arena
+            again.pop("snap").close()
+            C.rm(d)
+            res["modes"].setdefault(name, []).append({"start": first, "restart": again})
+            C.log(f"  {size:g} GB {name}: first boundary {first['first_s'] * 1e3:.2f} ms, max "
+                  f"{first['max_s'] * 1e3:.2f} ms, ctor {first['ctor_s'] * 1e3:.1f} ms, "
+                  f"skipped {first['skipped']}; restart first {again['first_s'] * 1e3:.2f} ms, "
+                  f"max {again['max_s'] * 1e3:.2f} ms, ctor {again['ctor_s'] * 1e3:.1f} ms")
+    del model, opt
+    C.free_mem()
+    return res
+
+
+def report_first(results: list[dict[str, Any]], a: Any) -> str:
+    f, m = C.fmt, C.med
+    rows = []
+    for r in results:
+        old = r["modes"]["old (in boundary)"]
+        for name, runs in r["modes"].items():
+            for when in ("start", "restart"):
+                xs = [x[when] for x in runs]
+                base = m([x[when]["max_s"] for x in old])
+                mx = m([x["max_s"] for x in xs])
+                rows.append([f"{r['size_gb']:g} GB", name, when,
+                             f(m([x["ctor_s"] for x in xs]) * 1e3, " ms"),
+                             f(m([x["first_s"] for x in xs]) * 1e3, " ms"),
+                             f(mx * 1e3, " ms"), "yes" if mx < 5e-3 else "NO",
+                             f(C.ratio(base, mx), "x"),
+                             f(m([x["skipped"] for x in xs]), ""),
+                             f(m([x["to_complete_s"] for x in xs]), " s"),
+                             xs[0]["huge_pages"]])
+    return C.print_table(
+        "Start-up stall: arena made in boundary() (old) vs by the background preparer",
+        ["size", "arena set-up", "when", "constructor", "first boundary() blocked",
+         "max boundary() until 1st COMPLETE", "< 5 ms?", "old max / this max",
+         "boundaries skipped", "construction -> 1st COMPLETE", "huge pages"], rows,
+        f"Medians of {a.repeats} runs per mode, modes alternated; 'restart' adopts the arena "
+        "the first Snapshotter left (close(keep_arena=True)). CPU backend (no page-locking).")
+
+
 # ------------------------------------------------------------------ report
 def report(results: list[dict[str, Any]], a: Any) -> str:
     f, m = C.fmt, C.med
@@ -315,6 +414,19 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     t_start = time.perf_counter()
     results = []
+    if a.first_boundary:
+        try:
+            for size in a.sizes:
+                r = first_boundary_case(size, a, tmp)
+                if r is not None:
+                    results.append(r)
+        finally:
+            C.rm(tmp)
+        report_first(results, a)
+        print(f"total wall time {time.perf_counter() - t_start:.0f} s", flush=True)
+        if a.json:
+            C.emit_json({"bench": "snapshot_cpu --first-boundary", "results": results})
+        return 0
     try:
         for size in a.sizes:
             for shape in a.shapes:

@@ -108,12 +108,29 @@ void init_crc(py::module_& m) {
 }
 
 void init_staging(py::module_& m) {
+  py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
+      .def(py::init<>())
+      .def("set", [](CancelFlag& c) { c.set.store(true); })
+      .def_property_readonly("is_set", [](const CancelFlag& c) { return c.set.load(); });
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
-      .def_static("create", &Arena::create, py::arg("path"), py::arg("num_slots"),
-                  py::arg("data_capacity"), py::arg("meta_capacity"), py::arg("chunk_bytes"),
-                  py::arg("job"), py::arg("prefault") = true,
+      .def_static("create",
+                  [](const std::string& path, int num_slots, uint64_t data_capacity,
+                     uint64_t meta_capacity, uint64_t chunk_bytes, const std::string& job,
+                     bool prefault, const std::shared_ptr<CancelFlag>& cancel) {
+                    return Arena::create(path, num_slots, data_capacity, meta_capacity,
+                                         chunk_bytes, job, prefault, cancel.get());
+                  },
+                  py::arg("path"), py::arg("num_slots"), py::arg("data_capacity"),
+                  py::arg("meta_capacity"), py::arg("chunk_bytes"), py::arg("job"),
+                  py::arg("prefault") = true, py::arg("cancel") = nullptr,
                   py::call_guard<py::gil_scoped_release>())
-      .def_static("open", &Arena::open, py::arg("path"), py::arg("writable") = true)
+      .def_static("open", &Arena::open, py::arg("path"), py::arg("writable") = true,
+                  py::arg("prefault") = true, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prefault",
+          [](Arena& a, const std::shared_ptr<CancelFlag>& cancel) { a.prefault(cancel.get()); },
+          py::arg("cancel") = nullptr, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("huge_pages", &Arena::huge_pages)
       .def_static("required_bytes", &Arena::required_bytes)
       .def_property_readonly("path", &Arena::path)
       .def_property_readonly("num_slots", &Arena::num_slots)
@@ -217,6 +234,8 @@ void init_copy_engine(py::module_& m) {
   py::class_<CpuCopyEngine, CopyEngine, std::shared_ptr<CpuCopyEngine>>(m, "CpuCopyEngine")
       .def(py::init<int, int>(), py::arg("threads"), py::arg("nice") = 10)
       .def_property_readonly("threads", &CpuCopyEngine::threads)
+      .def_property_readonly("last_workers_used", &CpuCopyEngine::last_workers_used)
+      .def_property_readonly("last_yield_chunks", &CpuCopyEngine::last_yield_chunks)
       .def("set_test_chunk_delay_us", &CpuCopyEngine::set_test_chunk_delay_us, py::arg("us"));
 }
 
@@ -267,6 +286,8 @@ void init_flusher(py::module_& m) {
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
   m.def("flush_active", &flush_active, "flusher writes running now in this process");
   m.def("flushes_started", &flushes_started);
+  m.def("_test_flush_active_add", &test_flush_active_add, py::arg("delta"),
+        "TEST-ONLY: pretend a flush starts (+1) or ends (-1)");
 }
 
 void init_layout_check(py::module_& m) {

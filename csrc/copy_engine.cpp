@@ -10,6 +10,7 @@
 
 #include "crc32c.h"
 #include "error.h"
+#include "flusher.h"
 
 namespace cudasnap {
 
@@ -150,12 +151,14 @@ struct CpuCopyEngine::Work {
   std::atomic<uint64_t> done{0};
   std::atomic<uint64_t> p0done{0};
   std::atomic<bool> failed{false};
+  std::atomic<int> workers_used{0};
+  std::atomic<uint64_t> yield_chunks{0};
 };
 
 CpuCopyEngine::CpuCopyEngine(int threads, int nice) : nice_(nice) {
   CUDASNAP_CHECK(threads >= 1 && threads <= 256, "copy threads must be 1..256, got " << threads);
   CUDASNAP_CHECK(nice >= 0 && nice <= 19, "copy thread nice value must be 0..19, got " << nice);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(); });
+  for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { worker(i); });
 }
 
 void lower_thread_priority(int nice) {
@@ -252,7 +255,7 @@ bool CpuCopyEngine::fence(CopyJob& job, int phase, uint64_t /*stream*/) {
   return job.wait(phase, wait_s);  // it was committing: done in a moment
 }
 
-void CpuCopyEngine::worker() {
+void CpuCopyEngine::worker(int id) {
   lower_thread_priority(nice_);
   for (;;) {
     std::shared_ptr<Work> w;
@@ -262,9 +265,29 @@ void CpuCopyEngine::worker() {
       if (stop_) return;
       w = cur_;
     }
+    bool counted = false;
     for (;;) {
+      // A flush running in this process gets the memory bandwidth and cores:
+      // one worker (the first to claim flush_runner_) copies, pausing between
+      // chunks; the others wait until the flush ends or the copy is done.
+      bool solo = false;
+      if (flush_active() > 0) {
+        int expect = -1;
+        if (!flush_runner_.compare_exchange_strong(expect, id) && expect != id) {
+          if (w->next.load() >= w->nchunks) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(500));
+          continue;
+        }
+        solo = true;
+      } else if (flush_runner_.load() == id) {
+        flush_runner_.store(-1);
+      }
       uint64_t c = w->next.fetch_add(1);
       if (c >= w->nchunks) break;
+      if (!counted) {
+        counted = true;
+        w->workers_used.fetch_add(1);
+      }
       // TEST-ONLY stall; re-read each millisecond, so a test releases it by setting 0.
       for (uint64_t slept = 0; delay_us_.load() > slept && !w->job->failed(); slept += 1000)
         std::this_thread::sleep_for(std::chrono::microseconds(1000));
@@ -276,8 +299,12 @@ void CpuCopyEngine::worker() {
           w->job->fail(e.what());
         }
       }
+      if (solo) w->yield_chunks.fetch_add(1);
       finish_chunk(*w, c);
+      if (solo) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+    int me = id;
+    flush_runner_.compare_exchange_strong(me, -1);
   }
 }
 
@@ -303,6 +330,8 @@ void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
   // and a trainer that wakes first would otherwise wait in its next submit()
   // for this thread to be scheduled again on a busy host.
   std::shared_ptr<CopyJob> job = w.job;
+  last_workers_.store(w.workers_used.load());
+  last_yield_.store(w.yield_chunks.load());
   {
     std::lock_guard<std::mutex> g(mu_);
     cur_.reset();

@@ -114,10 +114,15 @@ class CpuCopyEngine : public CopyEngine {
   // TEST-ONLY: every chunk copy first sleeps this long (a stalled copier; set 0
   // to release it), so tests can prove that fences wait and waits are bounded.
   void set_test_chunk_delay_us(uint64_t us) { delay_us_.store(us); }
+  // Of the last finished snapshot: how many workers copied at least one chunk,
+  // and how many chunks were copied in flush-yield mode (one worker, pausing
+  // between chunks, while flush_active() > 0).
+  int last_workers_used() const { return last_workers_.load(); }
+  uint64_t last_yield_chunks() const { return last_yield_.load(); }
 
  private:
   struct Work;
-  void worker();
+  void worker(int id);
   void finish_chunk(Work& w, uint64_t chunk);
 
   std::mutex mu_;
@@ -128,6 +133,9 @@ class CpuCopyEngine : public CopyEngine {
   std::vector<std::thread> workers_;
   int nice_ = 10;
   std::atomic<uint64_t> delay_us_{0};
+  std::atomic<int> flush_runner_{-1};  // the one worker copying while a flush runs
+  std::atomic<int> last_workers_{0};
+  std::atomic<uint64_t> last_yield_{0};
 };
 
 // Lowers the calling thread's scheduling priority (per-thread nice on Linux).

@@ -88,6 +88,10 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::s
 
 int flush_active() noexcept { return g_flush_active.load(std::memory_order_acquire); }
 
+void test_flush_active_add(int delta) noexcept {
+  g_flush_active.fetch_add(delta, std::memory_order_release);
+}
+
 uint64_t flushes_started() noexcept { return g_flush_started.load(std::memory_order_relaxed); }
 
 void fsync_dir(const std::string& path) {

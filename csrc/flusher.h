@@ -51,6 +51,9 @@ int64_t verify_buffer(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
 // should yield the disk-feeding CPU and memory bandwidth to the flush.
 int flush_active() noexcept;
 uint64_t flushes_started() noexcept;
+// TEST-ONLY: adds `delta` to the flush_active() count (a flush "running" for
+// as long as a test holds it), so copy engines' yielding is testable.
+void test_flush_active_add(int delta) noexcept;
 
 // fsync of a directory (after creating or renaming entries in it).
 void fsync_dir(const std::string& path);

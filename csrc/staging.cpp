@@ -101,7 +101,7 @@ uint64_t Arena::required_bytes(int num_slots, uint64_t data_capacity, uint64_t m
 std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
                                      uint64_t data_capacity, uint64_t meta_capacity,
                                      uint64_t chunk_bytes, const std::string& job,
-                                     bool prefault) {
+                                     bool prefault, const CancelFlag* cancel) {
   CUDASNAP_CHECK_KIND(ErrorKind::Staging, num_slots >= 2 && num_slots <= kMaxSlots,
                       "arena needs 2.." << kMaxSlots << " slots, got " << num_slots);
   CUDASNAP_CHECK_KIND(ErrorKind::Staging, chunk_bytes >= kPage && chunk_bytes % kPage == 0,
@@ -131,19 +131,38 @@ std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
                     ErrorKind::Staging, "cannot create staging arena " << path);
   try {
     CUDASNAP_SYSCHECK(fchmod(a->fd_, 0600), ErrorKind::Staging, "chmod 0600 " << path);
-    int rc = posix_fallocate(a->fd_, 0, static_cast<off_t>(total));
-    CUDASNAP_CHECK_KIND(ErrorKind::Staging, rc == 0,
-                        "cannot reserve " << human(total) << " for staging arena " << path
-                                          << ": posix_fallocate failed: " << std::strerror(rc)
-                                          << " (errno " << rc << ")");
+    // The full size first: with shmem_enabled=within_size tmpfs then backs the
+    // reserved range with huge pages.
+    CUDASNAP_SYSCHECK(ftruncate(a->fd_, static_cast<off_t>(total)), ErrorKind::Staging,
+                      "cannot size staging arena " << path << " to " << human(total));
+    auto reserve = [&](uint64_t off, uint64_t n) {
+      int rc = posix_fallocate(a->fd_, static_cast<off_t>(off), static_cast<off_t>(n));
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, rc == 0,
+                          "cannot reserve " << human(total) << " for staging arena " << path
+                                            << ": posix_fallocate failed: " << std::strerror(rc)
+                                            << " (errno " << rc << ")");
+    };
+    // Header pages first, then the headers: a crash (or a reader) during the
+    // long reservation below sees a valid arena with empty slots, never a
+    // zero-filled file. prefault() of an adopted arena reserves whatever a
+    // crashed set-up left unreserved.
+    const uint64_t stride = stride_for(data_capacity, meta_capacity, chunk_bytes);
+    reserve(0, kPage);
+    for (int i = 0; i < num_slots; ++i) reserve(kPage + uint64_t(i) * stride, kPage);
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd_, 0);
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, p != MAP_FAILED,
                         "mmap of " << human(total) << " staging arena " << path
                                    << " failed: " << std::strerror(errno));
     a->base_ = static_cast<uint8_t*>(p);
     a->size_ = total;
+    a->advise_huge_pages();
     a->init_layout(num_slots, data_capacity, meta_capacity, chunk_bytes, job);
-    if (prefault) a->prefault();
+    for (uint64_t off = 0; off < total; off += kSetupPiece) {
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
+                          "set-up of staging arena " << path << " cancelled");
+      reserve(off, std::min(kSetupPiece, total - off));
+    }
+    if (prefault) a->populate(cancel);
   } catch (...) {
     a->unlink_file();
     throw;
@@ -199,7 +218,7 @@ std::shared_ptr<Arena> Arena::create_private(int num_slots, uint64_t data_capaci
   return a;
 }
 
-std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable) {
+std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable, bool prefault) {
   auto a = std::shared_ptr<Arena>(new Arena());
   a->path_ = path;
   a->writable_ = writable;
@@ -255,9 +274,11 @@ std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable) {
                       "staging arena " << path << " has an inconsistent geometry (file "
                                        << size << " bytes, header says " << h->total_bytes
                                        << ")");
-  // A trainer adopting its predecessor's arena: map every page now, not one
-  // minor fault per 4 KiB during its first snapshot copies.
-  if (writable) a->prefault();
+  // A trainer adopting its predecessor's arena: map every page now (or later,
+  // off the training thread), not one minor fault per 4 KiB during its first
+  // snapshot copies.
+  if (writable) a->advise_huge_pages();
+  if (writable && prefault) a->prefault();
   return a;
 }
 
@@ -270,12 +291,58 @@ Arena::~Arena() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void Arena::prefault() {
+void Arena::prefault(const CancelFlag* cancel) {
+  if (!base_ || size_ == 0) return;
+  if (fd_ >= 0 && writable_) {
+    // Reserve what is not yet (a set-up that crashed half-way): no SIGBUS later.
+    for (uint64_t off = 0; off < size_; off += kSetupPiece) {
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
+                          "pre-faulting staging arena " << path_ << " cancelled");
+      uint64_t n = std::min(kSetupPiece, size_ - off);
+      int rc = posix_fallocate(fd_, static_cast<off_t>(off), static_cast<off_t>(n));
+      CUDASNAP_CHECK_KIND(ErrorKind::Staging, rc == 0,
+                          "cannot reserve the " << human(size_) << " of staging arena " << path_
+                                                << ": posix_fallocate failed: "
+                                                << std::strerror(rc));
+    }
+  }
+  populate(cancel);
+}
+
+void Arena::populate(const CancelFlag* cancel) {
+  // Small pieces: MADV_POPULATE_WRITE holds the process's mmap lock (read) while it
+  // runs, and an mmap/munmap of the training thread (a large tensor allocation)
+  // waits for the piece in progress: 4 MiB keep that wait to about a millisecond.
+  constexpr uint64_t kPiece = 4ull << 20;
+  bool populate = true;
+  for (uint64_t off = 0; off < size_; off += kPiece) {
+    CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
+                        "pre-faulting staging arena " << path_ << " cancelled");
+    uint64_t n = std::min(kPiece, size_ - off);
 #ifdef MADV_POPULATE_WRITE
-  if (madvise(base_, size_, MADV_POPULATE_WRITE) == 0) return;
+    // Simulated write faults: pages mapped writable, contents untouched.
+    if (populate && writable_ && madvise(base_ + off, n, MADV_POPULATE_WRITE) == 0) continue;
 #endif
-  volatile uint8_t* p = base_;
-  for (uint64_t off = 0; off < size_; off += kPage) p[off] = p[off];
+    populate = false;
+    // Fallback: a read of each page (tmpfs pages exist after fallocate, and a
+    // shared mapping maps them writable). Never a write: the slots may be in use.
+    volatile const uint8_t* p = base_ + off;
+    uint8_t sink = 0;
+    for (uint64_t i = 0; i < n; i += kPage) sink ^= p[i];
+    (void)sink;
+  }
+}
+
+void Arena::advise_huge_pages() {
+#ifdef MADV_HUGEPAGE
+  if (madvise(base_, size_, MADV_HUGEPAGE) == 0) {
+    huge_pages_ = "advised";
+  } else {
+    huge_pages_ = std::string("MADV_HUGEPAGE refused: ") + std::strerror(errno);
+  }
+#else
+  huge_pages_ = "MADV_HUGEPAGE not available on this system";
+#endif
 }
 
 void Arena::unlink_file() {

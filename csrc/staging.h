@@ -81,13 +81,23 @@ struct SlotInfo {
   int64_t writer_pid = 0;
 };
 
+// Set from another thread to stop a long arena set-up (create / prefault) at
+// its next piece (every kSetupPiece bytes); the set-up then throws StagingError.
+struct CancelFlag {
+  std::atomic<bool> set{false};
+};
+constexpr uint64_t kSetupPiece = 64ull << 20;
+
 class Arena {
  public:
   // Create a new arena file (fails if it exists). Checks free space first.
+  // Space is reserved (fallocate) and, with `prefault`, mapped in pieces of
+  // kSetupPiece, checking `cancel` between pieces: a cancelled set-up removes
+  // the file and throws StagingError. The mapping gets MADV_HUGEPAGE advice.
   static std::shared_ptr<Arena> create(const std::string& path, int num_slots,
                                        uint64_t data_capacity, uint64_t meta_capacity,
                                        uint64_t chunk_bytes, const std::string& job,
-                                       bool prefault);
+                                       bool prefault, const CancelFlag* cancel = nullptr);
   // An arena in process-private memory from `alloc` (e.g. cudaHostAlloc when
   // cudaHostRegister of the shared file fails). It does not outlive the process.
   using AllocFn = void* (*)(uint64_t bytes);
@@ -96,8 +106,11 @@ class Arena {
                                                uint64_t meta_capacity, uint64_t chunk_bytes,
                                                const std::string& job, AllocFn alloc,
                                                FreeFn free_fn);
-  // Open an existing arena file; validates the arena header.
-  static std::shared_ptr<Arena> open(const std::string& path, bool writable);
+  // Open an existing arena file; validates the arena header. A writable open
+  // pre-faults the mapping unless `prefault` is false (then call prefault()
+  // later, e.g. on a background thread).
+  static std::shared_ptr<Arena> open(const std::string& path, bool writable,
+                                     bool prefault = true);
   // Bytes an arena of this geometry occupies.
   static uint64_t required_bytes(int num_slots, uint64_t data_capacity,
                                  uint64_t meta_capacity, uint64_t chunk_bytes);
@@ -150,8 +163,15 @@ class Arena {
   // Leased by a reader in another process (an OFD lock on the arena file).
   bool leased_elsewhere(int slot) const;
 
-  // Zero-filled-page touch of the whole mapping (used by create()).
-  void prefault();
+  // Reserves (fallocate: a set-up that crashed half-way left holes) and maps
+  // every page of the arena now (MADV_POPULATE_WRITE, else a read touch: never
+  // a write, so it is safe beside readers and writers of the slots), in pieces,
+  // checking `cancel` between them (throws StagingError when set).
+  void prefault(const CancelFlag* cancel = nullptr);
+  // MADV_HUGEPAGE on the mapping: "advised", or why not. tmpfs (/dev/shm) uses
+  // huge pages only when /sys/kernel/mm/transparent_hugepage/shmem_enabled is
+  // advise / within_size / always.
+  const std::string& huge_pages() const { return huge_pages_; }
   void unlink_file();
 
   // cudaHostRegister bookkeeping (set by the CUDA backend).
@@ -166,6 +186,9 @@ class Arena {
                    uint64_t chunk_bytes, const std::string& job);
   FreeFn free_fn_ = nullptr;
   uint64_t slot_offset(int slot) const;
+  void advise_huge_pages();
+  void populate(const CancelFlag* cancel);
+  std::string huge_pages_ = "not advised";
 
   std::string path_;
   int fd_ = -1;

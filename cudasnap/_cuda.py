@@ -57,6 +57,31 @@ def _spans(items: Iterable[Any], index: int | None = None) -> list[tuple[int, in
     return out
 
 
+def pin_arena(arena: Any, device: int) -> tuple[Any, str | None]:
+    """Page-locks ``arena`` (cudaHostRegister) for DMA from ``device``: (arena, None).
+
+    Where the shared-memory arena cannot be registered (VMs, gVisor, memlock
+    limit) it returns, with a warning, a process-private pinned arena of the
+    same geometry and the reason: (private arena, reason); such an arena does
+    not outlive the process. Safe on any thread (the device is passed to every
+    call); the background preparer calls it off the training thread.
+    """
+    C = native()
+    if arena.cuda_registered:
+        return arena, None
+    ok, reason = C.register_arena(arena, int(device))
+    if ok:
+        return arena, None
+    log.warning("cudasnap: cannot page-lock the shared-memory staging arena (%s); using a "
+                "process-private pinned arena instead: snapshots will NOT survive a crash "
+                "of this process (no flush by the supervisor)", reason)
+    priv = C.create_private_pinned_arena(arena.num_slots, arena.data_capacity,
+                                         arena.meta_capacity, arena.chunk_bytes, arena.job)
+    if arena.newest_complete() < 0:
+        arena.unlink()  # an empty file would only hold shared memory
+    return priv, str(reason)
+
+
 class CudaBackend:
     """The CUDA copy engine of one device, its staging arena and allocator tracking."""
 
@@ -90,32 +115,27 @@ class CudaBackend:
                             "checked against the named tensors instead", e)
 
     # ------------------------------------------------------------ staging
-    def prepare_arena(self, arena: Any, owner: Any = None) -> Any:
+    def prepare_arena(self, arena: Any, owner: Any = None, reason: str | None = None) -> Any:
         """Page-locks ``arena`` (an Arena, or a callable returning one) for DMA.
 
-        Falls back, with a warning, to a process-private pinned arena of the same
-        geometry when the shared-memory arena cannot be registered; such an arena
-        does not outlive the process. Returns the arena to use.
+        An arena already page-locked (by :func:`pin_arena` on the background
+        preparer, or a private pinned one) is only taken into this backend's
+        books, so close() unregisters it; ``reason`` is that preparer's fallback
+        reason. Otherwise see :func:`pin_arena` (synchronous). Returns the arena.
         """
         C = native()
         if callable(arena) and not isinstance(arena, C.Arena):
             arena = arena()
         self._sweep()
-        if arena.cuda_registered:
-            return arena
-        ok, reason = C.register_arena(arena, self.index)
-        if ok:
-            self._arenas.append(arena)
-            return arena
-        self.fallback_reason = reason
-        log.warning("cudasnap: cannot page-lock the shared-memory staging arena (%s); using a "
-                    "process-private pinned arena instead: snapshots will NOT survive a crash "
-                    "of this process (no flush by the supervisor)", reason)
-        priv = C.create_private_pinned_arena(arena.num_slots, arena.data_capacity,
-                                             arena.meta_capacity, arena.chunk_bytes, arena.job)
-        if arena.newest_complete() < 0:
-            arena.unlink()  # an empty file would only hold shared memory
-        return priv
+        if reason:
+            self.fallback_reason = reason
+        if not arena.cuda_registered:
+            arena, why = pin_arena(arena, self.index)
+            if why:
+                self.fallback_reason = why
+        if arena.shared and not any(a is arena for a in self._arenas):
+            self._arenas.append(arena)  # registered by us: unregistered before it is unmapped
+        return arena
 
     def _sweep(self) -> None:
         """Unregisters arenas nobody but this backend references any more."""
@@ -234,4 +254,4 @@ class CudaBackend:
                 log.warning("cudasnap: cudaHostUnregister failed: %s", e)
 
 
-__all__ = ["CudaBackend", "tensor_span_bytes", "AUTO_DRAIN_EVENTS"]
+__all__ = ["CudaBackend", "pin_arena", "tensor_span_bytes", "AUTO_DRAIN_EVENTS"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import dirid, store
+from . import arena_prep, dirid, store
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
@@ -119,6 +119,14 @@ class Snapshotter:
         health: start the health monitor, signal handlers and watchdog
             (default: on when running under ``cudasnap run`` or CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
+        arena_sync_max_bytes: staging arenas whose slots hold up to this many bytes of
+            snapshot data in all are made at the first boundary, on the training
+            thread (small models snapshot from step 0 on); larger ones, and the
+            pre-fault / page-locking of an arena left by a previous process, are
+            prepared on a background thread from construction on (see
+            cudasnap.arena_prep): boundaries before it is ready are skipped and
+            counted in ``stats()["skipped_not_ready"]``. Default 16 MiB or
+            $CUDASNAP_ARENA_SYNC_MAX_BYTES.
     """
 
     def __init__(self, model: Any, optimizer: Any = None,
@@ -133,7 +141,8 @@ class Snapshotter:
                  replicas: Any = "auto",
                  rng_sources: tuple[str, ...] = ("torch", "cuda", "numpy", "python"),
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
-                 flush_on_close: bool = True, fresh: bool | None = None) -> None:
+                 flush_on_close: bool = True, fresh: bool | None = None,
+                 arena_sync_max_bytes: int | None = None) -> None:
         if num_slots < 2:
             raise ConfigError(f"num_slots must be >= 2, got {num_slots}")
         if num_slots + bool(spare_slot) > 8:
@@ -207,12 +216,16 @@ class Snapshotter:
             "last_copy_seconds": None, "last_copy_gbps": None, "flushes": 0,
             "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
             "health_events": 0, "restore": None, "layout_rebuilds": 0, "abandoned": 0,
-            "arena_regrowths": 0}
+            "arena_regrowths": 0, "skipped_not_ready": 0}
         # Bound of every wait on a copy (fences, the next submit, close()).
         self.wait_timeout_s = float(os.environ.get("CUDASNAP_WAIT_S") or 120.0)
         self._job_layout: _Layout | None = None  # keeps the running copy's tensors alive
         self._hooks: list[Any] = []
         self._install_fences()
+        if arena_sync_max_bytes is None:
+            arena_sync_max_bytes = _env_int("CUDASNAP_ARENA_SYNC_MAX_BYTES",
+                                            arena_prep.SYNC_MAX_BYTES)
+        self._prep = arena_prep.ArenaPreparer(arena_sync_max_bytes, self._state_device())
         self._open_inherited_arena()
         if fresh_from_env(fresh):
             move_aside(self.directory, self._inherited, self.flush_threads,
@@ -227,6 +240,7 @@ class Snapshotter:
             from .distributed import Coordinator
 
             self.dist = Coordinator(self, replicas=replicas)
+        arena_prep.start_at_construction(self)  # large arenas: off the training thread
         self.guard: Any = None
         if health is None:
             health = os.environ.get("CUDASNAP_HEALTH", "") == "1"
@@ -305,12 +319,21 @@ class Snapshotter:
         log.info("cudasnap: %s backend, %d copy threads, arena %s", name, self.copy_threads,
                  self.arena_path)
 
+    def _state_device(self) -> int | None:
+        """CUDA device index the arena must be page-locked for (None: CPU backend)."""
+        if self._backend_name == "cpu":
+            return None
+        tensors = self.state.live_tensors()
+        if not any(lt.tensor.is_cuda for lt in tensors):
+            return None
+        return single_cuda_device(tensors).index
+
     def _open_inherited_arena(self) -> None:
         if not self.arena_path.exists():
             return
         C = native()
-        try:
-            arena = C.Arena.open(str(self.arena_path), True)
+        try:  # pre-faulted by arena_prep.start_at_construction (large: in the background)
+            arena = C.Arena.open(str(self.arena_path), True, False)
         except SnapshotError as e:
             log.warning("ignoring unreadable staging arena %s: %s", self.arena_path, e)
             self.arena_path.unlink(missing_ok=True)
@@ -434,39 +457,37 @@ class Snapshotter:
         return self._layout
 
     def _ensure_arena(self, plan: Any, meta_len: int) -> Any:
-        a = self._arena
-        need_meta = max(MIN_META, 4 * meta_len)
-        if a is not None and a.data_capacity >= plan.total_bytes and a.meta_capacity >= meta_len:
-            return a
-        inh = self._inherited
-        if a is None and inh is not None and inh.data_capacity >= plan.total_bytes \
-                and inh.meta_capacity >= need_meta and inh.chunk_bytes == self.chunk_bytes \
-                and inh.num_slots == self.num_slots:
-            self._inherited = None
-            self._arena = self._adopt(inh)
-            return self._arena
-        if a is not None:
-            log.warning("state grew to %d bytes; re-creating the staging arena", plan.total_bytes)
-            del a  # the old mapping must go before the new arena's free-space check
+        """The arena for ``plan``, or None (this boundary is skipped; see arena_prep)."""
+        return arena_prep.ensure(self, plan, meta_len, int(self.last_step or 0))
+
+    def _make_arena_here(self, regrow: bool, capacity: int, meta_capacity: int) -> Any:
+        """A small arena, made on the calling (training) thread."""
+        if regrow:
+            log.warning("state grew; re-creating the staging arena")
             if not self._retire_arena():
                 return None
         if self._inherited is not None:
-            self._inherited.unlink()
+            arena_prep.drop(self._inherited)
             self._inherited = None
-        capacity = plan.total_bytes + plan.total_bytes // 64 + self.chunk_bytes
-        capacity = (capacity + 4095) // 4096 * 4096
         t0 = time.perf_counter()
         self.arena_path.unlink(missing_ok=True)
-        arena = self._create_arena(capacity, (need_meta + 4095) // 4096 * 4096)
+        arena = self._create_arena(capacity, meta_capacity)
         self._arena = self._adopt(arena)
         self._stats["arena_setup_seconds"] = time.perf_counter() - t0
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
                  self.num_slots, capacity / 1e6, self._stats["arena_setup_seconds"])
         return self._arena
 
-    def _create_arena(self, capacity: int, meta_capacity: int) -> Any:
+    def _create_arena(self, capacity: int, meta_capacity: int, cancel: Any = None) -> Any:
         return native().Arena.create(str(self.arena_path), self.num_slots, capacity,
-                                     meta_capacity, self.chunk_bytes, self.job, True)
+                                     meta_capacity, self.chunk_bytes, self.job, True, cancel)
+
+    def arena_ready(self, timeout: float | None = None) -> bool:
+        """Waits (up to ``timeout`` s) for a background arena set-up; True when none runs.
+
+        The next boundary then adopts the arena and snapshots again.
+        """
+        return self._prep.wait(timeout)
 
     def _retire_arena(self) -> bool:
         """Frees the current arena before a bigger one is made, keeping its snapshot.
@@ -494,8 +515,9 @@ class Snapshotter:
                 self.flush(wait=False)
         if self._cuda is not None and not self._cuda.release_arena(old, self.wait_timeout_s):
             return False
-        old.unlink()
-        self._arena = old = None  # drops the mapping (the engine holds none once idle)
+        with self._flush_lock:  # may run on the arena preparer: never under a flush
+            old.unlink()
+            self._arena = old = None  # drops the mapping (the engine holds none once idle)
         self._stats["arena_regrowths"] += 1
         return True
 
@@ -503,7 +525,7 @@ class Snapshotter:
         if arena.writable:
             arena.claim_owner()  # `cudasnap gc` must see this process as the live user
         if self._cuda is not None:
-            return self._cuda.prepare_arena(arena, self)
+            return self._cuda.prepare_arena(arena, self, self._prep.fallback_reason)
         return arena
 
     # ---------------------------------------------------------- boundary
@@ -816,9 +838,11 @@ class Snapshotter:
         a = self._arena or self._inherited
         s["staging"] = None if a is None else {
             "path": a.path, "bytes": a.total_bytes, "shared": a.shared,
-            "page_locked": a.cuda_registered,
+            "page_locked": a.cuda_registered, "huge_pages": a.huge_pages,
             # Why the arena is process-private (cudaHostRegister of the shared file refused).
-            "fallback_reason": self._cuda.fallback_reason if self._cuda is not None else None}
+            "fallback_reason": self._prep.fallback_reason or (
+                self._cuda.fallback_reason if self._cuda is not None else None)}
+        s["arena_preparing"] = self._prep.busy
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())
         s.update(arena_slots(self._arena or self._inherited, self.num_slots, self.spare_slot))
@@ -836,6 +860,7 @@ class Snapshotter:
         and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed)."""
         if self._closed:
             return
+        arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))  # a set-up in progress
         if flush is None:
             flush = self.flush_on_close and not keep_arena and self.dist is None
         if flush and not final_flush(self):
