@@ -24,7 +24,7 @@ import torch
 
 from .state import LiveTensor, TrainingState, _param_order
 
-WINDOW = 512
+WINDOW = 256
 
 
 def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tuple[Any, Any, Any]]:
@@ -34,7 +34,6 @@ def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tu
     for mkey, mod in state.models.items():
         owners[f"model:{mkey}"] = (mkey, mod)
     params: dict[str, list[torch.Tensor]] = {k: _param_order(o) for k, o in state.optimizers.items()}
-    seen_state: set[int] = set()
     for lt in tensors:
         kind, key = lt.group.split(":", 1)
         if kind == "model":
@@ -53,13 +52,12 @@ def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tu
         elif lt.param_index is not None:
             opt = state.optimizers[key]
             p = params[key][lt.param_index]
+            # Keyed by the tensor itself: looked up once here, never per boundary
+            # (Tensor.__hash__ is a Python call). A whole new opt.state[p] dict is
+            # found by the full re-scan; load_state_dict rebuilds the layout at once.
             st = opt.state.get(p)
-            if st is None:
-                continue
-            if id(st) not in seen_state:
-                seen_state.add(id(st))
-                out.append((opt.state, p, st))
-            out.append((st, lt.state_key, lt.tensor))
+            if st is not None:
+                out.append((st, lt.state_key, lt.tensor))
     return out
 
 

@@ -76,6 +76,7 @@ class _Layout:
         per = 4 * layout_watch.WINDOW
         self.rescan_every = Snapshotter.RESCAN_EVERY * max(1, -(-len(tensors) // per))
         self.plan_key: int | None = None
+        self.checks = 0  # boundaries that used this layout (drives the full re-scan)
 
     def ptrs_changed(self) -> bool:
         return self.guard.first_moved() >= 0
@@ -455,7 +456,8 @@ class Snapshotter:
     def _current_layout(self) -> _Layout:
         lay = self._layout
         if lay is not None and lay.signature == self.state.signature():
-            periodic = self._boundaries % lay.rescan_every == 0
+            lay.checks += 1
+            periodic = lay.checks % lay.rescan_every == 0
             # O(WINDOW) whatever the tensor count: see cudasnap.layout_watch.
             if not lay.watch.check_next(layout_watch.WINDOW):
                 if self._cuda is not None and lay.plan_key is not None and not periodic \
@@ -704,8 +706,8 @@ class Snapshotter:
         commit path) for the flush to write. Otherwise the newest COMPLETE slot is
         flushed (replay <= snapshot_every steps)."""
         live, arena = self._live, self._arena
-        if live is None or arena is None or self._engine is None:
-            return
+        if live is None or arena is None or self._engine is None or self._live_copy is not None:
+            return  # (not re-entered: a regrowth inside the copy flushes too)
         step, suffix = live
         ev = threading.Event()
         self._live_copy = ev  # set before reading the flag; _fence sets it the other way
@@ -809,6 +811,7 @@ class Snapshotter:
     def _apply(self, tensors: Any, host: Any, data: Any, where: str) -> int:
         """state.apply, with a malformed (CRC-consistent but hostile) host state reported
         as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
+        self._live = None  # the live state is about to be replaced: no JIT copy of it
         try:
             return self.state.apply(tensors, host, data, where)
         except SnapshotError:
