@@ -43,6 +43,9 @@ SHAPES = {"few": 2, "many": 1000}  # parameters; x4 state tensors (param, exp_av
 def parse_args(argv: list[str] | None = None) -> Any:
     p = C.base_parser(__doc__.split("\n\n")[0], quick_sizes="0.1,0.2")
     p.add_argument("--shapes", default="few,many", help="few,many (subset allowed)")
+    p.add_argument("--tensors", type=int, default=None,
+                   help="state tensors of the 'many' shape (default 4,000; e.g. 40000); "
+                        "bench/boundary_cpu.py measures boundary() alone over tensor counts")
     p.add_argument("--boundaries", type=int, default=6,
                    help="boundaries measured per case after the first (default 6)")
     p.add_argument("--peers", choices=["all", "few", "none"], default="few",
@@ -51,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--first-boundary", action="store_true",
                    help="measure only the first boundary's stall, old vs background arena")
     a = C.finish_args(p.parse_args(argv))
+    if a.tensors is not None:
+        SHAPES["many"] = max(1, a.tensors // 4)  # 4 state tensors per AdamW parameter
     if a.quick:
         a.boundaries = min(a.boundaries, 4)
     a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]

@@ -112,6 +112,10 @@ void init_staging(py::module_& m) {
       .def(py::init<>())
       .def("set", [](CancelFlag& c) { c.set.store(true); })
       .def_property_readonly("is_set", [](const CancelFlag& c) { return c.set.load(); });
+  py::class_<MetaPrefix, std::shared_ptr<MetaPrefix>>(m, "MetaPrefix")
+      .def(py::init([](const py::bytes& b) { return std::make_shared<MetaPrefix>(std::string(b)); }))
+      .def_property_readonly("id", [](const MetaPrefix& p) { return p.id; })
+      .def("__len__", [](const MetaPrefix& p) { return p.bytes.size(); });
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
       .def_static("create",
                   [](const std::string& path, int num_slots, uint64_t data_capacity,
@@ -152,6 +156,7 @@ void init_staging(py::module_& m) {
         a.begin_write(s, step, std::string(meta));
       })
       .def("commit", &Arena::commit)
+      .def("meta_prefix_id", &Arena::meta_prefix_id, py::arg("slot"))
       .def("invalidate", &Arena::invalidate)
       .def("read_meta", [](const Arena& a, int s) { return py::bytes(a.read_meta(s)); })
       .def("read_table", &Arena::read_table)
@@ -214,13 +219,14 @@ void init_copy_engine(py::module_& m) {
       .def("submit",
            [](CopyEngine& e, const std::shared_ptr<Arena>& a, int slot,
               const std::shared_ptr<CopyPlan>& plan, int64_t step, const py::bytes& meta,
-              uint64_t stream) {
-             std::string m = meta;
+              uint64_t stream, const std::shared_ptr<const MetaPrefix>& prefix) {
+             // `meta` is the whole manifest, or with `prefix` its suffix (host state + step).
+             SlotMeta m{prefix, meta};
              py::gil_scoped_release nogil;
              return e.submit(a, slot, plan, step, m, stream);
            },
            py::arg("arena"), py::arg("slot"), py::arg("plan"), py::arg("step"),
-           py::arg("meta"), py::arg("stream") = 0)
+           py::arg("meta"), py::arg("stream") = 0, py::arg("prefix") = nullptr)
       .def("fence", &CopyEngine::fence, py::arg("job"), py::arg("phase"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(
@@ -294,6 +300,7 @@ void init_layout_check(py::module_& m) {
   py::class_<LayoutGuard>(m, "LayoutGuard")
       .def(py::init([](py::list tensors) { return new LayoutGuard(tensors.ptr()); }))
       .def("first_moved", &LayoutGuard::first_moved)
+      .def("check_next", &LayoutGuard::check_next, py::arg("count"))
       .def("__len__", &LayoutGuard::size);
 }
 

@@ -207,7 +207,7 @@ bool CpuCopyEngine::shutdown(double timeout_s) {
 
 std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
                                                const std::shared_ptr<const CopyPlan>& plan,
-                                               int64_t step, const std::string& meta,
+                                               int64_t step, const SlotMeta& meta,
                                                uint64_t /*stream*/) {
   check_submit(arena, plan);
   for (const PlanRange& r : plan->ranges)

@@ -72,7 +72,7 @@ class CopyEngine {
   // the compute stream handle (CUDA) or 0.
   virtual std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
                                           const std::shared_ptr<const CopyPlan>& plan,
-                                          int64_t step, const std::string& meta,
+                                          int64_t step, const SlotMeta& meta,
                                           uint64_t stream) = 0;
   // Orders `stream` (CUDA) or the calling thread (CPU) after `phase` of the
   // copy. A host wait lasts at most wait_timeout_s(); then the job is
@@ -107,7 +107,7 @@ class CpuCopyEngine : public CopyEngine {
   std::string backend() const override { return "cpu"; }
   std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
                                   const std::shared_ptr<const CopyPlan>& plan, int64_t step,
-                                  const std::string& meta, uint64_t stream) override;
+                                  const SlotMeta& meta, uint64_t stream) override;
   bool fence(CopyJob& job, int phase, uint64_t stream) override;
   bool shutdown(double timeout_s) override;
   int threads() const { return static_cast<int>(workers_.size()); }

@@ -21,11 +21,16 @@ class LayoutGuard {
   LayoutGuard& operator=(const LayoutGuard&) = delete;
   // Index of the first tensor whose data pointer changed, or -1.
   int64_t first_moved() const;
+  // Checks the next `count` tensors after the last checked one (wrapping), so a
+  // boundary costs O(count) whatever the tensor count; every tensor is checked
+  // once per ceil(size / count) calls. Index of a moved tensor, or -1.
+  int64_t check_next(int64_t count);
   size_t size() const { return ptrs_.size(); }
 
  private:
   PyObject* list_;  // owned reference (a private copy of the list)
   std::vector<uint64_t> ptrs_;
+  size_t cursor_ = 0;
 };
 
 }  // namespace cudasnap

@@ -87,6 +87,24 @@ struct CancelFlag {
   std::atomic<bool> set{false};
 };
 constexpr uint64_t kSetupPiece = 64ull << 20;
+// The part of a slot manifest that stays the same from one boundary to the next
+// (the tensor table: ~190 B per tensor). Built once per layout; a slot whose meta
+// area already holds this prefix (same id, written by this process) gets only the
+// suffix (host state + step) at the next boundary, and the meta CRC is continued
+// from the prefix's CRC, so the per-boundary cost does not grow with the tensors.
+struct MetaPrefix {
+  explicit MetaPrefix(std::string b);
+  std::string bytes;
+  uint64_t id;   // unique in this process
+  uint32_t crc;  // crc32c(0, bytes)
+};
+
+// What begin_write() puts into a slot's meta area: prefix (may be null) + suffix.
+struct SlotMeta {
+  std::shared_ptr<const MetaPrefix> prefix;
+  std::string suffix;
+  uint64_t size() const { return (prefix ? prefix->bytes.size() : 0) + suffix.size(); }
+};
 
 class Arena {
  public:
@@ -147,6 +165,13 @@ class Arena {
   int pick_write_slot() const;
 
   void begin_write(int slot, int64_t step, const std::string& meta);
+  // Torn-state safe: the state goes to WRITING before the meta area is touched,
+  // the prefix is rewritten unless this slot's meta area holds it already (a
+  // per-process record, cleared before and set after each prefix write), and
+  // commit() covers the whole meta with the header CRC.
+  void begin_write(int slot, int64_t step, const SlotMeta& meta);
+  // Id of the MetaPrefix this slot's meta area holds (0: none known).
+  uint64_t meta_prefix_id(int slot) const;
   // Called once all chunk CRCs are in the table; publishes the slot.
   void commit(int slot, int64_t step, uint64_t data_bytes);
   // Marks a slot EMPTY (e.g. after a failed copy).
@@ -200,6 +225,10 @@ class Arena {
   uint64_t next_seq_ = 1;
   // seq (+1) of the last COMPLETE header whose table and meta CRCs were checked.
   mutable std::array<uint64_t, kMaxSlots> verified_seq_{};
+  // Per slot: MetaPrefix id held in the meta area, its length and CRC (0: none).
+  std::array<uint64_t, kMaxSlots> prefix_id_{};
+  std::array<uint64_t, kMaxSlots> prefix_len_{};
+  std::array<uint32_t, kMaxSlots> prefix_crc_{};
 };
 
 uint64_t monotonic_ns();

@@ -746,5 +746,9 @@ def format_advice(d: dict[str, Any]) -> str:
         f"Recommendation: {d['recommendation']}",
     ]
     lines += [f"  - {r}" for r in d["reasons"]]
+    if d.get("snapshot_every"):
+        lines.append(f"  - {d['snapshot_every']['message']}")
+    if d.get("host_memory"):
+        lines.append(f"  - host memory: {d['host_memory']['message']}")
     lines += [f"  note: {n}" for n in d.get("notes", [])]
     return "\n".join(lines)

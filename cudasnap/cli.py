@@ -238,6 +238,7 @@ def cmd_health(a: argparse.Namespace) -> int:
 
 def cmd_advise(a: argparse.Namespace) -> int:
     from .analysis import advise, format_advice
+    from .host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
 
     for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):
         v = getattr(a, name)
@@ -245,6 +246,10 @@ def cmd_advise(a: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, not {v}")
 
     d = advise(a.gpus, a.mtbf_hours, a.iter_seconds, a.state_gb, per_gpu=not a.job_mtbf)
+    d["snapshot_every"] = pick_snapshot_every(a.state_gb, a.iter_seconds)
+    d["host_memory"] = host_fit(a.state_gb, a.gpus_per_node or min(a.gpus, 8),
+                                num_slots=a.num_slots, spare_slot=not a.no_spare_slot,
+                                shm_free=shm_free_bytes(), mem_available=mem_available_bytes())
     print(json.dumps(d, default=str) if a.json else format_advice(d))
     return 0
 
@@ -283,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--job-mtbf", action="store_true", help="--mtbf-hours is the job's MTBF")
     q.add_argument("--iter-seconds", type=float, required=True)
     q.add_argument("--state-gb", type=float, required=True, help="state per GPU (GB)")
+    q.add_argument("--gpus-per-node", type=int, default=None, help="ranks per host (default min(gpus, 8))")
+    q.add_argument("--num-slots", type=int, default=2)
+    q.add_argument("--no-spare-slot", action="store_true")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_advise)
     if argv[:1] == ["--debug"] and argv[1:2] == ["run"]:

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from . import arena_prep, dirid, store
+from . import arena_prep, dirid, layout_watch, store
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
+from .layout_watch import Watch, identity_entries
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
 from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
@@ -54,16 +55,27 @@ def _env_int(name: str, default: int) -> int:
 
 
 class _Layout:
-    """Live tensors + their copy plan + the cached manifest prefix."""
+    """Live tensors + their copy plan + the manifest prefix (written once per slot)."""
 
-    def __init__(self, tensors: list[LiveTensor], plan: Any, prefix: bytes, sig: tuple[int, ...]):
+    def __init__(self, tensors: list[LiveTensor], plan: Any, prefix: bytes, sig: tuple[int, ...],
+                 watch: Watch):
         self.tensors = tensors
         self.plan = plan
-        self.prefix = prefix
+        # The tensor table, held in C++: a slot that holds it gets only the host suffix.
+        self.prefix = native().MetaPrefix(prefix)
+        self.prefix_len = len(prefix)
         self.signature = sig
         self.objects = [lt.tensor for lt in tensors]
+        # Every planned storage stays allocated while this layout lives, so a copy
+        # of a plan not yet found stale (see layout_watch) never reads freed memory.
+        self.keep = [t.detach() for t in self.objects]
         self.guard = native().LayoutGuard(self.objects)
+        self.watch = watch
+        # Full re-scan period: amortised O(1) per boundary whatever the tensor count.
+        per = 4 * layout_watch.WINDOW
+        self.rescan_every = Snapshotter.RESCAN_EVERY * max(1, -(-len(tensors) // per))
         self.plan_key: int | None = None
+        self.checks = 0  # boundaries that used this layout (drives the full re-scan)
 
     def ptrs_changed(self) -> bool:
         return self.guard.first_moved() >= 0
@@ -142,7 +154,16 @@ class Snapshotter:
                  rng_sources: tuple[str, ...] = ("torch", "cuda", "numpy", "python"),
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
-                 arena_sync_max_bytes: int | None = None) -> None:
+                 arena_sync_max_bytes: int | None = None, snapshot_every: int = 1) -> None:
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) \
+                or snapshot_every < 1:
+            raise ConfigError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        # Zero-overhead mode (k > 1): copy every k-th boundary; a flush with no
+        # optimizer step since the last boundary copies the live state (replay <= 1).
+        self.snapshot_every = snapshot_every
+        self._live: tuple[int, bytes] | None = None  # newest uncopied boundary: step, host
+        self._live_dirty = True  # state written since the last boundary
+        self._live_copy: threading.Event | None = None  # a flush is copying the live state
         if num_slots < 2:
             raise ConfigError(f"num_slots must be >= 2, got {num_slots}")
         if num_slots + bool(spare_slot) > 8:
@@ -216,7 +237,7 @@ class Snapshotter:
             "last_copy_seconds": None, "last_copy_gbps": None, "flushes": 0,
             "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
             "health_events": 0, "restore": None, "layout_rebuilds": 0, "abandoned": 0,
-            "arena_regrowths": 0, "skipped_not_ready": 0}
+            "arena_regrowths": 0, "skipped_not_ready": 0, "skipped_every": 0, "live_saves": 0}
         # Bound of every wait on a copy (fences, the next submit, close()).
         self.wait_timeout_s = float(os.environ.get("CUDASNAP_WAIT_S") or 120.0)
         self._job_layout: _Layout | None = None  # keeps the running copy's tensors alive
@@ -280,6 +301,12 @@ class Snapshotter:
         self._fence(1)
 
     def _fence(self, phase: int) -> None:
+        # Every caller is about to write the state: the live state is no longer the
+        # last boundary's. Set before the check below (a flush reads it the other way).
+        self._live_dirty = True
+        ev = self._live_copy
+        if ev is not None:  # a flush copies the live state right now: let it finish
+            ev.wait(self.wait_timeout_s)
         job = self._job
         if job is None or self._fenced[phase]:
             return
@@ -378,7 +405,8 @@ class Snapshotter:
             key = self._cuda.plan_key()
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)
-        lay = _Layout(tensors, plan, prefix, self.state.signature())
+        lay = _Layout(tensors, plan, prefix, self.state.signature(),
+                      Watch(identity_entries(self.state, tensors)))
         lay.plan_key = key
         return lay
 
@@ -436,8 +464,10 @@ class Snapshotter:
         Needed only after replacing state tensors outside ``optimizer.step()`` /
         ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
         replacement is otherwise found by the full re-scan every
-        ``RESCAN_EVERY`` boundaries. The running copy keeps reading the old
-        tensors, which stay alive until it completes.
+        ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
+        checks a window of them), and tensors added to a module by the full re-scan
+        every ``RESCAN_EVERY`` (x n / 2,048) boundaries. The running copy keeps
+        reading the old tensors, which stay alive until it completes.
         """
         self._layout = None
 
@@ -445,14 +475,17 @@ class Snapshotter:
 
     def _current_layout(self) -> _Layout:
         lay = self._layout
-        periodic = self._boundaries % self.RESCAN_EVERY == 0
         if lay is not None and lay.signature == self.state.signature():
-            if self._cuda is not None and lay.plan_key is not None and not periodic \
-                    and self._cuda.plan_key() == lay.plan_key:
-                return lay  # O(1): no watched block was freed since the plan was built
-            if not lay.ptrs_changed() and (not periodic or
-                                           lay.same_objects(self.state.live_tensors())):
-                return lay
+            lay.checks += 1
+            periodic = lay.checks % lay.rescan_every == 0
+            # O(WINDOW) whatever the tensor count: see cudasnap.layout_watch.
+            if not lay.watch.check_next(layout_watch.WINDOW):
+                if self._cuda is not None and lay.plan_key is not None and not periodic \
+                        and self._cuda.plan_key() == lay.plan_key:
+                    return lay  # O(1): no watched block was freed since the plan was built
+                if lay.guard.check_next(layout_watch.WINDOW) < 0 and (
+                        not periodic or lay.same_objects(self.state.live_tensors())):
+                    return lay
         self._layout = self._build_layout()
         return self._layout
 
@@ -543,6 +576,7 @@ class Snapshotter:
         self._restored = None
         self._boundaries += 1
         self.last_step = step
+        self._live_dirty = False  # set again by the next optimizer step / buffer forward
         try:
             self._snapshot(step, t0)
         finally:
@@ -551,6 +585,15 @@ class Snapshotter:
                 self.guard.on_boundary(step)
 
     def _snapshot(self, step: int, t0: int) -> None:
+        k = self.snapshot_every
+        if k > 1 and (self._boundaries - 1) % k:
+            # Zero-overhead mode: no copy. Until the next optimizer step the live
+            # state IS this step, so a JIT flush copies it then (see flush()).
+            self._stats["skipped_every"] += 1
+            self._live = (step, self._host_suffix(step))
+            self._record_ns(t0)
+            return
+        self._live = None
         # A previous copy still running (no optimizer step in between): bounded.
         if not self._wait_job(self.wait_timeout_s):
             self._stats["skipped"] += 1
@@ -558,34 +601,45 @@ class Snapshotter:
                         "%.0f s", step, self.wait_timeout_s)
             return
         lay = self._current_layout()
-        host = self.state.encode_host(step).encode()
-        # One allocation: the tensor table prefix can be ~200 B per tensor.
-        meta = b"".join((lay.prefix, host, b',"step":', str(int(step)).encode(), b"}"))
-        arena = self._ensure_arena(lay.plan, len(meta))
+        if self._submit_copy(lay, step, self._host_suffix(step)) is not None:
+            self._record_ns(t0)
+
+    def _host_suffix(self, step: int) -> bytes:
+        """The per-boundary end of the slot manifest: host state + step."""
+        return b"".join((self.state.encode_host(step).encode(), b',"step":',
+                         str(int(step)).encode(), b"}"))
+
+    def _submit_copy(self, lay: _Layout, step: int, suffix: bytes) -> Any:
+        """Hands one snapshot to the copy engine; returns the job (None: skipped)."""
+        arena = self._ensure_arena(lay.plan, lay.prefix_len + len(suffix))
         if arena is None:
             self._stats["skipped"] += 1
-            return
+            return None
         with self._slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
         if slot < 0:
             self._stats["skipped"] += 1
             log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
-            return
+            return None
         stream = self._cuda.current_stream() if self._cuda is not None else 0
         try:
             # begin_write() inside refuses a slot a concurrent flush leased since
             # the pick (the arena's own lock orders the two): StagingError.
-            job = self._engine.submit(arena, slot, lay.plan, int(step), meta, stream)
+            job = self._engine.submit(arena, slot, lay.plan, int(step), suffix, stream,
+                                      lay.prefix)  # positional: (meta suffix, stream, prefix)
         except StagingError as e:
             self._stats["skipped"] += 1
             log.warning("step %d not snapshotted: %s", step, e)
-            return
+            return None
         with self._slot_lock:
             self._fenced = [False, False]
             self._job = job
             self._job_layout = lay
         self._stats["snapshots"] += 1
         self._stats["bytes"] = lay.plan.total_bytes
+        return job
+
+    def _record_ns(self, t0: int) -> None:
         ns = self._stats["boundary_ns"]
         ns.append(time.perf_counter_ns() - t0)
         if len(ns) > 4096:
@@ -632,6 +686,8 @@ class Snapshotter:
         with self._flush_lock, (self.guard.paused() if self.guard is not None else contextlib.nullcontext()):
             if wait:
                 self._wait_job(timeout)
+            if self._live is not None:
+                self._copy_live(timeout)
             if self.dist is not None:
                 path = self.dist.flush()
                 if path is not None:
@@ -661,6 +717,43 @@ class Snapshotter:
             self._stats["last_flush_seconds"] = st["seconds"]
             self._stats["last_flush_path"] = str(path)
             return path
+
+    def _copy_live(self, timeout: float | None) -> None:
+        """Zero-overhead mode: the newest boundary was not copied; when no optimizer
+        step (nor buffer forward, fence, load) ran since, the live tensors still hold
+        that step, so copy them into a free slot now (same manifest, format and
+        commit path) for the flush to write. Otherwise the newest COMPLETE slot is
+        flushed (replay <= snapshot_every steps)."""
+        live, arena = self._live, self._arena
+        if live is None or arena is None or self._engine is None or self._live_copy is not None:
+            return  # (not re-entered: a regrowth inside the copy flushes too)
+        step, suffix = live
+        ev = threading.Event()
+        self._live_copy = ev  # set before reading the flag; _fence sets it the other way
+        try:
+            if self._live_dirty or self._live is not live:
+                log.info("JIT flush: the state moved past step %d (optimizer step since); "
+                         "flushing the newest copied snapshot", step)
+                return
+            if not self._wait_job(timeout):
+                return
+            try:
+                lay = self._current_layout()
+            except SnapshotError as e:
+                log.warning("JIT flush: live state of step %d not copied: %s", step, e)
+                return
+            job = self._submit_copy(lay, step, suffix)
+            if job is None or not self._wait_job(timeout if timeout is not None else
+                                                 self.wait_timeout_s):
+                return
+            if self._live is live:
+                self._live = None
+            self._stats["live_saves"] += 1
+            log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
+                     "boundary, snapshot_every=%d)", step, self.snapshot_every)
+        finally:
+            self._live_copy = None
+            ev.set()
 
     # ------------------------------------------------------------ restore
     def restore_latest(self) -> int:
@@ -737,6 +830,7 @@ class Snapshotter:
     def _apply(self, tensors: Any, host: Any, data: Any, where: str) -> int:
         """state.apply, with a malformed (CRC-consistent but hostile) host state reported
         as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
+        self._live = None  # the live state is about to be replaced: no JIT copy of it
         try:
             return self.state.apply(tensors, host, data, where)
         except SnapshotError:

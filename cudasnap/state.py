@@ -253,8 +253,9 @@ class TrainingState:
                 d["params"] = [idx, n]  # first index, count (expanded at restore)
                 idx += n
                 groups.append(d)
-            params = _param_order(opt)
-            scalars = [[i, k, opt.state[params[i]][k]] for i, k in self._scalar_keys.get(okey, [])
+            keys = self._scalar_keys.get(okey, [])
+            params = _param_order(opt) if keys else []  # O(params): only when needed
+            scalars = [[i, k, opt.state[params[i]][k]] for i, k in keys
                        if params[i] in opt.state and k in opt.state[params[i]]]
             optim[okey] = {"param_groups": groups, "scalars": scalars,
                            "class": type(opt).__qualname__}

@@ -187,7 +187,7 @@ void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint6
 
 std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
                                                 const std::shared_ptr<const CopyPlan>& plan,
-                                                int64_t step, const std::string& meta,
+                                                int64_t step, const SlotMeta& meta,
                                                 uint64_t stream) {
   check_submit(arena, plan);
   CUDASNAP_CHECK_KIND(ErrorKind::Staging, arena->cuda_registered,

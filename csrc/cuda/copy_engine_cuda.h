@@ -50,7 +50,7 @@ class CudaCopyEngine : public CopyEngine {
   std::string backend() const override { return "cuda"; }
   std::shared_ptr<CopyJob> submit(const std::shared_ptr<Arena>& arena, int slot,
                                   const std::shared_ptr<const CopyPlan>& plan, int64_t step,
-                                  const std::string& meta, uint64_t stream) override;
+                                  const SlotMeta& meta, uint64_t stream) override;
   bool fence(CopyJob& job, int phase, uint64_t stream) override;
   bool shutdown(double timeout_s) override;
 

@@ -1,0 +1,75 @@
+"""Median ``boundary()`` time vs tensor count on the CPU backend (issue 15 target 2).
+
+Small tensors (the cost under test is per tensor, not per byte): AdamW state of
+``n/4`` parameters gives ``n`` state tensors. ``opt.step()`` runs between
+boundaries (so the fence hook runs and the copy of the previous boundary is done).
+
+    python bench/boundary_cpu.py [--tensors 8,4000,40000] [--boundaries 200] [--every 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def run(ntensors: int, boundaries: int, every: int) -> dict[str, Any]:
+    import torch
+
+    import cudasnap
+
+    torch.manual_seed(0)
+    nparams = max(1, ntensors // 4)
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(nparams)]
+    model = torch.nn.ParameterList(params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with tempfile.TemporaryDirectory() as d:
+        kw: dict[str, Any] = {"snapshot_every": every} if every != 1 else {}
+        snap = cudasnap.Snapshotter(model, opt, directory=d, job=f"bb-{os.getpid()}-{ntensors}",
+                                    health=False, flush_on_close=False, **kw)
+        snap.boundary(0)
+        snap.wait()
+        ts, cpu = [], []
+        for step in range(1, boundaries + 1):
+            opt.step()
+            snap.wait()  # the copy cost is not under test, only the blocked time
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            snap.boundary(step)
+            ts.append(time.perf_counter_ns() - t0)
+            cpu.append(time.thread_time_ns() - c0)
+        snap.wait()
+        st = snap.stats()
+        snap.close()
+    return {"tensors": ntensors, "median_ms": statistics.median(ts) / 1e6,
+            "p90_ms": sorted(ts)[int(len(ts) * 0.9)] / 1e6,
+            # CPU time of the training thread: what boundary() costs, without the
+            # preemption a loaded host adds to the wall time.
+            "cpu_median_ms": statistics.median(cpu) / 1e6, "snapshots": st["snapshots"],
+            "layout_rebuilds": st["layout_rebuilds"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tensors", default="8,4000,40000")
+    p.add_argument("--boundaries", type=int, default=200)
+    p.add_argument("--every", type=int, default=1, help="snapshot_every (k)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    for n in [int(x) for x in a.tensors.split(",")]:
+        r = run(n, a.boundaries, a.every)
+        print(json.dumps(r) if a.json else
+              f"{r['tensors']:>6} tensors: boundary median {r['median_ms']:.3f} ms, "
+              f"p90 {r['p90_ms']:.3f} ms, thread CPU median {r['cpu_median_ms']:.3f} ms ({r['snapshots']} snapshots, "
+              f"{r['layout_rebuilds']} layout builds)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

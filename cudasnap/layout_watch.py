@@ -1,0 +1,88 @@
+"""Per-boundary layout check that does not grow with the tensor count (issue 15, target 2).
+
+The copy plan holds raw addresses of the state tensors. Two things can make it
+stale between boundaries:
+
+* a tensor's storage moves (``p.data = x``, ``t.set_()``, ``resize_``): its data
+  pointer changes -- the C++ ``LayoutGuard`` compares pointers;
+* a tensor object is replaced in its container (``opt.state[p]["exp_avg"] = t``,
+  ``module.weight = Parameter(...)``): the old object keeps its pointer, so only
+  an identity check of the container entry sees it.
+
+Both checks run over a rotating window of ``WINDOW`` tensors per boundary, so a
+boundary costs O(WINDOW) whatever the tensor count; every tensor is checked once
+per ``ceil(n / WINDOW)`` boundaries (every boundary while ``n <= WINDOW``).
+Meanwhile the layout keeps every planned storage alive (``keep``), so a copy of a
+plan that went stale reads memory that is still allocated (the old values), never
+freed memory. ``Snapshotter.invalidate_layout()`` makes a change visible at once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .state import LiveTensor, TrainingState, _param_order
+
+WINDOW = 256
+
+
+def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tuple[Any, Any, Any]]:
+    """(container, key, expected object) for every planned tensor and optimizer state dict."""
+    out: list[tuple[Any, Any, Any]] = []
+    owners: dict[str, Any] = {}
+    for mkey, mod in state.models.items():
+        owners[f"model:{mkey}"] = (mkey, mod)
+    params: dict[str, list[torch.Tensor]] = {k: _param_order(o) for k, o in state.optimizers.items()}
+    for lt in tensors:
+        kind, key = lt.group.split(":", 1)
+        if kind == "model":
+            mkey, mod = owners[lt.group]
+            for full in (lt.name, *lt.aliases):
+                path = full[len(mkey) + 1:]
+                sub_name, _, leaf = path.rpartition(".")
+                try:
+                    sub = mod.get_submodule(sub_name) if sub_name else mod
+                except AttributeError:
+                    continue
+                for d in (sub._parameters, sub._buffers):
+                    if leaf in d:
+                        out.append((d, leaf, lt.tensor))
+                        break
+        elif lt.param_index is not None:
+            opt = state.optimizers[key]
+            p = params[key][lt.param_index]
+            # Keyed by the tensor itself: looked up once here, never per boundary
+            # (Tensor.__hash__ is a Python call). A whole new opt.state[p] dict is
+            # found by the full re-scan; load_state_dict rebuilds the layout at once.
+            st = opt.state.get(p)
+            if st is not None:
+                out.append((st, lt.state_key, lt.tensor))
+    return out
+
+
+class Watch:
+    """Rotating identity check over ``identity_entries``."""
+
+    def __init__(self, entries: list[tuple[Any, Any, Any]]) -> None:
+        self.entries = entries
+        self.cursor = 0
+
+    def check_next(self, count: int = WINDOW) -> bool:
+        """True when an entry in the next ``count`` ones no longer holds its object."""
+        ent = self.entries
+        n = len(ent)
+        if n == 0:
+            return False
+        todo = min(n, count)
+        i = self.cursor
+        for _ in range(todo):
+            d, k, o = ent[i]
+            if d.get(k) is not o:
+                self.cursor = i
+                return True
+            i += 1
+            if i == n:
+                i = 0
+        self.cursor = i
+        return False
