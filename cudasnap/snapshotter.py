@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
-from . import dirid, store
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
-from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
+from .format import manifest as fmt
+from .format import paths
+from .format.manifest import tensor_entry, validate_manifest, validate_tensors
 from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
+from .storage import posix
 from .timeline import arena_slots, check_step, final_flush, fresh_from_env, move_aside, resume_message
 
 log = logging.getLogger("cudasnap")
@@ -147,7 +149,7 @@ class Snapshotter:
             raise ConfigError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
         if directory is None:
             directory = os.environ.get("CUDASNAP_DIR", "ckpt")
-        self.directory = store.check_directory(Path(directory))
+        self.directory = posix.check_directory(Path(directory))
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -172,7 +174,7 @@ class Snapshotter:
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         # Restore refuses snapshot files of another user unless this (or
-        # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.store._check_trust.
+        # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.storage.posix._check_trust.
         self.allow_foreign_owner = allow_foreign_owner
         self._partly_applied: str | None = None
         ncpu = os.cpu_count() or 2
@@ -180,12 +182,12 @@ class Snapshotter:
         self.copy_threads = copy_threads or max(1, min(4, ncpu - 1))
         self.flush_threads = flush_threads or min(8, max(2, ncpu))
         shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
-        # The arena name carries the directory's identity (cudasnap.dirid), not just its path.
-        self.job = job or os.environ.get("CUDASNAP_JOB") or dirid.snapshotter_job(self.directory, shm)
-        self.arena_path = shm / f"cudasnap-{self.job}-r{self.rank}.arena"
-        self._lock = store.DirectoryLock(self.directory, self.rank)
+        # The arena name carries the directory's identity (cudasnap.format.paths), not just its path.
+        self.job = job or os.environ.get("CUDASNAP_JOB") or paths.snapshotter_job(self.directory, shm)
+        self.arena_path = paths.arena_path(shm, self.job, self.rank)
+        self._lock = posix.DirectoryLock(self.directory, self.rank)
         self._lock.acquire()
-        removed = store.clean_partial(self.directory)
+        removed = posix.clean_partial(self.directory)
         if removed:
             log.warning("removed %d interrupted flush(es): %s", len(removed),
                         ", ".join(p.name for p in removed))
@@ -343,9 +345,8 @@ class Snapshotter:
         validate_tensors(entries, plan.total_bytes, "layout")
         import json
 
-        head = {"format": FORMAT, "format_version": store.FORMAT_VERSION, "rank": self.rank,
-                "world_size": self.world_size, "job": self.job, "backend": self.backend,
-                "torch": torch.__version__}
+        head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
+                        backend=self.backend, torch=torch.__version__)
         prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
                   json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
         self._stats["layout_rebuilds"] += 1
@@ -488,7 +489,7 @@ class Snapshotter:
                 log.warning("state grew: the in-memory snapshot of step %d is dropped with the "
                             "old staging arena (multi-rank flushes are coordinated; flush "
                             "before the state grows to keep it)", step)
-            elif not any(s.step == step for s in store.list_snapshots(self.directory)):
+            elif not any(s.step == step for s in posix.list_snapshots(self.directory)):
                 log.warning("state grew: writing the snapshot of step %d to disk before its "
                             "staging arena is replaced", step)
                 self.flush(wait=False)
@@ -630,7 +631,7 @@ class Snapshotter:
             try:
                 nbytes = arena.slot_info(slot)["data_bytes"]
                 with io_progress(nbytes, f"cudasnap flush step {arena.slot_info(slot)['step']}"):
-                    path, st = store.write_slot(arena, slot, self.directory,
+                    path, st = posix.write_slot(arena, slot, self.directory,
                                                 threads=self.flush_threads, keep=self.keep)
             finally:
                 arena.release(slot)
@@ -680,7 +681,7 @@ class Snapshotter:
                 elif info["problem"]:  # COMPLETE-looking but damaged: say so, never load it
                     log.warning("skipping snapshot %s slot %d: %s", arena.path, slot,
                                 info["problem"])
-        for s in store.list_snapshots(self.directory):
+        for s in posix.list_snapshots(self.directory):
             candidates.append((s.step, 0, "disk", s))
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
         for _step, _, source, ref in candidates:
@@ -725,12 +726,12 @@ class Snapshotter:
                 f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
 
     def _restore_from_dir(self, path: Path) -> int:
-        if not (path / store.MANIFEST).exists() and any(path.glob("rank-*")):
+        if not (path / paths.MANIFEST).exists() and any(path.glob("rank-*")):
             path = self._single_rank_view(path)
-        manifest = store.load_manifest(path / store.MANIFEST,
+        manifest = posix.load_manifest(path / paths.MANIFEST,
                                        allow_foreign_owner=self.allow_foreign_owner)
         with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {path.name}", "read"):
-            data = store.read_data(path, manifest, self.flush_threads,
+            data = posix.read_data(path, manifest, self.flush_threads,
                                    allow_foreign_owner=self.allow_foreign_owner)
         return self._apply(manifest["tensors"], manifest["host"], data, str(path))
 
@@ -738,7 +739,7 @@ class Snapshotter:
         """A multi-rank snapshot opened by one process: only replicated state loads."""
         from .distributed import rank_dirname, read_commit
 
-        if not (step_dir / "COMMIT").is_file():
+        if not posix.is_committed(step_dir):
             raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")
         commit = read_commit(step_dir)
         groups = commit.get("replica_groups") or []
@@ -748,22 +749,16 @@ class Snapshotter:
                 f"torch.distributed and {commit['world_size']} ranks")
         for r in commit.get("present", range(commit["world_size"])):
             d = step_dir / rank_dirname(int(r))
-            if (d / store.MANIFEST).is_file():
+            if (d / paths.MANIFEST).is_file():
                 return d
         raise CorruptSnapshot(f"{step_dir}: no rank's files are present")
 
     def _restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
-        import json
 
         info = arena.slot_info(slot)
-        try:
-            meta = json.loads(arena.read_meta(slot))
-        except (ValueError, RecursionError) as e:  # CRC-consistent, yet not JSON
-            raise CorruptSnapshot(f"{where}: manifest is not valid JSON: {e}") from e
-        if not isinstance(meta, dict):
-            raise CorruptSnapshot(f"{where}: manifest is not a JSON object")
-        meta["data"] = {"file": "data.bin", "bytes": info["data_bytes"],
-                        "chunk_bytes": arena.chunk_bytes, "crc32c": arena.read_table(slot)}
+        meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
+        meta["data"] = fmt.data_section(info["data_bytes"], arena.chunk_bytes,
+                                        arena.read_table(slot))
         validate_manifest(meta, where)
         C = native()
         bad = C.verify_buffer(arena.data_ptr(slot), info["data_bytes"], arena.chunk_bytes,
@@ -784,7 +779,7 @@ class Snapshotter:
         for a in (self._arena, self._inherited):
             if a is not None and a.newest_complete() >= 0:
                 best = max(best, a.slot_info(a.newest_complete())["step"])
-        snaps = store.list_snapshots(self.directory)
+        snaps = posix.list_snapshots(self.directory)
         return max(best, snaps[0].step if snaps else -1)
 
     def rollback(self) -> int:

@@ -7,7 +7,7 @@ tensor's bytes lie in the snapshot's flat data area::
      "tensors": [{"name": "model.fc.weight", "group": "model", "dtype": "float32",
                   "shape": [4, 8], "stride": [8, 1], "storage_offset": 0,
                   "offset": 0, "nbytes": 128, "phase": 1}, ...],
-     "host": {...typed JSON, see cudasnap.codec...},
+     "host": {...typed JSON, see cudasnap.format.codec...},
      "data": {"file": "data.bin", "bytes": N, "chunk_bytes": C, "crc32c": [...]}}
 
 One typed schema (``Manifest``, ``TensorEntry``, ``DataSection``) serves
