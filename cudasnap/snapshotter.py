@@ -34,9 +34,10 @@ from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, Snapshot
 from .format import manifest as fmt
 from .format import paths
 from .format.manifest import tensor_entry, validate_manifest, validate_tensors
+from .format.paths import is_url
 from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
-from .storage import posix
+from .storage import open_storage, posix
 from .timeline import arena_slots, check_step, final_flush, fresh_from_env, move_aside, resume_message
 
 log = logging.getLogger("cudasnap")
@@ -149,7 +150,10 @@ class Snapshotter:
             raise ConfigError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
         if directory is None:
             directory = os.environ.get("CUDASNAP_DIR", "ckpt")
-        self.directory = posix.check_directory(Path(directory))
+        # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
+        # lock, directory id and flush log stay in a local directory either way.
+        self.storage = open_storage(directory)
+        self.directory = self.storage.local_dir
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -158,6 +162,9 @@ class Snapshotter:
         if world_size is None:
             world_size = dist.get_world_size() if dist_on else _env_int("WORLD_SIZE", 1)
         self.rank, self.world_size = rank, world_size
+        if world_size > 1 and is_url(directory):
+            raise ConfigError(f"{directory}: object-store snapshots are single-rank for now; "
+                              "give a multi-rank job a local or shared file system directory")
         self.last_step: int | None = None
         self.state = TrainingState(model, optimizer, extra)
         bad = set(rng_sources) - {"torch", "cuda", "numpy", "python"}
@@ -187,10 +194,10 @@ class Snapshotter:
         self.arena_path = paths.arena_path(shm, self.job, self.rank)
         self._lock = posix.DirectoryLock(self.directory, self.rank)
         self._lock.acquire()
-        removed = posix.clean_partial(self.directory)
+        removed = self.storage.clean_partial()
         if removed:
             log.warning("removed %d interrupted flush(es): %s", len(removed),
-                        ", ".join(p.name for p in removed))
+                        ", ".join(str(p).rstrip("/").rsplit("/", 1)[-1] for p in removed))
         self._backend_name = backend
         self._engine: Any = None
         self._cuda: Any = None
@@ -631,8 +638,8 @@ class Snapshotter:
             try:
                 nbytes = arena.slot_info(slot)["data_bytes"]
                 with io_progress(nbytes, f"cudasnap flush step {arena.slot_info(slot)['step']}"):
-                    path, st = posix.write_slot(arena, slot, self.directory,
-                                                threads=self.flush_threads, keep=self.keep)
+                    path, st = self.storage.write_slot(arena, slot, threads=self.flush_threads,
+                                                       keep=self.keep)
             finally:
                 arena.release(slot)
             self._stats["flushes"] += 1
@@ -681,7 +688,7 @@ class Snapshotter:
                 elif info["problem"]:  # COMPLETE-looking but damaged: say so, never load it
                     log.warning("skipping snapshot %s slot %d: %s", arena.path, slot,
                                 info["problem"])
-        for s in posix.list_snapshots(self.directory):
+        for s in self.storage.list_snapshots():
             candidates.append((s.step, 0, "disk", s))
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
         for _step, _, source, ref in candidates:
@@ -691,7 +698,7 @@ class Snapshotter:
                     got = self._restore_from_slot(arena, ref, where)
                 else:
                     where = str(ref.path)
-                    got = self._restore_from_dir(ref.path)
+                    got = self._restore_from_dir(ref)
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s: %s", where, e)
                 continue
@@ -725,15 +732,19 @@ class Snapshotter:
             raise CorruptSnapshot(
                 f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
 
-    def _restore_from_dir(self, path: Path) -> int:
-        if not (path / paths.MANIFEST).exists() and any(path.glob("rank-*")):
-            path = self._single_rank_view(path)
-        manifest = posix.load_manifest(path / paths.MANIFEST,
-                                       allow_foreign_owner=self.allow_foreign_owner)
-        with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {path.name}", "read"):
-            data = posix.read_data(path, manifest, self.flush_threads,
-                                   allow_foreign_owner=self.allow_foreign_owner)
-        return self._apply(manifest["tensors"], manifest["host"], data, str(path))
+    def _restore_from_dir(self, ref: Any) -> int:
+        """``ref``: a snapshot of ``self.storage``'s listing, or a local step/rank directory."""
+        if isinstance(ref, Path):
+            ref = posix.StoredSnapshot(-1, ref)
+        if isinstance(ref, posix.StoredSnapshot) and not (ref.path / paths.MANIFEST).exists() \
+                and any(ref.path.glob("rank-*")):
+            ref = posix.StoredSnapshot(ref.step, self._single_rank_view(ref.path))
+        manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
+        name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
+        with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", "read"):
+            data = self.storage.read_data(ref, manifest, self.flush_threads,
+                                          allow_foreign_owner=self.allow_foreign_owner)
+        return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""
@@ -779,7 +790,7 @@ class Snapshotter:
         for a in (self._arena, self._inherited):
             if a is not None and a.newest_complete() >= 0:
                 best = max(best, a.slot_info(a.newest_complete())["step"])
-        snaps = posix.list_snapshots(self.directory)
+        snaps = self.storage.list_snapshots()
         return max(best, snaps[0].step if snaps else -1)
 
     def rollback(self) -> int:
