@@ -69,11 +69,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from ._native import native
     from .format import paths
 
-    if not a.directory.is_dir():
+    if isinstance(a.directory, str):  # an fsspec URL (object store): no arena to list
+        from .storage.fsspec import inspect_rows
+
+        rows, job = inspect_rows(a.directory, a.verify), None
+    elif not a.directory.is_dir():
         raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
                           else f"no such directory: {a.directory}")
-    rows = _snapshots_table(a.directory, a.verify)
-    job = os.environ.get("CUDASNAP_JOB") or paths.job_for(a.directory, create=False)
+    else:
+        rows = _snapshots_table(a.directory, a.verify)
+        job = os.environ.get("CUDASNAP_JOB") or paths.job_for(a.directory, create=False)
     shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
     for path in sorted(shm.glob(paths.arena_glob(job))) if job else []:
         try:
@@ -144,6 +149,12 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
 def cmd_verify(a: argparse.Namespace) -> int:
     from .storage import posix
 
+    if isinstance(a.directory, str):  # an fsspec URL (object store)
+        from .storage.fsspec import verify_lines
+
+        rc, lines = verify_lines(a.directory, a.step)
+        print("\n".join(lines), file=sys.stderr if rc == 2 else sys.stdout)
+        return rc
     snaps = posix.list_snapshots(a.directory)
     if a.step is not None:
         snaps = [s for s in snaps if s.step == a.step]
@@ -252,6 +263,13 @@ def cmd_advise(a: argparse.Namespace) -> int:
     return 0
 
 
+def _directory_arg(text: str) -> Path | str:
+    """A local directory (Path) or an fsspec URL kept as text (``s3://bucket/prefix``)."""
+    from .format.paths import is_url
+
+    return text if is_url(text) else Path(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing")
@@ -260,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="train, inject a failure, resume bit for bit", add_help=False)
     sub.add_parser("run", help="supervise a training command (flush + restart)", add_help=False)
     q = sub.add_parser("inspect", help="list snapshots on disk and in shared memory")
-    q.add_argument("directory", type=Path)
+    q.add_argument("directory", type=_directory_arg)
     q.add_argument("--json", action="store_true")
     q.add_argument("--verify", action="store_true",
                    help="check every checksum (status ok/FAILED instead of unverified)")
     q.set_defaults(fn=cmd_inspect)
     q = sub.add_parser("verify", help="check every checksum; non-zero exit on a mismatch")
-    q.add_argument("directory", type=Path)
+    q.add_argument("directory", type=_directory_arg)
     q.add_argument("--step", type=int, default=None)
     q.set_defaults(fn=cmd_verify)
     q = sub.add_parser("export", help="write a snapshot as a torch state_dict file")

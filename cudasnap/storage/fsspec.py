@@ -124,6 +124,7 @@ class FsspecStorage:
 
     # ------------------------------------------------------------ listing
     def _step_dirs(self) -> dict[int, str]:
+        self.fs.invalidate_cache(self.root)  # another process may have written since
         try:
             names = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
@@ -300,3 +301,39 @@ class FsspecStorage:
         dt = time.perf_counter() - t0
         return True, (f"{n / 1e6:.1f} MB, {len(m['data']['crc32c'])} chunks, "
                       f"{n / max(dt, 1e-9) / 1e9:.2f} GB/s")
+
+
+def inspect_rows(url: str, verify: bool = False) -> list[dict[str, Any]]:
+    """``cudasnap inspect URL``: one row per committed snapshot (the CLI's row format)."""
+    st = FsspecStorage(url)
+    latest = st.read_latest()
+    rows: list[dict[str, Any]] = []
+    for s in st.list_snapshots():
+        row: dict[str, Any] = {"step": s.step, "source": st.protocol[:6], "path": s.path,
+                               "commit": "committed", "latest": s.path.endswith(f"/{latest}")}
+        try:
+            m = st.load_manifest(s)
+            row.update({"bytes": m["data"]["bytes"], "tensors": len(m["tensors"]),
+                        "rank": m.get("rank", 0), "world_size": m.get("world_size", 1),
+                        "created": m.get("created_unix"), "status": "unverified"})
+        except SnapshotError as e:
+            row["status"] = f"bad: {e}"
+        if verify and not row["status"].startswith("bad"):
+            ok, msg = st.verify(s)
+            row["status"] = "ok" if ok else f"FAILED: {msg}"
+        rows.append(row)
+    return rows
+
+
+def verify_lines(url: str, step: int | None = None) -> tuple[int, list[str]]:
+    """``cudasnap verify URL``: (exit code, report lines); 2 when nothing was verified."""
+    st = FsspecStorage(url)
+    snaps = [s for s in st.list_snapshots() if step is None or s.step == step]
+    if not snaps:
+        return 2, [f"no snapshot{'' if step is None else f' of step {step}'} in {url}"]
+    lines, bad = [], 0
+    for s in snaps:
+        ok, msg = st.verify(s)
+        bad += not ok
+        lines.append(f"step {s.step}: {'ok' if ok else 'FAILED'} ({msg})")
+    return (1 if bad else 0), lines
