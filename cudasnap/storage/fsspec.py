@@ -31,7 +31,6 @@ endpoint; credentials come from the usual AWS variables or files (botocore).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from .._testing.faults import kill_point
 from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit, encode_latest
-from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname
+from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname, url_hash
 from . import posix
 
 log = logging.getLogger("cudasnap.storage.fsspec")
@@ -58,8 +57,7 @@ def state_dir(url: str) -> Path:
     """This host's local directory for a URL: lock, directory id (job), flush log."""
     base = Path(os.environ.get("CUDASNAP_STATE_DIR")
                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cudasnap")
-    h = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
-    return posix.check_directory(base / f"url-{h}")
+    return posix.check_directory(base / f"url-{url_hash(url)}")
 
 
 def filesystem(url: str) -> tuple[Any, str]:
