@@ -162,9 +162,10 @@ class Snapshotter:
         if world_size is None:
             world_size = dist.get_world_size() if dist_on else _env_int("WORLD_SIZE", 1)
         self.rank, self.world_size = rank, world_size
-        if world_size > 1 and is_url(directory):
-            raise ConfigError(f"{directory}: object-store snapshots are single-rank for now; "
-                              "give a multi-rank job a local or shared file system directory")
+        if is_url(directory) and (world_size > 1 or fresh_from_env(fresh)):
+            raise ConfigError(f"{directory}: object-store snapshots are single-rank and cannot "
+                              "be moved aside (fresh) for now: use a local or shared file "
+                              "system directory, or a new URL prefix for a fresh start")
         self.last_step: int | None = None
         self.state = TrainingState(model, optimizer, extra)
         bad = set(rng_sources) - {"torch", "cuda", "numpy", "python"}

@@ -237,3 +237,14 @@ def test_cli_verify_and_inspect_on_an_s3_url(s3, capsys):
     assert "step 3: FAILED" in out and f"{s3}/step-00000003/data.bin" in out
     assert "step 1: ok" in out
     assert cli.main(["verify", s3, "--step", "7"]) == 2
+
+
+def test_multi_rank_or_fresh_on_a_url_is_refused_clearly(s3):
+    from cudasnap.errors import ConfigError
+
+    model, opt = small_job()
+    with pytest.raises(ConfigError, match="single-rank"):
+        cudasnap.Snapshotter(model, opt, directory=s3, backend="cpu", rank=0, world_size=2,
+                             distributed=False)
+    with pytest.raises(ConfigError, match="fresh"):
+        cudasnap.Snapshotter(model, opt, directory=s3, backend="cpu", fresh=True)
