@@ -83,7 +83,9 @@ class Snapshotter:
         model: a ``torch.nn.Module`` or a dict of them (names prefix tensor names).
         optimizer: a ``torch.optim.Optimizer``, a dict of them, or None.
         directory: where flushed snapshots go (created 0700; checked writable now);
-            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt.
+            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. An fsspec URL
+            (``s3://bucket/prefix``) stores snapshots in an object store, single-rank,
+            one writer per URL (see cudasnap.storage.fsspec).
         extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
             data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
         num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
