@@ -220,6 +220,20 @@ def manifest_crc(manifest: dict[str, Any]) -> int:
     return int(native().crc32c(text.encode()))
 
 
+def stored_manifest(meta: dict[str, Any], info: dict[str, Any], chunk_bytes: int,
+                    crcs: list[int], extra: dict[str, Any] | None = None) -> bytes:
+    """A slot's manifest completed for storage (disk or object): step, provenance, the data
+    section and its own CRC; ``info``: the slot's ``slot_info``."""
+    import time
+
+    manifest = dict(meta)
+    manifest.update(head(int(info["step"]), created_unix=time.time(), slot_seq=int(info["seq"])))
+    manifest["data"] = data_section(int(info["data_bytes"]), chunk_bytes, crcs)
+    if extra:
+        manifest.update(extra)
+    return encode_manifest(manifest)
+
+
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
     """The file form of a complete manifest: its CRC added, compact JSON."""
     manifest[MANIFEST_CRC] = manifest_crc(manifest)

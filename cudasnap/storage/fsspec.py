@@ -194,7 +194,7 @@ class FsspecStorage:
                     kill_point("upload")
             write_s = time.perf_counter() - t1
             self.fs.pipe_file(f"{key}/{MANIFEST}",
-                              posix.disk_manifest(meta, info, chunk, crcs, extra_manifest))
+                              fmt.stored_manifest(meta, info, chunk, crcs, extra_manifest))
             kill_point("manifest")
             self.fs.pipe_file(f"{key}/{COMMIT}", encode_commit(
                 {"step": step, "world_size": 1, "present": [int(meta.get("rank", 0))],

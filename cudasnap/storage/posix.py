@@ -340,7 +340,7 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
             final.mkdir(mode=0o700, exist_ok=True)
         tmp_target.mkdir(mode=0o700)
         st = C.write_slot_file(arena, slot, str(tmp_target / DATA), threads, io_bytes, True)
-        body = disk_manifest(meta, info, arena.chunk_bytes, st["crc32c"], extra_manifest)
+        body = fmt.stored_manifest(meta, info, arena.chunk_bytes, st["crc32c"], extra_manifest)
         _write_file_durable(tmp_target / MANIFEST, body)
         kill_point("manifest")
         C.fsync_dir(str(tmp_target))
@@ -382,18 +382,6 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     append_flush_log(directory, {**stats, "pid": os.getpid(), "time": time.time(),
                                   "path": str(target)})
     return target, stats
-
-
-def disk_manifest(meta: dict[str, Any], info: dict[str, Any], chunk_bytes: int,
-                  crcs: list[int], extra: dict[str, Any] | None = None) -> bytes:
-    """A slot's manifest completed for storage: step, provenance, data section, own CRC."""
-    manifest = dict(meta)
-    manifest.update(fmt.head(int(info["step"]), created_unix=time.time(),
-                             slot_seq=int(info["seq"])))
-    manifest["data"] = fmt.data_section(int(info["data_bytes"]), chunk_bytes, crcs)
-    if extra:
-        manifest.update(extra)
-    return fmt.encode_manifest(manifest)
 
 
 def append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
@@ -490,5 +478,5 @@ __all__ = [
     "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
     "read_latest", "replace_latest", "write_commit", "read_commit", "committed_steps",
     "write_slot", "prune", "load_manifest", "read_data", "read_flush_log", "append_flush_log",
-    "disk_manifest", "MANIFEST", "DATA", "LATEST", "FLUSH_LOG", "COMMIT", "step_dirname",
+    "MANIFEST", "DATA", "LATEST", "FLUSH_LOG", "COMMIT", "step_dirname",
 ]
