@@ -111,6 +111,7 @@ setup(
         "hf": ["transformers>=4.40", "accelerate>=0.30", "safetensors>=0.4"],
         "bench": ["matplotlib>=3.7"],
         "metrics": ["prometheus-client>=0.17"],
+        "s3": ["fsspec>=2023.1", "s3fs>=2023.1"],
     },
     entry_points={"console_scripts": ["cudasnap=cudasnap.cli:main"]},
 )

@@ -18,10 +18,11 @@ log = logging.getLogger("cudasnap.cli")
 
 def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
     """One row; its data is "unverified" (manifest read only) unless ``verify``."""
-    from . import store
+    from .format import paths
+    from .storage import posix
 
     try:
-        m = store.load_manifest(path / store.MANIFEST)
+        m = posix.load_manifest(path / paths.MANIFEST)
         row = {"bytes": m["data"]["bytes"], "tensors": len(m["tensors"]),
                "rank": m.get("rank", 0), "world_size": m.get("world_size", 1),
                "created": m.get("created_unix"), "status": "unverified"}
@@ -47,34 +48,39 @@ def _clean(msg: str) -> str:
 
 
 def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, Any]]:
-    from . import store
+    from .storage import posix
 
     rows = []
-    latest = store.read_latest(directory)
-    for s in store.list_snapshots(directory):
+    latest = posix.read_latest(directory)
+    for s in posix.list_snapshots(directory):
         ranks = sorted(p for p in s.path.glob("rank-*") if p.is_dir() and "." not in p.name)
         base = {"step": s.step, "source": "disk", "latest": s.path.name == latest}
         if not ranks:
             rows.append({**base, "path": str(s.path), "commit": "single",
                          **_manifest_row(s.path, verify)})
             continue
-        commit = "committed" if (s.path / "COMMIT").is_file() else "NOT committed"
+        commit = "committed" if posix.is_committed(s.path) else "NOT committed"
         for p in ranks:
             rows.append({**base, "path": str(p), "commit": commit, **_manifest_row(p, verify)})
     return rows
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from . import dirid
     from ._native import native
+    from .format import paths
 
-    if not a.directory.is_dir():
+    if isinstance(a.directory, str):  # an fsspec URL (object store): no arena to list
+        from .storage.fsspec import inspect_rows
+
+        rows, job = inspect_rows(a.directory, a.verify), None
+    elif not a.directory.is_dir():
         raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
                           else f"no such directory: {a.directory}")
-    rows = _snapshots_table(a.directory, a.verify)
-    job = os.environ.get("CUDASNAP_JOB") or dirid.job_for(a.directory, create=False)
+    else:
+        rows = _snapshots_table(a.directory, a.verify)
+        job = os.environ.get("CUDASNAP_JOB") or paths.job_for(a.directory, create=False)
     shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
-    for path in sorted(shm.glob(f"cudasnap-{job}-r*.arena")) if job else []:
+    for path in sorted(shm.glob(paths.arena_glob(job))) if job else []:
         try:
             arena = native().Arena.open(str(path), False)
             for i in range(arena.num_slots):
@@ -108,10 +114,11 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
     """Checks one snapshot directory chunk by chunk; returns (ok, message)."""
     import mmap
 
-    from . import store
     from ._native import native
+    from .format import paths
+    from .storage import posix
 
-    m = store.load_manifest(step_dir / store.MANIFEST)
+    m = posix.load_manifest(step_dir / paths.MANIFEST)
     d = m["data"]
     path = step_dir / d["file"]
     size = path.stat().st_size
@@ -140,9 +147,15 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from . import store
+    from .storage import posix
 
-    snaps = store.list_snapshots(a.directory)
+    if isinstance(a.directory, str):  # an fsspec URL (object store)
+        from .storage.fsspec import verify_lines
+
+        rc, lines = verify_lines(a.directory, a.step)
+        print("\n".join(lines), file=sys.stderr if rc == 2 else sys.stdout)
+        return rc
+    snaps = posix.list_snapshots(a.directory)
     if a.step is not None:
         snaps = [s for s in snaps if s.step == a.step]
         if not snaps:
@@ -178,11 +191,11 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from . import store
     from .export import check_export_target, export_torch
+    from .storage import posix
 
     check_export_target(a.directory, a.to_file)
-    snaps = [s for s in store.list_snapshots(a.directory) if a.step is None or s.step == a.step]
+    snaps = [s for s in posix.list_snapshots(a.directory) if a.step is None or s.step == a.step]
     if snaps:  # the checksums first, for a message with the file, chunk and hex CRCs
         ok, msg = _verify_one(snaps[0].path, _NoProgress())
         if not ok:
@@ -194,11 +207,12 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def cmd_gc(a: argparse.Namespace) -> int:
     from ._native import native
+    from .format import paths
     from .snapshotter import _pid_alive
 
     shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
     removed = 0
-    for path in sorted(shm.glob("cudasnap-*.arena")):
+    for path in sorted(shm.glob(paths.arena_glob())):
         try:
             if path.lstat().st_uid != os.getuid() and os.getuid() != 0:
                 print(f"skip   {path} (owned by uid {path.lstat().st_uid})")
@@ -254,6 +268,13 @@ def cmd_advise(a: argparse.Namespace) -> int:
     return 0
 
 
+def _directory_arg(text: str) -> Path | str:
+    """A local directory (Path) or an fsspec URL kept as text (``s3://bucket/prefix``)."""
+    from .format.paths import is_url
+
+    return text if is_url(text) else Path(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing")
@@ -262,13 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="train, inject a failure, resume bit for bit", add_help=False)
     sub.add_parser("run", help="supervise a training command (flush + restart)", add_help=False)
     q = sub.add_parser("inspect", help="list snapshots on disk and in shared memory")
-    q.add_argument("directory", type=Path)
+    q.add_argument("directory", type=_directory_arg)
     q.add_argument("--json", action="store_true")
     q.add_argument("--verify", action="store_true",
                    help="check every checksum (status ok/FAILED instead of unverified)")
     q.set_defaults(fn=cmd_inspect)
     q = sub.add_parser("verify", help="check every checksum; non-zero exit on a mismatch")
-    q.add_argument("directory", type=Path)
+    q.add_argument("directory", type=_directory_arg)
     q.add_argument("--step", type=int, default=None)
     q.set_defaults(fn=cmd_verify)
     q = sub.add_parser("export", help="write a snapshot as a torch state_dict file")

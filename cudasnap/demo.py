@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from . import store
 from .run import supervise
+from .storage import posix
 
 FAULTS = {
     "kill": None, "xid": "xid=79@step={f}", "ecc_dbe": "ecc_dbe@step={f}",
@@ -81,7 +81,7 @@ def run_demo(steps: int = 40, fail_at: int = 23, fault: str = "kill", workdir: P
     final = recs[-1]
     same, why = _compare(work / "ref.npz", work / "run.npz")
     resumed_at = int(final["start"])
-    flushes = store.read_flush_log(work / "ckpt")
+    flushes = posix.read_flush_log(work / "ckpt")
     died = report[0]["died"] if report else None
     restore = final.get("restore") or {}
     out = {

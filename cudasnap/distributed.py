@@ -67,38 +67,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import store
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
+from .format import paths
+from .format.paths import COMMIT, EVENT_LOG, rank_dirname
+from .storage import posix
+from .storage.posix import committed_steps, read_commit
 
 if TYPE_CHECKING:
     from .snapshotter import Snapshotter
 
 log = logging.getLogger("cudasnap.distributed")
-COMMIT = "COMMIT"
-EVENT_LOG = "dist-log.jsonl"
 ENV_TEST_DIE_IN_FLUSH = "CUDASNAP_TEST_DIE_IN_FLUSH"  # test hook: this rank dies in a flush
-
-
-def rank_dirname(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def committed_steps(directory: Path) -> list[store.StoredSnapshot]:
-    """Step directories holding a COMMIT marker, newest first."""
-    return [s for s in store.list_snapshots(directory) if (s.path / COMMIT).is_file()]
-
-
-def read_commit(step_dir: Path) -> dict[str, Any]:
-    try:
-        raw, _ = store._read_regular(step_dir / COMMIT, 1 << 20, "commit marker")
-        c = json.loads(raw)
-    except (OSError, ValueError, SnapshotError) as e:
-        raise CorruptSnapshot(f"{step_dir / COMMIT}: unreadable commit marker: {e}") from e
-    if not isinstance(c, dict) or not isinstance(c.get("step"), int) \
-            or not isinstance(c.get("world_size"), int):
-        raise CorruptSnapshot(f"{step_dir / COMMIT}: malformed commit marker")
-    return c
 
 
 def read_events(directory: Path) -> list[dict[str, Any]]:
@@ -230,7 +210,7 @@ class Coordinator:
         TORCHELASTIC_USE_AGENT_STORE): it lives in the agent, outlives every
         worker, and a frozen (SIGSTOPped) or dead worker cannot hold it up — unlike
         a FileStore whose lock a stopped process may be holding. Otherwise a
-        clone of the default process group's store.
+        clone of the default process group's posix.
         """
         import torch.distributed as dist
 
@@ -316,7 +296,7 @@ class Coordinator:
         return sorted(set(out), reverse=True)
 
     def _arena_of(self, rank: int) -> Path:
-        return self.snap.arena_path.parent / f"cudasnap-{self.snap.job}-r{rank}.arena"
+        return paths.arena_path(self.snap.arena_path.parent, self.snap.job, rank)
 
     def _arena_steps(self, rank: int) -> set[int] | None:
         """Steps COMPLETE in another rank's arena on this host; None when it has none."""
@@ -538,7 +518,7 @@ class Coordinator:
             else:
                 log.warning("rank %d: a helper flushed this rank's arena for step %d", self.rank,
                             step)
-                path = self.snap.directory / store.step_dirname(step) / rank_dirname(self.rank)
+                path = self.snap.directory / paths.step_dirname(step) / rank_dirname(self.rank)
             self._help_dead(step, g, dead)
             self._event("written", gen=self._gen, step=step)
             committer = min(r for r in range(self.world) if r not in dead)
@@ -559,7 +539,7 @@ class Coordinator:
 
     def _clear_stale(self, step: int, rank: int) -> None:
         """Files of ``rank`` for an uncommitted ``step`` are from a failed round: rewrite them."""
-        step_dir = self.snap.directory / store.step_dirname(step)
+        step_dir = self.snap.directory / paths.step_dirname(step)
         d = step_dir / rank_dirname(rank)
         if d.exists() and not (step_dir / COMMIT).exists():
             log.warning("removing %s: left by a round that did not commit", d)
@@ -583,7 +563,7 @@ class Coordinator:
             return None
         try:
             self._clear_stale(step, rank)
-            path, _ = store.write_slot(arena, slot, self.snap.directory,
+            path, _ = posix.write_slot(arena, slot, self.snap.directory,
                                        threads=self.snap.flush_threads, subdir=rank_dirname(rank),
                                        update_latest=False,
                                        extra_manifest={"replica_group": self.replicas_of(rank)})
@@ -646,7 +626,7 @@ class Coordinator:
             if failed or not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        step_dir = self.snap.directory / store.step_dirname(step)
+        step_dir = self.snap.directory / paths.step_dirname(step)
         if failed or [r for r in pending if r not in dead]:
             lost = failed or [r for r in pending if r not in dead]
             log.error("step %d NOT committed: rank(s) %s %s during the flush", step, lost,
@@ -655,7 +635,7 @@ class Coordinator:
             self._event("commit_failed", gen=self._gen, step=step, ranks=lost)
             return False
         present = [r for r in range(self.world)
-                   if (step_dir / rank_dirname(r) / store.MANIFEST).is_file()]
+                   if (step_dir / rank_dirname(r) / paths.MANIFEST).is_file()]
         missing = [r for r in range(self.world) if r not in present]
         uncovered = [r for r in missing if not any(q in present for q in self.replicas_of(r))]
         if uncovered:
@@ -667,17 +647,9 @@ class Coordinator:
         commit = {"step": step, "world_size": self.world, "present": present, "missing": missing,
                   "replica_groups": self.replica_groups, "time": time.time(), "job": self.snap.job,
                   "dead": sorted(dead), "epoch": self.epoch}
-        tmp = step_dir / f".{COMMIT}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, json.dumps(commit).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, step_dir / COMMIT)
-        native().fsync_dir(str(step_dir))
-        store._replace_latest(self.snap.directory, step_dir.name)
-        store.prune(self.snap.directory, self.snap.keep)
+        posix.write_commit(step_dir, commit)
+        posix.replace_latest(self.snap.directory, step_dir.name)
+        posix.prune(self.snap.directory, self.snap.keep)
         self._k(f"{g}/committed", str(step))
         self._event("committed", gen=self._gen, step=step, present=present)
         log.warning("step %d committed by rank %d (%d/%d ranks present)", step, self.rank,
@@ -778,7 +750,7 @@ class Coordinator:
             sources = list(range(saved_world))
         for r in sources:
             d = snap_dir.path / rank_dirname(r)
-            if (d / store.MANIFEST).is_file():
+            if (d / paths.MANIFEST).is_file():
                 got = s._restore_from_dir(d)
                 if r != self.rank:
                     log.warning("rank %d restored step %d from replica rank %d's files; its "

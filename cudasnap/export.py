@@ -5,22 +5,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import codec, store
 from .errors import ConfigError, SnapshotError
-from .manifest import torch_dtype
+from .format import codec, paths
+from .format.manifest import torch_dtype
+from .storage import posix
 
 
 def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Returns ({tensor name: tensor}, manifest) of a verified snapshot."""
-    snaps = store.list_snapshots(Path(directory))
+    snaps = posix.list_snapshots(Path(directory))
     if step is not None:
         snaps = [s for s in snaps if s.step == step]
     if not snaps:
         raise SnapshotError(f"no snapshot{f' of step {step}' if step is not None else ''} "
                             f"in {directory}")
     s = snaps[0]
-    m = store.load_manifest(s.manifest_path)
-    data = store.read_data(s.path, m)
+    m = posix.load_manifest(s.manifest_path)
+    data = posix.read_data(s.path, m)
     out = {}
     for e in m["tensors"]:
         dt = torch_dtype(e["dtype"])
@@ -40,7 +41,7 @@ def check_export_target(directory: Path, to_file: Path) -> None:
     t = Path(to_file).resolve()
     if t == d or t.is_dir():
         raise ConfigError(f"export target {to_file} is a directory; give a file name")
-    if t.parent == d and (t.name == store.LATEST or t.name.startswith(".")
+    if t.parent == d and (t.name == paths.LATEST or t.name.startswith(".")
                           or t.name.startswith("step-")) or d in t.parents and any(
             p.name.startswith("step-") for p in t.relative_to(d).parents if p != Path(".")):
         raise ConfigError(f"export target {to_file} is inside the snapshot directory's own "

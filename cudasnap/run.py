@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import dirid, store
 from ._native import native
 from .errors import ConfigError, SnapshotError
+from .format import paths
+from .storage import posix
 
 log = logging.getLogger("cudasnap.run")
 
@@ -40,8 +41,8 @@ EXIT_CODES = {75: "GPU lost", 76: "GPU fault", 77: "hang", 78: "preempted", 79: 
 
 
 def job_for(directory: Path) -> str:
-    """The arena name a Snapshotter derives for ``directory`` (see cudasnap.dirid)."""
-    job = dirid.job_for(directory)
+    """The arena name a Snapshotter derives for ``directory`` (see cudasnap.format.paths)."""
+    job = paths.job_for(directory)
     assert job is not None
     return job
 
@@ -63,8 +64,8 @@ def _orphan_slots(directory: Path, job: str, shm_dir: Path) -> list[tuple[Path, 
     """
     C = native()
     out = []
-    on_disk = {s.step for s in store.list_snapshots(directory)}
-    for path in sorted(shm_dir.glob(f"cudasnap-{job}-r*.arena")):
+    on_disk = {s.step for s in posix.list_snapshots(directory)}
+    for path in sorted(shm_dir.glob(paths.arena_glob(job))):
         try:
             arena = C.Arena.open(str(path), True)
         except SnapshotError as e:
@@ -93,7 +94,7 @@ def _flush_leased(directory: Path, leased: list[tuple[Path, Any, int, int]],
             continue
         t0 = time.perf_counter()
         try:
-            target, st = store.write_slot(arena, slot, directory, threads=threads)
+            target, st = posix.write_slot(arena, slot, directory, threads=threads)
             done.append({"arena": str(path), "step": step, "seconds": time.perf_counter() - t0,
                          "bytes": st["bytes"], "path": str(target)})
             log.warning("flushed step %d left in %s to %s (%.2f s)", step, path, target,
@@ -146,7 +147,7 @@ def _check_not_in_use(directory: Path, dead_child: int | None = None) -> None:
     A holder that names ``dead_child`` is ours: a process it forked (a data-loader
     worker) still has the lock's file open for a moment after the child died.
     """
-    lock = store.DirectoryLock(directory)
+    lock = posix.DirectoryLock(directory)
     try:
         lock.acquire()
     except ConfigError:
@@ -187,7 +188,7 @@ def _wait_released(path: Path, timeout: float) -> None:
 def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
     """Where a run would resume from: "step N (source)", or None for a fresh start."""
     best: tuple[int, str] | None = None
-    arenas = sorted(shm.glob(f"cudasnap-{job}-r*.arena"))
+    arenas = sorted(shm.glob(paths.arena_glob(job)))
     if arenas:
         C = native()
         for p in arenas:
@@ -200,7 +201,7 @@ def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
                         best = (step, f"shared memory {p}")
             except SnapshotError:
                 continue
-    snaps = store.list_snapshots(directory)
+    snaps = posix.list_snapshots(directory)
     if snaps and (best is None or snaps[0].step > best[0]):
         best = (snaps[0].step, str(snaps[0].path))
     return None if best is None else f"step {best[0]} ({best[1]})"
@@ -212,7 +213,7 @@ def start_over(directory: Path) -> Path | None:
     from .timeline import move_aside
 
     aside = move_aside(directory, None, threads=1)
-    dirid.renew_id(directory)
+    paths.renew_id(directory)
     return aside
 
 
@@ -240,7 +241,7 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}")
     _command_exists(cmd)
-    directory = store.check_directory(directory)
+    directory = posix.check_directory(directory)
     shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
     lock = SupervisorLock(directory)
     lock.acquire()
@@ -251,7 +252,7 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
             log.warning("--fresh: starting over in %s%s", directory,
                         f" (old snapshots moved to {aside})" if aside else "")
         # (logs the arenas of an earlier directory at this path, which are not adopted)
-        job = os.environ.get("CUDASNAP_JOB") or dirid.snapshotter_job(directory, shm)
+        job = os.environ.get("CUDASNAP_JOB") or paths.snapshotter_job(directory, shm)
         if not fresh:
             where = _resume_point(directory, job, shm)
             if where is not None:
@@ -335,7 +336,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                 return 2
             entry["flush_start"] = time.time()
             leased: list[tuple[Path, Any, int, int]] = []
-            if any(shm.glob(f"cudasnap-{job}-r*.arena")):  # else no need to wait for torch
+            if any(shm.glob(paths.arena_glob(job))):  # else no need to wait for torch
                 preload.join()
                 leased = _orphan_slots(directory, job, shm)
 

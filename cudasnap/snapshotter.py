@@ -29,13 +29,17 @@ from typing import Any
 
 import torch
 
-from . import arena_prep, dirid, layout_watch, store
+from . import arena_prep, layout_watch
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
+from .format import manifest as fmt
+from .format import paths
+from .format.manifest import tensor_entry, validate_manifest, validate_tensors
+from .format.paths import is_url
 from .layout_watch import Watch, identity_entries
-from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
 from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
+from .storage import open_storage, posix
 from .timeline import arena_slots, check_step, final_flush, fresh_from_env, move_aside, resume_message
 
 log = logging.getLogger("cudasnap")
@@ -92,7 +96,9 @@ class Snapshotter:
         model: a ``torch.nn.Module`` or a dict of them (names prefix tensor names).
         optimizer: a ``torch.optim.Optimizer``, a dict of them, or None.
         directory: where flushed snapshots go (created 0700; checked writable now);
-            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt.
+            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. An fsspec URL
+            (``s3://bucket/prefix``) stores snapshots in an object store, single-rank,
+            one writer per URL (see cudasnap.storage.fsspec).
         extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
             data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
         num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
@@ -177,7 +183,10 @@ class Snapshotter:
             raise ConfigError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
         if directory is None:
             directory = os.environ.get("CUDASNAP_DIR", "ckpt")
-        self.directory = store.check_directory(Path(directory))
+        # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
+        # lock, directory id and flush log stay in a local directory either way.
+        self.storage = open_storage(directory)
+        self.directory = self.storage.local_dir
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -186,6 +195,10 @@ class Snapshotter:
         if world_size is None:
             world_size = dist.get_world_size() if dist_on else _env_int("WORLD_SIZE", 1)
         self.rank, self.world_size = rank, world_size
+        if is_url(directory) and (world_size > 1 or fresh_from_env(fresh)):
+            raise ConfigError(f"{directory}: object-store snapshots are single-rank and cannot "
+                              "be moved aside (fresh) for now: use a local or shared file "
+                              "system directory, or a new URL prefix for a fresh start")
         self.last_step: int | None = None
         self.state = TrainingState(model, optimizer, extra)
         bad = set(rng_sources) - {"torch", "cuda", "numpy", "python"}
@@ -202,7 +215,7 @@ class Snapshotter:
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         # Restore refuses snapshot files of another user unless this (or
-        # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.store._check_trust.
+        # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.storage.posix._check_trust.
         self.allow_foreign_owner = allow_foreign_owner
         self._partly_applied: str | None = None
         ncpu = os.cpu_count() or 2
@@ -210,15 +223,15 @@ class Snapshotter:
         self.copy_threads = copy_threads or max(1, min(4, ncpu - 1))
         self.flush_threads = flush_threads or min(8, max(2, ncpu))
         shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
-        # The arena name carries the directory's identity (cudasnap.dirid), not just its path.
-        self.job = job or os.environ.get("CUDASNAP_JOB") or dirid.snapshotter_job(self.directory, shm)
-        self.arena_path = shm / f"cudasnap-{self.job}-r{self.rank}.arena"
-        self._lock = store.DirectoryLock(self.directory, self.rank)
+        # The arena name carries the directory's identity (cudasnap.format.paths), not just its path.
+        self.job = job or os.environ.get("CUDASNAP_JOB") or paths.snapshotter_job(self.directory, shm)
+        self.arena_path = paths.arena_path(shm, self.job, self.rank)
+        self._lock = posix.DirectoryLock(self.directory, self.rank)
         self._lock.acquire()
-        removed = store.clean_partial(self.directory)
+        removed = self.storage.clean_partial()
         if removed:
             log.warning("removed %d interrupted flush(es): %s", len(removed),
-                        ", ".join(p.name for p in removed))
+                        ", ".join(str(p).rstrip("/").rsplit("/", 1)[-1] for p in removed))
         self._backend_name = backend
         self._engine: Any = None
         self._cuda: Any = None
@@ -393,9 +406,8 @@ class Snapshotter:
         validate_tensors(entries, plan.total_bytes, "layout")
         import json
 
-        head = {"format": FORMAT, "format_version": store.FORMAT_VERSION, "rank": self.rank,
-                "world_size": self.world_size, "job": self.job, "backend": self.backend,
-                "torch": torch.__version__}
+        head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
+                        backend=self.backend, torch=torch.__version__)
         prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
                   json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
         self._stats["layout_rebuilds"] += 1
@@ -542,7 +554,7 @@ class Snapshotter:
                 log.warning("state grew: the in-memory snapshot of step %d is dropped with the "
                             "old staging arena (multi-rank flushes are coordinated; flush "
                             "before the state grows to keep it)", step)
-            elif not any(s.step == step for s in store.list_snapshots(self.directory)):
+            elif not any(s.step == step for s in posix.list_snapshots(self.directory)):
                 log.warning("state grew: writing the snapshot of step %d to disk before its "
                             "staging arena is replaced", step)
                 self.flush(wait=False)
@@ -708,8 +720,8 @@ class Snapshotter:
             try:
                 nbytes = arena.slot_info(slot)["data_bytes"]
                 with io_progress(nbytes, f"cudasnap flush step {arena.slot_info(slot)['step']}"):
-                    path, st = store.write_slot(arena, slot, self.directory,
-                                                threads=self.flush_threads, keep=self.keep)
+                    path, st = self.storage.write_slot(arena, slot, threads=self.flush_threads,
+                                                       keep=self.keep)
             finally:
                 arena.release(slot)
             self._stats["flushes"] += 1
@@ -795,7 +807,7 @@ class Snapshotter:
                 elif info["problem"]:  # COMPLETE-looking but damaged: say so, never load it
                     log.warning("skipping snapshot %s slot %d: %s", arena.path, slot,
                                 info["problem"])
-        for s in store.list_snapshots(self.directory):
+        for s in self.storage.list_snapshots():
             candidates.append((s.step, 0, "disk", s))
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
         for _step, _, source, ref in candidates:
@@ -805,7 +817,7 @@ class Snapshotter:
                     got = self._restore_from_slot(arena, ref, where)
                 else:
                     where = str(ref.path)
-                    got = self._restore_from_dir(ref.path)
+                    got = self._restore_from_dir(ref)
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s: %s", where, e)
                 continue
@@ -840,21 +852,25 @@ class Snapshotter:
             raise CorruptSnapshot(
                 f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
 
-    def _restore_from_dir(self, path: Path) -> int:
-        if not (path / store.MANIFEST).exists() and any(path.glob("rank-*")):
-            path = self._single_rank_view(path)
-        manifest = store.load_manifest(path / store.MANIFEST,
-                                       allow_foreign_owner=self.allow_foreign_owner)
-        with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {path.name}", "read"):
-            data = store.read_data(path, manifest, self.flush_threads,
-                                   allow_foreign_owner=self.allow_foreign_owner)
-        return self._apply(manifest["tensors"], manifest["host"], data, str(path))
+    def _restore_from_dir(self, ref: Any) -> int:
+        """``ref``: a snapshot of ``self.storage``'s listing, or a local step/rank directory."""
+        if isinstance(ref, Path):
+            ref = posix.StoredSnapshot(-1, ref)
+        if isinstance(ref, posix.StoredSnapshot) and not (ref.path / paths.MANIFEST).exists() \
+                and any(ref.path.glob("rank-*")):
+            ref = posix.StoredSnapshot(ref.step, self._single_rank_view(ref.path))
+        manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
+        name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
+        with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", "read"):
+            data = self.storage.read_data(ref, manifest, self.flush_threads,
+                                          allow_foreign_owner=self.allow_foreign_owner)
+        return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""
         from .distributed import rank_dirname, read_commit
 
-        if not (step_dir / "COMMIT").is_file():
+        if not posix.is_committed(step_dir):
             raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")
         commit = read_commit(step_dir)
         groups = commit.get("replica_groups") or []
@@ -864,22 +880,16 @@ class Snapshotter:
                 f"torch.distributed and {commit['world_size']} ranks")
         for r in commit.get("present", range(commit["world_size"])):
             d = step_dir / rank_dirname(int(r))
-            if (d / store.MANIFEST).is_file():
+            if (d / paths.MANIFEST).is_file():
                 return d
         raise CorruptSnapshot(f"{step_dir}: no rank's files are present")
 
     def _restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
-        import json
 
         info = arena.slot_info(slot)
-        try:
-            meta = json.loads(arena.read_meta(slot))
-        except (ValueError, RecursionError) as e:  # CRC-consistent, yet not JSON
-            raise CorruptSnapshot(f"{where}: manifest is not valid JSON: {e}") from e
-        if not isinstance(meta, dict):
-            raise CorruptSnapshot(f"{where}: manifest is not a JSON object")
-        meta["data"] = {"file": "data.bin", "bytes": info["data_bytes"],
-                        "chunk_bytes": arena.chunk_bytes, "crc32c": arena.read_table(slot)}
+        meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
+        meta["data"] = fmt.data_section(info["data_bytes"], arena.chunk_bytes,
+                                        arena.read_table(slot))
         validate_manifest(meta, where)
         C = native()
         bad = C.verify_buffer(arena.data_ptr(slot), info["data_bytes"], arena.chunk_bytes,
@@ -900,7 +910,7 @@ class Snapshotter:
         for a in (self._arena, self._inherited):
             if a is not None and a.newest_complete() >= 0:
                 best = max(best, a.slot_info(a.newest_complete())["step"])
-        snaps = store.list_snapshots(self.directory)
+        snaps = self.storage.list_snapshots()
         return max(best, snaps[0].step if snaps else -1)
 
     def rollback(self) -> int:

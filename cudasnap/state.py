@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec
 from .errors import ConfigError, IncompatibleSnapshot
-from .manifest import dtype_name, span_bytes, torch_dtype
+from .format import codec
+from .format.manifest import dtype_name, span_bytes, torch_dtype
 
 log = logging.getLogger("cudasnap.state")
 

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import store
 from ._native import native
 from .errors import ConfigError, SnapshotError
+from .format import paths
+from .storage import posix
 
 log = logging.getLogger("cudasnap")
 
@@ -70,8 +71,8 @@ def move_aside(directory: Path, arena: Any, threads: int, subdir: str | None = N
     moves what is still there (``subdir``: where this rank's arena snapshot goes).
     """
     directory = Path(directory)
-    snaps = store.list_snapshots(directory)
-    extras = [directory / n for n in (store.LATEST, store.FLUSH_LOG, "dist-log.jsonl")
+    snaps = posix.list_snapshots(directory)
+    extras = [directory / n for n in (paths.LATEST, paths.FLUSH_LOG, "dist-log.jsonl")
               if (directory / n).exists()]
     slot = arena.newest_complete() if arena is not None else -1
     if not snaps and not extras and slot < 0:
@@ -94,10 +95,10 @@ def move_aside(directory: Path, arena: Any, threads: int, subdir: str | None = N
     what = [f"{len(snaps)} snapshot(s)"]
     if slot >= 0:
         step = int(arena.slot_info(slot)["step"])
-        if not (old / store.step_dirname(step) / (subdir or "")).exists():
+        if not (old / paths.step_dirname(step) / (subdir or "")).exists():
             arena.lease(slot)
             try:
-                store.write_slot(arena, slot, old, threads=threads, keep=0, subdir=subdir,
+                posix.write_slot(arena, slot, old, threads=threads, keep=0, subdir=subdir,
                                  update_latest=subdir is None)
             finally:
                 arena.release(slot)
@@ -127,7 +128,7 @@ def final_flush(snap: Any) -> bool:
                 return True
             step = int(arena.slot_info(slot)["step"])
             if step == snap._flushed_step or (
-                    snap.directory / store.step_dirname(step) / store.MANIFEST).is_file():
+                    snap.directory / paths.step_dirname(step) / paths.MANIFEST).is_file():
                 return True
             snap.flush()
         return True

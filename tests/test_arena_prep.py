@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import cudasnap
-from cudasnap import arena_prep, store
+from cudasnap import arena_prep
+from cudasnap.storage import posix as store
 from cudasnap._native import native
 from cudasnap.errors import StagingError
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 from helpers.layout import flip_byte
 
-from cudasnap import cli, store
+from cudasnap import cli
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
+from cudasnap.storage import posix
 from cudasnap.triggers import nvml as _nvml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -252,7 +253,7 @@ def test_transparent_mode_flush_then_export_loads_into_fresh_model_and_optimizer
     assert p.returncode == 128 + 9, p.stderr[-4000:]
     assert "transparent mode: protecting AdamW (model=Sequential)" in p.stderr, p.stderr[-4000:]
     assert "training process killed by SIGKILL" in p.stderr
-    snaps = store.list_snapshots(snap_env.dir)
+    snaps = posix.list_snapshots(snap_env.dir)
     assert snaps and snaps[0].step in (6, 7), p.stderr[-4000:]  # step k = after opt step k
     step = snaps[0].step
     assert f"flushed step {step} left in" in p.stderr
@@ -354,7 +355,7 @@ def test_export_refuses_to_overwrite_the_latest_pointer(snap_env, capsys):
     rc, err = cli_err(capsys, "export", snap_env.dir, "--to", "torch",
                       snap_env.dir / "step-00000000" / "x.pt")
     one_line_error(rc, err, "snapshot directory")
-    assert store.read_latest(snap_env.dir) == "step-00000000"
+    assert posix.read_latest(snap_env.dir) == "step-00000000"
 
 
 @pytest.mark.parametrize("flag", ["--gpus", "--mtbf-hours", "--iter-seconds", "--state-gb"])

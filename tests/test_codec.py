@@ -1,4 +1,4 @@
-"""Typed JSON codec (cudasnap/codec.py): exact round trips, no pickle, clear errors."""
+"""Typed JSON codec (cudasnap/format/codec.py): exact round trips, no pickle, clear errors."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cudasnap import codec
 from cudasnap.errors import ConfigError, CorruptSnapshot
+from cudasnap.format import codec
 
 
 def _raw(t):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import faultlib as F
 
-from cudasnap import store
 from cudasnap._native import native
+from cudasnap._testing import faults
 from cudasnap.errors import (
     ConfigError,
     CorruptSnapshot,
@@ -27,6 +27,7 @@ from cudasnap.errors import (
     SnapshotError,
     StagingError,
 )
+from cudasnap.storage import posix
 
 SEED = int(os.environ.get("CUDASNAP_FAULT_SEED", "20261202"))
 
@@ -96,25 +97,25 @@ def test_sigkill_while_replacing_a_committed_copy_keeps_it(ctx, zygote):
 
 
 def test_clean_partial_brings_back_a_moved_aside_copy(tmp_path):
-    d = store.check_directory(tmp_path / "ckpt")
+    d = posix.check_directory(tmp_path / "ckpt")
     (d / "step-00000007.old-99").mkdir()
     (d / "step-00000007.old-99" / "manifest.json").write_text("{}")
     (d / "step-00000007.tmp-99").mkdir()
     (d / ".latest.tmp-99").write_text("x")
-    removed = store.clean_partial(d)
+    removed = posix.clean_partial(d)
     assert [p.name for p in removed] == ["step-00000007.tmp-99"]
     assert (d / "step-00000007" / "manifest.json").exists()
     assert not (d / ".latest.tmp-99").exists()
     # When the new copy did arrive, the old one is just removed.
     (d / "step-00000007.old-98").mkdir()
-    assert [p.name for p in store.clean_partial(d)] == ["step-00000007.old-98"]
+    assert [p.name for p in posix.clean_partial(d)] == ["step-00000007.old-98"]
 
 
 def test_kill_hook_is_inert_unless_asked(monkeypatch):
-    monkeypatch.delenv(store.KILL_ENV, raising=False)
-    store._kill_point("rename")  # returns: the process is still alive
-    monkeypatch.setenv(store.KILL_ENV, "latest@5")
-    store._kill_point("rename")  # another phase
+    monkeypatch.delenv(faults.KILL_ENV, raising=False)
+    faults.kill_point("rename")  # returns: the process is still alive
+    monkeypatch.setenv(faults.KILL_ENV, "latest@5")
+    faults.kill_point("rename")  # another phase
 
 
 # --------------------------------------------------------------- disk full

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from helpers import layout as L
 
-from cudasnap import store
 from cudasnap.errors import CorruptSnapshot, FlushError, SnapshotError, StagingError
+from cudasnap.format import manifest as M
+from cudasnap.format import paths
+from cudasnap.storage import posix
 
 
 @pytest.fixture
@@ -180,49 +182,49 @@ def _tensor_meta(data_len):
 def test_store_commit_protocol_round_trip(C, snap_env):
     data = np.random.default_rng(4).integers(0, 256, 3 * 4096 + 5, dtype=np.uint8).tobytes()
     arena = _committed_slot(C, snap_env, data, meta=json.dumps(_tensor_meta(len(data))).encode())
-    d = store.check_directory(snap_env.dir)
+    d = posix.check_directory(snap_env.dir)
     assert oct(d.stat().st_mode & 0o777) == oct(0o700)
     arena.lease(0)
     try:
-        path, st = store.write_slot(arena, 0, d, threads=2)
+        path, st = posix.write_slot(arena, 0, d, threads=2)
         assert path == d / "step-00000003" and st["bytes"] == len(data)
-        again, st2 = store.write_slot(arena, 0, d)  # already durable: skipped
+        again, st2 = posix.write_slot(arena, 0, d)  # already durable: skipped
         assert again == path and st2.get("skipped")
     finally:
         arena.release(0)
-    assert store.read_latest(d) == "step-00000003"
+    assert posix.read_latest(d) == "step-00000003"
     assert sorted(p.name for p in path.iterdir()) == ["data.bin", "manifest.json"]
     assert not list(d.glob("*.tmp*"))
-    m = store.load_manifest(path / "manifest.json")
+    m = posix.load_manifest(path / "manifest.json")
     assert m["step"] == 3 and m["data"]["crc32c"] == arena.read_table(0)
-    buf = store.read_data(path, m)
+    buf = posix.read_data(path, m)
     assert buf.numpy().tobytes() == data
-    assert [s.step for s in store.list_snapshots(d)] == [3]
+    assert [s.step for s in posix.list_snapshots(d)] == [3]
 
 
 def test_store_prune_keeps_newest_and_latest(snap_env):
-    d = store.check_directory(snap_env.dir)
+    d = posix.check_directory(snap_env.dir)
     for step in (1, 5, 9, 12, 20):
-        (d / store.step_dirname(step)).mkdir()
+        (d / paths.step_dirname(step)).mkdir()
     (d / "step-00000030.tmp-123").mkdir()
     (d / "latest").write_text("step-00000005\n")
-    store.prune(d, 2)
-    assert [s.step for s in store.list_snapshots(d)] == [20, 12, 5]  # latest is kept too
-    assert [p.name for p in store.clean_partial(d)] == ["step-00000030.tmp-123"]
+    posix.prune(d, 2)
+    assert [s.step for s in posix.list_snapshots(d)] == [20, 12, 5]  # latest is kept too
+    assert [p.name for p in posix.clean_partial(d)] == ["step-00000030.tmp-123"]
     assert not (d / "step-00000030.tmp-123").exists()
 
 
 def test_store_load_manifest_rejects_garbage(snap_env):
-    d = store.check_directory(snap_env.dir)
+    d = posix.check_directory(snap_env.dir)
     p = d / "manifest.json"
     p.write_bytes(b"{not json")
     with pytest.raises(CorruptSnapshot, match="not valid JSON"):
-        store.load_manifest(p)
+        posix.load_manifest(p)
     p.write_text(json.dumps({"format": "cudasnap", "format_version": 1, "step": 1}))
     with pytest.raises(CorruptSnapshot, match="missing 'data'"):
-        store.load_manifest(p)
+        posix.load_manifest(p)
     with pytest.raises(CorruptSnapshot, match="cannot read"):
-        store.load_manifest(d / "missing.json")
+        posix.load_manifest(d / "missing.json")
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])
@@ -234,21 +236,21 @@ def test_check_directory_refuses_unwritable_places(tmp_path, where):
     else:
         target = "/proc/cudasnap-test/ckpt"
     with pytest.raises(SnapshotError, match="not writable"):
-        store.check_directory(target)
+        posix.check_directory(target)
 
 
 def test_read_data_of_a_snapshot_missing_its_data_file_is_corrupt(C, snap_env):
     """A half-pruned (or hand-damaged) snapshot must make restore fall back, not fail."""
     data = b"\x01" * 5000
     arena = _committed_slot(C, snap_env, data, meta=json.dumps(_tensor_meta(len(data))).encode())
-    d = store.check_directory(snap_env.dir)
+    d = posix.check_directory(snap_env.dir)
     arena.lease(0)
-    path, _ = store.write_slot(arena, 0, d, threads=1)
+    path, _ = posix.write_slot(arena, 0, d, threads=1)
     arena.release(0)
-    m = store.load_manifest(path / "manifest.json")
+    m = posix.load_manifest(path / "manifest.json")
     (path / "data.bin").unlink()
     with pytest.raises(CorruptSnapshot, match="missing"):
-        store.read_data(path, m)
+        posix.read_data(path, m)
 
 
 def test_manifest_checksum_catches_a_flipped_digit(C, snap_env):
@@ -257,19 +259,19 @@ def test_manifest_checksum_catches_a_flipped_digit(C, snap_env):
     meta = _tensor_meta(len(data))
     meta["host"] = {"step": 3, "optim": {"lr": 0.005}}
     arena = _committed_slot(C, snap_env, data, meta=json.dumps(meta).encode())
-    d = store.check_directory(snap_env.dir)
+    d = posix.check_directory(snap_env.dir)
     arena.lease(0)
-    path, _ = store.write_slot(arena, 0, d, threads=1)
+    path, _ = posix.write_slot(arena, 0, d, threads=1)
     arena.release(0)
     man = path / "manifest.json"
-    m = store.load_manifest(man)
-    assert m["host"]["optim"]["lr"] == 0.005 and store.MANIFEST_CRC in m
+    m = posix.load_manifest(man)
+    assert m["host"]["optim"]["lr"] == 0.005 and M.MANIFEST_CRC in m
     raw = man.read_bytes()
     pos = raw.index(b"0.005") + 4
     L.flip_byte(man, pos, 0x01)  # 0.005 -> 0.004: still valid JSON, still a sane manifest
     assert json.loads(man.read_bytes())["host"]["optim"]["lr"] == 0.004
     with pytest.raises(CorruptSnapshot, match="manifest checksum mismatch"):
-        store.load_manifest(man)
+        posix.load_manifest(man)
 
 
 def test_flush_active_counts_running_flushes(C, snap_env):

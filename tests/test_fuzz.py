@@ -1,7 +1,7 @@
 """Hostile and random input (hypothesis): manifests, manifest files, arena files, host state.
 
 Properties, for every generated input:
-* ``manifest.validate_manifest`` / ``store.load_manifest`` either accept it or raise a
+* ``manifest.validate_manifest`` / ``posix.load_manifest`` either accept it or raise a
   ``cudasnap.SnapshotError`` subclass with a message naming the file -- never another
   exception, never a crash;
 * a manifest that is accepted describes only bytes inside ``data.bin`` (size checked
@@ -33,11 +33,12 @@ from helpers.trainlib import Job
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cudasnap import codec, store
-from cudasnap import manifest as M
 from cudasnap._native import native
 from cudasnap.errors import CorruptSnapshot, SnapshotError
+from cudasnap.format import codec, paths
+from cudasnap.format import manifest as M
 from cudasnap.snapshotter import Snapshotter
+from cudasnap.storage import posix
 
 EXAMPLES = int(os.environ.get("CUDASNAP_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 500,
@@ -74,7 +75,7 @@ def snapshot(tmp_path_factory):
         path = snap.flush()
     finally:
         snap.close()
-    raw = (path / store.MANIFEST).read_bytes()
+    raw = (path / paths.MANIFEST).read_bytes()
     return path, json.loads(raw), raw
 
 
@@ -169,29 +170,29 @@ def test_load_manifest_of_mutated_manifests_and_read_data(snapshot, tmp_path_fac
     fix_crc = data.draw(st.booleans())
     if fix_crc and isinstance(m, dict):
         try:
-            m[store.MANIFEST_CRC] = store.manifest_crc(m)
+            m[M.MANIFEST_CRC] = M.manifest_crc(m)
         except SnapshotError:
             pass
     d = tmp_path_factory.mktemp("m") / "step-00000001"
     d.mkdir()
-    os.link(path / store.DATA, d / store.DATA)
-    man = d / store.MANIFEST
+    os.link(path / paths.DATA, d / paths.DATA)
+    man = d / paths.MANIFEST
     try:
         man.write_text(json.dumps(m))
     except (ValueError, TypeError):
         return
     try:
-        got = store.load_manifest(man)
+        got = posix.load_manifest(man)
     except Exception as e:  # noqa: BLE001
         _check_error(e, str(man))
         return
     _invariants(got)
     try:
-        buf = store.read_data(d, got, threads=1)
+        buf = posix.read_data(d, got, threads=1)
     except Exception as e:  # noqa: BLE001
         _check_error(e, str(d))
         return
-    assert buf.numel() == (d / store.DATA).stat().st_size
+    assert buf.numel() == (d / paths.DATA).stat().st_size
     _views_stay_inside(got, buf)
     event("accepted and read")
 
@@ -214,10 +215,10 @@ def test_load_manifest_of_byte_mutated_files(snapshot, tmp_path_factory, data):
             b[i:i] = data.draw(st.binary(min_size=1, max_size=16))
         else:
             del b[i:]
-    man = tmp_path_factory.mktemp("b") / store.MANIFEST
+    man = tmp_path_factory.mktemp("b") / paths.MANIFEST
     man.write_bytes(bytes(b))
     try:
-        got = store.load_manifest(man)
+        got = posix.load_manifest(man)
     except Exception as e:  # noqa: BLE001
         _check_error(e, str(man))
         return
@@ -226,12 +227,12 @@ def test_load_manifest_of_byte_mutated_files(snapshot, tmp_path_factory, data):
 
 def test_deep_nesting_is_refused_not_a_crash(tmp_path):
     """JSON nested deeper than the parser, the checksum or the decoder can recurse."""
-    man = tmp_path / store.MANIFEST
+    man = tmp_path / paths.MANIFEST
     for depth in (50, 400, 900, 5000, 100000):
         head = '{"format":"cudasnap","format_version":1,"step":1,"manifest_crc32c":0,"host":'
         man.write_text(head + '{"x":' * depth + "{}" + "}" * depth + "}")
         with pytest.raises(SnapshotError):
-            store.load_manifest(man)
+            posix.load_manifest(man)
         try:  # decodes, or CorruptSnapshot: never RecursionError
             codec.loads('{"a":' * depth + "1" + "}" * depth)
         except CorruptSnapshot:

@@ -516,6 +516,6 @@ def test_arena_regrowth_unregisters_the_old_arena_and_keeps_its_snapshot(snap_en
 
 
 def cudasnap_store() -> Any:
-    from cudasnap import store
+    from cudasnap.storage import posix
 
-    return store
+    return posix

@@ -1,4 +1,4 @@
-"""Manifest validation (cudasnap/manifest.py): hostile or torn manifests are refused."""
+"""Manifest validation (cudasnap/format/manifest.py): hostile or torn manifests are refused."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from cudasnap import manifest as M
 from cudasnap.errors import CorruptSnapshot, IncompatibleSnapshot
+from cudasnap.format import manifest as M
 
 
 def good_manifest():

@@ -30,9 +30,10 @@ import numpy as np
 import pytest
 from helpers.run_fork import ForkServer
 
-from cudasnap import store
 from cudasnap._native import native
+from cudasnap.format import paths
 from cudasnap.run import flush_orphans, supervise
+from cudasnap.storage import posix
 from cudasnap.triggers import nvml as _nvml
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -157,12 +158,12 @@ def test_injected_fault_flushes_newest_complete_step_and_exits_with_policy_code(
     if kind == "hang":
         assert "watchdog: no step boundary" in text
     # The dying process flushed by itself (before the supervisor looked) ...
-    mine = [r for r in store.read_flush_log(snap_env.dir) if r["pid"] == pid]
+    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == pid]
     assert len(mine) == 1 and mine[0]["step"] in allowed, (mine, text)
     # ... and the newest COMPLETE step it left in shared memory is durable on disk.
     newest = arena_newest(snap_env.arena_path())
     assert newest in allowed
-    on_disk = [s.step for s in store.list_snapshots(snap_env.dir)]
+    on_disk = [s.step for s in posix.list_snapshots(snap_env.dir)]
     assert on_disk[0] == newest
     if len(allowed) == 1:  # waited for the running copy: the supervisor had nothing to do
         assert mine[0]["step"] == newest and report[0]["flushed"][0]["skipped"]
@@ -180,7 +181,7 @@ def test_uncaught_exception_flushes_then_the_process_fails(server, snap_env, cap
     assert rc == 1, text
     assert "InjectedFault: injected fault exception@step=4" in text
     pid = events(stats)[0]["pid"]
-    mine = [r for r in store.read_flush_log(snap_env.dir) if r["pid"] == pid]
+    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == pid]
     assert [r["step"] for r in mine] == [4], text
     assert report[0]["flushed"][0]["skipped"]
     verify_ok(snap_env.dir, 4, capsys)
@@ -210,7 +211,7 @@ def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, 
         "not restarting", "")
     assert [e["attempt"] for e in events(stats) if e["ev"] == "start"] == [0]
     pid = events(stats)[0]["pid"]
-    assert [r["step"] for r in store.read_flush_log(snap_env.dir) if r["pid"] == pid] == [4]
+    assert [r["step"] for r in posix.read_flush_log(snap_env.dir) if r["pid"] == pid] == [4]
     assert "exiting with code 78 after sigterm" in log.read_text()
 
 
@@ -253,7 +254,7 @@ def test_sigusr1_flushes_and_training_continues(server, snap_env, reference, at)
     final = evs[-1]
     assert final["ev"] == "final" and final["start"] == 0 and final["attempt"] == 0
     assert ["sigusr1", "flushed"] in final["triggers"]
-    flushes = [r for r in store.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
+    flushes = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
     assert at <= flushes[0]["step"] < STEPS, log.read_text()
     # close() flushed the final step unless the SIGUSR1 flush already wrote it.
     assert [r["step"] for r in flushes[1:]] == ([] if flushes[0]["step"] == STEPS - 1
@@ -281,7 +282,7 @@ def test_policy_override_changes_the_outcome(server, snap_env, reference, spec, 
                            extra_env={"CUDASNAP_POLICY": policy})
     assert rc == code, log.read_text()
     evs = events(stats)
-    mine = [r for r in store.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
+    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
     if code == 0:  # the run ended with close(), which flushed the final step (flush_on_close)
         assert mine and mine[-1]["step"] == STEPS - 1, mine
         mine = mine[:-1]
@@ -311,9 +312,9 @@ def test_sigterm_while_main_thread_blocked_in_c_flushes_via_signal_thread(server
     exits = [ln for ln in text.splitlines() if "exiting with code 78 after sigterm" in ln]
     assert len(exits) == 1 and " cudasnap-signals " in exits[0], text
     assert not any(e["ev"] == "block_expired" for e in events(stats))
-    mine = [r for r in store.read_flush_log(snap_env.dir) if r["pid"] == p.pid]
+    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == p.pid]
     assert [r["step"] for r in mine] == [5]
-    assert store.read_latest(snap_env.dir) == "step-00000005"
+    assert posix.read_latest(snap_env.dir) == "step-00000005"
     verify_ok(snap_env.dir, 5, capsys)
 
 
@@ -330,7 +331,7 @@ def test_watchdog_quiet_on_a_slow_loop_within_its_limit(server, snap_env):
     final = events(stats)[-1]
     assert final["ev"] == "final" and final["triggers"] == []
     # No watchdog flush: the only one is close()'s flush of the final step (flush_on_close).
-    assert [r["step"] for r in store.read_flush_log(snap_env.dir)] == [STEPS - 1]
+    assert [r["step"] for r in posix.read_flush_log(snap_env.dir)] == [STEPS - 1]
 
 
 def test_watchdog_quiet_during_the_users_own_long_flush(server, snap_env):
@@ -360,8 +361,8 @@ def test_nvml_absent_logged_once_and_everything_else_works(server, snap_env):
     assert final["flushed"].endswith("step-00000005")
     second = [e for e in evs if e["ev"] == "second"][0]
     assert second["guard"] and second["flushed"].endswith("step-00000006")
-    assert [s.step for s in store.list_snapshots(snap_env.dir)] == [5]
-    assert [s.step for s in store.list_snapshots(Path(str(snap_env.dir) + "-2"))] == [6]
+    assert [s.step for s in posix.list_snapshots(snap_env.dir)] == [5]
+    assert [s.step for s in posix.list_snapshots(Path(str(snap_env.dir) + "-2"))] == [6]
 
 
 # ----------------------------------------------------------------------------- SIGKILL trials
@@ -416,7 +417,7 @@ def test_sigkill_at_random_points_resumes_at_newest_complete_plus_one(
         assert starts[1]["start"] == newest + 1, (what, starts[1])
         if newest >= 0:
             assert starts[1]["restore"]["step"] == newest, what
-            assert (d / "ckpt" / store.step_dirname(newest)).is_dir(), what
+            assert (d / "ckpt" / paths.step_dirname(newest)).is_dir(), what
         if phase == "flush":  # the torn flush of the dead process is gone after the restart
             verify_ok(d / "ckpt", k, capsys)
         assert not list((d / "ckpt").glob("*.tmp*")), what

@@ -33,10 +33,12 @@ from helpers import layout as L
 from helpers.trainlib import Job
 
 import cudasnap
-from cudasnap import store
 from cudasnap._native import native
 from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, StagingError
+from cudasnap.format import manifest as M
+from cudasnap.format import paths
 from cudasnap.snapshotter import Snapshotter
+from cudasnap.storage import posix
 
 PKG = Path(cudasnap.__file__).resolve().parent
 FOREIGN_UID = 12345
@@ -75,11 +77,11 @@ def _restore(d: Path, job: str, dim: int = 16, **kw):
 
 def _rewrite_manifest(step_dir: Path, fn) -> None:
     """Edits a manifest and recomputes its checksum (a forger's edit, not damage)."""
-    man = step_dir / store.MANIFEST
+    man = step_dir / paths.MANIFEST
     m = json.loads(man.read_bytes())
     fn(m)
-    m.pop(store.MANIFEST_CRC, None)
-    m[store.MANIFEST_CRC] = store.manifest_crc(m)
+    m.pop(M.MANIFEST_CRC, None)
+    m[M.MANIFEST_CRC] = M.manifest_crc(m)
     man.write_text(json.dumps(m))
 
 
@@ -135,11 +137,11 @@ def test_tensor_names_never_become_paths(snap_env, tmp_path, monkeypatch):
     for k in HOSTILE_KEYS:
         assert torch.equal(models2[k].weight, models[k].weight)
     step = d / "step-00000000"
-    allowed = {str(step / store.MANIFEST), str(step / store.DATA), str(d / ".lock")}
+    allowed = {str(step / paths.MANIFEST), str(step / paths.DATA), str(d / ".lock")}
     bad = [p for p in opened if p not in allowed and not p.startswith(str(d / ".probe-"))
            and not p.startswith("/proc/") and not p.startswith("/sys/")]
     assert not bad, f"restore opened {bad}"
-    assert str(step / store.DATA) in opened
+    assert str(step / paths.DATA) in opened
     created = {p for p in tmp_path.rglob("*")} - before
     assert all(str(p).startswith(str(d)) for p in created), created
 
@@ -153,10 +155,10 @@ def test_data_file_name_comes_from_the_code_not_the_manifest(snap_env):
         shutil.copytree(path, q)
         _rewrite_manifest(q, lambda m: m["data"].__setitem__("file", bad))
         with pytest.raises(CorruptSnapshot, match="data file must be 'data.bin'"):
-            store.load_manifest(q / store.MANIFEST)
-        m = json.loads((q / store.MANIFEST).read_bytes())  # a caller that skipped validation
+            posix.load_manifest(q / paths.MANIFEST)
+        m = json.loads((q / paths.MANIFEST).read_bytes())  # a caller that skipped validation
         with pytest.raises(CorruptSnapshot, match="data.bin"):
-            store.read_data(q, m)
+            posix.read_data(q, m)
     # Names with NUL bytes, and names the manifest repeats, are refused too.
     for names in (["a\x00b"], ["dup", "dup"]):
         q = snap_env.tmp / f"copy-{uuid.uuid4().hex[:6]}" / path.name
@@ -167,25 +169,25 @@ def test_data_file_name_comes_from_the_code_not_the_manifest(snap_env):
                 e["name"] = n
         _rewrite_manifest(q, rename)
         with pytest.raises(CorruptSnapshot, match="name"):
-            store.load_manifest(q / store.MANIFEST)
+            posix.load_manifest(q / paths.MANIFEST)
     assert C is native()
 
 
 def test_no_code_path_builds_a_path_from_manifest_strings():
-    """Static proof: every ``a / b`` in store.py joins a constant, a name built from ints
+    """Static proof: every ``a / b`` in storage/posix.py joins a constant, a name built from ints
     (step, pid, rank) or ``subdir`` (the rank name from cudasnap.distributed) -- never a
     string read from a manifest. A new join fails this test until it is reviewed."""
     reviewed = {
         "DATA", "MANIFEST", "LATEST", "FLUSH_LOG", "step_dirname(step)", "subdir",
         "'.lock' if rank == 0 else f'.lock-rank{rank}'", "f'.probe-{os.getpid()}'",
         "f'.{LATEST}.tmp-{os.getpid()}'", "f'{step_dirname(step)}.tmp-{os.getpid()}'",
-        "f'{subdir}.tmp-{os.getpid()}'",
+        "f'{subdir}.tmp-{os.getpid()}'", "COMMIT", "f'.{COMMIT}.tmp-{os.getpid()}'",
         "1000000.0", "1000000000.0", "max(elapsed, 1e-09)",  # arithmetic, not paths
     }
-    tree = ast.parse((PKG / "store.py").read_text())
+    tree = ast.parse((PKG / "storage" / "posix.py").read_text())
     joins = {ast.unparse(n.right) for n in ast.walk(tree)
              if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)}
-    assert joins <= reviewed, f"unreviewed path joins in store.py: {joins - reviewed}"
+    assert joins <= reviewed, f"unreviewed path joins in storage/posix.py: {joins - reviewed}"
     read_data = next(n for n in ast.walk(tree)
                      if isinstance(n, ast.FunctionDef) and n.name == "read_data")
     assert "Path(snapshot_dir) / DATA" in ast.unparse(read_data)
@@ -199,16 +201,16 @@ def test_sizes_and_ranges_checked_before_any_read(snap_env, monkeypatch):
     calls = []
     real = C.read_file_verified
     monkeypatch.setattr(C, "read_file_verified", lambda *a: calls.append(a) or real(*a))
-    size = (path / store.DATA).stat().st_size
-    original = (path / store.MANIFEST).read_bytes()
+    size = (path / paths.DATA).stat().st_size
+    original = (path / paths.MANIFEST).read_bytes()
 
     def grow(m):
         m["data"]["bytes"] = size + 8192
         m["data"]["crc32c"] += [0, 0]
     _rewrite_manifest(path, grow)
-    m = store.load_manifest(path / store.MANIFEST)  # self-consistent: valid
+    m = posix.load_manifest(path / paths.MANIFEST)  # self-consistent: valid
     with pytest.raises(CorruptSnapshot, match=f"is {size} bytes, the manifest says {size + 8192}"):
-        store.read_data(path, m)
+        posix.read_data(path, m)
     assert not calls  # refused before the reader ran
     cases = {
         "outside the data": lambda m: m["tensors"][0].__setitem__("offset", size + 8192),
@@ -218,10 +220,10 @@ def test_sizes_and_ranges_checked_before_any_read(snap_env, monkeypatch):
         "not aligned": lambda m: m["tensors"][0].__setitem__("offset", 2),
     }
     for want, fn in cases.items():
-        (path / store.MANIFEST).write_bytes(original)
+        (path / paths.MANIFEST).write_bytes(original)
         _rewrite_manifest(path, fn)
         with pytest.raises(CorruptSnapshot, match=want):
-            store.load_manifest(path / store.MANIFEST)
+            posix.load_manifest(path / paths.MANIFEST)
 
 
 @contextlib.contextmanager
@@ -252,13 +254,13 @@ def test_symlinks_fifos_and_devices_are_refused_without_blocking(snap_env):
     path, _ = _make(snap_env.dir, snap_env.job)
     d = snap_env.dir
     C = native()
-    m = store.load_manifest(path / store.MANIFEST)
-    data = path / store.DATA
+    m = posix.load_manifest(path / paths.MANIFEST)
+    data = path / paths.DATA
     real = snap_env.tmp / "real-data.bin"
     shutil.move(data, real)
     data.symlink_to(real)
     with pytest.raises(CorruptSnapshot, match="not a regular file"):
-        store.read_data(path, m)
+        posix.read_data(path, m)
     buf = torch.empty(m["data"]["bytes"], dtype=torch.uint8)
     with pytest.raises(CorruptSnapshot, match="symbolic link"):  # the C reader, on its own
         C.read_file_verified(str(data), buf.data_ptr(), buf.numel(), 4096,
@@ -266,29 +268,29 @@ def test_symlinks_fifos_and_devices_are_refused_without_blocking(snap_env):
     data.unlink()
     os.mkfifo(data)
     with _deadline(10), pytest.raises(CorruptSnapshot, match="not a regular file"):
-        store.read_data(path, m)
+        posix.read_data(path, m)
     data.unlink()
     shutil.move(real, data)
-    man = path / store.MANIFEST
+    man = path / paths.MANIFEST
     saved = snap_env.tmp / "manifest.json"
     shutil.move(man, saved)
     os.mkfifo(man)
     with _deadline(10), pytest.raises(CorruptSnapshot, match="not a regular file"):
-        store.load_manifest(man)
+        posix.load_manifest(man)
     man.unlink()
     man.symlink_to("/dev/zero")
     with _deadline(10), pytest.raises(CorruptSnapshot, match="symbolic link"):
-        store.load_manifest(man)
+        posix.load_manifest(man)
     man.unlink()
     shutil.move(saved, man)
     (d / "latest").unlink()
     os.mkfifo(d / "latest")
     with _deadline(10):
-        assert store.read_latest(d) is None
+        assert posix.read_latest(d) is None
     (d / "latest").unlink()
     # A step directory that is a symlink is not a snapshot.
     (d / "step-00000099").symlink_to(path)
-    assert [s.step for s in store.list_snapshots(d)] == [1, 0]
+    assert [s.step for s in posix.list_snapshots(d)] == [1, 0]
 
 
 # --------------------------------------------------------------- pickle
@@ -354,9 +356,9 @@ def test_nothing_is_ever_unpickled(snap_env, monkeypatch):
     s.close(keep_arena=True)  # the arena (shared memory) carries the payload too
     newest = d / "step-00000002"
     # data.bin of the newest: the payload (padded), with checksums recomputed to match.
-    raw = (newest / store.DATA).read_bytes()
+    raw = (newest / paths.DATA).read_bytes()
     forged = (payload * (len(raw) // len(payload) + 1))[:len(raw)]
-    (newest / store.DATA).write_bytes(forged)
+    (newest / paths.DATA).write_bytes(forged)
     C = native()
     crcs = [C.crc32c(forged[i:i + 4096]) for i in range(0, len(forged), 4096)]
     b64 = base64.b64encode(payload).decode()
@@ -367,9 +369,9 @@ def test_nothing_is_ever_unpickled(snap_env, monkeypatch):
         m["host"]["extra"]["sched"]["state"]["evil"] = {"__bytes__": b64}
     _rewrite_manifest(newest, plant)
     # Older snapshot's manifest replaced by the raw payload; latest and the flush log too.
-    (d / "step-00000001" / store.MANIFEST).write_bytes(payload)
+    (d / "step-00000001" / paths.MANIFEST).write_bytes(payload)
     (d / "latest").write_bytes(payload)
-    with open(d / store.FLUSH_LOG, "ab") as f:
+    with open(d / paths.FLUSH_LOG, "ab") as f:
         f.write(payload + b"\n")
     # The arena: payload bytes in its spare header page.
     arena = snap_env.arena_path()
@@ -386,10 +388,10 @@ def test_nothing_is_ever_unpickled(snap_env, monkeypatch):
             assert start == 3 and blob2.blob == payload and isinstance(blob2.blob, bytes)
         finally:
             s2.close()
-        store.read_latest(d)
-        store.read_flush_log(d)
+        posix.read_latest(d)
+        posix.read_flush_log(d)
         with pytest.raises(CorruptSnapshot):
-            store.load_manifest(d / "step-00000001" / store.MANIFEST)
+            posix.load_manifest(d / "step-00000001" / paths.MANIFEST)
         j3 = Job(dim=16)
         blob3 = _Blob()
         s3 = _snap(j3, d, snap_env.sub_job("disk"), extra={**j3.extra(), "blob": blob3})
@@ -457,13 +459,13 @@ def test_files_0600_dirs_0700_arena_0600_under_umask_0(snap_env):
 
 def test_group_writable_snapshot_loads_with_a_warning(snap_env, caplog):
     path, dig = _make(snap_env.dir, snap_env.job)
-    os.chmod(path / store.MANIFEST, 0o666)
+    os.chmod(path / paths.MANIFEST, 0o666)
     os.chmod(path, 0o777)
     with caplog.at_level("WARNING", logger="cudasnap"):
         start, j = _restore(snap_env.dir, snap_env.sub_job("r"))
     assert start == 2 and j.digests() == dig
     text = caplog.text
-    assert f"{path / store.MANIFEST} has mode 666" in text and f"{path} has mode 777" in text
+    assert f"{path / paths.MANIFEST} has mode 666" in text and f"{path} has mode 777" in text
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (os.chown)")
@@ -474,21 +476,21 @@ def test_snapshot_of_another_user_is_refused_unless_allowed(snap_env, monkeypatc
     path, dig = _make(snap_env.dir, snap_env.job)
     for p in [snap_env.dir, *snap_env.dir.rglob("*")]:
         os.chown(p, FOREIGN_UID, FOREIGN_UID, follow_symlinks=False)
-    monkeypatch.delenv(store.FOREIGN_ENV, raising=False)
+    monkeypatch.delenv(posix.FOREIGN_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"owned by uid {FOREIGN_UID}.*allow_foreign_owner"):
         _restore(snap_env.dir, snap_env.sub_job("r"))
     with pytest.raises(ConfigError, match=str(FOREIGN_UID)):
-        store.load_manifest(path / store.MANIFEST)
-    m = store.load_manifest(path / store.MANIFEST, allow_foreign_owner=True)
-    (path / store.DATA).chmod(0o600)
-    store.read_data(path, m, allow_foreign_owner=True)
+        posix.load_manifest(path / paths.MANIFEST)
+    m = posix.load_manifest(path / paths.MANIFEST, allow_foreign_owner=True)
+    (path / paths.DATA).chmod(0o600)
+    posix.read_data(path, m, allow_foreign_owner=True)
     with pytest.raises(ConfigError, match=str(FOREIGN_UID)):
-        store.read_data(path, m)
+        posix.read_data(path, m)
     # The switch: the Snapshotter argument (once snapshotter.py passes it) or the environment.
     if "allow_foreign_owner" in inspect.signature(Snapshotter).parameters:
         start, j = _restore(snap_env.dir, snap_env.sub_job("a"), allow_foreign_owner=True)
         assert start == 2 and j.digests() == dig
-    monkeypatch.setenv(store.FOREIGN_ENV, "1")
+    monkeypatch.setenv(posix.FOREIGN_ENV, "1")
     start, j = _restore(snap_env.dir, snap_env.sub_job("e"))
     assert start == 2 and j.digests() == dig
 

@@ -10,8 +10,8 @@ import torch
 from helpers.trainlib import Job
 
 import cudasnap
-from cudasnap import store
 from cudasnap.errors import ConfigError, IncompatibleSnapshot, SnapshotError
+from cudasnap.storage import posix
 
 
 def _snap(env, job, **kw):
@@ -45,14 +45,14 @@ def test_newest_step_stays_snapshotted_while_a_flush_holds_a_slot(snap_env, monk
     meanwhile must keep snapshotting (none skipped), so a process that dies during or
     right after the flush resumes at the newest step + 1 (replay <= 1 step)."""
     entered, go = threading.Event(), threading.Event()
-    real = store.write_slot
+    real = posix.write_slot
 
     def slow_write(*a, **kw):  # the flush is in progress (slot leased) until `go`
         entered.set()
         assert go.wait(60)
         return real(*a, **kw)
 
-    monkeypatch.setattr(store, "write_slot", slow_write)
+    monkeypatch.setattr(posix, "write_slot", slow_write)
     job = Job(dim=16)
     snap = _snap(snap_env, job)
     seen = {}
@@ -113,7 +113,7 @@ def test_clean_close_flushes_the_final_step_and_restart_resumes_from_disk(snap_e
     want = _copy(job)
     snap.close()
     assert not snap_env.arena_files()  # the arena is gone ...
-    assert [s.step for s in store.list_snapshots(snap_env.dir)] == [4]  # ... the state is not
+    assert [s.step for s in posix.list_snapshots(snap_env.dir)] == [4]  # ... the state is not
     assert snap.stats()["flushes"] == 1
     job2, start, info = _restore(snap_env)
     assert start == 5 and info["source"] == "disk" and _equal_to(job2, want)
@@ -128,7 +128,7 @@ def test_close_does_not_flush_a_step_already_on_disk(snap_env):
     snap.flush()
     snap.close()
     assert snap.stats()["flushes"] == 1
-    assert [s.step for s in store.list_snapshots(snap_env.dir)] == [2]
+    assert [s.step for s in posix.list_snapshots(snap_env.dir)] == [2]
 
 
 def test_flush_on_close_off(snap_env):
@@ -137,7 +137,7 @@ def test_flush_on_close_off(snap_env):
     job.step()
     snap.boundary(0)
     snap.close()
-    assert store.list_snapshots(snap_env.dir) == [] and not snap_env.arena_files()
+    assert posix.list_snapshots(snap_env.dir) == [] and not snap_env.arena_files()
 
 
 # ------------------------------------------------------------ item 6: fresh / resume log
@@ -158,11 +158,11 @@ def test_fresh_moves_old_snapshots_aside_and_starts_at_zero(snap_env, caplog):
     with caplog.at_level(logging.WARNING, logger="cudasnap"):
         job, start, info = _restore(snap_env, fresh=True)
     assert start == 0 and info["source"] is None
-    assert store.list_snapshots(snap_env.dir) == [] and not snap_env.arena_files()
+    assert posix.list_snapshots(snap_env.dir) == [] and not snap_env.arena_files()
     old = [p for p in snap_env.dir.iterdir() if p.name.startswith(".old-")]
     assert len(old) == 1
     # Nothing deleted: the flushed step and the arena's newer step are both kept aside.
-    assert sorted(s.step for s in store.list_snapshots(old[0])) == [1, 3]
+    assert sorted(s.step for s in posix.list_snapshots(old[0])) == [1, 3]
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("fresh" in m and str(old[0]) in m for m in msgs), msgs
 
@@ -330,7 +330,7 @@ def test_keep_zero_keeps_everything_and_negative_is_refused(snap_env):
             snap.flush()
     finally:
         snap.close()
-    assert [s.step for s in store.list_snapshots(snap_env.dir)] == [4, 3, 2, 1, 0]
+    assert [s.step for s in posix.list_snapshots(snap_env.dir)] == [4, 3, 2, 1, 0]
     for bad in (-1, 1.5):
         with pytest.raises(ConfigError, match="keep"):
             _snap(snap_env, Job(dim=16), keep=bad)

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 import cudasnap
-from cudasnap import store
 from cudasnap._native import native
 from cudasnap.errors import ConfigError, StagingError
 from cudasnap.state import single_cuda_device
+from cudasnap.storage import posix
 
 CHUNK = 64 << 10
 
@@ -52,7 +52,7 @@ def _snap(env, model, opt, **kw):
 def _reachable_steps(env):
     """Steps a crash now would leave restorable: the arena file's valid slots + disk."""
     C = native()
-    steps = {s.step for s in store.list_snapshots(env.dir)}
+    steps = {s.step for s in posix.list_snapshots(env.dir)}
     path = env.arena_path()
     if path.exists():
         a = C.Arena.open(str(path), False)
@@ -164,7 +164,7 @@ def test_flush_is_not_blocked_by_a_submit_inside_the_engine(snap_env):
         assert entered.wait(30)
         path = snap.flush(wait=False)  # must not wait for the stuck submit
         assert not release.is_set() and t.is_alive()
-        assert path is not None and [s.step for s in store.list_snapshots(snap_env.dir)] == [0]
+        assert path is not None and [s.step for s in posix.list_snapshots(snap_env.dir)] == [0]
         release.set()
         t.join(60)
         snap._engine = real

@@ -18,8 +18,8 @@ from helpers.trainlib import Job
 from torch import nn
 
 import cudasnap
-from cudasnap import store
 from cudasnap.errors import ConfigError, IncompatibleSnapshot, SnapshotError
+from cudasnap.storage import posix
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 STEPS = 9
@@ -64,7 +64,7 @@ def test_bitwise_resume_after_sigkill(snap_env, reference):
     assert p.returncode == -9, p.stderr  # really killed, no cleanup ran
     arena = snap_env.arena_path()
     assert arena.exists()
-    assert [s.step for s in store.list_snapshots(d)] == [3, 1]
+    assert [s.step for s in posix.list_snapshots(d)] == [3, 1]
     disk_copy = snap_env.tmp / "disk-only"
     shutil.copytree(d, disk_copy)
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cudasnap import dirid, store
 from cudasnap.errors import ConfigError, FlushError
+from cudasnap.format import paths
 from cudasnap.run import supervise
+from cudasnap.storage import posix
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -74,7 +75,7 @@ def test_a_second_run_on_a_busy_directory_stops_and_starts_nothing(snap_env):
 def test_a_directory_held_by_a_plain_job_is_not_supervised(snap_env):
     """A job without ``cudasnap run`` holds the directory: nothing is started or flushed."""
     snap_env.dir.mkdir(mode=0o700)
-    holder = store.DirectoryLock(snap_env.dir)
+    holder = posix.DirectoryLock(snap_env.dir)
     holder.acquire()
     try:
         with pytest.raises(ConfigError, match="in use by another job"):
@@ -99,13 +100,13 @@ def test_disk_full_during_the_orphan_flush_keeps_the_arena_and_restarts(snap_env
     def full(*_a, **_k):
         raise FlushError("posix_fallocate failed: No space left on device")
 
-    monkeypatch.setattr(store, "write_slot", full)
+    monkeypatch.setattr(posix, "write_slot", full)
     report: list[dict] = []
     rc = supervise(["sh", "-c", '[ "$CUDASNAP_RESTART" = 0 ] && exit 3; exit 0'], snap_env.dir,
                    max_restarts=1, report=report)
     assert rc == 0 and [e["rc"] for e in report] == [3, 0], report
     assert "No space left" in report[0]["flushed"][0]["error"]
-    assert arena.exists() and not store.list_snapshots(snap_env.dir)
+    assert arena.exists() and not posix.list_snapshots(snap_env.dir)
 
 
 def test_a_clean_exit_is_not_restarted(snap_env):
@@ -143,7 +144,7 @@ def test_resume_is_announced_once_and_fresh_starts_over(snap_env):
     p = cudasnap_run(["--dir", str(snap_env.dir), "--", "true"], env)
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("resuming from step 5") == 1 and str(snap_env.dir) in p.stderr, p.stderr
-    old_id = dirid.directory_id(snap_env.dir, create=False)
+    old_id = paths.directory_id(snap_env.dir, create=False)
     assert old_id
     p = cudasnap_run(["--dir", str(snap_env.dir), "--fresh", "--", "sh", "-c",
                       f"ls {snap_env.dir} > {snap_env.tmp}/listing"], env)
@@ -153,7 +154,7 @@ def test_resume_is_announced_once_and_fresh_starts_over(snap_env):
     assert "step-00000005" not in listing and "latest" not in listing
     moved = list(snap_env.dir.glob(".old-*/step-00000005"))
     assert len(moved) == 1
-    assert dirid.directory_id(snap_env.dir, create=False) not in (None, old_id)
+    assert paths.directory_id(snap_env.dir, create=False) not in (None, old_id)
 
 
 @pytest.mark.parametrize("args,problem", [
@@ -228,8 +229,9 @@ def test_a_deleted_directory_is_a_fresh_start_not_a_resume(snap_env, monkeypatch
 
 _FORKS_THEN_DIES = r"""
 import os, signal, sys, time
-from cudasnap import store
-lock = store.DirectoryLock(sys.argv[1])
+from cudasnap.format import paths
+from cudasnap.storage import posix
+lock = posix.DirectoryLock(sys.argv[1])
 lock.acquire()
 if os.environ["CUDASNAP_RESTART"] == "0":
     if os.fork() == 0:  # a data-loader-like worker: shares the lock's open file

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from helpers.zygote import LineServer
 
-from cudasnap import store
 from cudasnap._native import native
+from cudasnap.format import paths
+from cudasnap.storage import posix
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 DIM = 640  # state: 2 x (640x640 + 640) params + AdamW moments + BN buffers, about 10 MB
@@ -155,8 +156,8 @@ def _inspect(arena_path: Path, directory: Path) -> dict:
             seen["shm_step"] = a.slot_info(newest)["step"]
         seen["torn_copy"] = any(a.slot_info(s)["state"] == "WRITING" for s in range(a.num_slots))
         del a
-    seen["disk_steps"] = sorted(s.step for s in store.list_snapshots(directory)
-                                if (s.path / store.MANIFEST).exists())
+    seen["disk_steps"] = sorted(s.step for s in posix.list_snapshots(directory)
+                                if (s.path / paths.MANIFEST).exists())
     seen["torn_flush"] = bool(list(directory.glob("step-*.tmp*")))
     return seen
 

@@ -55,8 +55,9 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from .. import codec, store
 from ..errors import ConfigError, SnapshotError
+from ..format import codec, paths
+from ..storage import posix
 from ._owner import SnapshotterOwner
 
 log = logging.getLogger("cudasnap.hf")
@@ -182,7 +183,7 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
             rank = kw.get("rank")
             rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
             shm = Path(kw.get("shm_dir") or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
-            arena_path = shm / f"cudasnap-{job}-r{rank}.arena"
+            arena_path = paths.arena_path(shm, job, rank)
             if arena_path.exists():
                 try:
                     arena = native().Arena.open(str(arena_path), False)
@@ -192,11 +193,11 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
                         best = (int(arena.slot_info(slot)["step"]), meta["host"])
                 except (SnapshotError, ValueError, KeyError) as e:
                     log.warning("cannot read the staging arena %s: %s", arena_path, e)
-            for s in store.list_snapshots(d):
+            for s in posix.list_snapshots(d):
                 if best is not None and s.step <= best[0]:
                     break
                 try:
-                    best = (s.step, store.load_manifest(s.manifest_path)["host"])
+                    best = (s.step, posix.load_manifest(s.manifest_path)["host"])
                     break
                 except SnapshotError as e:
                     log.warning("skipping snapshot %s: %s", s.path, e)

@@ -63,8 +63,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
 
-from .. import codec
 from ..errors import ConfigError
+from ..format import codec
 from ._owner import SnapshotterOwner
 
 log = logging.getLogger("cudasnap.lightning")

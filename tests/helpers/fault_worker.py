@@ -2,7 +2,7 @@
 
 Imports torch and cudasnap once, then forks one training process per command.
 Each child sets ``CUDASNAP_TEST_KILL_AT`` (the test-only crash hook of
-cudasnap/store.py and csrc/staging.cpp) *before* it touches the engine, trains
+cudasnap/_testing/faults.py and csrc/staging.cpp) *before* it touches the engine, trains
 ``steps`` steps with a snapshot and a flush after each, and is expected to
 SIGKILL itself at the requested phase. It never restores (a fresh run).
 
@@ -31,8 +31,8 @@ import torch.distributed  # noqa: E402,F401
 
 import cudasnap  # noqa: E402
 import cudasnap.snapshotter  # noqa: E402,F401
-from cudasnap import store  # noqa: E402
 from cudasnap._native import native  # noqa: E402
+from cudasnap._testing import faults  # noqa: E402
 from helpers.trainlib import Job  # noqa: E402
 
 native()
@@ -60,7 +60,7 @@ def child(c: dict) -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     if c.get("kill"):
-        os.environ[store.KILL_ENV] = c["kill"]  # before the engine's first kill point
+        os.environ[faults.KILL_ENV] = c["kill"]  # before the engine's first kill point
     torch.set_num_threads(1)
     code = 0
     try:

@@ -55,10 +55,12 @@ for p in (str(REPO), str(HERE.parent)):
 import torch  # noqa: E402
 
 import cudasnap  # noqa: E402
-from cudasnap import store  # noqa: E402
 from cudasnap._native import native  # noqa: E402
+from cudasnap._testing import faults  # noqa: E402
 from cudasnap.errors import FlushError, StagingError  # noqa: E402
+from cudasnap.format import paths  # noqa: E402
 from cudasnap.snapshotter import Snapshotter  # noqa: E402
+from cudasnap.storage import posix  # noqa: E402
 from helpers import layout as L  # noqa: E402
 from helpers.trainlib import Job  # noqa: E402
 
@@ -261,7 +263,7 @@ def clone_arena(ctx: Ctx, base: Base, job: str) -> Path:
 
 
 def step_dir(d: Path, step: int) -> Path:
-    return d / store.step_dirname(step)
+    return d / paths.step_dirname(step)
 
 
 # ------------------------------------------------------------ family: disk
@@ -283,7 +285,7 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
         return guarded(case, body)
 
     for i in range(n_trunc):
-        fname = rng.choice([store.DATA, store.MANIFEST])
+        fname = rng.choice([paths.DATA, paths.MANIFEST])
         target = newest if rng.random() < 0.75 else newest - 1
         size = (step_dir(base.dir, target) / fname).stat().st_size
         off = rng.randrange(0, size)
@@ -296,7 +298,7 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
         out.append(run(f"truncate {fname} of step {target} at {off}", trunc))
 
     for i in range(n_flip):
-        fname = rng.choice([store.DATA, store.MANIFEST])
+        fname = rng.choice([paths.DATA, paths.MANIFEST])
         target = newest if rng.random() < 0.75 else newest - 1
         size = (step_dir(base.dir, target) / fname).stat().st_size
         off = rng.randrange(0, size)
@@ -307,7 +309,7 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
             before = f.read_bytes()
             L.flip_byte(f, off, mask)
             harmless = False
-            if fname == store.MANIFEST:
+            if fname == paths.MANIFEST:
                 try:  # a flip that re-parses to the very same manifest (e.g. hex case of a \\u escape)
                     harmless = json.loads(f.read_bytes()) == json.loads(before)
                 except ValueError:
@@ -328,7 +330,7 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
             return exp, names(d)
         return damage
 
-    s_new, s_old = store.step_dirname(newest), store.step_dirname(newest - 1)
+    s_new, s_old = paths.step_dirname(newest), paths.step_dirname(newest - 1)
     out.append(run("delete latest", rm("latest", newest)))
     out.append(run(f"delete {s_new}/manifest.json",
                    rm(f"{s_new}/manifest.json", newest - 1,
@@ -345,9 +347,9 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
     out.append(run("latest names a missing step", dangling))
 
     def all_bad(d: Path):
-        for s in store.list_snapshots(d):
-            L.flip_byte(s.path / store.DATA, 100, 0x10)
-        return None, [str(d / s_new / store.DATA)]
+        for s in posix.list_snapshots(d):
+            L.flip_byte(s.path / paths.DATA, 100, 0x10)
+        return None, [str(d / s_new / paths.DATA)]
     out.append(run("every data.bin damaged", all_bad))
     return out
 
@@ -414,7 +416,7 @@ class Zygote(LineServer):
     """tests/helpers/fault_worker.py: forks training processes that kill themselves."""
 
     def __init__(self) -> None:
-        super().__init__(HERE / "fault_worker.py", 180.0, drop_env=(store.KILL_ENV,),
+        super().__init__(HERE / "fault_worker.py", 180.0, drop_env=(faults.KILL_ENV,),
                          stderr_lines=30)
 
     def next(self, timeout: float = 120.0) -> str:
@@ -441,7 +443,7 @@ KILL_PHASES = {
     "header": (1, 1),    # commit(): header half written, state still WRITING
     "write": (2, 1),     # csrc/flusher.cpp: first piece of data.bin written
     "fsync": (2, 1),     # data.bin written, not yet fdatasync'd
-    "manifest": (2, 1),  # store.write_slot: manifest written, tmp dir not fsync'd
+    "manifest": (2, 1),  # posix.write_slot: manifest written, tmp dir not fsync'd
     "rename": (2, 1),    # just before the rename of step-N.tmp-<pid> to step-N
     "renamed": (2, 2),   # renamed, parent directory not yet fsync'd, latest old
     "latest": (2, 2),    # new latest written to .latest.tmp-<pid>, not yet renamed
@@ -618,8 +620,8 @@ def _diskfull(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
             tmp_left = [p.name for p in d.rglob("*.tmp*")]
             if tmp_left:
                 case.error = f".tmp left behind: {tmp_left}"
-            if store.read_latest(d) != "step-00000000":
-                case.error += f" latest changed to {store.read_latest(d)}"
+            if posix.read_latest(d) != "step-00000000":
+                case.error += f" latest changed to {posix.read_latest(d)}"
             # The previous snapshot (and, for "latest", the new committed one) loads.
             d2 = ctx.dir("dfcopy")
             shutil.copytree(d, d2, ignore=shutil.ignore_patterns("filler", ".lock*"))
@@ -712,7 +714,7 @@ def _shmfull(ctx: Ctx, what: str, case: Case) -> Case:
 _HOLDER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from cudasnap.store import DirectoryLock
+from cudasnap.storage.posix import DirectoryLock
 lk = DirectoryLock({d!r})
 lk.acquire()
 print("LOCKED", os.getpid(), flush=True)
@@ -816,18 +818,18 @@ def build_dist_layout(ctx: Ctx, steps: tuple[int, ...] = (1, 2)) -> Path:
                 slot = a.newest_complete()
                 a.lease(slot)
                 try:
-                    store.write_slot(a, slot, d, subdir=rank_dirname(r), update_latest=False,
+                    posix.write_slot(a, slot, d, subdir=rank_dirname(r), update_latest=False,
                                      extra_manifest={"replica_group": [r]})
                 finally:
                     a.release(slot)
         finally:
             snap.close()
     for s in steps:
-        sd = d / store.step_dirname(s)
+        sd = d / paths.step_dirname(s)
         (sd / COMMIT).write_text(json.dumps({
             "step": s, "world_size": 2, "present": [0, 1], "missing": [],
             "replica_groups": [[0], [1]], "time": time.time(), "job": "faults"}))
-    (d / "latest").write_text(store.step_dirname(max(steps)) + "\n")
+    (d / "latest").write_text(paths.step_dirname(max(steps)) + "\n")
     return d
 
 

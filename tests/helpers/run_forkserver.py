@@ -31,7 +31,7 @@ import torch.distributed  # noqa: E402,F401  (the Snapshotter imports it)
 
 import cudasnap  # noqa: E402,F401
 import cudasnap.snapshotter  # noqa: E402,F401
-import cudasnap.store  # noqa: E402,F401
+import cudasnap.storage.posix  # noqa: E402,F401
 import cudasnap.triggers  # noqa: E402,F401
 import cudasnap.triggers.guard  # noqa: E402,F401
 from cudasnap._native import native  # noqa: E402

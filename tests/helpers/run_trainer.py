@@ -111,15 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     first = attempt == 0
     job = Job(dim=a.dim)
     if a.slow_flush:
-        from cudasnap import store
+        from cudasnap.format import paths
+        from cudasnap.storage import posix
 
-        real_write_slot = store.write_slot
+        real_write_slot = posix.write_slot
 
         def slow_write_slot(*args, **kw):
             time.sleep(a.slow_flush)
             return real_write_slot(*args, **kw)
 
-        store.write_slot = slow_write_slot
+        posix.write_slot = slow_write_slot
     snap = None
     start = 0
     if not a.ref:
@@ -151,17 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             if first and step == a.kill_at and a.kill_phase in ("post_wait", "flush"):
                 snap.wait()
                 if a.kill_phase == "flush":
-                    from cudasnap import store
+                    from cudasnap.format import paths
+                    from cudasnap.storage import posix
 
-                    real = store._write_file_durable
+                    real = posix._write_file_durable
 
                     def killing_write(path, data):
-                        if Path(path).name == store.MANIFEST:  # data.bin written, not renamed
+                        if Path(path).name == paths.MANIFEST:  # data.bin written, not renamed
                             emit(a.stats, ev="kill", step=step, phase="flush")
                             die()
                         real(path, data)
 
-                    store._write_file_durable = killing_write
+                    posix._write_file_durable = killing_write
                     snap.flush()
                 at("post_wait", step)
             if first and step in (a.stall_after, a.block_after):

@@ -45,9 +45,9 @@ def _starts(stats: Path) -> list[dict[str, Any]]:
 
 
 def _cleanup_arenas(ctx: Ctx, d: Path) -> None:
-    from cudasnap import dirid
+    from cudasnap.format import paths
 
-    job = dirid.job_for(d, create=False) if d.is_dir() else None
+    job = paths.job_for(d, create=False) if d.is_dir() else None
     for p in ctx.shm.glob(f"cudasnap-{job}-r*.arena") if job else []:
         p.unlink(missing_ok=True)
 
@@ -75,9 +75,9 @@ def _diskfull_orphan_flush(ctx: Ctx, case: Case) -> Case:
     try:
         d, stats = fs / "ckpt", ctx.root / f"{case.name}.jsonl"
         d.mkdir(mode=0o700)
-        from cudasnap import dirid
+        from cudasnap.format import paths
 
-        dirid.directory_id(d)
+        paths.directory_id(d)
         _fill(fs, 64 << 10)  # room for the lock and id files, not for a snapshot
         p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt",
                  run_args=("--max-restarts", "1"))
@@ -123,9 +123,9 @@ def _deleted_directory(ctx: Ctx, case: Case) -> Case:
     """``rm -rf DIR`` after a crash: the next run starts at step 0, not from the orphan."""
     d, stats = ctx.dir("sup-rm"), ctx.root / f"{case.name}.jsonl"
     _run(d, stats, "--exit-hard")  # finishes, its arena stays in shared memory
-    from cudasnap import dirid
+    from cudasnap.format import paths
 
-    old = dirid.job_for(d, create=False)
+    old = paths.job_for(d, create=False)
     shutil.rmtree(d)
     stats2 = ctx.root / f"{case.name}-2.jsonl"
     p = _run(d, stats2)

@@ -26,7 +26,7 @@ import json
 import math
 from typing import Any
 
-from .errors import ConfigError, CorruptSnapshot
+from ..errors import ConfigError, CorruptSnapshot
 
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 _QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}

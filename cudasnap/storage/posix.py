@@ -1,6 +1,8 @@
-"""On-disk snapshot store: durable, atomic, checksummed, no pickle.
+"""POSIX snapshot storage (local disk): durable, atomic, checksummed, no pickle.
 
-Layout of a snapshot directory ``DIR``::
+The default backend; its data path is the C++ flusher (``write_slot_file``,
+``read_file_verified``). Names come from ``cudasnap.format.paths``. Layout of
+a snapshot directory ``DIR``::
 
     DIR/.lock                     owner pid/host of the job writing here (flock)
     DIR/latest                    text: name of the newest committed step directory
@@ -20,10 +22,8 @@ and must belong to this process's user (else ConfigError, unless
 ``allow_foreign_owner`` or ``CUDASNAP_ALLOW_FOREIGN_OWNER=1``); a snapshot
 writable by group/others loads with a warning.
 
-Test-only crash hook: ``CUDASNAP_TEST_KILL_AT=<phase>`` makes the process
-SIGKILL itself at that phase (``_kill_point``; the C++ engine has the phases
-copy/header/write/fsync, this module manifest/rename/renamed/latest). Only the
-fault tests (tests/test_faults.py, bench/faults.py) set it.
+Test-only crash points (``cudasnap._testing.faults.kill_point``): phases
+manifest/rename/replace/renamed/latest here.
 """
 from __future__ import annotations
 
@@ -32,9 +32,7 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
-import signal
 import socket
 import stat
 import time
@@ -42,44 +40,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._native import native
-from .errors import ConfigError, CorruptSnapshot, FlushError, IncompatibleSnapshot, SnapshotError
+from .._native import native
+from .._testing.faults import kill_point
+from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
+from ..format import manifest as fmt
+from ..format.commit import (
+    MAX_COMMIT_BYTES,
+    MAX_LATEST_BYTES,
+    decode_commit,
+    decode_latest,
+    encode_commit,
+    encode_latest,
+)
+from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, STEP_RE, step_dirname
 
-log = logging.getLogger("cudasnap.store")
-
-FORMAT = "cudasnap"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-DATA = "data.bin"
-LATEST = "latest"
-MAX_MANIFEST_BYTES = 256 << 20
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-
-
-MANIFEST_CRC = "manifest_crc32c"
-
-
-KILL_ENV = "CUDASNAP_TEST_KILL_AT"
-
-
-_kill_hits: dict[str, int] = {}
-
-
-def _kill_point(phase: str) -> None:
-    """TEST-ONLY: SIGKILL this process at ``phase`` when $CUDASNAP_TEST_KILL_AT says so.
-
-    The value is ``<phase>`` or ``<phase>@<n>`` (the n-th time this process
-    gets here). Unset (always, outside the fault tests) this is one dict lookup.
-    """
-    want = os.environ.get(KILL_ENV)
-    if not want:
-        return
-    name, _, nth = want.partition("@")
-    if name != phase:
-        return
-    _kill_hits[phase] = _kill_hits.get(phase, 0) + 1
-    if _kill_hits[phase] >= max(1, int(nth or 1)):
-        os.kill(os.getpid(), signal.SIGKILL)
+log = logging.getLogger("cudasnap.storage.posix")
 
 
 FOREIGN_ENV = "CUDASNAP_ALLOW_FOREIGN_OWNER"
@@ -135,25 +110,6 @@ def _read_regular(path: Path, limit: int, what: str) -> tuple[bytes, os.stat_res
     if len(raw) > limit:
         raise CorruptSnapshot(f"{path} grew past {limit} bytes while being read")
     return raw, st
-
-
-def manifest_crc(manifest: dict[str, Any]) -> int:
-    """CRC32C of a manifest's canonical JSON (without its own checksum field).
-
-    The data chunks have CRCs; this covers the rest: a flipped digit in an
-    offset, a learning rate or an RNG state must not restore silently.
-    JSON numbers and strings written by ``json`` read back to the same text.
-    """
-    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
-    try:
-        text = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=True)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise CorruptSnapshot(f"manifest cannot be checksummed: {e}") from e
-    return int(native().crc32c(text.encode()))
-
-
-def step_dirname(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 @dataclass
@@ -244,12 +200,13 @@ def _write_file_durable(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _replace_latest(directory: Path, name: str) -> None:
+def replace_latest(directory: Path, name: str) -> None:
+    """Points ``latest`` at step directory ``name`` atomically (write, fsync, rename, fsync)."""
     tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
     try:
         tmp.unlink(missing_ok=True)
-        _write_file_durable(tmp, (name + "\n").encode())
-        _kill_point("latest")
+        _write_file_durable(tmp, encode_latest(name))
+        kill_point("latest")
         os.replace(tmp, directory / LATEST)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -292,7 +249,7 @@ def list_snapshots(directory: Path) -> list[StoredSnapshot]:
     if not d.is_dir():
         return out
     for p in d.iterdir():
-        m = _STEP_RE.match(p.name)
+        m = STEP_RE.match(p.name)
         if m and p.is_dir() and not p.is_symlink():
             out.append(StoredSnapshot(int(m.group(1)), p))
     out.sort(key=lambda s: s.step, reverse=True)
@@ -301,11 +258,42 @@ def list_snapshots(directory: Path) -> list[StoredSnapshot]:
 
 def read_latest(directory: Path) -> str | None:
     try:
-        raw, _ = _read_regular(Path(directory) / LATEST, 4096, "latest pointer")
-        name = raw.decode("ascii", errors="replace").strip()
+        raw, _ = _read_regular(Path(directory) / LATEST, MAX_LATEST_BYTES, "latest pointer")
     except SnapshotError:
         return None
-    return name if _STEP_RE.match(name) else None
+    return decode_latest(raw)
+
+
+def write_commit(step_dir: Path, record: dict[str, Any]) -> None:
+    """Writes ``step_dir/COMMIT`` durably (write, fsync, rename, fsync the directory)."""
+    tmp = step_dir / f".{COMMIT}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        _write_file_durable(tmp, encode_commit(record))
+        os.replace(tmp, step_dir / COMMIT)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    native().fsync_dir(str(step_dir))
+
+
+def read_commit(step_dir: Path) -> dict[str, Any]:
+    """The checked COMMIT record of ``step_dir``; CorruptSnapshot when absent or damaged."""
+    where = str(Path(step_dir) / COMMIT)
+    try:
+        raw, _ = _read_regular(Path(step_dir) / COMMIT, MAX_COMMIT_BYTES, "commit marker")
+    except (OSError, SnapshotError) as e:
+        raise CorruptSnapshot(f"{where}: unreadable commit marker: {e}") from e
+    return decode_commit(raw, where)
+
+
+def is_committed(step_dir: Path) -> bool:
+    return (Path(step_dir) / COMMIT).is_file()
+
+
+def committed_steps(directory: Path) -> list[StoredSnapshot]:
+    """Step directories holding a COMMIT marker, newest first."""
+    return [s for s in list_snapshots(directory) if is_committed(s.path)]
 
 
 def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
@@ -317,12 +305,8 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     info = arena.slot_info(slot)
     if not info["valid"]:
         raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
-    try:
-        meta = json.loads(arena.read_meta(slot))
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, RecursionError) as e:  # CRC-consistent but not JSON: refuse, don't crash
-        raise CorruptSnapshot(f"slot {slot} of {arena.path}: manifest is not valid JSON: {e}") from e
+    # CRC-consistent but not a JSON object: refuse, don't crash
+    meta = fmt.parse_slot_meta(arena.read_meta(slot), f"slot {slot} of {arena.path}")
     step = int(info["step"])
     directory = Path(directory)
     final = directory / step_dirname(step)
@@ -330,7 +314,8 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
     stale: Path | None = None
     if (target / MANIFEST).exists():
         try:
-            prev = json.loads(_read_regular(target / MANIFEST, MAX_MANIFEST_BYTES, "manifest")[0])
+            prev = json.loads(_read_regular(target / MANIFEST, fmt.MAX_MANIFEST_BYTES,
+                                            "manifest")[0])
             same = prev.get("slot_seq") == int(info["seq"]) and prev.get("job") == meta.get("job")
         except (SnapshotError, ValueError, RecursionError, AttributeError):
             same = False
@@ -355,26 +340,16 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
             final.mkdir(mode=0o700, exist_ok=True)
         tmp_target.mkdir(mode=0o700)
         st = C.write_slot_file(arena, slot, str(tmp_target / DATA), threads, io_bytes, True)
-        manifest = dict(meta)
-        manifest.update({
-            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-            "created_unix": time.time(), "slot_seq": int(info["seq"]),
-            "data": {"file": DATA, "bytes": int(info["data_bytes"]),
-                     "chunk_bytes": int(arena.chunk_bytes), "crc32c": st["crc32c"]},
-        })
-        if extra_manifest:
-            manifest.update(extra_manifest)
-        manifest[MANIFEST_CRC] = manifest_crc(manifest)
-        body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+        body = fmt.stored_manifest(meta, info, arena.chunk_bytes, st["crc32c"], extra_manifest)
         _write_file_durable(tmp_target / MANIFEST, body)
-        _kill_point("manifest")
+        kill_point("manifest")
         C.fsync_dir(str(tmp_target))
-        _kill_point("rename")
+        kill_point("rename")
         if stale is not None:
             os.rename(target, stale)
-            _kill_point("replace")
+            kill_point("replace")
         os.rename(tmp, target)
-        _kill_point("renamed")
+        kill_point("renamed")
         C.fsync_dir(str(target.parent))
         if subdir:
             C.fsync_dir(str(directory))
@@ -394,7 +369,7 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         # The step is committed (renamed, fsync'd); restore never needs `latest`,
         # but a failure here (disk full) must still surface as a FlushError.
         try:
-            _replace_latest(directory, final.name)
+            replace_latest(directory, final.name)
         except OSError as e:
             raise FlushError(f"step {step} is on disk at {target}, but updating "
                              f"{directory / LATEST} failed: {e}") from e
@@ -404,15 +379,12 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
              "fsync_seconds": st["fsync_seconds"], "step": step}
     log.info("flushed step %d: %.1f MB in %.3f s (%.2f GB/s) to %s", step, st["bytes"] / 1e6,
              elapsed, st["bytes"] / max(elapsed, 1e-9) / 1e9, target)
-    _append_flush_log(directory, {**stats, "pid": os.getpid(), "time": time.time(),
+    append_flush_log(directory, {**stats, "pid": os.getpid(), "time": time.time(),
                                   "path": str(target)})
     return target, stats
 
 
-FLUSH_LOG = "flush-log.jsonl"
-
-
-def _append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
+def append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
     """One JSON line per flush (step, bytes, seconds, pid): for operators and the demo."""
     try:
         fd = os.open(Path(directory) / FLUSH_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -426,7 +398,7 @@ def _append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
 
 def read_flush_log(directory: Path) -> list[dict[str, Any]]:
     try:  # (not a FIFO, not a symlink; a damaged line is skipped, not a crash)
-        raw, _ = _read_regular(Path(directory) / FLUSH_LOG, MAX_MANIFEST_BYTES, "flush log")
+        raw, _ = _read_regular(Path(directory) / FLUSH_LOG, fmt.MAX_MANIFEST_BYTES, "flush log")
     except SnapshotError:
         return []
     out = []
@@ -457,29 +429,15 @@ def load_manifest(path: Path, *, allow_foreign_owner: bool | None = None) -> dic
     user's (see ``_check_trust``), carry its own CRC32C, and pass
     ``validate_manifest`` before anything else is read.
     """
-    from .manifest import validate_manifest
-
     path = Path(path)
-    raw, st = _read_regular(path, MAX_MANIFEST_BYTES, "manifest")
+    raw, st = _read_regular(path, fmt.MAX_MANIFEST_BYTES, "manifest")
     try:
         dst = os.lstat(path.parent)
     except OSError as e:
         raise CorruptSnapshot(f"cannot stat {path.parent}: {e}") from e
     _check_trust(path.parent, dst, allow_foreign_owner)
     _check_trust(path, st, allow_foreign_owner)
-    try:
-        manifest = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CorruptSnapshot(f"{path} is not valid JSON: {e}") from e
-    if isinstance(manifest, dict) and MANIFEST_CRC in manifest:
-        if manifest[MANIFEST_CRC] != manifest_crc(manifest):
-            raise CorruptSnapshot(f"{path}: manifest checksum mismatch (the file was damaged)")
-    validate_manifest(manifest, str(path))
-    if MANIFEST_CRC not in manifest:
-        # write_slot always adds it: without it a damaged offset or lr would load silently.
-        raise CorruptSnapshot(f"{path}: no {MANIFEST_CRC} field (damaged or not written by "
-                              "cudasnap)")
-    return manifest
+    return dict(fmt.parse_manifest(raw, str(path)))
 
 
 def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4, *,
@@ -517,7 +475,8 @@ def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4, *,
 
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "StoredSnapshot", "DirectoryLock", "check_directory",
-    "clean_partial", "list_snapshots", "read_latest", "write_slot", "prune", "load_manifest",
-    "read_data", "step_dirname", "IncompatibleSnapshot",
+    "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
+    "read_latest", "replace_latest", "write_commit", "read_commit", "committed_steps",
+    "write_slot", "prune", "load_manifest", "read_data", "read_flush_log", "append_flush_log",
+    "MANIFEST", "DATA", "LATEST", "FLUSH_LOG", "COMMIT", "step_dirname",
 ]

@@ -7,8 +7,14 @@ tensor's bytes lie in the snapshot's flat data area::
      "tensors": [{"name": "model.fc.weight", "group": "model", "dtype": "float32",
                   "shape": [4, 8], "stride": [8, 1], "storage_offset": 0,
                   "offset": 0, "nbytes": 128, "phase": 1}, ...],
-     "host": {...typed JSON, see cudasnap.codec...},
+     "host": {...typed JSON, see cudasnap.format.codec...},
      "data": {"file": "data.bin", "bytes": N, "chunk_bytes": C, "crc32c": [...]}}
+
+One typed schema (``Manifest``, ``TensorEntry``, ``DataSection``) serves
+both places a manifest lives: a shared-memory slot holds the same JSON minus
+its ``data`` section (rebuilt from the slot by ``data_section``) and a file on
+disk or in an object store holds all of it plus its own CRC32C
+(``manifest_crc32c``). ``parse_manifest`` is the one reader of manifest bytes.
 
 ``validate_manifest`` checks everything a hostile or torn file could get wrong
 before a single data byte is read: types, dtypes, shape/stride/byte-count
@@ -17,12 +23,63 @@ the snapshot directory.
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, TypedDict
 
-from .errors import CorruptSnapshot, IncompatibleSnapshot
+from ..errors import CorruptSnapshot, IncompatibleSnapshot
+from .paths import DATA
 
 FORMAT = "cudasnap"
+FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
+MANIFEST_CRC = "manifest_crc32c"
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+class TensorEntry(TypedDict, total=False):
+    """One tensor's place in the flat data area (``param_index``/``state_key``/``aliases``
+    only for optimizer state and aliased views)."""
+
+    name: str
+    group: str
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+    offset: int
+    nbytes: int
+    phase: int
+    param_index: int
+    state_key: str
+    aliases: list[str]
+
+
+class DataSection(TypedDict):
+    """Where the data bytes are and how to check them: always ``data.bin``."""
+
+    file: str
+    bytes: int
+    chunk_bytes: int
+    crc32c: list[int]
+
+
+class Manifest(TypedDict, total=False):
+    """A snapshot manifest, in a slot (no ``data``, no CRC) or on disk (both)."""
+
+    format: str
+    format_version: int
+    step: int
+    rank: int
+    world_size: int
+    job: str
+    backend: str
+    torch: str
+    tensors: list[TensorEntry]
+    host: dict[str, Any]
+    data: DataSection
+    created_unix: float
+    slot_seq: int
+    manifest_crc32c: int
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
@@ -114,7 +171,7 @@ def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
     if need_data:
         d = m.get("data")
         _need(isinstance(d, dict), where, "missing 'data' section")
-        _need(d.get("file") == "data.bin", where,
+        _need(d.get("file") == DATA, where,
               f"data file must be 'data.bin', got {d.get('file')!r}")
         nbytes, chunk, crcs = d.get("bytes"), d.get("chunk_bytes"), d.get("crc32c")
         _need(_is_int(nbytes) and nbytes >= 0 and _is_int(chunk) and chunk >= 4096, where,
@@ -129,3 +186,85 @@ def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:
     for key in ("rank", "world_size"):
         if key in m:
             _need(_is_int(m[key]) and m[key] >= 0, where, f"bad {key}")
+
+
+def data_section(nbytes: int, chunk_bytes: int, crcs: list[int]) -> DataSection:
+    """The manifest's ``data`` section: built here only (flush and slot restore)."""
+    return {"file": DATA, "bytes": int(nbytes), "chunk_bytes": int(chunk_bytes),
+            "crc32c": [int(c) for c in crcs]}
+
+
+def head(step: int | None = None, **fields: Any) -> dict[str, Any]:
+    """The identifying fields every manifest starts with (``format``, version, ...)."""
+    out: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION}
+    if step is not None:
+        out["step"] = step
+    out.update(fields)
+    return out
+
+
+def manifest_crc(manifest: dict[str, Any]) -> int:
+    """CRC32C of a manifest's canonical JSON (without its own checksum field).
+
+    The data chunks have CRCs; this covers the rest: a flipped digit in an
+    offset, a learning rate or an RNG state must not restore silently.
+    JSON numbers and strings written by ``json`` read back to the same text.
+    """
+    from .._native import native
+
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+    try:
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CorruptSnapshot(f"manifest cannot be checksummed: {e}") from e
+    return int(native().crc32c(text.encode()))
+
+
+def stored_manifest(meta: dict[str, Any], info: dict[str, Any], chunk_bytes: int,
+                    crcs: list[int], extra: dict[str, Any] | None = None) -> bytes:
+    """A slot's manifest completed for storage (disk or object): step, provenance, the data
+    section and its own CRC; ``info``: the slot's ``slot_info``."""
+    import time
+
+    manifest = dict(meta)
+    manifest.update(head(int(info["step"]), created_unix=time.time(), slot_seq=int(info["seq"])))
+    manifest["data"] = data_section(int(info["data_bytes"]), chunk_bytes, crcs)
+    if extra:
+        manifest.update(extra)
+    return encode_manifest(manifest)
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The file form of a complete manifest: its CRC added, compact JSON."""
+    manifest[MANIFEST_CRC] = manifest_crc(manifest)
+    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """Parses and fully validates manifest file bytes, before any data byte is read."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptSnapshot(f"{where} is {len(raw)} bytes, larger than any manifest")
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptSnapshot(f"{where} is not valid JSON: {e}") from e
+    if isinstance(manifest, dict) and MANIFEST_CRC in manifest:
+        if manifest[MANIFEST_CRC] != manifest_crc(manifest):
+            raise CorruptSnapshot(f"{where}: manifest checksum mismatch (the file was damaged)")
+    validate_manifest(manifest, where)
+    if MANIFEST_CRC not in manifest:
+        # write_slot always adds it: without it a damaged offset or lr would load silently.
+        raise CorruptSnapshot(f"{where}: no {MANIFEST_CRC} field (damaged or not written by "
+                              "cudasnap)")
+    return manifest  # type: ignore[no-any-return]
+
+
+def parse_slot_meta(raw: bytes | str, where: str) -> dict[str, Any]:
+    """A slot's manifest JSON (no ``data`` section yet): a JSON object, else CorruptSnapshot."""
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # CRC-consistent, yet not JSON
+        raise CorruptSnapshot(f"{where}: manifest is not valid JSON: {e}") from e
+    if not isinstance(meta, dict):
+        raise CorruptSnapshot(f"{where}: manifest is not a JSON object")
+    return meta

@@ -1,0 +1,1 @@
+"""Test-only fault hooks: inert unless the fault tests set their environment variables."""
