@@ -224,9 +224,10 @@ class Snapshotter:
         if distributed is None:
             distributed = dist_on and self.world_size > 1
         if distributed:
-            from .distributed import Coordinator
+            from .dist.coordinator import Coordinator
+            from .dist.local import SnapshotterLocal
 
-            self.dist = Coordinator(self, replicas=replicas)
+            self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas)
         self.guard: Any = None
         if health is None:
             health = os.environ.get("CUDASNAP_HEALTH", "") == "1"
@@ -736,7 +737,7 @@ class Snapshotter:
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""
-        from .distributed import rank_dirname, read_commit
+        from .dist.commit import rank_dirname, read_commit
 
         if not (step_dir / "COMMIT").is_file():
             raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudasnap.distributed import COMMIT, committed_steps, read_commit
+from cudasnap.dist.commit import COMMIT, committed_steps, read_commit
 from tests.dist import launch
 
 STEPS = 20
