@@ -112,5 +112,5 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "metrics": ["prometheus-client>=0.17"],
     },
-    entry_points={"console_scripts": ["cudasnap=cudasnap.cli:main"]},
+    entry_points={"console_scripts": ["cudasnap=cudasnap.tools.cli:main"]},
 )

@@ -33,9 +33,9 @@ from . import dirid, store
 from ._native import native
 from .errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError, StagingError
 from .manifest import FORMAT, tensor_entry, validate_manifest, validate_tensors
-from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
 from .timeline import arena_slots, check_step, final_flush, fresh_from_env, move_aside, resume_message
+from .tools.progress import io_progress
 
 log = logging.getLogger("cudasnap")
 

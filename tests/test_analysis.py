@@ -1,4 +1,4 @@
-"""Tests of cudasnap.analysis: intervals, closed forms vs Monte-Carlo, advice."""
+"""Tests of cudasnap.tools.analysis: intervals, closed forms vs Monte-Carlo, advice."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from cudasnap import analysis as an
-from cudasnap.analysis import (
+from cudasnap.tools.analysis import (
     KOKOLIS_GPU_MTBF_HOURS,
     LLAMA3_GPU_MTBF_HOURS,
     Scenario,

@@ -17,7 +17,7 @@ import pytest
 
 from cudasnap import dirid, store
 from cudasnap.errors import ConfigError, FlushError
-from cudasnap.run import supervise
+from cudasnap.tools.run import supervise
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"

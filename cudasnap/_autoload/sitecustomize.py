@@ -9,9 +9,9 @@ import sys
 
 if os.environ.get("CUDASNAP_AUTO") == "1":
     try:
-        import cudasnap.auto
+        import cudasnap.tools.auto
 
-        cudasnap.auto.install()
+        cudasnap.tools.auto.install()
     except Exception as e:  # never break the user's program at start-up
         sys.stderr.write(f"cudasnap: transparent mode not installed: {e}\n")
 

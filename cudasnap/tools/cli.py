@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, CorruptSnapshot, SnapshotError
+from ..errors import ConfigError, CorruptSnapshot, SnapshotError
 
 log = logging.getLogger("cudasnap.cli")
 
 
 def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
     """One row; its data is "unverified" (manifest read only) unless ``verify``."""
-    from . import store
+    from .. import store
 
     try:
         m = store.load_manifest(path / store.MANIFEST)
@@ -47,7 +47,7 @@ def _clean(msg: str) -> str:
 
 
 def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, Any]]:
-    from . import store
+    from .. import store
 
     rows = []
     latest = store.read_latest(directory)
@@ -65,8 +65,8 @@ def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, An
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from . import dirid
-    from ._native import native
+    from .. import dirid
+    from .._native import native
 
     if not a.directory.is_dir():
         raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
@@ -108,8 +108,8 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
     """Checks one snapshot directory chunk by chunk; returns (ok, message)."""
     import mmap
 
-    from . import store
-    from ._native import native
+    from .. import store
+    from .._native import native
 
     m = store.load_manifest(step_dir / store.MANIFEST)
     d = m["data"]
@@ -140,7 +140,7 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from . import store
+    from .. import store
 
     snaps = store.list_snapshots(a.directory)
     if a.step is not None:
@@ -178,7 +178,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from . import store
+    from .. import store
     from .export import check_export_target, export_torch
 
     check_export_target(a.directory, a.to_file)
@@ -193,8 +193,8 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
-    from ._native import native
-    from .snapshotter import _pid_alive
+    from .._native import native
+    from ..snapshotter import _pid_alive
 
     shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
     removed = 0
@@ -224,7 +224,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
 
 
 def cmd_health(a: argparse.Namespace) -> int:
-    from .triggers.nvml import read_gpu_status
+    from ..triggers.nvml import read_gpu_status
 
     try:
         rows = read_gpu_status()
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--debug"] and argv[1:2] == ["run"]:
         argv = ["run", "--debug", *argv[2:]]
     if argv[:1] == ["demo"]:
-        from .demo import main as demo_main
+        from ..demo.runner import main as demo_main
 
         return demo_main(argv[1:])
     if argv[:1] == ["run"]:

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import dirid, store
-from ._native import native
-from .errors import ConfigError, SnapshotError
+from .. import dirid, store
+from .._native import native
+from ..errors import ConfigError, SnapshotError
 
 log = logging.getLogger("cudasnap.run")
 
@@ -209,7 +209,7 @@ def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
 def start_over(directory: Path) -> Path | None:
     """``--fresh``: moves the snapshots aside (as ``fresh=True`` does) and renews the
     directory's identity, so this job's old arenas are not adopted (``gc`` removes them)."""
-    from .timeline import move_aside
+    from ..timeline import move_aside
 
     aside = move_aside(directory, None, threads=1)
     dirid.renew_id(directory)
