@@ -195,8 +195,8 @@ class Job:
         raise TimeoutError(f"no flush-log entry from pid {pid} after {after:.3f}")
 
     def raw_round(self) -> None:
-        from cudasnap import run as crun
         from cudasnap._native import native
+        from cudasnap.tools import run as crun
 
         job = crun.job_for(self.dir)
         arena = native().Arena.open(f"/dev/shm/cudasnap-{job}-r0.arena", False)
@@ -358,7 +358,7 @@ def run_size(size_gb: float, a: Any, tmp_root: Path) -> dict[str, Any] | None:
            "triggers": job.triggers, "recoveries": job.recoveries(report), "error": job.error,
            "staged_bytes": getattr(job, "staged_bytes", None)}
     C.rm(tmp)
-    from cudasnap import run as crun
+    from cudasnap.tools import run as crun
 
     for p in Path("/dev/shm").glob(f"cudasnap-{crun.job_for(job.dir)}-r*.arena"):
         p.unlink()

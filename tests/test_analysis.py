@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cudasnap import analysis as an
+from cudasnap.tools import analysis as an
 from cudasnap.tools.analysis import (
     KOKOLIS_GPU_MTBF_HOURS,
     LLAMA3_GPU_MTBF_HOURS,

@@ -14,9 +14,10 @@ import pytest
 import torch
 from helpers.layout import flip_byte
 
-from cudasnap import cli, store
+from cudasnap import store
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
+from cudasnap.tools import cli
 from cudasnap.triggers import nvml as _nvml
 
 REPO = Path(__file__).resolve().parents[1]

@@ -104,7 +104,7 @@ def arena_newest(path: Path) -> int:
 
 
 def verify_ok(directory: Path, step: int, capsys) -> None:
-    from cudasnap import cli
+    from cudasnap.tools import cli
 
     capsys.readouterr()
     rc = cli.main(["verify", str(directory), "--step", str(step)])

@@ -27,7 +27,7 @@ log = logging.getLogger("cudasnap.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_MISSING = ("cudasnap.metrics needs the optional package prometheus_client: "
+_MISSING = ("cudasnap.tools.metrics needs the optional package prometheus_client: "
             "pip install 'prometheus-client>=0.20' (pinned in requirements-dev.txt)")
 
 
