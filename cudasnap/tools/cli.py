@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import Settings
 from ..errors import ConfigError, CorruptSnapshot, SnapshotError
 
 log = logging.getLogger("cudasnap.cli")
@@ -72,8 +73,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
                           else f"no such directory: {a.directory}")
     rows = _snapshots_table(a.directory, a.verify)
-    job = os.environ.get("CUDASNAP_JOB") or dirid.job_for(a.directory, create=False)
-    shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    cfg = Settings.from_env()
+    job = cfg.job or dirid.job_for(a.directory, create=False)
+    shm = cfg.shm_dir
     for path in sorted(shm.glob(f"cudasnap-{job}-r*.arena")) if job else []:
         try:
             arena = native().Arena.open(str(path), False)
@@ -196,7 +198,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
     from .._native import native
     from ..snapshotter import _pid_alive
 
-    shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    shm = Settings.from_env().shm_dir
     removed = 0
     for path in sorted(shm.glob("cudasnap-*.arena")):
         try:

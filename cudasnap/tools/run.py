@@ -32,6 +32,7 @@ from typing import Any
 
 from .. import dirid, store
 from .._native import native
+from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 
 log = logging.getLogger("cudasnap.run")
@@ -241,7 +242,8 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
         raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}")
     _command_exists(cmd)
     directory = store.check_directory(directory)
-    shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    cfg = Settings.from_env()
+    shm = Path(shm_dir) if shm_dir else cfg.shm_dir
     lock = SupervisorLock(directory)
     lock.acquire()
     try:
@@ -251,7 +253,7 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
             log.warning("--fresh: starting over in %s%s", directory,
                         f" (old snapshots moved to {aside})" if aside else "")
         # (logs the arenas of an earlier directory at this path, which are not adopted)
-        job = os.environ.get("CUDASNAP_JOB") or dirid.snapshotter_job(directory, shm)
+        job = cfg.job or dirid.snapshotter_job(directory, shm)
         if not fresh:
             where = _resume_point(directory, job, shm)
             if where is not None:
@@ -363,7 +365,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cudasnap run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default=os.environ.get("CUDASNAP_DIR", "ckpt"),
+    p.add_argument("--dir", default=Settings.from_env().directory or "ckpt",
                    help="snapshot directory (exported as CUDASNAP_DIR)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=None, help="hang timeout in seconds")
