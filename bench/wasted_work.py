@@ -36,8 +36,8 @@ from cudasnap.tools.analysis import (  # noqa: E402
     compare,
     jit_waste,
     periodic_waste,
-    simulate_waste,
 )
+from cudasnap.tools.simulate import simulate_waste  # noqa: E402
 
 DEFAULT_GPUS = (8, 64, 512, 4096, 16384, 131072)
 DEFAULT_MC_GPUS = (64, 4096, 131072)

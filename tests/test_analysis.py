@@ -19,9 +19,9 @@ from cudasnap.tools.analysis import (
     jit_waste,
     periodic_waste,
     segment_waste,
-    simulate_waste,
     young_interval,
 )
+from cudasnap.tools.simulate import simulate_waste
 
 HOUR = 3600.0
 
