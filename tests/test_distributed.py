@@ -240,7 +240,7 @@ model = torch.nn.Linear(4, 4)
 snap = cudasnap.Snapshotter(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             directory=sys.argv[1] + "/ckpt", distributed=True, health=False)
 c = snap.dist
-print("BEAT" if c.store.check([c.prefix + "hb/0"]) else "NOBEAT", flush=True)
+print("BEAT" if c.kv.get("hb/0") is not None else "NOBEAT", flush=True)
 snap.close()
 dist.destroy_process_group()
 """
