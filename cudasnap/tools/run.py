@@ -303,9 +303,9 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                 env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
             if auto:
                 env["CUDASNAP_AUTO"] = "1"
-                autoload = str(Path(__file__).resolve().parent / "_autoload")
+                pkg = Path(__file__).resolve().parents[1]  # cudasnap/
                 env["PYTHONPATH"] = os.pathsep.join(
-                    [autoload, str(Path(__file__).resolve().parent.parent)] +
+                    [str(pkg / "_autoload"), str(pkg.parent)] +
                     ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             if inject_first and attempt == 0:
                 env["CUDASNAP_INJECT"] = inject_first
