@@ -147,7 +147,11 @@ def test_trigger_modules_do_not_reach_back_into_the_snapshotter() -> None:
 TRIGGER_MODULES = sorted(_module_name(p) for p in (PKG / "triggers").glob("*.py"))
 
 
-@pytest.mark.parametrize("mod", TRIGGER_MODULES + ["cudasnap.tools.metrics"])
+DIST_MODULES = sorted(_module_name(p) for p in (PKG / "dist").glob("*.py"))
+
+
+@pytest.mark.parametrize("mod", TRIGGER_MODULES + DIST_MODULES
+                         + ["cudasnap.tools.metrics", "cudasnap.tools.cli", "cudasnap.config"])
 def test_imports_alone_in_a_fresh_interpreter(mod: str) -> None:
     code = (f"import sys, {mod}\n"
             "bad = [m for m in ('torch', 'cudasnap._C', 'cudasnap.snapshotter') if m in sys.modules]\n"
