@@ -113,5 +113,5 @@ setup(
         "metrics": ["prometheus-client>=0.17"],
         "s3": ["fsspec>=2023.1", "s3fs>=2023.1"],
     },
-    entry_points={"console_scripts": ["cudasnap=cudasnap.cli:main"]},
+    entry_points={"console_scripts": ["cudasnap=cudasnap.tools.cli:main"]},
 )

@@ -1,6 +1,6 @@
 """Just-in-time flush and crash recovery, end to end in real processes (issue 4).
 
-For each state size it runs ONE supervised job (``cudasnap.run.supervise``) whose
+For each state size it runs ONE supervised job (``cudasnap.tools.run.supervise``) whose
 training child (this file with ``--child``: a model-like state of params + AdamW,
 ``Snapshotter`` with ``CUDASNAP_HEALTH=1``, a boundary every step) goes through:
 
@@ -197,8 +197,8 @@ class Job:
         raise TimeoutError(f"no flush-log entry from pid {pid} after {after:.3f}")
 
     def raw_round(self) -> None:
-        from cudasnap import run as crun
         from cudasnap._native import native
+        from cudasnap.tools import run as crun
 
         job = crun.job_for(self.dir)
         arena = native().Arena.open(f"/dev/shm/cudasnap-{job}-r0.arena", False)
@@ -330,7 +330,7 @@ class Job:
 
 def run_size(size_gb: float, a: Any, tmp_root: Path) -> dict[str, Any] | None:
     from cudasnap._native import native
-    from cudasnap.run import supervise
+    from cudasnap.tools.run import supervise
 
     native()  # torch + the engine loaded here, not in the controller thread
 
@@ -360,7 +360,7 @@ def run_size(size_gb: float, a: Any, tmp_root: Path) -> dict[str, Any] | None:
            "triggers": job.triggers, "recoveries": job.recoveries(report), "error": job.error,
            "staged_bytes": getattr(job, "staged_bytes", None)}
     C.rm(tmp)
-    from cudasnap import run as crun
+    from cudasnap.tools import run as crun
 
     for p in Path("/dev/shm").glob(f"cudasnap-{crun.job_for(job.dir)}-r*.arena"):
         p.unlink()
@@ -414,7 +414,7 @@ def report(results: list[dict[str, Any]]) -> str:
                          f(m([x["first_step"] for x in rs]), " s"), f(tot, " s"),
                          f(C.ratio(tot, bare), "x"), f(C.ratio(tot, ro), "x")])
     out.append(C.print_table(
-        "Recovery after kill -9 under cudasnap.run.supervise (median)",
+        "Recovery after kill -9 under cudasnap.tools.run.supervise (median)",
         ["size", "restored from", "n", "death -> supervisor sees it", "orphan flush",
          "respawn -> main()", "imports + state build (bare restart)", "Snapshotter()",
          "restore_latest()", "restore -> first step done", "death -> first resumed step",

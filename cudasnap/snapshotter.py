@@ -37,10 +37,10 @@ from .format import paths
 from .format.manifest import tensor_entry, validate_manifest, validate_tensors
 from .format.paths import is_url
 from .layout_watch import Watch, identity_entries
-from .progress import io_progress
 from .state import LiveTensor, TrainingState, single_cuda_device
 from .storage import open_storage, posix
 from .timeline import arena_slots, check_step, final_flush, fresh_from_env, move_aside, resume_message
+from .tools.progress import io_progress
 
 log = logging.getLogger("cudasnap")
 
@@ -271,9 +271,10 @@ class Snapshotter:
         if distributed is None:
             distributed = dist_on and self.world_size > 1
         if distributed:
-            from .distributed import Coordinator
+            from .dist.coordinator import Coordinator
+            from .dist.local import SnapshotterLocal
 
-            self.dist = Coordinator(self, replicas=replicas)
+            self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas)
         arena_prep.start_at_construction(self)  # large arenas: off the training thread
         self.guard: Any = None
         if health is None:
@@ -868,7 +869,8 @@ class Snapshotter:
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""
-        from .distributed import rank_dirname, read_commit
+        from .format.paths import rank_dirname
+        from .storage.posix import read_commit
 
         if not posix.is_committed(step_dir):
             raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")

@@ -1,4 +1,4 @@
-"""Tests of cudasnap.analysis: intervals, closed forms vs Monte-Carlo, advice."""
+"""Tests of cudasnap.tools.analysis: intervals, closed forms vs Monte-Carlo, advice."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cudasnap import analysis as an
-from cudasnap.analysis import (
+from cudasnap.tools import analysis as an
+from cudasnap.tools.analysis import (
     KOKOLIS_GPU_MTBF_HOURS,
     LLAMA3_GPU_MTBF_HOURS,
     Scenario,
@@ -19,9 +19,9 @@ from cudasnap.analysis import (
     jit_waste,
     periodic_waste,
     segment_waste,
-    simulate_waste,
     young_interval,
 )
+from cudasnap.tools.simulate import simulate_waste
 
 HOUR = 3600.0
 

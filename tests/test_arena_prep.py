@@ -19,9 +19,9 @@ from torch import nn
 
 import cudasnap
 from cudasnap import arena_prep
-from cudasnap.storage import posix as store
 from cudasnap._native import native
 from cudasnap.errors import StagingError
+from cudasnap.storage import posix as store
 
 CHUNK = 64 << 10
 NOT_READY = "is being prepared in the background"

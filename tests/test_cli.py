@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers.layout import flip_byte
 
-from cudasnap import cli
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
+from cudasnap.tools import cli
 from cudasnap.triggers import nvml as _nvml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -369,3 +369,16 @@ def test_advise_refuses_non_positive_inputs(capsys, flag):
 def test_debug_shows_the_traceback(snap_env, capsys):
     with pytest.raises(Exception, match="no such directory"):
         cli.main(["--debug", "inspect", str(snap_env.tmp / "nope")])
+
+
+def test_console_script_entry_point_resolves_to_the_cli():
+    """setup.py's ``cudasnap=`` entry point names an importable main of this checkout."""
+    import importlib
+    import re
+
+    setup_py = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    m = re.search(r'"cudasnap=([\w.]+):(\w+)"', setup_py)
+    assert m, "setup.py declares no cudasnap console script"
+    mod = importlib.import_module(m.group(1))
+    assert Path(mod.__file__).resolve().is_relative_to(Path(__file__).resolve().parents[1])
+    assert getattr(mod, m.group(2)) is cli.main

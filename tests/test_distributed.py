@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudasnap.distributed import COMMIT, committed_steps, read_commit
+from cudasnap.format.paths import COMMIT
+from cudasnap.storage.posix import committed_steps, read_commit
 from tests.dist import launch
 
 STEPS = 20
@@ -240,7 +241,7 @@ model = torch.nn.Linear(4, 4)
 snap = cudasnap.Snapshotter(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             directory=sys.argv[1] + "/ckpt", distributed=True, health=False)
 c = snap.dist
-print("BEAT" if c.store.check([c.prefix + "hb/0"]) else "NOBEAT", flush=True)
+print("BEAT" if c.kv.get("hb/0") is not None else "NOBEAT", flush=True)
 snap.close()
 dist.destroy_process_group()
 """

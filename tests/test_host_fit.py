@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from cudasnap import cli
 from cudasnap.host_fit import host_fit, pick_snapshot_every
+from cudasnap.tools import cli
 
 GB = 10**9
 

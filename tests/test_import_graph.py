@@ -30,14 +30,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "cudasnap"
 
-# Edges allowed to close a cycle for now. Issue 12: the lead removes them when the
-# snapshotter/distributed split lands (Coordinator on a narrow protocol, not the Snapshotter).
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = {
-    # distributed.py types Coordinator(snap: Snapshotter) under TYPE_CHECKING and reads its
-    # private fields (_arena, _restore_from_slot, ...); snapshotter.py builds the Coordinator.
-    # Issue 12: Coordinator on a narrow local-snapshot protocol removes this edge (lead).
-    ("cudasnap.distributed", "cudasnap.snapshotter"),
-}
+# Edges allowed to close a cycle for now (none left: the Coordinator depends on the
+# LocalSnapshots protocol of cudasnap/dist/local.py, not on the Snapshotter).
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:
@@ -134,6 +129,13 @@ def test_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_coordinator_does_not_reach_back_into_the_snapshotter() -> None:
+    graph = import_graph()
+    for mod, deps in graph.items():
+        if mod.startswith("cudasnap.dist"):
+            assert "cudasnap.snapshotter" not in deps, f"{mod} imports the Snapshotter"
+
+
 def test_trigger_modules_do_not_reach_back_into_the_snapshotter() -> None:
     graph = import_graph()
     for mod, deps in graph.items():
@@ -145,7 +147,11 @@ def test_trigger_modules_do_not_reach_back_into_the_snapshotter() -> None:
 TRIGGER_MODULES = sorted(_module_name(p) for p in (PKG / "triggers").glob("*.py"))
 
 
-@pytest.mark.parametrize("mod", TRIGGER_MODULES + ["cudasnap.metrics"])
+DIST_MODULES = sorted(_module_name(p) for p in (PKG / "dist").glob("*.py"))
+
+
+@pytest.mark.parametrize("mod", TRIGGER_MODULES + DIST_MODULES
+                         + ["cudasnap.tools.metrics", "cudasnap.tools.cli", "cudasnap.config"])
 def test_imports_alone_in_a_fresh_interpreter(mod: str) -> None:
     code = (f"import sys, {mod}\n"
             "bad = [m for m in ('torch', 'cudasnap._C', 'cudasnap.snapshotter') if m in sys.modules]\n"

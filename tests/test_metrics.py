@@ -1,4 +1,4 @@
-"""cudasnap.metrics: Prometheus text exposition of Snapshotter.stats() and the /metrics server."""
+"""cudasnap.tools.metrics: Prometheus text exposition of Snapshotter.stats() and the /metrics server."""
 from __future__ import annotations
 
 import re
@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from cudasnap.metrics import CONTENT_TYPE, TimingHistograms, prometheus_text, serve_metrics
+from cudasnap.tools.metrics import CONTENT_TYPE, TimingHistograms, prometheus_text, serve_metrics
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')

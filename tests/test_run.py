@@ -32,8 +32,8 @@ from helpers.run_fork import ForkServer
 
 from cudasnap._native import native
 from cudasnap.format import paths
-from cudasnap.run import flush_orphans, supervise
 from cudasnap.storage import posix
+from cudasnap.tools.run import flush_orphans, supervise
 from cudasnap.triggers import nvml as _nvml
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -105,7 +105,7 @@ def arena_newest(path: Path) -> int:
 
 
 def verify_ok(directory: Path, step: int, capsys) -> None:
-    from cudasnap import cli
+    from cudasnap.tools import cli
 
     capsys.readouterr()
     rc = cli.main(["verify", str(directory), "--step", str(step)])
@@ -217,7 +217,7 @@ def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, 
 
 def test_sigterm_just_before_the_child_starts_still_reaches_it(snap_env, monkeypatch):
     """A stop signal in the gap before Popen returns is forwarded once the child exists."""
-    import cudasnap.run as runmod
+    import cudasnap.tools.run as runmod
 
     real = subprocess.Popen
 
@@ -234,7 +234,7 @@ def test_sigterm_just_before_the_child_starts_still_reaches_it(snap_env, monkeyp
 
 
 def test_cudasnap_run_without_a_command_says_how():
-    from cudasnap.run import main
+    from cudasnap.tools.run import main
 
     with pytest.raises(SystemExit, match="no command given"):
         main(["--max-restarts", "0"])

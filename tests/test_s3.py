@@ -28,7 +28,7 @@ s3fs = pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cuda
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
 
 import cudasnap  # noqa: E402
-from cudasnap import cli  # noqa: E402
+from cudasnap.tools import cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

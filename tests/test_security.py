@@ -175,7 +175,7 @@ def test_data_file_name_comes_from_the_code_not_the_manifest(snap_env):
 
 def test_no_code_path_builds_a_path_from_manifest_strings():
     """Static proof: every ``a / b`` in storage/posix.py joins a constant, a name built from ints
-    (step, pid, rank) or ``subdir`` (the rank name from cudasnap.distributed) -- never a
+    (step, pid, rank) or ``subdir`` (the rank name from cudasnap.format.paths) -- never a
     string read from a manifest. A new join fails this test until it is reviewed."""
     reviewed = {
         "DATA", "MANIFEST", "LATEST", "FLUSH_LOG", "step_dirname(step)", "subdir",

@@ -7,11 +7,18 @@ import importlib.util
 import os
 import sys
 
-if os.environ.get("CUDASNAP_AUTO") == "1":
-    try:
-        import cudasnap.auto
+try:
+    from cudasnap.config import Settings
 
-        cudasnap.auto.install()
+    _auto = Settings.from_env().auto
+except Exception as e:  # never break the user's program at start-up  # noqa: BLE001
+    sys.stderr.write(f"cudasnap: transparent mode not installed: {e}\n")
+    _auto = False
+if _auto:
+    try:
+        import cudasnap.tools.auto
+
+        cudasnap.tools.auto.install()
     except Exception as e:  # never break the user's program at start-up
         sys.stderr.write(f"cudasnap: transparent mode not installed: {e}\n")
 

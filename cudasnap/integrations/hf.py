@@ -173,7 +173,7 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
     def _newest_host_state(self) -> tuple[int, dict[str, Any]] | None:
         """(step, decoded host state) of the newest snapshot, shared memory first."""
         from .._native import native
-        from ..run import job_for
+        from ..tools.run import job_for
 
         d = self._dir()
         kw = self.snapshotter_kwargs

@@ -63,7 +63,7 @@ def _save(base: Path, rank: int, world: int, name: str, replicas: Any) -> dict[s
     end = time.monotonic() + 20
     while snap.dist.last_flush is None and time.monotonic() < end:
         time.sleep(0.05)
-    res["gen"] = snap.dist._gen
+    res["gen"] = snap.dist.gen
     res["last_flush"] = {k: str(v) for k, v in (snap.dist.last_flush or {}).items()}
     res["weights"] = model[0].weight.detach().flatten()[:8].tolist()
     snap.close()

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .run import supervise
-from .storage import posix
+from ..storage import posix
+from ..tools.run import supervise
 
 FAULTS = {
     "kill": None, "xid": "xid=79@step={f}", "ecc_dbe": "ecc_dbe@step={f}",
@@ -60,13 +60,13 @@ def run_demo(steps: int = 40, fail_at: int = 23, fault: str = "kill", workdir: P
     for f in ("ref.npz", "run.npz", "stats.jsonl"):
         (work / f).unlink(missing_ok=True)
     t0 = time.time()
-    subprocess.run([py, "-m", "cudasnap.demo_train", *common, "--no-snapshot",
+    subprocess.run([py, "-m", "cudasnap.demo.train", *common, "--no-snapshot",
                     "--out", str(work / "ref.npz"), "--stats", str(work / "ref-stats.jsonl")],
                    check=True)
     t_ref = time.time() - t0
     report: list[dict[str, Any]] = []
     spec = FAULTS[fault]
-    cmd = [py, "-m", "cudasnap.demo_train", *common, "--out", str(work / "run.npz"),
+    cmd = [py, "-m", "cudasnap.demo.train", *common, "--out", str(work / "run.npz"),
            "--stats", str(work / "stats.jsonl")]
     if spec is None:
         cmd += ["--fail-at", str(fail_at)]

@@ -42,7 +42,7 @@ def _owning_modules(opt: Any) -> dict[str, Any]:
 def _post_step(opt: Any, args: Any, kwargs: Any) -> None:
     entry = _state.get(id(opt))
     if entry is None:
-        from .snapshotter import Snapshotter
+        from ..snapshotter import Snapshotter
 
         models = _owning_modules(opt)
         if not models:

@@ -11,7 +11,7 @@ there, else disk).
 
 With torchrun, torchrun stays the engine: run ``torchrun --max-restarts=N
 train.py`` with ``CUDASNAP_HEALTH=1`` exported; each restarted rank restores
-from the shared-memory slot its predecessor left (see cudasnap.distributed).
+from the shared-memory slot its predecessor left (see cudasnap.dist).
 ``cudasnap run`` supervises single-process jobs (or one torchrun agent:
 ``cudasnap run -- torchrun ...`` flushes every rank's arena when the agent dies).
 """
@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._native import native
-from .errors import ConfigError, SnapshotError
-from .format import paths
-from .storage import posix
+from .._native import native
+from ..config import Settings
+from ..errors import ConfigError, SnapshotError
+from ..format import paths
+from ..storage import posix
 
 log = logging.getLogger("cudasnap.run")
 
@@ -210,7 +211,7 @@ def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
 def start_over(directory: Path) -> Path | None:
     """``--fresh``: moves the snapshots aside (as ``fresh=True`` does) and renews the
     directory's identity, so this job's old arenas are not adopted (``gc`` removes them)."""
-    from .timeline import move_aside
+    from ..timeline import move_aside
 
     aside = move_aside(directory, None, threads=1)
     paths.renew_id(directory)
@@ -242,7 +243,8 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
         raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}")
     _command_exists(cmd)
     directory = posix.check_directory(directory)
-    shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    cfg = Settings.from_env()
+    shm = Path(shm_dir) if shm_dir else cfg.shm_dir
     lock = SupervisorLock(directory)
     lock.acquire()
     try:
@@ -252,7 +254,7 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
             log.warning("--fresh: starting over in %s%s", directory,
                         f" (old snapshots moved to {aside})" if aside else "")
         # (logs the arenas of an earlier directory at this path, which are not adopted)
-        job = os.environ.get("CUDASNAP_JOB") or paths.snapshotter_job(directory, shm)
+        job = cfg.job or paths.snapshotter_job(directory, shm)
         if not fresh:
             where = _resume_point(directory, job, shm)
             if where is not None:
@@ -302,9 +304,9 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                 env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
             if auto:
                 env["CUDASNAP_AUTO"] = "1"
-                autoload = str(Path(__file__).resolve().parent / "_autoload")
+                pkg = Path(__file__).resolve().parents[1]  # cudasnap/
                 env["PYTHONPATH"] = os.pathsep.join(
-                    [autoload, str(Path(__file__).resolve().parent.parent)] +
+                    [str(pkg / "_autoload"), str(pkg.parent)] +
                     ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             if inject_first and attempt == 0:
                 env["CUDASNAP_INJECT"] = inject_first
@@ -364,7 +366,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cudasnap run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default=os.environ.get("CUDASNAP_DIR", "ckpt"),
+    p.add_argument("--dir", default=Settings.from_env().directory or "ckpt",
                    help="snapshot directory (exported as CUDASNAP_DIR)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=None, help="hang timeout in seconds")

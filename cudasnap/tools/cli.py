@@ -11,15 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, CorruptSnapshot, SnapshotError
+from ..config import Settings
+from ..errors import ConfigError, CorruptSnapshot, SnapshotError
 
 log = logging.getLogger("cudasnap.cli")
 
 
 def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
     """One row; its data is "unverified" (manifest read only) unless ``verify``."""
-    from .format import paths
-    from .storage import posix
+    from ..format import paths
+    from ..storage import posix
 
     try:
         m = posix.load_manifest(path / paths.MANIFEST)
@@ -48,7 +49,7 @@ def _clean(msg: str) -> str:
 
 
 def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, Any]]:
-    from .storage import posix
+    from ..storage import posix
 
     rows = []
     latest = posix.read_latest(directory)
@@ -66,8 +67,8 @@ def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, An
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from ._native import native
-    from .format import paths
+    from .._native import native
+    from ..format import paths
 
     if isinstance(a.directory, str):  # an fsspec URL (object store): no arena to list
         from .storage.fsspec import inspect_rows
@@ -78,8 +79,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                           else f"no such directory: {a.directory}")
     else:
         rows = _snapshots_table(a.directory, a.verify)
-        job = os.environ.get("CUDASNAP_JOB") or paths.job_for(a.directory, create=False)
-    shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+        job = Settings.from_env().job or paths.job_for(a.directory, create=False)
+    shm = Settings.from_env().shm_dir
     for path in sorted(shm.glob(paths.arena_glob(job))) if job else []:
         try:
             arena = native().Arena.open(str(path), False)
@@ -114,9 +115,9 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
     """Checks one snapshot directory chunk by chunk; returns (ok, message)."""
     import mmap
 
-    from ._native import native
-    from .format import paths
-    from .storage import posix
+    from .._native import native
+    from ..format import paths
+    from ..storage import posix
 
     m = posix.load_manifest(step_dir / paths.MANIFEST)
     d = m["data"]
@@ -147,7 +148,7 @@ def _verify_one(step_dir: Path, progress: Any) -> tuple[bool, str]:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from .storage import posix
+    from ..storage import posix
 
     if isinstance(a.directory, str):  # an fsspec URL (object store)
         from .storage.fsspec import verify_lines
@@ -206,11 +207,11 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
-    from ._native import native
-    from .format import paths
-    from .snapshotter import _pid_alive
+    from .._native import native
+    from ..format import paths
+    from ..snapshotter import _pid_alive
 
-    shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+    shm = Settings.from_env().shm_dir
     removed = 0
     for path in sorted(shm.glob(paths.arena_glob())):
         try:
@@ -238,7 +239,7 @@ def cmd_gc(a: argparse.Namespace) -> int:
 
 
 def cmd_health(a: argparse.Namespace) -> int:
-    from .triggers.nvml import read_gpu_status
+    from ..triggers.nvml import read_gpu_status
 
     try:
         rows = read_gpu_status()
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--debug"] and argv[1:2] == ["run"]:
         argv = ["run", "--debug", *argv[2:]]
     if argv[:1] == ["demo"]:
-        from .demo import main as demo_main
+        from ..demo.runner import main as demo_main
 
         return demo_main(argv[1:])
     if argv[:1] == ["run"]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import cudasnap
+from cudasnap.config import Settings
 
 
 class SyntheticData:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # bitwise-reproducible CPU kernels
     model, opt, sched = build(a.dim, a.hidden, a.layers, a.device)
     data = SyntheticData(a.dim, a.batch)
-    attempt = int(os.environ.get("CUDASNAP_RESTART", "0"))
+    attempt = Settings.from_env().restart
     snap = None
     start = 0
     t_start = time.time()

@@ -5,10 +5,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, SnapshotError
-from .format import codec, paths
-from .format.manifest import torch_dtype
-from .storage import posix
+from ..errors import ConfigError, SnapshotError
+from ..format import codec, paths
+from ..format.manifest import torch_dtype
+from ..storage import posix
 
 
 def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -76,7 +76,7 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
             st.setdefault(e["param_index"], {})[e["state_key"]] = tensors[e["name"]]
     for key, h in host.get("optim", {}).items():
         o = optims.setdefault(key, {"state": {}, "param_groups": []})
-        from .state import _expand_params
+        from ..state import _expand_params
 
         o["param_groups"] = [_expand_params(g) for g in h["param_groups"]]
         for idx, k, v in h.get("scalars", []):

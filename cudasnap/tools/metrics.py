@@ -1,6 +1,6 @@
 """Prometheus metrics for a Snapshotter, through ``prometheus_client`` (optional extra).
 
-    from cudasnap.metrics import SnapshotterCollector, prometheus_text, serve_metrics
+    from cudasnap.tools.metrics import SnapshotterCollector, prometheus_text, serve_metrics
     text = prometheus_text(snap.stats(), labels={"job": "llm", "rank": "0"})
     server = serve_metrics(snap, port=9400)      # GET http://127.0.0.1:9400/metrics
     server.timings.observe_boundary(0.00004)     # real histograms (see TimingHistograms)
@@ -27,7 +27,7 @@ log = logging.getLogger("cudasnap.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_MISSING = ("cudasnap.metrics needs the optional package prometheus_client: "
+_MISSING = ("cudasnap.tools.metrics needs the optional package prometheus_client: "
             "pip install 'prometheus-client>=0.20' (pinned in requirements-dev.txt)")
 
 

@@ -65,7 +65,7 @@ Wasted GPU-hours per day = ``waste * N * 24``.
 
 Monte-Carlo simulation
 ----------------------
-:func:`simulate_waste` draws failure times over a wall-clock horizon and runs
+:func:`cudasnap.tools.simulate.simulate_waste` draws failure times over a wall-clock horizon and runs
 both policies on the *same* failure trace (common random numbers), with
 independent replications giving a 95% Student-t confidence interval.
 
@@ -127,11 +127,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
-
-import numpy as np
 
 __all__ = [
     "DEFAULT_CHECKPOINT_GBPS",
@@ -148,7 +145,6 @@ __all__ = [
     "LLAMA3_GPU_MTBF_HOURS",
     "KOKOLIS_GPU_MTBF_HOURS",
     "Scenario",
-    "SimResult",
     "young_interval",
     "daly_interval",
     "expected_lost_work",
@@ -156,7 +152,6 @@ __all__ = [
     "periodic_waste",
     "jit_waste",
     "compare",
-    "simulate_waste",
     "advise",
     "format_advice",
 ]
@@ -445,176 +440,6 @@ def compare(s: Scenario, interval_s: float | None = None) -> dict[str, Any]:
         },
         "ratio_periodic_to_jit": per / jit if jit > 0 else math.inf,
     }
-
-
-# --------------------------------------------------------------------------
-# Monte-Carlo simulation
-# --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SimResult:
-    """Mean wasted fraction over replications, with a 95% Student-t CI."""
-
-    mean: float
-    ci_low: float
-    ci_high: float
-    std: float
-    replications: int
-    failures_per_replication: float
-
-    @property
-    def half_width(self) -> float:
-        return (self.ci_high - self.ci_low) / 2.0
-
-    def contains(self, value: float) -> bool:
-        return self.ci_low <= value <= self.ci_high
-
-
-def _t975(df: int) -> float:
-    """0.975 quantile of Student's t (Cornish-Fisher expansion; < 1e-3 off for df >= 5)."""
-    exact = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}
-    if df in exact:
-        return exact[df]
-    z = 1.959963984540054
-    return (
-        z
-        + (z**3 + z) / (4.0 * df)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96.0 * df**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384.0 * df**3)
-    )
-
-
-def _renewal_times(
-    first: np.ndarray,
-    draw: Callable[[tuple[int, int]], np.ndarray],
-    mean: float,
-    horizon: float,
-) -> np.ndarray:
-    """All renewal epochs < ``horizon`` of independent processes whose first epochs are ``first``.
-
-    Gaps are drawn in blocks (one row per still-active process) to stay vectorised.
-    """
-    chunks: list[np.ndarray] = []
-    active = first[first < horizon]
-    if active.size:
-        chunks.append(active)
-    while active.size:
-        block = int(max(1, min(math.ceil(1.2 * horizon / mean) + 4, 2_000_000 // active.size)))
-        path = active[:, None] + np.cumsum(draw((active.size, block)), axis=1)
-        chunks.append(path[path < horizon])
-        last = path[:, -1]
-        active = last[last < horizon]
-    if not chunks:
-        return np.empty(0)
-    return np.sort(np.concatenate(chunks))
-
-
-def _failure_times(
-    rng: np.random.Generator,
-    gpus: int,
-    gpu_mtbf_s: float,
-    horizon: float,
-    distribution: str,
-    shape: float,
-    process: str,
-    start: str,
-) -> np.ndarray:
-    """Sorted failure epochs of the whole job in ``[0, horizon)``."""
-    if distribution == "exponential":
-        job_m = gpu_mtbf_s / gpus
-        first = rng.exponential(job_m, size=1)
-        return _renewal_times(first, lambda sz: rng.exponential(job_m, size=sz), job_m, horizon)
-    # Weibull of mean ``mean``: scale = mean / Gamma(1 + 1/k)
-    n, mean = (gpus, gpu_mtbf_s) if process == "gpu" else (1, gpu_mtbf_s / gpus)
-    scale = mean / math.gamma(1.0 + 1.0 / shape)
-    if start == "stationary":
-        # forward-recurrence time = U * (length-biased gap); a length-biased
-        # Weibull gap is scale * G^(1/k) with G ~ Gamma(1 + 1/k).
-        biased = scale * rng.gamma(1.0 + 1.0 / shape, size=n) ** (1.0 / shape)
-        first = rng.random(n) * biased
-    else:
-        first = scale * rng.weibull(shape, size=n)
-    return _renewal_times(first, lambda sz: scale * rng.weibull(shape, size=sz), mean, horizon)
-
-
-def _useful_work(
-    failures: np.ndarray, horizon: float, work: float, overhead: float, downtime: float
-) -> float:
-    """Useful work done in ``[0, horizon)`` by the segment model on a failure trace.
-
-    The job computes from 0; after failure ``f_j`` it is down until ``f_j + d``
-    unless another failure comes first (then the downtime starts over), so the
-    compute windows are ``[0, f_1)``, ``[f_j + d, f_{j+1})`` when positive, and
-    ``[f_last + d, horizon)``.  A window of length ``g`` commits
-    ``floor(g / (w + c))`` segments; in the final window the unfinished
-    segment's compute is counted as useful (an O(segment/horizon) edge effect).
-    """
-    seg = work + overhead
-    if failures.size == 0:
-        gaps = np.empty(0)
-        final = horizon
-    else:
-        starts = np.concatenate(([0.0], failures[:-1] + downtime))
-        gaps = failures - starts
-        final = horizon - (failures[-1] + downtime)
-    gaps = gaps[gaps > 0.0]
-    useful = float(np.floor(gaps / seg).sum()) * work
-    if final > 0.0:
-        n_full = math.floor(final / seg)
-        useful += n_full * work + min(final - n_full * seg, work)
-    return useful
-
-
-def simulate_waste(
-    s: Scenario,
-    *,
-    interval_s: float | None = None,
-    horizon_s: float | None = None,
-    replications: int = DEFAULT_SIM_REPLICATIONS,
-    seed: int | None = 0,
-    distribution: Literal["exponential", "weibull"] = "exponential",
-    shape: float = 1.0,
-    process: Literal["gpu", "job"] = "gpu",
-    start: Literal["stationary", "fresh"] = "stationary",
-) -> dict[str, SimResult]:
-    """Monte-Carlo wasted fraction of both policies, ``{"periodic": ..., "jit": ...}``.
-
-    Each replication draws one failure trace over ``horizon_s`` (default
-    ``DEFAULT_SIM_FAILURES`` job MTBFs) and runs both policies on it; the CI is
-    over replications.  See the module docstring for the failure processes.
-    """
-    reps = _positive_int("replications", replications)
-    if reps < 2:
-        raise ValueError(f"replications must be at least 2 for a CI, got {replications!r}")
-    if distribution not in ("exponential", "weibull"):
-        raise ValueError(f"distribution must be 'exponential' or 'weibull', got {distribution!r}")
-    if process not in ("gpu", "job"):
-        raise ValueError(f"process must be 'gpu' or 'job', got {process!r}")
-    if start not in ("stationary", "fresh"):
-        raise ValueError(f"start must be 'stationary' or 'fresh', got {start!r}")
-    k = _positive("shape", shape)
-    horizon = DEFAULT_SIM_FAILURES * s.job_mtbf_s if horizon_s is None else _positive("horizon_s", horizon_s)
-    segs = {p: s.segments(p, interval_s if p == "periodic" else None) for p in ("periodic", "jit")}
-    rng = np.random.default_rng(seed)
-    wastes: dict[str, list[float]] = {"periodic": [], "jit": []}
-    n_fail = 0
-    for _ in range(reps):
-        f = _failure_times(rng, s.gpus, s.gpu_mtbf_s, horizon, distribution, k, process, start)
-        n_fail += f.size
-        for p, (w, c, d) in segs.items():
-            wastes[p].append(1.0 - _useful_work(f, horizon, w, c, d) / horizon)
-    out: dict[str, SimResult] = {}
-    t = _t975(reps - 1)
-    for p, vals in wastes.items():
-        a = np.asarray(vals)
-        mean = float(a.mean())
-        sd = float(a.std(ddof=1))
-        hw = t * sd / math.sqrt(reps)
-        out[p] = SimResult(mean, mean - hw, mean + hw, sd, reps, n_fail / reps)
-    logger.debug(
-        "simulate_waste N=%d dist=%s k=%g process=%s start=%s: %s",
-        s.gpus, distribution, k, process, start, out,
-    )
-    return out
 
 
 # --------------------------------------------------------------------------

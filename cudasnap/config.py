@@ -1,0 +1,139 @@
+"""Settings: every ``CUDASNAP_*`` environment variable, parsed and validated in one place.
+
+``Settings.from_env()`` reads the environment once and returns a frozen
+``Settings``; a value that does not parse raises ``ConfigError`` naming the
+variable and the value. It is not cached: each entry point (a Snapshotter, the
+coordinator, ``cudasnap run``) calls it once when it starts, so a test or a
+supervisor that changes the environment before starting one is seen. Keyword
+arguments passed to an API always win over the environment.
+
+Run-time variables (booleans accept 1/0, true/false, yes/no, on/off; empty = unset):
+
+=============================== ======== ========== ==================================================
+Variable                        Type     Default    Meaning
+=============================== ======== ========== ==================================================
+CUDASNAP_DIR                    path     ./ckpt     snapshot directory (``cudasnap run`` exports it)
+CUDASNAP_JOB                    str      from DIR   job id: names the arena and the store keys
+CUDASNAP_SHM_DIR                path     /dev/shm   where the staging arena lives
+CUDASNAP_HEALTH                 bool     unset      1: start the guard (signals, NVML, watchdog) in every
+                                                    Snapshotter; 0: off also in the integrations
+CUDASNAP_WATCHDOG_S             float>0  unset      hang watchdog: no boundary for T s -> trigger "hang"
+CUDASNAP_POLL_S                 float>0  1          NVML poll interval
+CUDASNAP_INJECT                 str      unset      scripted faults instead of NVML ("xid=79@step=40")
+CUDASNAP_POLICY                 str      unset      trigger policy overrides ("thermal=flush,...")
+CUDASNAP_WAIT_S                 float>0  120        bound of every wait on a copy (fences, close)
+CUDASNAP_FRESH                  bool     0          move existing snapshots aside, start at step 0
+CUDASNAP_ALLOW_FOREIGN_OWNER    bool     0          load snapshot files owned by another user
+CUDASNAP_ALLOW_TORCH_MISMATCH   bool     0          load an extension built for another torch
+CUDASNAP_PEER_TIMEOUT_S         float>0  10         a silent peer rank is dead after this
+CUDASNAP_FLUSH_TIMEOUT_S        float>0  25         every wait of a distributed flush round ends by then
+CUDASNAP_RESTART                int>=0   0          restart attempt (``cudasnap run``; torchrun's
+                                                    TORCHELASTIC_RESTART_COUNT wins)
+CUDASNAP_SUPERVISED             bool     0          set by ``cudasnap run`` in its child
+CUDASNAP_AUTO                   bool     0          transparent mode (``cudasnap._autoload``)
+=============================== ======== ========== ==================================================
+
+Build-time variables (read by setup.py only): CUDASNAP_CUDA_ARCHS, CUDASNAP_REQUIRE_CUDA,
+CUDASNAP_WITH_CUDA, CUDASNAP_BUILD_DIR, CUDASNAP_RECONFIGURE. Test-only fault hooks
+(``cudasnap._testing``): CUDASNAP_TEST_KILL_AT, CUDASNAP_TEST_DIE_IN_FLUSH.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    v = env.get(name, "").strip()
+    return v or None
+
+
+def env_bool(env: Mapping[str, str], name: str) -> bool | None:
+    """True/False, or None when unset or empty."""
+    v = _raw(env, name)
+    if v is None:
+        return None
+    if v.lower() in _TRUE:
+        return True
+    if v.lower() in _FALSE:
+        return False
+    raise ConfigError(f"environment variable {name}={v!r} is not a boolean (use 1 or 0)")
+
+
+def env_float(env: Mapping[str, str], name: str, default: float | None = None) -> float | None:
+    """A positive finite number, or ``default`` when unset."""
+    v = _raw(env, name)
+    if v is None:
+        return default
+    try:
+        f = float(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r} is not a number") from None
+    if not (0 < f < float("inf")):
+        raise ConfigError(f"environment variable {name}={v!r} must be a positive number")
+    return f
+
+
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """A non-negative int, or ``default`` when unset."""
+    v = _raw(env, name)
+    if v is None:
+        return default
+    try:
+        i = int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r} is not an integer") from None
+    if i < 0:
+        raise ConfigError(f"environment variable {name}={v!r} must not be negative")
+    return i
+
+
+@dataclass(frozen=True)
+class Settings:
+    directory: str | None = None
+    job: str | None = None
+    shm_dir: Path = Path("/dev/shm")
+    health: bool | None = None
+    watchdog_s: float | None = None
+    poll_s: float = 1.0
+    inject: str | None = None
+    policy: str | None = None
+    wait_s: float = 120.0
+    fresh: bool = False
+    allow_foreign_owner: bool = False
+    allow_torch_mismatch: bool = False
+    peer_timeout_s: float = 10.0
+    flush_timeout_s: float = 25.0
+    restart: int = 0
+    supervised: bool = False
+    auto: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        e = os.environ if env is None else env
+        return cls(
+            directory=_raw(e, "CUDASNAP_DIR"),
+            job=_raw(e, "CUDASNAP_JOB"),
+            shm_dir=Path(_raw(e, "CUDASNAP_SHM_DIR") or "/dev/shm"),
+            health=env_bool(e, "CUDASNAP_HEALTH"),
+            watchdog_s=env_float(e, "CUDASNAP_WATCHDOG_S"),
+            poll_s=env_float(e, "CUDASNAP_POLL_S", 1.0) or 1.0,
+            inject=_raw(e, "CUDASNAP_INJECT"),
+            policy=_raw(e, "CUDASNAP_POLICY"),
+            wait_s=env_float(e, "CUDASNAP_WAIT_S", 120.0) or 120.0,
+            fresh=bool(env_bool(e, "CUDASNAP_FRESH")),
+            allow_foreign_owner=bool(env_bool(e, "CUDASNAP_ALLOW_FOREIGN_OWNER")),
+            allow_torch_mismatch=bool(env_bool(e, "CUDASNAP_ALLOW_TORCH_MISMATCH")),
+            peer_timeout_s=env_float(e, "CUDASNAP_PEER_TIMEOUT_S", 10.0) or 10.0,
+            flush_timeout_s=env_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", 25.0) or 25.0,
+            restart=env_int(e, "CUDASNAP_RESTART", 0),
+            supervised=bool(env_bool(e, "CUDASNAP_SUPERVISED")),
+            auto=bool(env_bool(e, "CUDASNAP_AUTO")),
+        )

@@ -1,0 +1,166 @@
+"""The distributed side of one rank's snapshots: wires the store client, liveness, rounds, vote.
+
+The Coordinator knows this rank's snapshots only through ``LocalSnapshots``
+(dist/local.py). Two threads per rank: the peer monitor (heartbeats, peer
+checks, noticing a round another rank requested) and an action thread that
+runs what the monitor asks for (join a round, react to dead peers), so
+heartbeats go on during a flush. Newly dead peers trigger ``peer_failure``
+(default policy: flush, exit 79).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..errors import ConfigError
+from .events import EventLog
+from .flush_round import FlushRounds
+from .kv import KV
+from .liveness import Liveness
+from .local import LocalSnapshots
+from .restore_vote import RestoreVote
+
+log = logging.getLogger("cudasnap.dist")
+
+
+def replica_groups(replicas: Any, world: int, replicated: bool) -> list[list[int]]:
+    """``replicas`` ("auto", "all"/True, None/False/"none", or groups) as a partition of ranks."""
+    if replicas == "auto":
+        return [list(range(world))] if replicated else [[r] for r in range(world)]
+    if replicas in ("all", True):
+        return [list(range(world))]
+    if replicas in (None, False, "none"):
+        return [[r] for r in range(world)]
+    groups = [sorted(int(r) for r in g) for g in replicas]
+    if sorted(r for g in groups for r in g) != list(range(world)):
+        raise ConfigError(f"replica groups {groups} must partition ranks 0..{world - 1}")
+    return groups
+
+
+class Coordinator:
+    """Agreed flushes and restores for one rank (see the package docstring)."""
+
+    def __init__(self, local: LocalSnapshots, replicas: Any = "auto", heartbeat_s: float = 0.5,
+                 peer_timeout_s: float | None = None, commit_timeout_s: float | None = None,
+                 restore_timeout_s: float = 300.0, settings: Settings | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError("distributed snapshots need torch.distributed initialised")
+        cfg = settings or Settings.from_env()
+        self.local = local
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if local.rank != self.rank or local.world_size != self.world:
+            raise ConfigError(f"Snapshotter rank/world {local.rank}/{local.world_size} differ "
+                              f"from torch.distributed's {self.rank}/{self.world}")
+        self.replica_groups = replica_groups(replicas, self.world,
+                                             replicas == "auto" and local.replicated())
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s or cfg.peer_timeout_s
+        # Every wait of a flush round ends within this (torchrun: SIGKILL 30 s after SIGTERM).
+        self.flush_timeout_s = commit_timeout_s or cfg.flush_timeout_s
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self.epoch = int(restarts) if restarts else cfg.restart
+        self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/")
+        self.events = EventLog(local.directory, self.rank, self.epoch)
+        self.live = Liveness(self.kv, self.rank, self.world, self.peer_timeout_s,
+                             self.complete_steps, local.last_step)
+        self.rounds = FlushRounds(self.kv, self.live, local, self.events,
+                                  replica_groups=self.replica_groups, epoch=self.epoch,
+                                  heartbeat_s=heartbeat_s, flush_timeout_s=self.flush_timeout_s)
+        self.vote = RestoreVote(self.kv, local, self.events, replica_groups=self.replica_groups,
+                                timeout_s=restore_timeout_s)
+        # The first heartbeat before __init__ returns: a rank that freezes (SIGSTOP) soon
+        # after, before its monitor thread ever ran, must still be timed out ("a peer that
+        # never sent a heartbeat" is one still starting, and is not).
+        self.live.beat()
+        self._stop = threading.Event()
+        self._actions: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._joined: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="cudasnap-peers", daemon=True)
+        self.kv.monitor_thread = self._thread
+        self._worker = threading.Thread(target=self._act, name="cudasnap-peer-actions",
+                                        daemon=True)
+        self._thread.start()
+        self._worker.start()
+
+    # ------------------------------------------------------------ views
+    @property
+    def dead(self) -> set[int]:
+        return self.live.dead
+
+    @property
+    def last_flush(self) -> dict[str, Any] | None:
+        return self.rounds.last
+
+    @property
+    def gen(self) -> int:
+        """Flush rounds this rank took part in, this epoch."""
+        return self.rounds.gen
+
+    def complete_steps(self) -> list[int]:
+        return self.rounds.complete_steps()
+
+    def replicas_of(self, rank: int) -> list[int]:
+        return self.rounds.replicas_of(rank)
+
+    def agree_step(self, g: str, deadline: float | None = None) -> tuple[int, set[int]] | None:
+        return self.rounds.agree_step(g, deadline)
+
+    # ------------------------------------------------------------ verbs
+    def flush(self) -> Path | None:
+        """The agreed, committed flush; this rank's directory for the step, or None."""
+        return self.rounds.flush()
+
+    def restore(self) -> int:
+        """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
+        return self.vote.restore()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._actions.put(("stop", None))
+        for t in (self._thread, self._worker):
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+
+    # ---------------------------------------------------------- threads
+    def _run(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.live.beat()
+                dead = self.live.check()
+                if dead:
+                    self._actions.put(("dead", dead))
+                gen = self.rounds.gen
+                if gen not in self._joined and not self.rounds.busy() \
+                        and self.kv.get(f"flush/{gen}/request") is not None:
+                    self._joined.add(gen)
+                    self._actions.put(("join", gen))
+            except Exception as e:  # noqa: BLE001 - the store may be gone when the job dies
+                if not self._stop.is_set():
+                    log.warning("peer monitor: %s", e)
+
+    def _act(self) -> None:
+        """Runs what the monitor asks for, so that heartbeats go on during a flush."""
+        while True:
+            kind, arg = self._actions.get()
+            if kind == "stop":
+                return
+            try:
+                if kind == "join":
+                    if self.rounds.gen == arg and not self.rounds.busy():
+                        req = self.kv.get(f"flush/{arg}/request")
+                        log.warning("rank %d joins the flush requested by rank %s", self.rank, req)
+                        self.local.request_flush()
+                elif kind == "dead":
+                    self.local.peer_failure(f"rank(s) {arg} dead or silent for more than "
+                                            f"{self.peer_timeout_s:.1f} s")
+            except Exception as e:  # noqa: BLE001
+                if not self._stop.is_set():
+                    log.warning("peer action %s: %s", kind, e)

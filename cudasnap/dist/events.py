@@ -1,0 +1,51 @@
+"""The coordinator's event log: one JSON line per event in ``DIR/dist-log.jsonl``.
+
+Events: flush_start, agreed, agree_failed, written, committed, commit_failed,
+restore_start, restored; each with wall-clock time, rank, epoch and thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("cudasnap.dist")
+EVENT_LOG = "dist-log.jsonl"
+
+
+class EventLog:
+    def __init__(self, directory: Path, rank: int, epoch: int) -> None:
+        self.path = Path(directory) / EVENT_LOG
+        self.rank = rank
+        self.epoch = epoch
+
+    def __call__(self, event: str, **kw: Any) -> None:
+        rec = {"t": time.time(), "rank": self.rank, "epoch": self.epoch, "event": event,
+               "thread": threading.current_thread().name, **kw}
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, (json.dumps(rec) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.debug("event log: %s", e)
+
+
+def read_events(directory: Path) -> list[dict[str, Any]]:
+    """The coordinator events of ``directory``."""
+    try:
+        lines = (Path(directory) / EVENT_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,339 @@
+"""One agreed, committed flush round across the ranks.
+
+Round ``g`` (any trigger on any rank; the others join when they see
+``flush/<g>/request``):
+  1. agree: each live rank publishes the steps COMPLETE in its arena
+     (``have/<rank>``); the ranks that publish nothing before the agreement
+     deadline (``peer_timeout_s`` + slack) form the dead set D. A dead rank
+     counts with the steps in its arena, read directly by a live rank on its
+     host (``left/<rank>``); with no arena left it counts with its last
+     heartbeat, or not at all when a live rank replicates its state. The
+     newest step COMPLETE everywhere and D are proposed with compare_set;
+     the first proposal wins for every rank;
+  2. each live rank writes ``DIR/step-N/rank-RRRRR/`` and sets ``done/<rank>``;
+     the lowest live rank on a host also flushes the arena of each rank of D
+     on that host and sets its ``done`` marker;
+  3. the lowest rank not in D waits for the markers (a rank of D with no live
+     rank on its host is not waited for), then writes ``DIR/step-N/COMMIT``
+     and ``latest``. A rank that dies during the round (not in D, no marker)
+     makes the round fail: the step is not committed. Every wait of a round
+     ends within ``flush_timeout_s``.
+A trigger that finds the last round of this epoch finished and no newer step
+COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
+``peer_failure`` flush): a second round would wait for ranks that have exited.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..format.paths import COMMIT, MANIFEST, rank_dirname, step_dirname
+from ..storage import posix
+from .._native import native
+from .._testing.dist_hooks import DieInFlush
+from ..errors import SnapshotError
+from .events import EventLog
+from .kv import KV, csv, parse_csv
+from .liveness import Liveness
+from .local import LocalSnapshots
+
+log = logging.getLogger("cudasnap.dist")
+
+
+def complete_steps(arenas: list[Any]) -> list[int]:
+    """Steps COMPLETE in ``arenas``, newest first."""
+    out = {int(a.slot_info(i)["step"]) for a in arenas for i in range(a.num_slots)
+           if a.slot_info(i)["valid"]}
+    return sorted(out, reverse=True)
+
+
+class FlushRounds:
+    def __init__(self, kv: KV, live: Liveness, local: LocalSnapshots, events: EventLog, *,
+                 replica_groups: list[list[int]], epoch: int, heartbeat_s: float,
+                 flush_timeout_s: float) -> None:
+        self.kv, self.live, self.local, self.events = kv, live, local, events
+        self.rank, self.world = live.rank, live.world
+        self.replica_groups = replica_groups
+        self.epoch = epoch
+        self.heartbeat_s = heartbeat_s
+        self.flush_timeout_s = flush_timeout_s
+        self.lock = threading.RLock()
+        self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
+        self.last: dict[str, Any] | None = None
+        self._die = DieInFlush(self.rank)
+
+    def replicas_of(self, rank: int) -> list[int]:
+        return next(g for g in self.replica_groups if rank in g)
+
+    def complete_steps(self) -> list[int]:
+        return complete_steps(self.local.arenas())
+
+    def busy(self) -> bool:
+        if self.lock.acquire(blocking=False):
+            self.lock.release()
+            return False
+        return True
+
+    # ------------------------------------------------------------ agree
+    def _arena_steps(self, rank: int) -> set[int] | None:
+        """Steps COMPLETE in another rank's arena on this host; None when it has none."""
+        path = self.local.arena_path_of(rank)
+        if not path.exists():
+            return None
+        try:
+            return set(complete_steps([native().Arena.open(str(path), False)]))
+        except SnapshotError as e:
+            log.warning("cannot read dead rank %d's arena %s: %s", rank, path, e)
+            return None
+
+    def agree_step(self, g: str, deadline: float | None = None) -> tuple[int, set[int]] | None:
+        """(step, dead set D) of round ``g``; the first proposal stored wins.
+
+        Each rank keeps two slots, so the previous step is still there when the
+        newest one was being written at the failure.
+        """
+        live, kv = self.live, self.kv
+        mine = self.complete_steps()
+        kv.set(f"{g}/have/{self.rank}", csv(mine))
+        sets: dict[int, set[int]] = {self.rank: set(mine)}
+        left: dict[int, set[int] | None] = {}
+        end = time.monotonic() + live.peer_timeout_s + 4 * self.heartbeat_s
+        if deadline is not None:
+            end = min(end, deadline)
+        checked = 0.0
+        while True:
+            won = kv.get(f"{g}/step")
+            if won is not None:
+                return self._parse_agreed(won)
+            if time.monotonic() - checked > 0.1:
+                live.check()
+                checked = time.monotonic()
+            for r in range(self.world):
+                if r in sets:
+                    continue
+                v = kv.get(f"{g}/have/{r}")
+                if v is not None:
+                    sets[r] = parse_csv(v)
+                elif r in live.dead and r not in left and live.host_of(r) == live.host:
+                    left[r] = self._arena_steps(r)
+                    kv.set(f"{g}/left/{r}", "?" if left[r] is None else csv(left[r] or ()))
+            waiting = [r for r in range(self.world) if r not in sets and r not in live.dead]
+            # A dead rank elsewhere: give a live rank on its host time to read its arena.
+            waiting += [r for r in live.dead if r not in sets and r not in left
+                        and kv.get(f"{g}/left/{r}") is None
+                        and live.live_host_mate(r, set()) is not None]
+            if not waiting or time.monotonic() > end:
+                break
+            time.sleep(0.02)
+        dead = {r for r in range(self.world) if r not in sets}
+        use = dict(sets)
+        fallback: dict[int, set[int]] = {}
+        for r in sorted(dead):
+            got = left.get(r)
+            if got is None:
+                v = kv.get(f"{g}/left/{r}")
+                got = parse_csv(v) if v is not None and v != "?" else None
+            covered = any(q not in dead for q in self.replicas_of(r) if q != r)
+            if got is not None:
+                use[r] = got
+                if covered:
+                    fallback[r] = got
+            elif not covered:
+                with live.lock:
+                    use[r] = set(live.peer_steps.get(r, []))
+        common = set.intersection(*use.values())
+        if not common and fallback:
+            # A dead rank's arena lacks the live ranks' steps, but replicas hold its state.
+            common = set.intersection(*[v for r, v in use.items() if r not in fallback])
+        if not common:
+            log.error("no step is COMPLETE on every rank: %s", {r: sorted(v) for r, v in use.items()})
+        proposal = f"{max(common) if common else -1};{csv(dead)}"
+        return self._parse_agreed(kv.propose(f"{g}/step", proposal))
+
+    @staticmethod
+    def _parse_agreed(v: str) -> tuple[int, set[int]] | None:
+        step, _, dead = v.partition(";")
+        return None if int(step) < 0 else (int(step), parse_csv(dead))
+
+    # ------------------------------------------------------------ round
+    def flush(self) -> Path | None:
+        """The agreed, committed flush; returns this rank's directory for the step.
+
+        None when no step could be agreed on or the round did not commit.
+        """
+        with self.lock:
+            g = f"flush/{self.gen}"
+            self.live.check()
+            last = self.last
+            newest = max(self.complete_steps(), default=None)
+            if last is not None and self.kv.get(f"{g}/request") is None and (
+                    newest is None or (last["step"] is not None and newest <= last["step"])
+                    or last["step"] is None and newest == last.get("newest")):
+                log.warning("rank %d: flush round %d of this epoch already ended (step %s, %s); "
+                            "nothing newer to flush", self.rank, self.gen - 1, last["step"],
+                            "committed" if last["committed"] else "NOT committed")
+                path: Path | None = last["path"] if last["committed"] else None
+                return path
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + self.flush_timeout_s
+            self.kv.propose(f"{g}/request", str(self.rank))
+            self.events("flush_start", gen=self.gen, newest=newest)
+            agreed = self.agree_step(g, deadline)
+            if agreed is None:
+                self.events("agree_failed", gen=self.gen)
+                self.gen += 1
+                self.last = {"step": None, "path": None, "committed": False,
+                             "newest": newest, "seconds": time.perf_counter() - t0}
+                return None
+            step, dead = agreed
+            self.events("agreed", gen=self.gen, step=step, dead=sorted(dead))
+            path = None
+            # The writer of each rank directory is claimed: this rank, or (when it was too
+            # slow to count and looked dead) the helper on its host; never both.
+            if self.kv.propose(f"{g}/writer/{self.rank}", str(self.rank)) == str(self.rank):
+                arenas = self.local.arenas()
+                path = self._flush_rank(self.rank, step, arenas[0] if arenas else None)
+                self._die.after_write(step)
+                self.kv.set(f"{g}/done/{self.rank}", "ok" if path else "missing")
+            else:
+                log.warning("rank %d: a helper flushed this rank's arena for step %d", self.rank,
+                            step)
+                path = self.local.directory / step_dirname(step) / rank_dirname(self.rank)
+            self._help_dead(step, g, dead)
+            self.events("written", gen=self.gen, step=step)
+            committer = min(r for r in range(self.world) if r not in dead)
+            if committer == self.rank:
+                ok = self._commit(step, g, dead, deadline)
+            else:
+                ok = self._wait_committed(g, step, committer, deadline)
+            self.gen += 1
+            self.last = {"step": step, "path": path, "committed": ok, "newest": newest,
+                         "seconds": time.perf_counter() - t0}
+            return path if ok else None
+
+    def _clear_stale(self, step: int, rank: int) -> None:
+        """Files of ``rank`` for an uncommitted ``step`` are from a failed round: rewrite them."""
+        step_dir = self.local.directory / step_dirname(step)
+        d = step_dir / rank_dirname(rank)
+        if d.exists() and not (step_dir / COMMIT).exists():
+            log.warning("removing %s: left by a round that did not commit", d)
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _flush_rank(self, rank: int, step: int, arena: Any) -> Path | None:
+        """Writes ``rank``'s slot of ``step``; None (logged) when it cannot."""
+        if arena is None:
+            return None
+        slot = -1
+        for i in range(arena.num_slots):
+            if arena.slot_info(i)["valid"] and arena.slot_info(i)["step"] == step:
+                arena.lease(i)  # then check again: a copy may have claimed it meanwhile
+                info = arena.slot_info(i)
+                if info["valid"] and info["step"] == step:
+                    slot = i
+                    break
+                arena.release(i)
+        if slot < 0:
+            log.error("rank %d: step %d is not in shared memory (%s)", rank, step, arena.path)
+            return None
+        try:
+            self._clear_stale(step, rank)
+            path, _ = posix.write_slot(arena, slot, self.local.directory,
+                                       threads=self.local.flush_threads,
+                                       subdir=rank_dirname(rank), update_latest=False,
+                                       extra_manifest={"replica_group": self.replicas_of(rank)})
+        except SnapshotError as e:
+            log.error("rank %d: writing step %d failed: %s", rank, step, e)
+            return None
+        finally:
+            arena.release(slot)
+        return Path(path)
+
+    def _help_dead(self, step: int, g: str, dead: set[int]) -> None:
+        """Flush the arenas that ranks of D left on this host (lowest live local rank only)."""
+        live = self.live
+        for r in sorted(dead):
+            if r == self.rank or live.host_of(r) != live.host \
+                    or live.live_host_mate(r, dead) != self.rank \
+                    or self.kv.propose(f"{g}/writer/{r}", str(self.rank)) != str(self.rank):
+                continue
+            path = self.local.arena_path_of(r)
+            got = None
+            try:
+                if path.exists():
+                    got = self._flush_rank(r, step, native().Arena.open(str(path), True))
+                    log.warning("rank %d flushed dead rank %d's arena for step %d", self.rank, r,
+                                step)
+                else:
+                    log.error("dead rank %d left no arena (%s)", r, path)
+            except SnapshotError as e:
+                log.error("cannot flush dead rank %d's arena %s: %s", r, path, e)
+            self.kv.set(f"{g}/done/{r}", "ok" if got else "missing")
+
+    def _wait_committed(self, g: str, step: int, committer: int, deadline: float) -> bool:
+        while time.monotonic() < deadline:
+            v = self.kv.get(f"{g}/committed")
+            if v is not None:
+                return v == str(step)
+            self.live.check()
+            if committer in self.live.dead:
+                log.error("rank %d: committer rank %d died during the flush of step %d; "
+                          "not committed", self.rank, committer, step)
+                return False
+            time.sleep(0.05)
+        log.error("rank %d: no commit of step %d within %.0f s", self.rank, step,
+                  self.flush_timeout_s)
+        return False
+
+    def _commit(self, step: int, g: str, dead: set[int], deadline: float) -> bool:
+        status: dict[int, str] = {}
+        failed: list[int] = []
+        live = self.live
+        while True:
+            for r in range(self.world):
+                if r not in status:
+                    v = self.kv.get(f"{g}/done/{r}")
+                    if v is not None:
+                        status[r] = v
+            pending = [r for r in range(self.world) if r not in status]
+            live.check()
+            failed = [r for r in pending if r not in dead and r in live.dead]
+            waiting = [r for r in pending if r not in dead or live.live_host_mate(r, dead)
+                       is not None]
+            if failed or not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        directory = self.local.directory
+        step_dir = directory / step_dirname(step)
+        if failed or [r for r in pending if r not in dead]:
+            lost = failed or [r for r in pending if r not in dead]
+            log.error("step %d NOT committed: rank(s) %s %s during the flush", step, lost,
+                      "died" if failed else f"did not finish within {self.flush_timeout_s:.0f} s")
+            return self._fail(g, step, lost)
+        present = [r for r in range(self.world)
+                   if (step_dir / rank_dirname(r) / MANIFEST).is_file()]
+        missing = [r for r in range(self.world) if r not in present]
+        uncovered = [r for r in missing if not any(q in present for q in self.replicas_of(r))]
+        if uncovered:
+            log.error("step %d NOT committed: no durable files for rank(s) %s and no replica",
+                      step, uncovered)
+            return self._fail(g, step, uncovered)
+        posix.write_commit(step_dir, {
+            "step": step, "world_size": self.world, "present": present, "missing": missing,
+            "replica_groups": self.replica_groups, "time": time.time(), "job": self.local.job,
+            "dead": sorted(dead), "epoch": self.epoch})
+        posix.replace_latest(directory, step_dir.name)
+        posix.prune(directory, self.local.keep)
+        self.kv.set(f"{g}/committed", str(step))
+        self.events("committed", gen=self.gen, step=step, present=present)
+        log.warning("step %d committed by rank %d (%d/%d ranks present)", step, self.rank,
+                    len(present), self.world)
+        return True
+
+    def _fail(self, g: str, step: int, ranks: list[int]) -> bool:
+        self.kv.set(f"{g}/committed", "failed")
+        self.events("commit_failed", gen=self.gen, step=step, ranks=ranks)
+        return False

@@ -1,0 +1,94 @@
+"""The coordinator's key-value client on the c10d store.
+
+Keys are namespaced ``cudasnap/<job>/e<epoch>/``. Two connections: one for
+the peer monitor thread alone (its heartbeats never queue behind a flush's
+or a restore's store traffic), one shared by every other thread under a lock.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger("cudasnap.dist")
+
+
+def csv(steps: Iterable[int]) -> str:
+    return ",".join(str(s) for s in sorted(steps))
+
+
+def parse_csv(v: str) -> set[int]:
+    return {int(x) for x in v.split(",") if x}
+
+
+def open_store() -> Any:
+    """Our own connection for heartbeats and agreement.
+
+    Under torchrun this is the elastic agent's TCPStore (MASTER_ADDR/PORT with
+    TORCHELASTIC_USE_AGENT_STORE): it lives in the agent, outlives every
+    worker, and a frozen (SIGSTOPped) or dead worker cannot hold it up — unlike
+    a FileStore whose lock a stopped process may be holding. Otherwise a
+    clone of the default process group's store.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and addr and port:
+        try:
+            tcp = dist.TCPStore(addr, int(port), is_master=False,
+                                timeout=datetime.timedelta(seconds=30))
+            return dist.PrefixStore("cudasnap-coord", tcp)
+        except Exception as e:  # noqa: BLE001 - fall back to the process group's store
+            log.warning("agent store %s:%s unavailable (%s); using the process group's store",
+                        addr, port, e)
+    return dist.distributed_c10d._get_default_store().clone()
+
+
+class KV:
+    """get/set/compare_set under one prefix; thread-aware (see the module docstring)."""
+
+    def __init__(self, prefix: str, store: Any = None, monitor_store: Any = None) -> None:
+        self.prefix = prefix
+        self.store = store if store is not None else open_store()
+        self.store.set_timeout(datetime.timedelta(seconds=30))
+        self._lock = threading.Lock()  # one store client, several threads
+        self._mon_store = monitor_store if monitor_store is not None else open_store()
+        self._mon_store.set_timeout(datetime.timedelta(seconds=30))
+        self.monitor_thread: threading.Thread | None = None
+
+    def get(self, key: str) -> str | None:
+        return self._op(key, None)
+
+    def set(self, key: str, value: str) -> None:
+        self._op(key, value)
+
+    def _op(self, key: str, value: str | None) -> str | None:
+        if self.monitor_thread is not None and threading.current_thread() is self.monitor_thread:
+            return self._kv(self._mon_store, key, value)  # the monitor's own client
+        with self._lock:
+            return self._kv(self.store, key, value)
+
+    def _kv(self, st: Any, key: str, value: str | None) -> str | None:
+        if value is not None:
+            st.set(self.prefix + key, value)
+            return value
+        if not st.check([self.prefix + key]):
+            return None
+        return str(st.get(self.prefix + key).decode())
+
+    def propose(self, key: str, value: str) -> str:
+        """compare_set: the first value stored under ``key`` wins; returns the winner."""
+        with self._lock:
+            return str(self.store.compare_set(self.prefix + key, "", value).decode() or value)
+
+    def wait(self, key: str, timeout: float) -> str | None:
+        end = time.monotonic() + timeout
+        while True:
+            v = self.get(key)
+            if v is not None or time.monotonic() >= end:
+                return v
+            time.sleep(0.02)
