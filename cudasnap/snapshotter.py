@@ -224,7 +224,17 @@ class Snapshotter:
         self.flush_threads = flush_threads or min(8, max(2, ncpu))
         shm = Path(shm_dir or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
         # The arena name carries the directory's identity (cudasnap.format.paths), not just its path.
-        self.job = job or os.environ.get("CUDASNAP_JOB") or paths.snapshotter_job(self.directory, shm)
+        env_job = os.environ.get("CUDASNAP_JOB")
+        sup_dir = os.environ.get("CUDASNAP_DIR")
+        if env_job and sup_dir and os.environ.get("CUDASNAP_SUPERVISED") == "1" and \
+                os.path.realpath(sup_dir) != os.path.realpath(self.directory):
+            # The supervisor flushes and restarts for its --dir; this Snapshotter writes elsewhere.
+            log.warning("cudasnap run --dir %s, but this Snapshotter's directory is %s: the "
+                        "supervisor's flush after a crash goes to its own directory and the "
+                        "restart restores from %s; pass the same directory to both", sup_dir,
+                        self.directory, self.directory)
+            env_job = None  # its job id names the supervisor directory's arena, not this one's
+        self.job = job or env_job or paths.snapshotter_job(self.directory, shm)
         self.arena_path = paths.arena_path(shm, self.job, self.rank)
         self._lock = posix.DirectoryLock(self.directory, self.rank)
         self._lock.acquire()

@@ -334,3 +334,45 @@ def test_keep_zero_keeps_everything_and_negative_is_refused(snap_env):
     for bad in (-1, 1.5):
         with pytest.raises(ConfigError, match="keep"):
             _snap(snap_env, Job(dim=16), keep=bad)
+
+
+def test_supervised_dir_mismatch_warns_and_does_not_take_the_supervisors_job(snap_env, monkeypatch,
+                                                                            caplog):
+    """`cudasnap run --dir A` around a script whose Snapshotter writes to B: the supervisor would
+    flush A's arena name and the restart would read B. Warn once; B gets its own arena name."""
+    import logging
+
+    from cudasnap.snapshotter import Snapshotter
+
+    other = snap_env.tmp / "supervisor-dir"
+    other.mkdir()
+    monkeypatch.setenv("CUDASNAP_SUPERVISED", "1")
+    monkeypatch.setenv("CUDASNAP_DIR", str(other))
+    model = torch.nn.Linear(4, 4)
+    with caplog.at_level(logging.WARNING, logger="cudasnap"):
+        snap = Snapshotter(model, None, directory=snap_env.dir, backend="cpu", flush_on_close=False)
+    try:
+        msgs = [r.getMessage() for r in caplog.records if "cudasnap run --dir" in r.getMessage()]
+        assert len(msgs) == 1, caplog.text
+        assert str(other) in msgs[0] and str(snap_env.dir) in msgs[0]
+        assert snap.job != snap_env.job  # not the supervisor's CUDASNAP_JOB
+    finally:
+        snap.close()
+
+
+def test_supervised_same_dir_takes_the_supervisors_job(snap_env, monkeypatch, caplog):
+    import logging
+
+    from cudasnap.snapshotter import Snapshotter
+
+    snap_env.dir.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("CUDASNAP_SUPERVISED", "1")
+    monkeypatch.setenv("CUDASNAP_DIR", str(snap_env.dir))
+    with caplog.at_level(logging.WARNING, logger="cudasnap"):
+        snap = Snapshotter(torch.nn.Linear(4, 4), None, directory=snap_env.dir, backend="cpu",
+                           flush_on_close=False)
+    try:
+        assert snap.job == snap_env.job
+        assert "cudasnap run --dir" not in caplog.text
+    finally:
+        snap.close()
