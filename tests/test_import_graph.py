@@ -159,3 +159,33 @@ def test_imports_alone_in_a_fresh_interpreter(mod: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_relative_import_names_an_existing_module():
+    """Function-level imports too: a module moved into a subpackage keeps no stale ``from .x``
+    (mypy's ignore_missing_imports does not see those)."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "cudasnap"
+    bad = []
+    for f in sorted(pkg.rglob("*.py")):
+        mod_parts = list(f.relative_to(pkg.parent).with_suffix("").parts)
+        is_pkg = mod_parts[-1] == "__init__"
+        base = mod_parts[:-1] if is_pkg else mod_parts[:-1]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            parts = base[:len(base) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            target = pkg.parent.joinpath(*parts)
+            names = [] if node.module else [a.name for a in node.names]
+            ok = target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+            if ok and names and not (target / "__init__.py").is_file():
+                ok = False
+            for n in names:  # `from . import x`: x is a module or a name in __init__
+                if not ((target / f"{n}.py").is_file() or (target / n / "__init__.py").is_file()
+                        or n in (target / "__init__.py").read_text()):
+                    ok = False
+            if not ok:
+                bad.append(f"{f.relative_to(pkg.parent)}:{node.lineno}: from {'.' * node.level}"
+                           f"{node.module or ''} import {', '.join(a.name for a in node.names)}")
+    assert not bad, "imports of modules that do not exist:\n" + "\n".join(bad)

@@ -71,7 +71,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from ..format import paths
 
     if isinstance(a.directory, str):  # an fsspec URL (object store): no arena to list
-        from .storage.fsspec import inspect_rows
+        from ..storage.fsspec import inspect_rows
 
         rows, job = inspect_rows(a.directory, a.verify), None
     elif not a.directory.is_dir():
@@ -151,7 +151,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from ..storage import posix
 
     if isinstance(a.directory, str):  # an fsspec URL (object store)
-        from .storage.fsspec import verify_lines
+        from ..storage.fsspec import verify_lines
 
         rc, lines = verify_lines(a.directory, a.step)
         print("\n".join(lines), file=sys.stderr if rc == 2 else sys.stdout)
@@ -192,8 +192,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    from ..storage import posix
     from .export import check_export_target, export_torch
-    from .storage import posix
 
     check_export_target(a.directory, a.to_file)
     snaps = [s for s in posix.list_snapshots(a.directory) if a.step is None or s.step == a.step]
@@ -252,8 +252,8 @@ def cmd_health(a: argparse.Namespace) -> int:
 
 
 def cmd_advise(a: argparse.Namespace) -> int:
+    from ..host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
     from .analysis import advise, format_advice
-    from .host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
 
     for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):
         v = getattr(a, name)
@@ -271,7 +271,7 @@ def cmd_advise(a: argparse.Namespace) -> int:
 
 def _directory_arg(text: str) -> Path | str:
     """A local directory (Path) or an fsspec URL kept as text (``s3://bucket/prefix``)."""
-    from .format.paths import is_url
+    from ..format.paths import is_url
 
     return text if is_url(text) else Path(text)
 
