@@ -7,7 +7,7 @@
 // fallocate up front (a full disk fails before any byte is written), then
 // fdatasync (each piece's writeback is started with sync_file_range as soon as it
 // is written, so the final fdatasync waits for the tail only). The directory protocol (tmp dir, manifest, fsync, rename, latest)
-// is in cudasnap/store.py on top of this.
+// is in cudasnap/storage/posix.py on top of this.
 #pragma once
 
 #include <cstdint>

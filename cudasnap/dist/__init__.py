@@ -50,8 +50,9 @@ never a partial restore. The shared filesystem must show every rank the same
 ``DIR``. Keys are namespaced by job and by ``TORCHELASTIC_RESTART_COUNT``.
 
 Modules: kv (store client), liveness (heartbeats, dead peers), flush_round
-(agree, write, commit), restore_vote, commit (step layout, COMMIT marker),
-events, local (the LocalSnapshots protocol), coordinator (wires them).
+(agree, write, commit), restore_vote, events, local (the LocalSnapshots protocol), coordinator (wires them).
+The step layout and the COMMIT marker are cudasnap.format.paths and
+cudasnap.storage.posix (write_commit, read_commit), shared with one-rank snapshots.
 
 Events (flush_start, agreed, written, committed, restore_start, restored) are
 appended with wall-clock times to ``DIR/dist-log.jsonl``.

@@ -327,7 +327,7 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
         stale = target.with_name(f"{target.name}.old-{os.getpid()}")
     if subdir:
         # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid>
-        # and renames it into place; the COMMIT marker (cudasnap.distributed)
+        # and renames it into place; the COMMIT marker (cudasnap.dist.flush_round)
         # makes the step visible, never the directory itself.
         tmp = final / f"{subdir}.tmp-{os.getpid()}"
         tmp_target = tmp
