@@ -7,53 +7,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers.triggers import Collector, clean_trigger_env  # noqa: F401 (autouse fixture)
 
-from cudasnap.triggers import nvml as _nvml
 from cudasnap.triggers.inject import InjectedFault, InjectedSource, parse_inject
 from cudasnap.triggers.kinds import Trigger
 from cudasnap.triggers.monitor import HealthMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-class Collector:
-    """Thread-safe trigger sink with a wait helper."""
-
-    def __init__(self) -> None:
-        self.items: list[Trigger] = []
-        self.cond = threading.Condition()
-
-    def __call__(self, trig: Trigger) -> None:
-        with self.cond:
-            self.items.append(trig)
-            self.cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 3.0) -> list[Trigger]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while len(self.items) < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"expected {n} triggers, got {self.items}")
-                self.cond.wait(left)
-            return list(self.items)
-
-    def kinds(self) -> list[str]:
-        with self.cond:
-            return [t.kind for t in self.items]
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDASNAP_INJECT", raising=False)
-    monkeypatch.delenv("CUDASNAP_POLICY", raising=False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(_nvml, "_warned_unavailable", False)
 
 def test_injected_kinds_fire_at_their_step_and_not_before() -> None:
     got = Collector()

@@ -3,55 +3,20 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.triggers import Collector, clean_trigger_env  # noqa: F401 (autouse fixture)
 
 from cudasnap.triggers import nvml as _nvml
-from cudasnap.triggers.kinds import Trigger
 from cudasnap.triggers.monitor import HealthMonitor
 from cudasnap.triggers.nvml_source import NvmlSource
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-class Collector:
-    """Thread-safe trigger sink with a wait helper."""
-
-    def __init__(self) -> None:
-        self.items: list[Trigger] = []
-        self.cond = threading.Condition()
-
-    def __call__(self, trig: Trigger) -> None:
-        with self.cond:
-            self.items.append(trig)
-            self.cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 3.0) -> list[Trigger]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while len(self.items) < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"expected {n} triggers, got {self.items}")
-                self.cond.wait(left)
-            return list(self.items)
-
-    def kinds(self) -> list[str]:
-        with self.cond:
-            return [t.kind for t in self.items]
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDASNAP_INJECT", raising=False)
-    monkeypatch.delenv("CUDASNAP_POLICY", raising=False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(_nvml, "_warned_unavailable", False)
 
 def _real_nvml_works() -> bool:
     return _nvml.init() is None and (_nvml.shutdown() or True)
