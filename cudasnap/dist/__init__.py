@@ -18,35 +18,11 @@ peers trigger ``peer_failure`` on the survivors (default policy: flush, exit
 79). Flushes requested by the monitor run on a separate action thread, so
 heartbeats continue during a flush.
 
-Flush round ``g`` (any trigger on any rank; the others join when they see
-``flush/<g>/request``):
-  1. agree: each live rank publishes the steps COMPLETE in its arena
-     (``have/<rank>``); the ranks that publish nothing before the agreement
-     deadline (``peer_timeout_s`` + slack) form the dead set D. A dead rank
-     counts with the steps in its arena, read directly by a live rank on its
-     host (``left/<rank>``); with no arena left it counts with its last
-     heartbeat, or not at all when a live rank replicates its state. The
-     newest step COMPLETE everywhere and D are proposed with compare_set;
-     the first proposal wins for every rank;
-  2. each live rank writes ``DIR/step-N/rank-RRRRR/`` and sets ``done/<rank>``;
-     the lowest live rank on a host also flushes the arena of each rank of D
-     on that host and sets its ``done`` marker;
-  3. the lowest rank not in D waits for the markers (a rank of D with no live
-     rank on its host is not waited for), then writes ``DIR/step-N/COMMIT``
-     (JSON, fsync'd) and ``latest``. A rank that dies during the round (not in
-     D, no marker) makes the round fail: the step is not committed and restore
-     uses shared memory or the previous committed step. Every wait of a round
-     ends within ``flush_timeout_s`` (``CUDASNAP_FLUSH_TIMEOUT_S``, default
-     25 s: inside torchrun's 30 s SIGTERM grace).
-A trigger that finds the last round of this epoch finished and no newer step
-COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
-``peer_failure`` flush): a second round would wait for ranks that have exited.
-
-Restore: ranks agree (through the store) on the newest step that every rank
-can load, from its own shared-memory slot, its own files, or (replicated
-state, e.g. DDP) a replica's files of the same step. Sharded state with a
-missing shard is an error naming the rank and step (raised on every rank),
-never a partial restore. The shared filesystem must show every rank the same
+Flush round ``g``: agree on the newest step COMPLETE on every rank (dead ranks counted
+with their arenas), write the per-rank files, commit; the protocol is described once, in
+:mod:`cudasnap.dist.flush_round`. Restore: every rank loads the same step (its own
+shared-memory slot, its files, or a replica's files), or none does: see
+:mod:`cudasnap.dist.restore_vote`. The shared filesystem must show every rank the same
 ``DIR``. Keys are namespaced by job and by ``TORCHELASTIC_RESTART_COUNT``.
 
 Modules: kv (store client), liveness (heartbeats, dead peers), flush_round
