@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.layout import flip_byte
+from helpers.trainlib import train
 
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
@@ -38,15 +39,6 @@ def small_job(dim: int = 48):
                                 torch.nn.ReLU(), torch.nn.Linear(dim, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt
-
-
-def train(model, opt, snap, steps, start=0):
-    for step in range(start, start + steps):
-        model(torch.randn(8, model[0].in_features)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        snap.boundary(step)
-    snap.wait()
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trainlib import train
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cudasnap[s3]')")
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
@@ -88,15 +89,6 @@ def small_job(seed: int = 0, dim: int = 48):
                                 torch.nn.Linear(dim, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt
-
-
-def train(model, opt, snap, steps, start=0):
-    for step in range(start, start + steps):
-        model(torch.randn(8, model[0].in_features)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        snap.boundary(step)
-    snap.wait()
 
 
 def state_of(model, opt):

@@ -108,6 +108,18 @@ class Job:
         return out
 
 
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: Any, steps: int,
+          start: int = 0) -> None:
+    """``steps`` optimizer steps of a Sequential starting with a Linear, a boundary after each,
+    then waits for the last snapshot (the CLI and S3 tests' small training loop)."""
+    for step in range(start, start + steps):
+        model(torch.randn(8, model[0].in_features)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snap.boundary(step)
+    snap.wait()
+
+
 def _crc(t: torch.Tensor) -> str:
     from cudasnap._native import native
 
