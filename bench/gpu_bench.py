@@ -229,11 +229,25 @@ def table(d: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ watchdog
+def _inside_import(frame: Any) -> bool:
+    """True when the interrupted code runs under the import machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def install_watchdog(res: Results, budget: float) -> None:
     """SIGALRM at ``budget`` s raises BudgetExceeded in the main thread; a thread kills the
     process 30 s later if the main thread is stuck in C code (printing the partial table)."""
 
     def on_alarm(signum: int, frame: Any) -> None:
+        if _inside_import(frame):
+            # An exception raised while a C extension initialises (torch's import runs
+            # pybind11 code that cannot carry one) aborts the process; retry shortly.
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            return
         raise BudgetExceeded(f"watchdog: budget of {budget:.0f} s exceeded")
 
     signal.signal(signal.SIGALRM, on_alarm)

@@ -93,6 +93,26 @@ def test_bench_without_gpu_exits_0_with_skip_message(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
+    """The alarm must not raise inside an import (a C extension's init cannot carry the
+    exception: CI saw torch's import abort the process); it fires once the import ends."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(1.6)\nDONE = True\n")
+    code = (
+        "import sys, time; sys.path[:0] = [%r, %r]\n"
+        "import gpu_bench as G\n"
+        "G.install_watchdog(None, 1)\n"
+        "try:\n"
+        "    import slowmod\n"
+        "    time.sleep(5)\n"
+        "    print('no alarm')\n"
+        "except G.BudgetExceeded:\n"
+        "    print('raised after import', sys.modules['slowmod'].DONE)\n"
+    ) % (str(tmp_path), str(BENCH.parent))
+    p = run([sys.executable, "-c", code], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "raised after import True", (p.stdout, p.stderr)
+
+
 def test_bench_watchdog_prints_partial_results_and_exits_3(tmp_path):
     p = run([sys.executable, str(BENCH), "--cpu-smoke", "--budget", "1", "--boundaries",
              "100000000", "--out", str(tmp_path)], timeout=120)
