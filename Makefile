@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build demo test lint compile-check clean
+.PHONY: all venv build demo test lint compile-check bench-deps clean
 
 all: build
 
@@ -40,6 +40,11 @@ compile-check: $(STAMP)
 
 test: build lint compile-check
 	$(BIN)/python -m pytest -q tests
+
+# The peers bench/peers.py compares against (torchsnapshot, DLRover), outside the venv.
+bench-deps: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --upgrade \
+		--target build/bench-peers -r requirements-bench.txt
 
 clean:
 	rm -rf build cudasnap/_C*.so

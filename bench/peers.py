@@ -27,6 +27,7 @@ Peak extra host memory: VmHWM of the peer's process during the phase (reset
 through /proc/self/clear_refs) minus its RSS before; a sampler thread where the
 reset is refused. Helper processes (DLRover's saver) are not included.
 
+    make bench-deps   # torchsnapshot and DLRover (not installed by make test)
     python bench/peers.py [--sizes 1,4] [--repeats 3] [--quick] [--json] [--png bench/peers.png]
 """
 from __future__ import annotations
@@ -42,6 +43,11 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+
+# `make bench-deps` installs torchsnapshot and DLRover here, outside the venv.
+PEERS_DIR = Path(__file__).resolve().parents[1] / "build" / "bench-peers"
+if PEERS_DIR.is_dir():
+    sys.path.append(str(PEERS_DIR))
 
 GROUPS = ["cudasnap", "torch", "dcp", "torchsnapshot", "dlrover", "torchckpt", "hf_jit"]
 PNG = Path(__file__).resolve().parent / "peers.png"
