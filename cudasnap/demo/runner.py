@@ -101,9 +101,39 @@ def run_demo(steps: int = 40, fail_at: int = 23, fault: str = "kill", workdir: P
         "restore_seconds": restore.get("seconds"), "restore_source": restore.get("source"),
         "recovery_seconds": (final["t_first_step"] - died) if died and final.get("t_first_step")
         else None,
+        "recovery_parts": recovery_parts(report, final),
         "reference_seconds": t_ref, "protected_seconds": t_run, "workdir": str(work),
     }
     return out
+
+
+def recovery_parts(report: list[dict[str, Any]], rec: dict[str, Any]) -> dict[str, float] | None:
+    """Death -> first resumed step, split at the timestamps the supervisor (died, flush,
+    restart) and the resumed process (exec, script start, torch imported, cudasnap
+    imported, restored, first step) recorded."""
+    if len(report) < 2 or rec.get("t_first_step") is None:
+        return None
+    died, restarted = report[0]["died"], report[1]["started"]
+    marks = [("exit -> restart (supervisor)", restarted),
+             ("interpreter start", rec.get("t_exec")),
+             ("python + numpy (script top)", rec.get("t_script")),
+             ("import torch", rec.get("t_torch")),
+             ("import cudasnap", rec.get("t_cudasnap")),
+             ("build model + optimizer", rec.get("t_start")),
+             ("Snapshotter + restore_latest", rec.get("t_restored")),
+             ("first resumed step", rec.get("t_first_step"))]
+    parts: dict[str, float] = {}
+    prev = died
+    for name, t in marks:
+        if t is None:
+            continue
+        parts[name] = max(0.0, t - prev)  # exec time has 10 ms resolution
+        prev = max(prev, t)
+    parts["total"] = rec["t_first_step"] - died
+    flush = report[0]
+    if "flush_start" in flush and "flush_done" in flush:
+        parts["(of which supervisor flush)"] = flush["flush_done"] - flush["flush_start"]
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  death -> resumed  : {fmt(r['recovery_seconds'], ' s')}",
         f"  result            : {'PASS' if ok else 'FAIL'}",
     ]
+    parts = r.get("recovery_parts") or {}
+    lines[-1:-1] = [f"      {k:<30}: {v:.3f} s" for k, v in parts.items() if k != "total"]
     print("\n".join(lines))
     if a.json:
         print(json.dumps(r))

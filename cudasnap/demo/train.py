@@ -6,19 +6,38 @@ real integration: the two cudasnap lines are the Snapshotter and
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
-import sys
 import time
-from typing import Any
 
-import numpy as np
-import torch
+T_SCRIPT = time.time()  # before any heavy import: the recovery breakdown's "interpreter" end
 
-import cudasnap
-from cudasnap.config import Settings
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+T_TORCH = time.time()
+
+import cudasnap  # noqa: E402
+from cudasnap.config import Settings  # noqa: E402
+
+T_CUDASNAP = time.time()
+
+
+def process_start_time() -> float | None:
+    """Wall time this process was exec'd (/proc/self/stat starttime; 10 ms resolution)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class SyntheticData:
@@ -86,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     snap = None
     start = 0
     t_start = time.time()
+    t_restored = t_start
     if not a.no_snapshot:
         snap = cudasnap.Snapshotter(model, opt, extra={"sched": sched, "data": data})
         start = snap.restore_latest()
+        t_restored = time.time()
     t_first = None
     for step in range(start, a.steps):
         if snap is not None and snap.guard is not None and snap.guard.should_hang(step):
@@ -108,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         if t_first is None:
             t_first = time.time()
     rec: dict[str, Any] = {"attempt": attempt, "start": start, "pid": os.getpid(),
-                           "t_start": t_start, "t_first_step": t_first}
+                           "t_exec": process_start_time(), "t_script": T_SCRIPT,
+                           "t_torch": T_TORCH, "t_cudasnap": T_CUDASNAP,
+                           "t_start": t_start, "t_restored": t_restored, "t_first_step": t_first}
     if snap is not None:
         snap.wait()
         rec.update(snap.stats())
