@@ -98,7 +98,7 @@ def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
     exception: CI saw torch's import abort the process); it fires once the import ends."""
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(1.6)\nDONE = True\n")
     code = (
-        "import sys, time; sys.path[:0] = [%r, %r]\n"
+        f"import sys, time; sys.path[:0] = [{str(tmp_path)!r}, {str(BENCH.parent)!r}]\n"
         "import gpu_bench as G\n"
         "G.install_watchdog(None, 1)\n"
         "try:\n"
@@ -107,7 +107,7 @@ def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
         "    print('no alarm')\n"
         "except G.BudgetExceeded:\n"
         "    print('raised after import', sys.modules['slowmod'].DONE)\n"
-    ) % (str(tmp_path), str(BENCH.parent))
+    )
     p = run([sys.executable, "-c", code], timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "raised after import True", (p.stdout, p.stderr)
