@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cudasnap.tools.standby import FD_ENV, warm_command
+from cudasnap.tools.standby import warm_command
 
 SCRIPT = """
 import json, os, sys
@@ -32,8 +32,8 @@ def test_warm_command_takes_plain_python_scripts_and_modules_only():
 
 def start(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, int]:
     r, w = os.pipe()
-    env = dict(os.environ, CUDASNAP_RESTART="1", **{FD_ENV: str(r)})
-    p = subprocess.Popen([sys.executable, "-m", "cudasnap.tools.standby", "--", *args],
+    env = dict(os.environ, CUDASNAP_RESTART="1")
+    p = subprocess.Popen([sys.executable, "-m", "cudasnap.tools.standby", str(r), "--", *args],
                          env=env, pass_fds=(r,), cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     os.close(r)

@@ -4,7 +4,8 @@ After a death most of the time to the first resumed step is a new interpreter
 importing torch (and ``torch._dynamo``, which the first optimizer pulls in):
 seconds, against a fraction of a second for the restore itself. The supervisor
 therefore starts the NEXT attempt ahead of time, with that attempt's exact
-environment: ``python -m cudasnap.tools.standby`` imports torch and cudasnap
+environment: ``python -m cudasnap.tools.standby FD -- ARGS`` (FD: the read end of the
+supervisor's pipe, inherited) imports torch and cudasnap
 (never CUDA: the process holds no device context while it waits), then blocks
 on a pipe. When the running attempt dies the supervisor writes one line
 (``go``) and this process runs the user's script in place (``runpy``: the same
@@ -24,9 +25,6 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("cudasnap.standby")
-
-FD_ENV = "CUDASNAP_STANDBY_FD"  # read end of the go pipe (inherited, set by the supervisor)
-
 
 def warm_command(cmd: list[str]) -> list[str] | None:
     """``cmd`` without its interpreter when a standby can run it (``[script, args..]`` or
@@ -69,8 +67,8 @@ def run(args: list[str]) -> None:
 
 
 def main() -> int:
-    fd = int(os.environ.pop(FD_ENV))
-    args = sys.argv[1:]
+    fd = int(sys.argv[1])
+    args = sys.argv[2:]
     if args[:1] == ["--"]:
         args = args[1:]
     t0 = time.monotonic()
