@@ -327,3 +327,20 @@ def test_auto_mode_takes_the_guard_default_without_writing_the_environment(monke
     monkeypatch.setenv("CUDASNAP_HEALTH", "maybe")
     with _bad("CUDASNAP_HEALTH", "maybe"):
         auto.install()
+
+
+# Named in the code but not yet in config.py's table: read by snapshotter.py, which
+# helper A moves onto Settings (issue 12). Remove once documented.
+UNDOCUMENTED_PENDING = {"CUDASNAP_ARENA_SYNC_MAX_BYTES"}
+
+
+def test_every_variable_the_package_names_is_documented_in_config():
+    import re
+
+    doc = (PKG / "config.py").read_text().partition('"""\nfrom __future__')[0]
+    named = {m for f in PKG.rglob("*.py") for m in re.findall(r"CUDASNAP_[A-Z0-9_]*[A-Z0-9]",
+                                                              f.read_text())}
+    documented = set(re.findall(r"CUDASNAP_[A-Z0-9_]*[A-Z0-9]", doc))
+    assert named - documented == UNDOCUMENTED_PENDING, (
+        f"undocumented: {sorted(named - documented - UNDOCUMENTED_PENDING)}; "
+        f"documented now, remove from UNDOCUMENTED_PENDING: {sorted(UNDOCUMENTED_PENDING & documented)}")
