@@ -277,20 +277,22 @@ def test_hf_callback_bad_health_value(monkeypatch, tmp_path):
                           types.SimpleNamespace(global_step=0, epoch=0.0), None, model=object())
 
 
-def test_lightning_directory_and_health_come_from_the_settings(monkeypatch, tmp_path):
-    pytest.importorskip("lightning")
+def test_callback_defaults_come_from_the_settings(monkeypatch):
+    """What CudaSnapCallback (lightning) and the HF callback take from the environment
+    (not importing lightning: 20 s; the static scan above shows it reads nothing itself)."""
     from cudasnap.integrations import _owner
-    from cudasnap.integrations.lightning import CudaSnapCallback
 
-    trainer = types.SimpleNamespace(default_root_dir=str(tmp_path))
     monkeypatch.setenv("CUDASNAP_DIR", "  ")  # empty = unset (before: the directory "  ")
-    assert CudaSnapCallback()._resolve_dir(trainer) == os.path.join(str(tmp_path), "cudasnap")
-    monkeypatch.setenv("CUDASNAP_DIR", str(tmp_path / "x"))
-    assert CudaSnapCallback()._resolve_dir(trainer) == str(tmp_path / "x")
+    assert _owner.env_directory() is None
+    monkeypatch.setenv("CUDASNAP_DIR", "/x/y")
+    assert _owner.env_directory() == "/x/y"
     monkeypatch.setenv("CUDASNAP_HEALTH", "no")
     assert _owner.default_health(None) is False and _owner.default_health(True) is True
     monkeypatch.delenv("CUDASNAP_HEALTH")
-    assert _owner.default_health(None) is True
+    assert _owner.default_health(None) is True and _owner.default_health(False) is False
+    monkeypatch.setenv("CUDASNAP_HEALTH", "2")
+    with _bad("CUDASNAP_HEALTH", "2"):
+        _owner.default_health(None)
 
 
 class _AutoSnapshotter(_RecordingSnapshotter):
