@@ -94,7 +94,9 @@ def child_main(a: Any) -> int:
     if attempt > 0 and attempt % 2 == 0:  # even restarts: restore from disk
         job = os.environ["CUDASNAP_JOB"]
         shm = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
-        for p in shm.glob(f"cudasnap-{job}-r*.arena"):
+        from cudasnap.format import paths
+
+        for p in shm.glob(paths.arena_glob(job)):
             p.unlink()
             deleted = True
     snap = cudasnap.Snapshotter(model, opt)
@@ -198,10 +200,9 @@ class Job:
 
     def raw_round(self) -> None:
         from cudasnap._native import native
-        from cudasnap.tools import run as crun
+        from cudasnap.format import paths
 
-        job = crun.job_for(self.dir)
-        arena = native().Arena.open(f"/dev/shm/cudasnap-{job}-r0.arena", False)
+        arena = native().Arena.open(str(paths.arena_path("/dev/shm", paths.job_id(self.dir), 0)), False)
         slot = arena.newest_complete()
         n = arena.slot_info(slot)["data_bytes"]
         order = ["os", "native"] if len(self.raw["os"]) % 2 == 0 else ["native", "os"]
@@ -360,9 +361,9 @@ def run_size(size_gb: float, a: Any, tmp_root: Path) -> dict[str, Any] | None:
            "triggers": job.triggers, "recoveries": job.recoveries(report), "error": job.error,
            "staged_bytes": getattr(job, "staged_bytes", None)}
     C.rm(tmp)
-    from cudasnap.tools import run as crun
+    from cudasnap.format import paths
 
-    for p in Path("/dev/shm").glob(f"cudasnap-{crun.job_for(job.dir)}-r*.arena"):
+    for p in Path("/dev/shm").glob(paths.arena_glob(paths.job_id(job.dir))):
         p.unlink()
     C.free_mem()
     return res

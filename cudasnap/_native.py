@@ -9,18 +9,20 @@ into the library twice: in ``BUILD_INFO["torch"]`` and as a plain marker string
 (``cudasnap-built-with-torch:<version>``) that can be read from the file when the
 library cannot even be loaded (undefined symbols under another torch). Either
 way a mismatch raises ``SnapshotError`` naming both versions.
-``CUDASNAP_ALLOW_TORCH_MISMATCH=1`` downgrades a loadable mismatch to a warning.
+``CUDASNAP_ALLOW_TORCH_MISMATCH=1`` (a cudasnap.config boolean) downgrades a loadable
+mismatch to a warning.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import logging
-import os
 import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from .config import Settings
 
 log = logging.getLogger("cudasnap")
 _C: ModuleType | None = None
@@ -81,7 +83,7 @@ def native() -> Any:
         built = mod.BUILD_INFO.get("torch")
         if built != running:
             msg = torch_mismatch_message(built, running, getattr(mod, "__file__", None))
-            if os.environ.get("CUDASNAP_ALLOW_TORCH_MISMATCH") != "1":
+            if not Settings.from_env().allow_torch_mismatch:
                 raise SnapshotError(msg + " (set CUDASNAP_ALLOW_TORCH_MISMATCH=1 to try anyway)")
             log.warning("%s (continuing: CUDASNAP_ALLOW_TORCH_MISMATCH=1)", msg)
         _C = mod

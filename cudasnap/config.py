@@ -31,6 +31,11 @@ CUDASNAP_RESTART                int>=0   0          restart attempt (``cudasnap 
                                                     TORCHELASTIC_RESTART_COUNT wins)
 CUDASNAP_SUPERVISED             bool     0          set by ``cudasnap run`` in its child
 CUDASNAP_AUTO                   bool     0          transparent mode (``cudasnap._autoload``)
+CUDASNAP_STATE_DIR              path     see right  this host's lock, directory id and flush log of an
+                                                    object-store URL (default
+                                                    ``$XDG_CACHE_HOME/cudasnap``, ``~/.cache/cudasnap``)
+CUDASNAP_S3_ENDPOINT            url      unset      S3 endpoint of ``s3://`` directories
+                                                    (``http(s)://host:port``; default: AWS)
 =============================== ======== ========== ==================================================
 
 Build-time variables (read by setup.py only): CUDASNAP_CUDA_ARCHS, CUDASNAP_REQUIRE_CUDA,
@@ -53,6 +58,10 @@ _FALSE = ("0", "false", "no", "off")
 def _raw(env: Mapping[str, str], name: str) -> str | None:
     v = env.get(name, "").strip()
     return v or None
+
+
+def _path(v: str | None) -> Path | None:
+    return Path(v) if v is not None else None
 
 
 def env_bool(env: Mapping[str, str], name: str) -> bool | None:
@@ -79,6 +88,16 @@ def env_float(env: Mapping[str, str], name: str, default: float | None = None) -
     if not (0 < f < float("inf")):
         raise ConfigError(f"environment variable {name}={v!r} must be a positive number")
     return f
+
+
+def env_url(env: Mapping[str, str], name: str) -> str | None:
+    """An ``http://`` or ``https://`` URL, or None when unset."""
+    v = _raw(env, name)
+    if v is None:
+        return None
+    if not v.lower().startswith(("http://", "https://")) or len(v.split("://", 1)[1]) == 0:
+        raise ConfigError(f"environment variable {name}={v!r} is not an http:// or https:// URL")
+    return v
 
 
 def env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -114,6 +133,9 @@ class Settings:
     restart: int = 0
     supervised: bool = False
     auto: bool = False
+    # helper C: object-store directories (cudasnap.storage.fsspec)
+    state_dir: Path | None = None
+    s3_endpoint: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -136,4 +158,7 @@ class Settings:
             restart=env_int(e, "CUDASNAP_RESTART", 0),
             supervised=bool(env_bool(e, "CUDASNAP_SUPERVISED")),
             auto=bool(env_bool(e, "CUDASNAP_AUTO")),
+            # helper C
+            state_dir=_path(_raw(e, "CUDASNAP_STATE_DIR")),
+            s3_endpoint=env_url(e, "CUDASNAP_S3_ENDPOINT"),
         )

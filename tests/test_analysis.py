@@ -1,4 +1,4 @@
-"""Tests of cudasnap.tools.analysis: intervals, closed forms vs Monte-Carlo, advice."""
+"""Tests of cudasnap.tools.analysis (intervals, closed forms), .simulate (Monte-Carlo) and .advice."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import math
 import pytest
 
 from cudasnap.tools import analysis as an
+from cudasnap.tools.advice import advise, format_advice
 from cudasnap.tools.analysis import (
     KOKOLIS_GPU_MTBF_HOURS,
     LLAMA3_GPU_MTBF_HOURS,
     Scenario,
-    advise,
     compare,
     daly_interval,
     expected_lost_work,
-    format_advice,
     jit_waste,
     periodic_waste,
     segment_waste,

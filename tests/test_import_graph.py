@@ -1,4 +1,10 @@
-"""No import cycle inside cudasnap; the trigger modules each import alone.
+"""No import cycle inside cudasnap, proven twice: every module imports alone, and the graph
+of all its imports (lazy ones too) has no cycle.
+
+Importing alone: ``test_every_module_imports_alone`` imports each module first, in a
+process holding no other cudasnap module (a cycle at module level fails there with
+"partially initialized module"); the lean modules (triggers, dist, metrics, cli,
+config) also in a fresh interpreter without torch.
 
 The graph: one node per module of ``cudasnap/**/*.py``; an edge A -> B for every
 ``import``/``from ... import`` in A that names B (or a submodule of B named in a
@@ -20,6 +26,8 @@ lead, lets the graph be acyclic. The test fails if an entry is no longer needed
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -141,7 +149,9 @@ def test_trigger_modules_do_not_reach_back_into_the_snapshotter() -> None:
     for mod, deps in graph.items():
         if mod.startswith("cudasnap.triggers"):
             outside = {d for d in deps if not d.startswith("cudasnap.triggers")}
-            assert outside <= {"cudasnap._native"}, f"{mod} imports {sorted(outside)}"
+            # Settings (environment) and the error types are leaves; nothing else outside.
+            assert outside <= {"cudasnap._native", "cudasnap.config", "cudasnap.errors"}, \
+                f"{mod} imports {sorted(outside)}"
 
 
 TRIGGER_MODULES = sorted(_module_name(p) for p in (PKG / "triggers").glob("*.py"))
@@ -159,6 +169,71 @@ def test_imports_alone_in_a_fresh_interpreter(mod: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+# Imported alone below, one fresh child per module. ``__main__`` runs the command line.
+NOT_IMPORTABLE_ALONE = {"cudasnap.__main__"}
+# Optional extras: a module needing one is imported only when it is installed.
+EXTRAS = {"cudasnap.integrations.hf": "transformers", "cudasnap.integrations.lightning": "lightning",
+          "cudasnap.storage.fsspec": "fsspec"}
+
+_IMPORT_EACH = r"""
+import importlib, importlib.util, json, os, sys, traceback
+mods, preload = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for dep in preload:  # third-party only: the slow imports, paid once instead of per module
+    importlib.import_module(dep)
+assert not [m for m in sys.modules if m == "cudasnap" or m.startswith("cudasnap.")]
+bad = {}
+for mod in mods:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a child whose sys.modules holds no cudasnap module: this one is imported alone
+        os.close(r)
+        try:
+            importlib.import_module(mod)
+            code = 0
+        except BaseException:
+            os.write(w, traceback.format_exc().encode())
+            code = 1
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        err = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        bad[mod] = err or f"exit status {status}"
+print(json.dumps(bad))
+"""
+
+
+def test_every_module_imports_alone():
+    """Each module imported first, in a process holding no other cudasnap module: a cycle at
+    module level fails for some entry point (``partially initialized module``), whichever
+    module the cycle is entered from. One fork per module after torch and the extras are
+    imported once (the cycle is inside cudasnap, so preloading third-party code hides none)."""
+    mods = sorted(m for m in import_graph() if m not in NOT_IMPORTABLE_ALONE
+                  and (m not in EXTRAS or importlib.util.find_spec(EXTRAS[m]) is not None))
+    preload = ["numpy", "torch"] + sorted({d for m, d in EXTRAS.items() if m in mods})
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(mods), json.dumps(preload)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    bad = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(mods) > 50 and not bad, "modules that do not import alone:\n" + "\n".join(
+        f"{m}:\n{e}" for m, e in bad.items())
+
+
+def test_import_each_sees_a_module_level_cycle(tmp_path):
+    pkg = tmp_path / "cyc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import B\nA = 1\n")
+    (pkg / "b.py").write_text("from .a import A\nB = 2\n")
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, '["cyc.a", "cyc.b"]', "[]"],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=60)
+    bad = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(bad) == {"cyc.a", "cyc.b"} and "partially initialized" in bad["cyc.a"]
 
 
 def test_every_relative_import_names_an_existing_module():

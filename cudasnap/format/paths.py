@@ -33,6 +33,8 @@ import re
 import secrets
 from pathlib import Path
 
+from ..errors import ConfigError
+
 log = logging.getLogger("cudasnap.format.paths")
 
 ID_FILE = ".cudasnap-id"
@@ -120,12 +122,34 @@ def renew_id(directory: Path) -> str:
     return new
 
 
-def job_for(directory: Path, create: bool = True) -> str | None:
-    """The arena name (job) of ``directory``; None when it has no id and ``create`` is False."""
-    ident = directory_id(directory, create)
-    if ident is None:
-        return None
+def _job(directory: Path, ident: str) -> str:
     return _path_hash(directory) + hashlib.sha1(ident.encode()).hexdigest()[:8]
+
+
+def job_id(directory: str | Path) -> str:
+    """The job id of the local snapshot directory ``directory`` (``P + I``, see above).
+
+    Creates the directory's id when it has none. The one place the job id is
+    derived: a Snapshotter, ``cudasnap run`` and the integrations all call it, so
+    they agree on the arena name. An object-store URL has no id of its own: pass
+    its local state directory (``cudasnap.storage.fsspec.state_dir``).
+    """
+    if is_url(directory):
+        raise ConfigError(f"{directory} is an object-store URL: its job id is that of its local "
+                          "state directory (storage.local_dir)")
+    d = Path(directory)
+    ident = directory_id(d)
+    assert ident is not None
+    return _job(d, ident)
+
+
+def job_for(directory: Path, create: bool = True) -> str | None:
+    """``job_id(directory)``; or, with ``create=False``, None when the directory has no id yet
+    (a look-up that must not give it one: ``cudasnap status``, ``gc``)."""
+    if create:
+        return job_id(directory)
+    ident = directory_id(directory, create=False)
+    return None if ident is None else _job(Path(directory), ident)
 
 
 def stale_arenas(directory: Path, job: str, shm: Path) -> list[Path]:
@@ -139,8 +163,7 @@ def stale_arenas(directory: Path, job: str, shm: Path) -> list[Path]:
 
 def snapshotter_job(directory: Path, shm: Path) -> str:
     """The job of a Snapshotter writing to ``directory`` (logs arenas it will not adopt)."""
-    job = job_for(directory)
-    assert job is not None
+    job = job_id(directory)
     for p in stale_arenas(directory, job, shm):
         log.warning("not adopting staging arena %s: it was made for an earlier %s (removed or "
                     "re-created since); `cudasnap gc` removes it", p, directory)

@@ -1,7 +1,22 @@
-"""What the framework callbacks share: owning one Snapshotter and its last stats."""
+"""What the framework callbacks share: owning one Snapshotter and its last stats, and the
+defaults they take from the environment (through cudasnap.config.Settings)."""
 from __future__ import annotations
 
 from typing import Any
+
+from ..config import Settings
+
+
+def default_health(health: bool | None) -> bool:
+    """The callbacks' guard: on unless ``health=False`` or ``CUDASNAP_HEALTH`` is false."""
+    if health is not None:
+        return bool(health)
+    return Settings.from_env().health is not False
+
+
+def env_directory() -> str | None:
+    """``CUDASNAP_DIR`` (set by ``cudasnap run``), or None."""
+    return Settings.from_env().directory
 
 
 class SnapshotterOwner:

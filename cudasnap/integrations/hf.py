@@ -55,10 +55,11 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from ..format import codec, paths
 from ..storage import posix
-from ._owner import SnapshotterOwner
+from ._owner import SnapshotterOwner, default_health, env_directory
 
 log = logging.getLogger("cudasnap.hf")
 
@@ -158,7 +159,7 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
     def _dir(self) -> Path:
         if self.directory is not None:
             return Path(self.directory)
-        env = os.environ.get("CUDASNAP_DIR")
+        env = env_directory()
         if env:
             return Path(env)
         if self._output_dir is None:
@@ -173,16 +174,16 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
     def _newest_host_state(self) -> tuple[int, dict[str, Any]] | None:
         """(step, decoded host state) of the newest snapshot, shared memory first."""
         from .._native import native
-        from ..tools.run import job_for
 
         d = self._dir()
         kw = self.snapshotter_kwargs
         best: tuple[int, dict[str, Any]] | None = None
         if d.is_dir():
-            job = kw.get("job") or os.environ.get("CUDASNAP_JOB") or job_for(d)
+            cfg = Settings.from_env()
+            job = kw.get("job") or cfg.job or paths.job_id(d)
             rank = kw.get("rank")
             rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
-            shm = Path(kw.get("shm_dir") or os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+            shm = Path(kw.get("shm_dir") or cfg.shm_dir)
             arena_path = paths.arena_path(shm, job, rank)
             if arena_path.exists():
                 try:
@@ -269,9 +270,7 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
             if k in extras:
                 raise ConfigError(f"extra key {k!r} is reserved by CudaSnapTrainerCallback")
             extras[k] = v
-        health = self.health
-        if health is None:
-            health = os.environ.get("CUDASNAP_HEALTH", "1") != "0"
+        health = default_health(self.health)
         hf_step = int(state.global_step)  # where the Trainer's loop will resume
         self.snapshotter = Snapshotter(model, opt, self._dir(), extra=extras, health=health,
                                        **self.snapshotter_kwargs)

@@ -65,7 +65,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from ..errors import ConfigError
 from ..format import codec
-from ._owner import SnapshotterOwner
+from ._owner import SnapshotterOwner, default_health, env_directory
 
 log = logging.getLogger("cudasnap.lightning")
 
@@ -249,7 +249,7 @@ class CudaSnapCallback(SnapshotterOwner, Callback):
     def _resolve_dir(self, trainer: Any) -> str:
         if self.directory is not None:
             return str(self.directory)
-        return os.environ.get("CUDASNAP_DIR") or os.path.join(trainer.default_root_dir, "cudasnap")
+        return env_directory() or os.path.join(trainer.default_root_dir, "cudasnap")
 
     def _extras(self, trainer: Any) -> dict[str, Any]:
         assert self._loops is not None
@@ -287,9 +287,7 @@ class CudaSnapCallback(SnapshotterOwner, Callback):
             optimizer = opts[0]
         elif opts:
             optimizer = {f"optim{i}": o for i, o in enumerate(opts)}
-        health = self.health
-        if health is None:
-            health = os.environ.get("CUDASNAP_HEALTH", "1") != "0"
+        health = default_health(self.health)
         self._loops = _FitLoopState(trainer)
         self.snapshotter = Snapshotter(pl_module, optimizer, self._resolve_dir(trainer),
                                        extra=self._extras(trainer), health=health,

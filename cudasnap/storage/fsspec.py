@@ -41,6 +41,7 @@ from typing import Any
 
 from .._native import native
 from .._testing.faults import kill_point
+from ..config import Settings
 from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit, encode_latest
@@ -49,14 +50,13 @@ from . import posix
 
 log = logging.getLogger("cudasnap.storage.fsspec")
 
-ENDPOINT_ENV = "CUDASNAP_S3_ENDPOINT"
 UPLOAD_BLOCK = 16 << 20
 
 
 def state_dir(url: str) -> Path:
     """This host's local directory for a URL: lock, directory id (job), flush log."""
-    base = Path(os.environ.get("CUDASNAP_STATE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cudasnap")
+    base = Settings.from_env().state_dir or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cudasnap"
     return posix.check_directory(base / f"url-{url_hash(url)}")
 
 
@@ -68,7 +68,7 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise ConfigError(f"{url}: object-store directories need fsspec "
                           "(pip install 'cudasnap[s3]')") from e
     opts: dict[str, Any] = {}
-    endpoint = os.environ.get(ENDPOINT_ENV)
+    endpoint = Settings.from_env().s3_endpoint
     if url.startswith(("s3://", "s3a://")) and endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint}
     try:

@@ -42,6 +42,7 @@ from typing import Any
 
 from .._native import native
 from .._testing.faults import kill_point
+from ..config import Settings
 from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import (
@@ -63,7 +64,7 @@ FOREIGN_ENV = "CUDASNAP_ALLOW_FOREIGN_OWNER"
 def _allow_foreign(allow: bool | None) -> bool:
     if allow is not None:
         return bool(allow)
-    return os.environ.get(FOREIGN_ENV, "") not in ("", "0")
+    return Settings.from_env().allow_foreign_owner
 
 
 def _check_trust(path: Path, st: os.stat_result, allow_foreign_owner: bool | None) -> None:

@@ -18,13 +18,15 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 from typing import Any
+
+from ..config import Settings
 
 log = logging.getLogger("cudasnap.auto")
 
 _state: dict[int, Any] = {}
 _handle: Any = None
+_health = True
 
 
 def _owning_modules(opt: Any) -> dict[str, Any]:
@@ -51,7 +53,8 @@ def _post_step(opt: Any, args: Any, kwargs: Any) -> None:
             _state[id(opt)] = False
             return
         key = "optim" if not _state else f"optim{len(_state)}"
-        snap = Snapshotter(models, {key: opt}, job=None if not _state else f"auto{len(_state)}")
+        snap = Snapshotter(models, {key: opt}, job=None if not _state else f"auto{len(_state)}",
+                           health=_health)
         # Step numbers stay monotonic across restarts of a script that restarts
         # its own loop: continue after the newest snapshot already known.
         entry = _state[id(opt)] = {"snap": snap, "step": snap.newest_known_step() + 1}
@@ -71,9 +74,11 @@ def install() -> None:
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    global _health
+    # The guard is on unless CUDASNAP_HEALTH says 0 (read, and checked, once: now).
+    _health = Settings.from_env().health is not False
     _handle = register_optimizer_step_post_hook(_post_step)
     atexit.register(_close_all)
-    os.environ.setdefault("CUDASNAP_HEALTH", "1")
     log.info("cudasnap transparent mode installed")
 
 

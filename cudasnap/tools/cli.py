@@ -253,7 +253,7 @@ def cmd_health(a: argparse.Namespace) -> int:
 
 def cmd_advise(a: argparse.Namespace) -> int:
     from ..host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
-    from .analysis import advise, format_advice
+    from .advice import advise, format_advice
 
     for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):
         v = getattr(a, name)

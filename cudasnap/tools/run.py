@@ -41,13 +41,6 @@ log = logging.getLogger("cudasnap.run")
 EXIT_CODES = {75: "GPU lost", 76: "GPU fault", 77: "hang", 78: "preempted", 79: "peer failure"}
 
 
-def job_for(directory: Path) -> str:
-    """The arena name a Snapshotter derives for ``directory`` (see cudasnap.format.paths)."""
-    job = paths.job_for(directory)
-    assert job is not None
-    return job
-
-
 def describe_exit(rc: int) -> str:
     if rc < 0:
         try:

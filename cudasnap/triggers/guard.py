@@ -7,7 +7,7 @@ and exit with a code that names the cause (see cudasnap.triggers.policy).
 The guard knows its owner only through :class:`FlushTarget` (``flush(wait,
 timeout)``); a Snapshotter is one, and the guard never imports it.
 
-Environment (set by ``cudasnap run``, or by hand):
+Environment (set by ``cudasnap run``, or by hand; parsed by cudasnap.config.Settings):
   CUDASNAP_HEALTH=1        start the guard in every Snapshotter
   CUDASNAP_WATCHDOG_S=T    hang watchdog: no boundary for T seconds -> trigger "hang"
   CUDASNAP_POLL_S=P        NVML poll interval (default 1 s)
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config import Settings
 from .dispatch import Dispatcher, HistoryEntry
 from .hooks import ExceptHooks, install_excepthook
 from .kinds import Trigger
@@ -44,16 +45,6 @@ class FlushTarget(Protocol):
 _NO_WAIT = {"xid", "ecc_dbe", "ecc_uncorrected", "gpu_lost", "remap_failure", "recovery_action"}
 
 
-def _env_float(name: str) -> float | None:
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return None
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
-
-
 # Guard.stop() waits this long for a triggered flush still in progress.
 _STOP_WAIT_S = 120.0
 
@@ -66,11 +57,13 @@ class Guard:
                  exit_fn: Any = os._exit, signals: bool = True) -> None:
         self._target = target
         self.last_step: int | None = None
-        self.dispatcher = Dispatcher(self._flush, policy=policy or Policy.from_env(),
+        cfg = Settings.from_env()  # arguments win over the environment
+        self.dispatcher = Dispatcher(self._flush, policy=policy or Policy.parse(cfg.policy or ""),
                                      exit_fn=exit_fn, step_fn=lambda: self.last_step)
-        poll = poll_s if poll_s is not None else (_env_float("CUDASNAP_POLL_S") or 1.0)
-        self.monitor = HealthMonitor(self._on_health, poll_interval=poll, inject=inject)
-        wd = watchdog_s if watchdog_s is not None else _env_float("CUDASNAP_WATCHDOG_S")
+        poll = poll_s if poll_s is not None else cfg.poll_s
+        self.monitor = HealthMonitor(self._on_health, poll_interval=poll,
+                                     inject=inject if inject is not None else (cfg.inject or ""))
+        wd = watchdog_s if watchdog_s is not None else cfg.watchdog_s
         self.watchdog = Watchdog(wd, self.dispatcher.on_hang) if wd else None
         self._want_signals = signals
         self._signals: SignalHandlers | None = None

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 
+from ..errors import ConfigError
 from .kinds import TRIGGER_KINDS, Trigger, TriggerCallback
 
 logger = logging.getLogger("cudasnap.health")
@@ -48,7 +49,7 @@ _SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
 
 
 def parse_inject(spec: str) -> list[_Fault]:
-    """Parse an injection spec; raises ValueError naming the bad token."""
+    """Parse an injection spec; raises ConfigError (a ValueError) naming the bad token."""
     faults: list[_Fault] = []
     for raw in re.split(r"[;,]", spec):
         token = raw.strip()
@@ -56,13 +57,13 @@ def parse_inject(spec: str) -> list[_Fault]:
             continue
         m = _TOKEN_RE.match(token.lower())
         if not m:
-            raise ValueError(f"bad {ENV_INJECT} token {token!r}: expected KIND[=CODE]@step=N or KIND[=CODE]@t=SECONDS")
+            raise ConfigError(f"bad {ENV_INJECT} token {token!r}: expected KIND[=CODE]@step=N or KIND[=CODE]@t=SECONDS")
         kind = m.group("kind")
         if kind not in TRIGGER_KINDS:
-            raise ValueError(f"bad {ENV_INJECT} token {token!r}: unknown kind {kind!r}")
+            raise ConfigError(f"bad {ENV_INJECT} token {token!r}: unknown kind {kind!r}")
         code = int(m.group("code")) if m.group("code") is not None else None
         if kind == "xid" and code is None:
-            raise ValueError(f"bad {ENV_INJECT} token {token!r}: xid needs a code, e.g. xid=79@step=40")
+            raise ConfigError(f"bad {ENV_INJECT} token {token!r}: xid needs a code, e.g. xid=79@step=40")
         step: int | None = None
         t: float | None = None
         device: int | None = None
@@ -82,14 +83,14 @@ def parse_inject(spec: str) -> list[_Fault]:
                 else:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"bad {ENV_INJECT} token {token!r}: bad or repeated qualifier @{qual}") from None
+                raise ConfigError(f"bad {ENV_INJECT} token {token!r}: bad or repeated qualifier @{qual}") from None
         if step is None and t is None:
-            raise ValueError(f"bad {ENV_INJECT} token {token!r}: needs @step=N or @t=SECONDS")
+            raise ConfigError(f"bad {ENV_INJECT} token {token!r}: needs @step=N or @t=SECONDS")
         if device is None and kind not in ("sigterm", "sigusr1", "hang", "exception", "manual", "peer_failure"):
             device = 0
         faults.append(_Fault(kind, code, step, t, device, token))
     if not faults:
-        raise ValueError(f"empty {ENV_INJECT} spec {spec!r}")
+        raise ConfigError(f"empty {ENV_INJECT} spec {spec!r}")
     return faults
 
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
-from .inject import ENV_INJECT, InjectedSource
+from ..config import Settings
+from .inject import InjectedSource
 from .kinds import TriggerCallback
 from .nvml_source import NvmlSource
 
@@ -19,7 +19,7 @@ class HealthMonitor:
     def __init__(self, on_trigger: TriggerCallback, devices: list[int] | None = None,
                  poll_interval: float = 1.0, inject: str | None = None) -> None:
         self._on_trigger = on_trigger
-        spec = inject if inject is not None else os.environ.get(ENV_INJECT)
+        spec = inject if inject is not None else Settings.from_env().inject
         self.source: NvmlSource | InjectedSource
         if spec is not None and spec.strip():
             self.source = InjectedSource(spec, on_trigger)

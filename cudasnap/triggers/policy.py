@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
+from collections.abc import Mapping
 
+from ..config import Settings
+from ..errors import ConfigError
 from .kinds import TRIGGER_KINDS, Trigger
 
 logger = logging.getLogger("cudasnap.triggers")
@@ -109,23 +111,23 @@ class Policy:
             act_name, _, code_s = value.partition(":")
             action = _ACTION_NAMES.get(act_name.strip())
             if not sep or action is None:
-                raise ValueError(f"bad {ENV_POLICY} entry {entry!r}: expected KEY=ignore|log|flush|flush_exit[:CODE]")
+                raise ConfigError(f"bad {ENV_POLICY} entry {entry!r}: expected KEY=ignore|log|flush|flush_exit[:CODE]")
             code: int | None = None
             if code_s:
                 if action is not Action.FLUSH_AND_EXIT or not code_s.strip().isdigit():
-                    raise ValueError(f"bad {ENV_POLICY} entry {entry!r}: ':CODE' must be an integer "
+                    raise ConfigError(f"bad {ENV_POLICY} entry {entry!r}: ':CODE' must be an integer "
                                      "and only goes with flush_exit")
                 code = int(code_s)
             try:
                 policy.set(key, action, code)
             except ValueError as exc:
-                raise ValueError(f"bad {ENV_POLICY} entry {entry!r}: {exc}") from None
+                raise ConfigError(f"bad {ENV_POLICY} entry {entry!r}: {exc}") from None
         return policy
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Policy":
-        spec = (os.environ if environ is None else environ).get(ENV_POLICY, "")
-        return cls.parse(spec) if spec.strip() else cls()
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Policy":
+        """The default policy with ``CUDASNAP_POLICY``'s overrides (cudasnap.config.Settings)."""
+        return cls.parse(Settings.from_env(environ).policy or "")
 
     def decide(self, trigger: Trigger) -> tuple[Action, int | None]:
         key = trigger.kind
