@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <mutex>
-#include <thread>
 
 #include "crc32c.h"
 #include "error.h"
+#include "thread_pool.h"
 
 namespace cudasnap {
 namespace {
@@ -44,34 +43,6 @@ int reserve(int fd, uint64_t n) {
 }
 
 double now_s() { return monotonic_ns() * 1e-9; }
-
-// Runs fn(i) for i in [0, n) on `threads` threads; rethrows the first error.
-template <typename Fn>
-void parallel_for(uint64_t n, int threads, Fn fn) {
-  std::atomic<uint64_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex err_mu;
-  std::exception_ptr err;
-  auto body = [&] {
-    for (;;) {
-      uint64_t i = next.fetch_add(1);
-      if (i >= n || failed.load()) return;
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> g(err_mu);
-        if (!err) err = std::current_exception();
-        failed.store(true);
-      }
-    }
-  };
-  int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(n, 1)));
-  std::vector<std::thread> pool;
-  for (int k = 1; k < t; ++k) pool.emplace_back(body);
-  body();
-  for (auto& th : pool) th.join();
-  if (err) std::rethrow_exception(err);
-}
 
 void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::string& path) {
   while (n > 0) {
