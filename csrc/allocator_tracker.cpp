@@ -1,5 +1,7 @@
 #include "allocator_tracker.h"
 
+#include "error.h"
+
 namespace cudasnap {
 
 AllocatorRegistry::~AllocatorRegistry() { queue_.stop_auto_drain(); }
@@ -100,12 +102,18 @@ CoverageReport AllocatorRegistry::coverage(int device, const std::vector<Span>& 
   return cudasnap::coverage(find(device), merged, top_n);
 }
 
-std::vector<LocateResult> AllocatorRegistry::locate(int device, const std::vector<Span>& spans) {
-  std::lock_guard<std::mutex> g(state_mu_);
-  drain_locked();
-  static const DeviceMemory kEmpty;
-  const DeviceMemory* d = find(device);
-  return cudasnap::locate(d ? *d : kEmpty, device, spans);
+std::vector<LocateResult> AllocatorRegistry::locate(int device, const std::vector<Span>& spans,
+                                                    bool strict) {
+  std::vector<LocateResult> out;
+  {
+    std::lock_guard<std::mutex> g(state_mu_);
+    drain_locked();
+    static const DeviceMemory kEmpty;
+    const DeviceMemory* d = find(device);
+    out = cudasnap::locate(d ? *d : kEmpty, device, spans);
+  }
+  for (const LocateResult& r : out) CUDASNAP_CHECK(r.ok || !strict, r.error);
+  return out;
 }
 
 Coalesced AllocatorRegistry::coalesce(int device, const std::vector<Span>& spans,

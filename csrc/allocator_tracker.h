@@ -78,7 +78,10 @@ class AllocatorRegistry {
   void watch(int device, const std::vector<Span>& spans) { queue_.watch(device, spans); }
 
   CoverageReport coverage(int device, const std::vector<Span>& spans, size_t top_n = 8);
-  std::vector<LocateResult> locate(int device, const std::vector<Span>& spans);
+  // `strict`: the first span not located throws (its error), instead of a
+  // result with ok false.
+  std::vector<LocateResult> locate(int device, const std::vector<Span>& spans,
+                                   bool strict = false);
   Coalesced coalesce(int device, const std::vector<Span>& spans, uint64_t merge_gap);
 
   RegistryStats stats() const;

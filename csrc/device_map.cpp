@@ -158,6 +158,16 @@ bool DeviceMemory::apply(const TraceEvent& ev) {
   return true;
 }
 
+void SeedSegment::add_block(int64_t block_addr, uint64_t block_size, uint64_t requested_size,
+                            bool allocated) {
+  SeedBlock b;
+  b.addr = block_addr >= 0 ? static_cast<uint64_t>(block_addr) : next_block_addr;
+  b.size = requested_size ? requested_size : block_size;
+  b.allocated = allocated;
+  next_block_addr = b.addr + block_size;
+  blocks.push_back(b);
+}
+
 uint64_t DeviceMemory::seed(const std::vector<SeedSegment>& segments, uint64_t* ignored) {
   DeviceMemory& d = *this;
   uint64_t added = 0;

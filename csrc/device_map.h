@@ -64,6 +64,14 @@ struct SeedSegment {
   PoolId pool{0, 0};
   bool expandable = false;
   std::vector<SeedBlock> blocks;
+
+  // Appends the next block of a snapshot segment. Blocks are contiguous from
+  // the segment start: `addr` < 0 means "where the previous block ended".
+  // The block keeps its requested size (what the tensor may use), or
+  // `block_size` when that is unknown (0).
+  void add_block(int64_t addr, uint64_t block_size, uint64_t requested_size, bool allocated);
+  // Where the next block starts (add_block keeps it; set it to addr first).
+  uint64_t next_block_addr = 0;
 };
 
 // One device's memory map.

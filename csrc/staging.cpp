@@ -389,6 +389,17 @@ uint32_t* Arena::table(int slot) const {
   return reinterpret_cast<uint32_t*>(base_ + slot_offset(slot) + kPage);
 }
 
+uint8_t* Arena::data_span(int slot, uint64_t n) const {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, n <= data_capacity(),
+                      "view of " << n << " bytes exceeds slot capacity " << data_capacity());
+  return data(slot);
+}
+
+const char* slot_state_name(uint32_t state) noexcept {
+  static const char* names[] = {"EMPTY", "WRITING", "COMPLETE"};
+  return state <= 2 ? names[state] : "UNKNOWN";
+}
+
 uint8_t* Arena::data(int slot) const {
   check_slot(slot);
   return base_ + slot_offset(slot) + kPage + table_bytes(max_chunks()) +

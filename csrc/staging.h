@@ -67,6 +67,9 @@ struct SlotHeader {
   uint32_t reserved;
 };
 
+// "EMPTY", "WRITING", "COMPLETE" (SlotInfo::state), or "UNKNOWN".
+const char* slot_state_name(uint32_t state) noexcept;
+
 struct SlotInfo {
   int index = -1;
   uint32_t state = kEmpty;
@@ -178,6 +181,8 @@ class Arena {
   void invalidate(int slot);
 
   uint8_t* data(int slot) const;
+  // data(slot), after checking that `n` bytes fit in a slot (StagingError).
+  uint8_t* data_span(int slot, uint64_t n) const;
   uint32_t* table(int slot) const;
   std::string read_meta(int slot) const;  // verifies the meta CRC
   std::vector<uint32_t> read_table(int slot) const;
