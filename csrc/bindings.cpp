@@ -8,6 +8,7 @@
 #include "error.h"
 #include "layout_check.h"
 #include "signals.h"
+#include "test_hooks.h"
 
 namespace py = pybind11;
 
@@ -89,6 +90,20 @@ void init_signals(py::module_& m) {
   m.def("uninstall_signal_pipe", &uninstall_signal_pipe);
 }
 
+void init_test_hooks(py::module_& m) {
+  // TEST-ONLY (csrc/test_hooks.h); armed by cudasnap/_testing, never by the library.
+  m.def(
+      "_arm_test_hook",
+      [](const std::string& name, const std::string& phase, long nth) {
+        if (name != "kill_at") throw py::value_error("unknown test hook '" + name + "' (kill_at)");
+        test_hooks::arm_kill(phase, nth);
+      },
+      py::arg("name"), py::arg("phase"), py::arg("nth") = 1);
+  m.def("_disarm_test_hooks", &test_hooks::disarm);
+  m.def("_armed_kill_phase", &test_hooks::armed_kill);
+  m.def("_test_kill_phases", &test_hooks::kill_phases);
+}
+
 #ifndef CUDASNAP_TORCH_VERSION
 #define CUDASNAP_TORCH_VERSION "unknown"
 #endif
@@ -131,5 +146,6 @@ PYBIND11_MODULE(_C, m) {
 #ifdef CUDASNAP_WITH_CUDA
   init_cuda_backend(m);
 #endif
+  init_test_hooks(m);
   init_build_info(m);
 }

@@ -19,6 +19,7 @@ void init_allocator_tracker(pybind11::module_& m);
 #ifdef CUDASNAP_WITH_CUDA
 void init_cuda_backend(pybind11::module_& m);
 #endif
+void init_test_hooks(pybind11::module_& m);
 void init_build_info(pybind11::module_& m);
 
 }  // namespace cudasnap::bindings

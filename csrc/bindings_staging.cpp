@@ -223,6 +223,10 @@ void init_flusher(py::module_& m) {
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
   m.def("flush_active", &flush_active, "flusher writes running now in this process");
   m.def("flushes_started", &flushes_started);
+  m.def("io_bytes", [] {
+    IoBytes b = io_bytes();
+    return py::make_tuple(b.written, b.read);
+  }, "(bytes written, bytes read) by the flusher in this process since load");
   m.def("_test_flush_active_add", &test_flush_active_add, py::arg("delta"),
         "TEST-ONLY: pretend a flush starts (+1) or ends (-1)");
 }

@@ -10,6 +10,7 @@
 
 #include "crc32c.h"
 #include "error.h"
+#include "test_hooks.h"
 #include "thread_pool.h"
 
 namespace cudasnap {
@@ -17,6 +18,8 @@ namespace {
 
 std::atomic<int> g_flush_active{0};
 std::atomic<uint64_t> g_flush_started{0};
+std::atomic<uint64_t> g_bytes_written{0};  // by pwrite_all, as each write returns
+std::atomic<uint64_t> g_bytes_read{0};     // by read_file_verified, as each read returns
 
 // Counts a running write_file in g_flush_active for its whole duration.
 struct ActiveFlush {
@@ -49,6 +52,7 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::s
     ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(off));
     if (w < 0 && errno == EINTR) continue;
     CUDASNAP_SYSCHECK(w, ErrorKind::Io, "pwrite of " << path << " at offset " << off);
+    g_bytes_written.fetch_add(static_cast<uint64_t>(w), std::memory_order_relaxed);
     p += w;
     n -= static_cast<uint64_t>(w);
     off += static_cast<uint64_t>(w);
@@ -61,6 +65,11 @@ int flush_active() noexcept { return g_flush_active.load(std::memory_order_acqui
 
 void test_flush_active_add(int delta) noexcept {
   g_flush_active.fetch_add(delta, std::memory_order_release);
+}
+
+IoBytes io_bytes() noexcept {
+  return IoBytes{g_bytes_written.load(std::memory_order_relaxed),
+                 g_bytes_read.load(std::memory_order_relaxed)};
 }
 
 uint64_t flushes_started() noexcept { return g_flush_started.load(std::memory_order_relaxed); }
@@ -125,9 +134,9 @@ FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
         (void)::sync_file_range(fd, static_cast<off_t>(lo), static_cast<off_t>(hi - lo),
                                 SYNC_FILE_RANGE_WRITE);
       }
-      if (piece == 0) test_kill_point("write");
+      if (piece == 0) test_hooks::kill_point("write");
     });
-    test_kill_point("fsync");
+    test_hooks::kill_point("fsync");
     if (durable) {
       double f0 = now_s();
       CUDASNAP_SYSCHECK(::fdatasync(fd), ErrorKind::Io, "fdatasync " << path);
@@ -198,6 +207,7 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
         CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, r > 0,
                             path << " ended early at offset " << lo + got);
         got += static_cast<uint64_t>(r);
+        g_bytes_read.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
       }
       uint32_t crc = crc32c(0, dst + lo, n);
       CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crc == crcs[c],

@@ -239,12 +239,4 @@ class Arena {
 uint64_t monotonic_ns();
 uint64_t wall_ns();
 
-// TEST-ONLY crash hook (tests/test_faults.py, bench/faults.py): when the
-// environment variable CUDASNAP_TEST_KILL_AT is `phase` or `phase@n`, the
-// process SIGKILLs itself here (the n-th time it gets here). The variable is
-// read once per process (first call); unset, this is one string compare. Phases: "copy" (slot data copied,
-// header not written), "header" (header half written), "write" (first data
-// piece written to the flush file), "fsync" (data written, not yet synced).
-void test_kill_point(const char* phase);
-
 }  // namespace cudasnap
