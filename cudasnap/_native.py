@@ -23,8 +23,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from . import _C as _C_stub
-    from ._C import NativeModule
+    import cudasnap._C as _C_stub
+    from cudasnap._C import NativeModule
 
     _module_is_native: NativeModule = _C_stub  # the stub's module satisfies its protocol
 
