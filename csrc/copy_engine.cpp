@@ -1,9 +1,5 @@
 #include "copy_engine.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -147,25 +143,21 @@ struct CpuCopyEngine::Work {
   uint32_t* table = nullptr;
   uint64_t nchunks = 0;
   uint64_t p0chunks = 0;
-  std::atomic<uint64_t> next{0};
   std::atomic<uint64_t> done{0};
   std::atomic<uint64_t> p0done{0};
   std::atomic<bool> failed{false};
-  std::atomic<int> workers_used{0};
-  std::atomic<uint64_t> yield_chunks{0};
+  const Batch* batch = nullptr;  // runs the chunks; outlives every chunk's call
 };
 
-CpuCopyEngine::CpuCopyEngine(int threads, int nice) : nice_(nice) {
+namespace {
+int checked_threads(int threads, int nice) {
   CUDASNAP_CHECK(threads >= 1 && threads <= 256, "copy threads must be 1..256, got " << threads);
   CUDASNAP_CHECK(nice >= 0 && nice <= 19, "copy thread nice value must be 0..19, got " << nice);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { worker(i); });
+  return threads;
 }
+}  // namespace
 
-void lower_thread_priority(int nice) {
-  // Per-thread nice (Linux): snapshot copies use spare cycles and never
-  // preempt the training thread on a busy host. Failure is harmless.
-  if (nice > 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
-}
+CpuCopyEngine::CpuCopyEngine(int threads, int nice) : pool_(checked_threads(threads, nice), nice) {}
 
 CpuCopyEngine::~CpuCopyEngine() {
   try {
@@ -191,11 +183,9 @@ bool CpuCopyEngine::shutdown(double timeout_s) {
     }
     stop_ = true;
   }
-  cv_.notify_all();
   idle_cv_.notify_all();
-  // Workers finish at most the chunk they are on (cancelled chunks are skipped).
-  for (auto& t : workers_)
-    if (t.joinable()) t.join();
+  // Workers finish the batch they are in: cancelled chunks are skipped, only counted.
+  pool_.stop();
   if (left && left->arena) {  // no worker finished it (null once a worker did)
     try {
       left->arena->invalidate(left->job->slot());
@@ -241,8 +231,13 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
     }
     if (work->p0chunks == 0) work->job->mark(0);
     cur_ = work;
+    // Flush-yield: while a flush runs, one worker copies, pausing between chunks.
+    auto batch = std::make_shared<Batch>(
+        work->nchunks, [this, work](uint64_t c) { copy_one(*work, c); },
+        BatchOptions{/*yield_to_flush=*/true, /*yield_pause_us=*/100});
+    work->batch = batch.get();
+    pool_.post(std::move(batch));
   }
-  cv_.notify_all();
   return work->job;
 }
 
@@ -255,57 +250,19 @@ bool CpuCopyEngine::fence(CopyJob& job, int phase, uint64_t /*stream*/) {
   return job.wait(phase, wait_s);  // it was committing: done in a moment
 }
 
-void CpuCopyEngine::worker(int id) {
-  lower_thread_priority(nice_);
-  for (;;) {
-    std::shared_ptr<Work> w;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || (cur_ && cur_->next.load() < cur_->nchunks); });
-      if (stop_) return;
-      w = cur_;
+void CpuCopyEngine::copy_one(Work& w, uint64_t c) {
+  // TEST-ONLY stall; re-read each millisecond, so a test releases it by setting 0.
+  for (uint64_t slept = 0; delay_us_.load() > slept && !w.job->failed(); slept += 1000)
+    std::this_thread::sleep_for(std::chrono::microseconds(1000));
+  if (!w.failed.load() && !w.job->failed()) {
+    try {
+      w.table[c] = copy_chunk(*w.plan, w.data, c);
+    } catch (const std::exception& e) {
+      w.failed.store(true);
+      w.job->fail(e.what());
     }
-    bool counted = false;
-    for (;;) {
-      // A flush running in this process gets the memory bandwidth and cores:
-      // one worker (the first to claim flush_runner_) copies, pausing between
-      // chunks; the others wait until the flush ends or the copy is done.
-      bool solo = false;
-      if (flush_active() > 0) {
-        int expect = -1;
-        if (!flush_runner_.compare_exchange_strong(expect, id) && expect != id) {
-          if (w->next.load() >= w->nchunks) break;
-          std::this_thread::sleep_for(std::chrono::microseconds(500));
-          continue;
-        }
-        solo = true;
-      } else if (flush_runner_.load() == id) {
-        flush_runner_.store(-1);
-      }
-      uint64_t c = w->next.fetch_add(1);
-      if (c >= w->nchunks) break;
-      if (!counted) {
-        counted = true;
-        w->workers_used.fetch_add(1);
-      }
-      // TEST-ONLY stall; re-read each millisecond, so a test releases it by setting 0.
-      for (uint64_t slept = 0; delay_us_.load() > slept && !w->job->failed(); slept += 1000)
-        std::this_thread::sleep_for(std::chrono::microseconds(1000));
-      if (!w->failed.load() && !w->job->failed()) {
-        try {
-          w->table[c] = copy_chunk(*w->plan, w->data, c);
-        } catch (const std::exception& e) {
-          w->failed.store(true);
-          w->job->fail(e.what());
-        }
-      }
-      if (solo) w->yield_chunks.fetch_add(1);
-      finish_chunk(*w, c);
-      if (solo) std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    int me = id;
-    flush_runner_.compare_exchange_strong(me, -1);
   }
+  finish_chunk(w, c);
 }
 
 void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
@@ -330,8 +287,8 @@ void CpuCopyEngine::finish_chunk(Work& w, uint64_t chunk) {
   // and a trainer that wakes first would otherwise wait in its next submit()
   // for this thread to be scheduled again on a busy host.
   std::shared_ptr<CopyJob> job = w.job;
-  last_workers_.store(w.workers_used.load());
-  last_yield_.store(w.yield_chunks.load());
+  last_workers_.store(w.batch->workers_used());
+  last_yield_.store(w.batch->yield_items());
   {
     std::lock_guard<std::mutex> g(mu_);
     cur_.reset();

@@ -22,6 +22,7 @@
 
 #include "copy_plan.h"
 #include "staging.h"
+#include "thread_pool.h"
 
 namespace cudasnap {
 
@@ -110,7 +111,7 @@ class CpuCopyEngine : public CopyEngine {
                                   const SlotMeta& meta, uint64_t stream) override;
   bool fence(CopyJob& job, int phase, uint64_t stream) override;
   bool shutdown(double timeout_s) override;
-  int threads() const { return static_cast<int>(workers_.size()); }
+  int threads() const { return pool_.size(); }
   // TEST-ONLY: every chunk copy first sleeps this long (a stalled copier; set 0
   // to release it), so tests can prove that fences wait and waits are bounded.
   void set_test_chunk_delay_us(uint64_t us) { delay_us_.store(us); }
@@ -122,23 +123,17 @@ class CpuCopyEngine : public CopyEngine {
 
  private:
   struct Work;
-  void worker(int id);
+  void copy_one(Work& w, uint64_t chunk);
   void finish_chunk(Work& w, uint64_t chunk);
 
   std::mutex mu_;
-  std::condition_variable cv_;       // work available / stop
   std::condition_variable idle_cv_;  // current work finished
   std::shared_ptr<Work> cur_;
   bool stop_ = false;
-  std::vector<std::thread> workers_;
-  int nice_ = 10;
   std::atomic<uint64_t> delay_us_{0};
-  std::atomic<int> flush_runner_{-1};  // the one worker copying while a flush runs
   std::atomic<int> last_workers_{0};
   std::atomic<uint64_t> last_yield_{0};
+  WorkerPool pool_;  // last: its workers stop before the members they use go
 };
-
-// Lowers the calling thread's scheduling priority (per-thread nice on Linux).
-void lower_thread_priority(int nice);
 
 }  // namespace cudasnap

@@ -80,4 +80,15 @@ CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
   return plan;
 }
 
+CopyPlan build_plan(const std::vector<uint64_t>& ptrs, const std::vector<uint64_t>& nbytes,
+                    const std::vector<int>& phases, const std::vector<bool>& host,
+                    uint64_t chunk_bytes, uint64_t merge_gap, uint64_t align) {
+  CUDASNAP_CHECK(ptrs.size() == nbytes.size() && ptrs.size() == phases.size() &&
+                     ptrs.size() == host.size(),
+                 "build_plan: ptrs, nbytes, phases and host differ in length");
+  std::vector<TensorSpan> spans(ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); ++i) spans[i] = {ptrs[i], nbytes[i], phases[i], host[i]};
+  return build_plan(spans, chunk_bytes, merge_gap, align);
+}
+
 }  // namespace cudasnap

@@ -42,5 +42,10 @@ struct CopyPlan {
 
 CopyPlan build_plan(const std::vector<TensorSpan>& spans, uint64_t chunk_bytes,
                     uint64_t merge_gap, uint64_t align);
+// The same from parallel per-tensor lists (the Python binding's form); throws
+// when their lengths differ.
+CopyPlan build_plan(const std::vector<uint64_t>& ptrs, const std::vector<uint64_t>& nbytes,
+                    const std::vector<int>& phases, const std::vector<bool>& host,
+                    uint64_t chunk_bytes, uint64_t merge_gap, uint64_t align);
 
 }  // namespace cudasnap

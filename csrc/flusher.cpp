@@ -7,17 +7,19 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <mutex>
-#include <thread>
 
 #include "crc32c.h"
 #include "error.h"
+#include "test_hooks.h"
+#include "thread_pool.h"
 
 namespace cudasnap {
 namespace {
 
 std::atomic<int> g_flush_active{0};
 std::atomic<uint64_t> g_flush_started{0};
+std::atomic<uint64_t> g_bytes_written{0};  // by pwrite_all, as each write returns
+std::atomic<uint64_t> g_bytes_read{0};     // by read_file_verified, as each read returns
 
 // Counts a running write_file in g_flush_active for its whole duration.
 struct ActiveFlush {
@@ -45,39 +47,12 @@ int reserve(int fd, uint64_t n) {
 
 double now_s() { return monotonic_ns() * 1e-9; }
 
-// Runs fn(i) for i in [0, n) on `threads` threads; rethrows the first error.
-template <typename Fn>
-void parallel_for(uint64_t n, int threads, Fn fn) {
-  std::atomic<uint64_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex err_mu;
-  std::exception_ptr err;
-  auto body = [&] {
-    for (;;) {
-      uint64_t i = next.fetch_add(1);
-      if (i >= n || failed.load()) return;
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> g(err_mu);
-        if (!err) err = std::current_exception();
-        failed.store(true);
-      }
-    }
-  };
-  int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(n, 1)));
-  std::vector<std::thread> pool;
-  for (int k = 1; k < t; ++k) pool.emplace_back(body);
-  body();
-  for (auto& th : pool) th.join();
-  if (err) std::rethrow_exception(err);
-}
-
 void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::string& path) {
   while (n > 0) {
     ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(off));
     if (w < 0 && errno == EINTR) continue;
     CUDASNAP_SYSCHECK(w, ErrorKind::Io, "pwrite of " << path << " at offset " << off);
+    g_bytes_written.fetch_add(static_cast<uint64_t>(w), std::memory_order_relaxed);
     p += w;
     n -= static_cast<uint64_t>(w);
     off += static_cast<uint64_t>(w);
@@ -90,6 +65,11 @@ int flush_active() noexcept { return g_flush_active.load(std::memory_order_acqui
 
 void test_flush_active_add(int delta) noexcept {
   g_flush_active.fetch_add(delta, std::memory_order_release);
+}
+
+IoBytes io_bytes() noexcept {
+  return IoBytes{g_bytes_written.load(std::memory_order_relaxed),
+                 g_bytes_read.load(std::memory_order_relaxed)};
 }
 
 uint64_t flushes_started() noexcept { return g_flush_started.load(std::memory_order_relaxed); }
@@ -154,9 +134,9 @@ FlushStats write_file(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
         (void)::sync_file_range(fd, static_cast<off_t>(lo), static_cast<off_t>(hi - lo),
                                 SYNC_FILE_RANGE_WRITE);
       }
-      if (piece == 0) test_kill_point("write");
+      if (piece == 0) test_hooks::kill_point("write");
     });
-    test_kill_point("fsync");
+    test_hooks::kill_point("fsync");
     if (durable) {
       double f0 = now_s();
       CUDASNAP_SYSCHECK(::fdatasync(fd), ErrorKind::Io, "fdatasync " << path);
@@ -227,6 +207,7 @@ double read_file_verified(const std::string& path, uint8_t* dst, uint64_t nbytes
         CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, r > 0,
                             path << " ended early at offset " << lo + got);
         got += static_cast<uint64_t>(r);
+        g_bytes_read.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
       }
       uint32_t crc = crc32c(0, dst + lo, n);
       CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crc == crcs[c],

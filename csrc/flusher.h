@@ -51,6 +51,16 @@ int64_t verify_buffer(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
 // should yield the disk-feeding CPU and memory bandwidth to the flush.
 int flush_active() noexcept;
 uint64_t flushes_started() noexcept;
+// Bytes the flusher has written to files (write_file, write_slot_file) and
+// read back (read_file_verified) in this process since load, counted as each
+// system call returns: monotonic, cheap to poll (progress bars), and unlike
+// /proc/self/io blind to every other thread's I/O.
+struct IoBytes {
+  uint64_t written = 0;
+  uint64_t read = 0;
+};
+IoBytes io_bytes() noexcept;
+
 // TEST-ONLY: adds `delta` to the flush_active() count (a flush "running" for
 // as long as a test holds it), so copy engines' yielding is testable.
 void test_flush_active_add(int delta) noexcept;

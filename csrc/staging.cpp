@@ -1,7 +1,6 @@
 #include "staging.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -10,12 +9,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
 
 #include "crc32c.h"
 #include "error.h"
+#include "test_hooks.h"
 
 namespace cudasnap {
 namespace {
@@ -60,26 +59,6 @@ std::string human(uint64_t b) {
 }
 
 }  // namespace
-
-void test_kill_point(const char* phase) {
-  // "<phase>" or "<phase>@<n>": SIGKILL at the n-th time (default 1st) this
-  // process reaches <phase>. Parsed once, at the first call.
-  struct Want {
-    std::string phase;
-    long nth = 1;
-  };
-  static const Want want = [] {
-    Want w;
-    const char* v = std::getenv("CUDASNAP_TEST_KILL_AT");
-    std::string s = v ? v : "";
-    size_t at = s.find('@');
-    w.phase = s.substr(0, at);
-    if (at != std::string::npos) w.nth = std::max(1L, std::strtol(s.c_str() + at + 1, nullptr, 10));
-    return w;
-  }();
-  static std::atomic<long> hits{0};
-  if (!want.phase.empty() && want.phase == phase && ++hits >= want.nth) ::kill(::getpid(), SIGKILL);
-}
 
 uint64_t monotonic_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -389,6 +368,17 @@ uint32_t* Arena::table(int slot) const {
   return reinterpret_cast<uint32_t*>(base_ + slot_offset(slot) + kPage);
 }
 
+uint8_t* Arena::data_span(int slot, uint64_t n) const {
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, n <= data_capacity(),
+                      "view of " << n << " bytes exceeds slot capacity " << data_capacity());
+  return data(slot);
+}
+
+const char* slot_state_name(uint32_t state) noexcept {
+  static const char* names[] = {"EMPTY", "WRITING", "COMPLETE"};
+  return state <= 2 ? names[state] : "UNKNOWN";
+}
+
 uint8_t* Arena::data(int slot) const {
   check_slot(slot);
   return base_ + slot_offset(slot) + kPage + table_bytes(max_chunks()) +
@@ -535,13 +525,13 @@ void Arena::commit(int slot, int64_t step, uint64_t data_bytes) {
                       __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == kWriting && s->step == step,
                       "commit of slot " << slot << " step " << step
                                         << " without a matching begin_write");
-  test_kill_point("copy");
+  test_hooks::kill_point("copy");
   s->magic = kSlotMagic;
   s->version = kArenaVersion;
   s->data_bytes = data_bytes;
   s->num_chunks = (data_bytes + chunk_bytes() - 1) / chunk_bytes();
   s->table_crc = crc32c(0, table(slot), s->num_chunks * 4);
-  test_kill_point("header");
+  test_hooks::kill_point("header");
   // The prefix CRC is continued over the suffix: O(suffix), same value as a CRC of it all.
   const uint64_t plen = prefix_id_[slot] ? prefix_len_[slot] : 0;
   s->meta_crc = crc32c(plen ? prefix_crc_[slot] : 0,

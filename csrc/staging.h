@@ -67,6 +67,9 @@ struct SlotHeader {
   uint32_t reserved;
 };
 
+// "EMPTY", "WRITING", "COMPLETE" (SlotInfo::state), or "UNKNOWN".
+const char* slot_state_name(uint32_t state) noexcept;
+
 struct SlotInfo {
   int index = -1;
   uint32_t state = kEmpty;
@@ -178,6 +181,8 @@ class Arena {
   void invalidate(int slot);
 
   uint8_t* data(int slot) const;
+  // data(slot), after checking that `n` bytes fit in a slot (StagingError).
+  uint8_t* data_span(int slot, uint64_t n) const;
   uint32_t* table(int slot) const;
   std::string read_meta(int slot) const;  // verifies the meta CRC
   std::vector<uint32_t> read_table(int slot) const;
@@ -233,13 +238,5 @@ class Arena {
 
 uint64_t monotonic_ns();
 uint64_t wall_ns();
-
-// TEST-ONLY crash hook (tests/test_faults.py, bench/faults.py): when the
-// environment variable CUDASNAP_TEST_KILL_AT is `phase` or `phase@n`, the
-// process SIGKILLs itself here (the n-th time it gets here). The variable is
-// read once per process (first call); unset, this is one string compare. Phases: "copy" (slot data copied,
-// header not written), "header" (header half written), "write" (first data
-// piece written to the flush file), "fsync" (data written, not yet synced).
-void test_kill_point(const char* phase);
 
 }  // namespace cudasnap

@@ -31,7 +31,7 @@ def build_info() -> dict[str, Any]:
 
     from ._native import native
 
-    info = dict(native().BUILD_INFO)
+    info: dict[str, Any] = dict(native().BUILD_INFO)
     info["torch_built_against"] = info["torch"]
     info["torch"] = torch.__version__
     info["torch_cuda"] = torch.version.cuda

@@ -20,7 +20,13 @@ import logging
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import cudasnap._C as _C_stub
+    from cudasnap._C import NativeModule
+
+    _module_is_native: NativeModule = _C_stub  # the stub's module satisfies its protocol
 
 from .config import Settings
 
@@ -61,7 +67,7 @@ def _library_path() -> str | None:
     return spec.origin if spec is not None else None
 
 
-def native() -> Any:
+def native() -> NativeModule:
     """Returns the loaded ``cudasnap._C`` module (loading torch first)."""
     global _C
     if _C is None:

@@ -58,6 +58,9 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
 
 def import_graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PKG.rglob("*.py") if "build" not in p.parts}
+    # Compiled modules (cudasnap._C) are nodes too, known by their stub; they import nothing.
+    files.update({_module_name(p): p for p in PKG.rglob("*.pyi")
+                  if "build" not in p.parts and _module_name(p) not in files})
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         is_pkg = path.name == "__init__.py"

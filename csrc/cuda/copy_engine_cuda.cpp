@@ -10,6 +10,7 @@
 
 #include "../error.h"
 #include "../flusher.h"
+#include "../thread_pool.h"
 
 namespace cudasnap {
 
@@ -384,35 +385,12 @@ void CudaCopyEngine::crc_chunks(const CopyPlan& plan, const uint8_t* data, uint3
                                 uint64_t c0, uint64_t c1) {
   if (c1 <= c0) return;
   uint64_t n = c1 - c0;
-  int threads = static_cast<int>(std::min<uint64_t>(uint64_t(crc_threads_), n));
-  // While a flush runs in this process it gets the cores and memory bandwidth:
-  // one CRC thread, pausing between chunks (checked again at every chunk).
-  auto flushing = [] { return flush_active() > 0; };
-  if (threads <= 1 || n * plan.chunk_bytes < kParallelCrcBytes || flushing()) {
-    for (uint64_t c = c0; c < c1; ++c) {
-      table[c] = chunk_crc(plan, data, c);
-      if (flushing()) std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    return;
-  }
-  std::atomic<uint64_t> next{c0};
-  auto work = [&](bool first) {
-    for (;;) {
-      if (!first && flushing()) return;  // the first thread finishes alone
-      uint64_t c = next.fetch_add(1);
-      if (c >= c1) return;
-      table[c] = chunk_crc(plan, data, c);
-      if (first && flushing()) std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  };
-  std::vector<std::thread> ts;
-  ts.reserve(threads - 1);
-  try {
-    for (int i = 1; i < threads; ++i) ts.emplace_back(work, false);
-  } catch (...) {  // no threads to be had: finish on this one
-  }
-  work(true);
-  for (auto& t : ts) t.join();
+  // Small snapshots: one thread is faster. While a flush runs in this process it
+  // gets the cores and memory bandwidth (flush-yield: one CRC thread, pausing
+  // between chunks; checked again at every chunk).
+  int threads = n * plan.chunk_bytes < kParallelCrcBytes ? 1 : crc_threads_;
+  parallel_for(n, threads, [&](uint64_t i) { table[c0 + i] = chunk_crc(plan, data, c0 + i); },
+               BatchOptions{/*yield_to_flush=*/true, /*yield_pause_us=*/100});
 }
 
 void CudaCopyEngine::finish(Work& w) {

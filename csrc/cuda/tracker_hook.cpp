@@ -109,15 +109,10 @@ std::shared_ptr<AllocatorRegistry> attach_allocator_tracker(uint64_t auto_drain)
     ss.pool = PoolId{static_cast<uint64_t>(si.owner_private_pool_id.first),
                      static_cast<uint64_t>(si.owner_private_pool_id.second)};
     ss.expandable = si.is_expandable;
-    uint64_t cursor = ss.addr;  // blocks are contiguous from the segment start
-    for (const auto& bi : si.blocks) {
-      SeedBlock b;
-      b.addr = cursor;
-      b.size = bi.requested_size ? bi.requested_size : bi.size;
-      b.allocated = bi.allocated;
-      ss.blocks.push_back(b);
-      cursor += bi.size;
-    }
+    ss.next_block_addr = ss.addr;
+    for (const auto& bi : si.blocks)  // contiguous from the segment start
+      ss.add_block(-1, static_cast<uint64_t>(bi.size), static_cast<uint64_t>(bi.requested_size),
+                   bi.allocated);
     per_dev[static_cast<size_t>(d)].push_back(std::move(ss));
   }
   for (int d = 0; d < ndev; ++d) reg->seed(d, per_dev[static_cast<size_t>(d)]);

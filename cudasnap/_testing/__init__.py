@@ -1,1 +1,2 @@
-"""Test-only fault hooks: inert unless the fault tests set their environment variables."""
+"""Test-only fault hooks: inert unless a test arms them (``faults.arm_kill``) or starts
+the process with their environment variables set (read once, at import)."""

@@ -1,10 +1,14 @@
 """Progress bars for long flushes, restores and verifies (terminal only).
 
-The byte-moving work runs in C++ with the GIL released, so progress is read
-from the kernel's per-process I/O counters (``/proc/self/io``: ``wchar`` /
-``rchar``, bytes passed to write/read system calls) by a small polling
-thread. Off when stderr is not a terminal, when tqdm is missing, or for
-operations under ``min_bytes``.
+The byte-moving work runs in C++ with the GIL released; its flusher counts the
+bytes it writes and reads back in atomic counters (``_C.io_bytes()``), which a
+small thread polls into a tqdm bar. Unlike the kernel's per-process counters
+(``/proc/self/io``) these count only the flusher's own I/O, not every thread's.
+Off when stderr is not a terminal, when tqdm is missing, or for operations
+under ``min_bytes``.
+
+    with io_progress(nbytes, "cudasnap flush step 7", bytes_written): ...
+    with io_progress(nbytes, "cudasnap restore step-7", bytes_read): ...
 """
 from __future__ import annotations
 
@@ -12,23 +16,40 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 log = logging.getLogger("cudasnap.progress")
 MIN_BYTES = 256 << 20
+POLL_S = 0.2
+
+Counter = Callable[[], int]
+# "write" / "read": the flusher's counters (bytes_written / bytes_read).
+CounterArg = Counter | Literal["write", "read"]
 
 
-def _io_counter(kind: str) -> int | None:
-    key = "wchar" if kind == "write" else "rchar"
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+def bytes_written() -> int:
+    """Bytes the native flusher has written to files in this process (monotonic)."""
+    from .._native import native
+
+    return int(native().io_bytes()[0])
+
+
+def bytes_read() -> int:
+    """Bytes the native flusher has read back from files in this process (monotonic)."""
+    from .._native import native
+
+    return int(native().io_bytes()[1])
+
+
+def _counter(counter: CounterArg) -> Counter:
+    if callable(counter):
+        return counter
+    if counter == "write":
+        return bytes_written
+    if counter == "read":
+        return bytes_read
+    raise ValueError(f"io_progress: counter must be a callable, 'write' or 'read', not {counter!r}")
 
 
 def enabled(total: int, min_bytes: int = MIN_BYTES) -> bool:
@@ -36,11 +57,15 @@ def enabled(total: int, min_bytes: int = MIN_BYTES) -> bool:
 
 
 @contextlib.contextmanager
-def io_progress(total: int, desc: str, kind: str = "write",
+def io_progress(total: int, desc: str, counter: CounterArg = bytes_written,
                 min_bytes: int = MIN_BYTES) -> Iterator[Any]:
-    """Shows a byte progress bar while the body moves ``total`` bytes of I/O."""
-    start = _io_counter(kind)
-    if not enabled(total, min_bytes) or start is None:
+    """Shows a byte progress bar while the body moves ``total`` bytes.
+
+    ``counter`` returns a monotonic byte count (e.g. ``bytes_written``); the bar
+    shows how far it moved since entry, capped at ``total``.
+    """
+    read = _counter(counter)
+    if not enabled(total, min_bytes):
         yield None
         return
     try:
@@ -48,19 +73,23 @@ def io_progress(total: int, desc: str, kind: str = "write",
     except ImportError:
         yield None
         return
+    start = read()
     stop = threading.Event()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
+    done = 0
+    lock = threading.Lock()
 
-    def poll() -> None:
-        done = 0
-        while not stop.wait(0.2):
-            now = _io_counter(kind)
-            if now is None:
-                return
-            cur = min(total, now - start)
+    def advance() -> None:
+        nonlocal done
+        with lock:
+            cur = min(total, max(0, read() - start))
             if cur > done:
                 bar.update(cur - done)
                 done = cur
+
+    def poll() -> None:
+        while not stop.wait(POLL_S):
+            advance()
 
     t = threading.Thread(target=poll, name="cudasnap-progress", daemon=True)
     t.start()
@@ -69,4 +98,5 @@ def io_progress(total: int, desc: str, kind: str = "write",
     finally:
         stop.set()
         t.join(timeout=1.0)
+        advance()  # the bar ends where the counter ended
         bar.close()

@@ -1,8 +1,8 @@
 """Fork server for the kill -9 fault cases (tests/helpers/faultlib.py); run with sys.executable.
 
 Imports torch and cudasnap once, then forks one training process per command.
-Each child sets ``CUDASNAP_TEST_KILL_AT`` (the test-only crash hook of
-cudasnap/_testing/faults.py and csrc/staging.cpp) *before* it touches the engine, trains
+Each child arms the test-only kill point (``faults.arm_kill``: cudasnap/_testing/faults.py
+and csrc/test_hooks.h) *before* it touches the engine, trains
 ``steps`` steps with a snapshot and a flush after each, and is expected to
 SIGKILL itself at the requested phase. It never restores (a fresh run).
 
@@ -60,7 +60,7 @@ def child(c: dict) -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     if c.get("kill"):
-        os.environ[faults.KILL_ENV] = c["kill"]  # before the engine's first kill point
+        faults.arm_kill(c["kill"])  # before the engine's first kill point
     torch.set_num_threads(1)
     code = 0
     try:

@@ -1,0 +1,234 @@
+// Bindings of the staging arena, copy plans, copy engines and the flusher.
+// Only binds (see bindings.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "copy_engine.h"
+#include "copy_plan.h"
+#include "error.h"
+#include "flusher.h"
+#include "staging.h"
+
+namespace py = pybind11;
+
+namespace cudasnap::bindings {
+
+namespace {
+
+py::dict slot_info_dict(const SlotInfo& s) {
+  py::dict d;
+  d["index"] = s.index;
+  d["state"] = slot_state_name(s.state);
+  d["valid"] = s.valid;
+  d["problem"] = s.problem;
+  d["seq"] = s.seq;
+  d["step"] = s.step;
+  d["data_bytes"] = s.data_bytes;
+  d["meta_bytes"] = s.meta_bytes;
+  d["num_chunks"] = s.num_chunks;
+  d["complete_ns"] = s.complete_ns;
+  d["writer_pid"] = s.writer_pid;
+  return d;
+}
+
+py::dict flush_stats_dict(const FlushStats& s) {
+  py::dict d;
+  d["bytes"] = s.bytes;
+  d["seconds"] = s.seconds;
+  d["fsync_seconds"] = s.fsync_seconds;
+  d["crc32c"] = s.crcs;
+  return d;
+}
+
+}  // namespace
+
+void init_staging(py::module_& m) {
+  py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
+      .def(py::init<>())
+      .def("set", [](CancelFlag& c) { c.set.store(true); })
+      .def_property_readonly("is_set", [](const CancelFlag& c) { return c.set.load(); });
+  py::class_<MetaPrefix, std::shared_ptr<MetaPrefix>>(m, "MetaPrefix")
+      .def(py::init([](const py::bytes& b) { return std::make_shared<MetaPrefix>(std::string(b)); }))
+      .def_property_readonly("id", [](const MetaPrefix& p) { return p.id; })
+      .def("__len__", [](const MetaPrefix& p) { return p.bytes.size(); });
+  py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena")
+      .def_static("create",
+                  [](const std::string& path, int num_slots, uint64_t data_capacity,
+                     uint64_t meta_capacity, uint64_t chunk_bytes, const std::string& job,
+                     bool prefault, const std::shared_ptr<CancelFlag>& cancel) {
+                    return Arena::create(path, num_slots, data_capacity, meta_capacity,
+                                         chunk_bytes, job, prefault, cancel.get());
+                  },
+                  py::arg("path"), py::arg("num_slots"), py::arg("data_capacity"),
+                  py::arg("meta_capacity"), py::arg("chunk_bytes"), py::arg("job"),
+                  py::arg("prefault") = true, py::arg("cancel") = nullptr,
+                  py::call_guard<py::gil_scoped_release>())
+      .def_static("open", &Arena::open, py::arg("path"), py::arg("writable") = true,
+                  py::arg("prefault") = true, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prefault",
+          [](Arena& a, const std::shared_ptr<CancelFlag>& cancel) { a.prefault(cancel.get()); },
+          py::arg("cancel") = nullptr, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("huge_pages", &Arena::huge_pages)
+      .def_static("required_bytes", &Arena::required_bytes)
+      .def_property_readonly("path", &Arena::path)
+      .def_property_readonly("num_slots", &Arena::num_slots)
+      .def_property_readonly("data_capacity", &Arena::data_capacity)
+      .def_property_readonly("meta_capacity", &Arena::meta_capacity)
+      .def_property_readonly("chunk_bytes", &Arena::chunk_bytes)
+      .def_property_readonly("max_chunks", &Arena::max_chunks)
+      .def_property_readonly("total_bytes", &Arena::total_bytes)
+      .def_property_readonly("job", &Arena::job)
+      .def_property_readonly("owner_pid", &Arena::owner_pid)
+      .def("claim_owner", &Arena::claim_owner)
+      .def_property_readonly("writable", &Arena::writable)
+      .def_property_readonly("shared", &Arena::shared)
+      .def_readonly("cuda_registered", &Arena::cuda_registered)
+      .def("slot_info", [](const Arena& a, int s) { return slot_info_dict(a.slot_info(s)); })
+      .def("newest_complete", &Arena::newest_complete)
+      .def("pick_write_slot", &Arena::pick_write_slot)
+      .def("begin_write", [](Arena& a, int s, int64_t step, const py::bytes& meta) {
+        a.begin_write(s, step, std::string(meta));
+      })
+      .def("commit", &Arena::commit)
+      .def("meta_prefix_id", &Arena::meta_prefix_id, py::arg("slot"))
+      .def("invalidate", &Arena::invalidate)
+      .def("read_meta", [](const Arena& a, int s) { return py::bytes(a.read_meta(s)); })
+      .def("read_table", &Arena::read_table)
+      .def("table_ptr", [](const Arena& a, int s) { return reinterpret_cast<uint64_t>(a.table(s)); })
+      .def("lease", &Arena::lease)
+      .def("release", &Arena::release)
+      .def("leases", &Arena::leases)
+      .def("data_ptr", [](const Arena& a, int s) { return reinterpret_cast<uint64_t>(a.data(s)); })
+      .def("data_view", [](const Arena& a, int s, uint64_t n) {
+        return py::memoryview::from_memory(a.data_span(s, n), static_cast<py::ssize_t>(n),
+                                           !a.writable());
+      })
+      .def("unlink", &Arena::unlink_file);
+}
+
+void init_copy_plan(py::module_& m) {
+  py::class_<CopyPlan, std::shared_ptr<CopyPlan>>(m, "CopyPlan")
+      .def_readonly("total_bytes", &CopyPlan::total_bytes)
+      .def_readonly("phase0_bytes", &CopyPlan::phase0_bytes)
+      .def_readonly("chunk_bytes", &CopyPlan::chunk_bytes)
+      .def_readonly("copied_bytes", &CopyPlan::copied_bytes)
+      .def_readonly("tensor_offsets", &CopyPlan::tensor_offsets)
+      .def_property_readonly("num_ranges", [](const CopyPlan& p) { return p.ranges.size(); })
+      .def_property_readonly("num_chunks", &CopyPlan::num_chunks)
+      .def_property_readonly("ranges", [](const CopyPlan& p) {
+        py::list out;
+        for (const auto& r : p.ranges) out.append(py::make_tuple(r.src, r.dst, r.nbytes, r.phase, r.host));
+        return out;
+      });
+  m.def("build_plan",
+        [](const std::vector<uint64_t>& ptrs, const std::vector<uint64_t>& nbytes,
+           const std::vector<int>& phases, const std::vector<bool>& host, uint64_t chunk_bytes,
+           uint64_t merge_gap, uint64_t align) {
+          return std::make_shared<CopyPlan>(
+              build_plan(ptrs, nbytes, phases, host, chunk_bytes, merge_gap, align));
+        },
+        py::arg("ptrs"), py::arg("nbytes"), py::arg("phases"), py::arg("host"),
+        py::arg("chunk_bytes"), py::arg("merge_gap") = 4096, py::arg("align") = 4096);
+}
+
+void init_copy_engine(py::module_& m) {
+  py::class_<CopyJob, std::shared_ptr<CopyJob>>(m, "CopyJob")
+      .def_property_readonly("slot", &CopyJob::slot)
+      .def_property_readonly("step", &CopyJob::step)
+      .def_property_readonly("bytes", &CopyJob::bytes)
+      .def("done", &CopyJob::done, py::arg("phase") = 1)
+      .def_property_readonly("failed", &CopyJob::failed)
+      .def_property_readonly("error", &CopyJob::error)
+      .def("wait", &CopyJob::wait, py::arg("phase") = 1, py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("seconds_to_complete", &CopyJob::seconds_to_complete)
+      .def("cancel", &CopyJob::cancel, py::arg("why"));
+  py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine")
+      .def_property_readonly("backend", &CopyEngine::backend)
+      .def("submit",
+           [](CopyEngine& e, const std::shared_ptr<Arena>& a, int slot,
+              const std::shared_ptr<CopyPlan>& plan, int64_t step, const py::bytes& meta,
+              uint64_t stream, const std::shared_ptr<const MetaPrefix>& prefix) {
+             // `meta` is the whole manifest, or with `prefix` its suffix (host state + step).
+             SlotMeta m{prefix, meta};
+             py::gil_scoped_release nogil;
+             return e.submit(a, slot, plan, step, m, stream);
+           },
+           py::arg("arena"), py::arg("slot"), py::arg("plan"), py::arg("step"),
+           py::arg("meta"), py::arg("stream") = 0, py::arg("prefix") = nullptr)
+      .def("fence", &CopyEngine::fence, py::arg("job"), py::arg("phase"), py::arg("stream") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "shutdown",
+          [](CopyEngine& e, double timeout) {
+            return e.shutdown(timeout < 0 ? e.wait_timeout_s() : timeout);
+          },
+          py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def_property("wait_timeout_s", &CopyEngine::wait_timeout_s,
+                    &CopyEngine::set_wait_timeout_s);
+  py::class_<CpuCopyEngine, CopyEngine, std::shared_ptr<CpuCopyEngine>>(m, "CpuCopyEngine")
+      .def(py::init<int, int>(), py::arg("threads"), py::arg("nice") = 10)
+      .def_property_readonly("threads", &CpuCopyEngine::threads)
+      .def_property_readonly("last_workers_used", &CpuCopyEngine::last_workers_used)
+      .def_property_readonly("last_yield_chunks", &CpuCopyEngine::last_yield_chunks)
+      .def("set_test_chunk_delay_us", &CpuCopyEngine::set_test_chunk_delay_us, py::arg("us"));
+}
+
+void init_flusher(py::module_& m) {
+  m.def("write_slot_file",
+        [](const Arena& a, int slot, const std::string& path, int threads, uint64_t io_bytes,
+           bool durable) {
+          FlushStats st;
+          {
+            py::gil_scoped_release nogil;
+            st = write_slot_file(a, slot, path, threads, io_bytes, durable);
+          }
+          return flush_stats_dict(st);
+        },
+        py::arg("arena"), py::arg("slot"), py::arg("path"), py::arg("threads") = 4,
+        py::arg("io_bytes") = 16 << 20, py::arg("durable") = true);
+  m.def("write_buffer_file",
+        [](uint64_t ptr, uint64_t nbytes, uint64_t chunk_bytes, const std::string& path,
+           int threads, uint64_t io_bytes, bool durable) {
+          FlushStats st;
+          {
+            py::gil_scoped_release nogil;
+            st = write_file(reinterpret_cast<const uint8_t*>(ptr), nbytes, chunk_bytes, {}, path,
+                            threads, io_bytes, durable);
+          }
+          return flush_stats_dict(st);
+        },
+        py::arg("ptr"), py::arg("nbytes"), py::arg("chunk_bytes"), py::arg("path"),
+        py::arg("threads") = 4, py::arg("io_bytes") = 16 << 20, py::arg("durable") = true);
+  m.def("read_file_verified",
+        [](const std::string& path, uint64_t dst, uint64_t nbytes, uint64_t chunk_bytes,
+           const std::vector<uint32_t>& crcs, int threads) {
+          py::gil_scoped_release nogil;
+          return read_file_verified(path, reinterpret_cast<uint8_t*>(dst), nbytes, chunk_bytes,
+                                    crcs, threads);
+        },
+        py::arg("path"), py::arg("dst"), py::arg("nbytes"), py::arg("chunk_bytes"),
+        py::arg("crcs"), py::arg("threads") = 4);
+  m.def("verify_buffer",
+        [](uint64_t ptr, uint64_t nbytes, uint64_t chunk_bytes, const std::vector<uint32_t>& crcs,
+           int threads) {
+          py::gil_scoped_release nogil;
+          return verify_buffer(reinterpret_cast<const uint8_t*>(ptr), nbytes, chunk_bytes, crcs,
+                               threads);
+        },
+        py::arg("ptr"), py::arg("nbytes"), py::arg("chunk_bytes"), py::arg("crcs"),
+        py::arg("threads") = 4);
+  m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
+  m.def("flush_active", &flush_active, "flusher writes running now in this process");
+  m.def("flushes_started", &flushes_started);
+  m.def("io_bytes", [] {
+    IoBytes b = io_bytes();
+    return py::make_tuple(b.written, b.read);
+  }, "(bytes written, bytes read) by the flusher in this process since load");
+  m.def("_test_flush_active_add", &test_flush_active_add, py::arg("delta"),
+        "TEST-ONLY: pretend a flush starts (+1) or ends (-1)");
+}
+
+}  // namespace cudasnap::bindings

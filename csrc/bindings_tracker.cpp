@@ -1,0 +1,227 @@
+// Bindings of the allocator registry and the CUDA backend. Only binds (see
+// bindings.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "allocator_tracker.h"
+#include "bindings.h"
+#include "error.h"
+#ifdef CUDASNAP_WITH_CUDA
+#include "cuda/copy_engine_cuda.h"
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace py = pybind11;
+
+namespace cudasnap::bindings {
+
+namespace {
+
+py::object get(const py::dict& d, const char* k, py::object dflt) {
+  return d.contains(k) ? py::object(d[k]) : dflt;
+}
+
+// One segment dict of torch.cuda.memory_snapshot() (extra keys ignored).
+SeedSegment seed_segment(const py::dict& sd) {
+  using Pair = std::pair<uint64_t, uint64_t>;
+  SeedSegment ss;
+  ss.addr = sd["address"].cast<uint64_t>();
+  ss.size = sd["total_size"].cast<uint64_t>();
+  ss.stream = get(sd, "stream", py::int_(0)).cast<uint64_t>();
+  ss.pool = get(sd, "segment_pool_id", py::make_tuple(0, 0)).cast<Pair>();
+  ss.expandable = get(sd, "is_expandable", py::bool_(false)).cast<bool>();
+  ss.next_block_addr = ss.addr;
+  for (const py::handle& bh : get(sd, "blocks", py::list()).cast<py::list>()) {
+    py::dict bd = py::reinterpret_borrow<py::dict>(bh);
+    bool allocated = bd.contains("allocated")
+                         ? bd["allocated"].cast<bool>()
+                         : get(bd, "state", py::str("")).cast<std::string>() == "active_allocated";
+    ss.add_block(bd.contains("address") ? bd["address"].cast<int64_t>() : -1,
+                 bd["size"].cast<uint64_t>(), get(bd, "requested_size", py::int_(0)).cast<uint64_t>(),
+                 allocated);
+  }
+  return ss;
+}
+
+}  // namespace
+
+void init_allocator_tracker(py::module_& m) {
+  using Pair = std::pair<uint64_t, uint64_t>;
+  auto to_spans = [](const std::vector<Pair>& v) {
+    std::vector<Span> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = Span{v[i].first, v[i].second};
+    return out;
+  };
+  auto block_tuple = [](const LiveBlock& b) {
+    return py::make_tuple(b.addr, b.size, b.stream, py::make_tuple(b.pool.first, b.pool.second));
+  };
+  m.def("trace_actions", [] {
+    py::list out;
+    for (int i = 0; i <= static_cast<int>(TraceAction::UNKNOWN); ++i)
+      out.append(trace_action_name(static_cast<TraceAction>(i)));
+    return out;
+  });
+  py::class_<AllocatorRegistry, std::shared_ptr<AllocatorRegistry>>(m, "AllocatorRegistry")
+      .def(py::init<>())
+      .def("record",
+           [](AllocatorRegistry& r, const std::string& action, int device, uint64_t addr,
+              uint64_t size, uint64_t stream, Pair pool) {
+             TraceEvent ev;
+             CUDASNAP_CHECK(parse_trace_action(action, &ev.action),
+                            "unknown trace action '" << action << "'");
+             ev.device = device;
+             ev.addr = addr;
+             ev.size = size;
+             ev.stream = stream;
+             ev.pool = pool;
+             py::gil_scoped_release nogil;
+             r.record(ev);
+           },
+           py::arg("action"), py::arg("device"), py::arg("addr"), py::arg("size"),
+           py::arg("stream") = 0, py::arg("pool") = Pair{0, 0})
+      .def("drain", &AllocatorRegistry::drain, py::call_guard<py::gil_scoped_release>())
+      .def("seed",
+           // segments as torch.cuda.memory_snapshot() returns them (dicts; extra keys ignored)
+           [](AllocatorRegistry& r, int device, const py::list& segments) {
+             std::vector<SeedSegment> segs;
+             for (const py::handle& h : segments) {
+               py::dict sd = py::reinterpret_borrow<py::dict>(h);
+               if (sd.contains("device") && sd["device"].cast<int>() != device) continue;
+               segs.push_back(seed_segment(sd));
+             }
+             py::gil_scoped_release nogil;
+             return r.seed(device, segs);
+           },
+           py::arg("device"), py::arg("segments"))
+      .def("seeded", &AllocatorRegistry::seeded)
+      .def("live_blocks",
+           [block_tuple](AllocatorRegistry& r, int device) {
+             py::list out;
+             for (const LiveBlock& b : r.live_blocks(device)) out.append(block_tuple(b));
+             return out;
+           })
+      .def("pending_free",
+           [block_tuple](AllocatorRegistry& r, int device) {
+             py::list out;
+             for (const LiveBlock& b : r.pending_free(device)) out.append(block_tuple(b));
+             return out;
+           })
+      .def("segments",
+           [](AllocatorRegistry& r, int device) {
+             py::list out;
+             for (const SegmentRange& s : r.segments(device))
+               out.append(py::make_tuple(s.addr, s.size, s.expandable, s.stream,
+                                         py::make_tuple(s.pool.first, s.pool.second)));
+             return out;
+           })
+      .def("devices", &AllocatorRegistry::devices)
+      .def("generation", &AllocatorRegistry::generation)
+      .def("watched_generation", &AllocatorRegistry::watched_generation)
+      .def("watch",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans) {
+             r.watch(device, to_spans(spans));
+           },
+           py::arg("device"), py::arg("spans"))
+      .def("coverage",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+                      size_t top_n) {
+             CoverageReport c;
+             {
+               auto sp = to_spans(spans);
+               py::gil_scoped_release nogil;
+               c = r.coverage(device, sp, top_n);
+             }
+             py::dict d;
+             d["live_bytes"] = c.live_bytes;
+             d["covered_bytes"] = c.covered_bytes;
+             d["uncovered_bytes"] = c.uncovered_bytes;
+             d["live_blocks"] = c.live_blocks;
+             d["uncovered_blocks"] = c.uncovered_blocks;
+             d["span_bytes"] = c.span_bytes;
+             d["outside_bytes"] = c.outside_bytes;
+             d["pending_free_blocks"] = c.pending_free_blocks;
+             py::list top;
+             for (const LiveBlock& b : c.largest_uncovered) top.append(py::make_tuple(b.addr, b.size));
+             d["largest_uncovered"] = top;
+             return d;
+           },
+           py::arg("device"), py::arg("spans"), py::arg("top_n") = 8)
+      .def("locate",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+                      bool strict) {
+             std::vector<LocateResult> res = r.locate(device, to_spans(spans), strict);
+             py::list out;
+             for (const LocateResult& x : res) {
+               if (x.ok)
+                 out.append(py::make_tuple(x.block.addr, x.block.size, x.segment.addr,
+                                           x.segment.size));
+               else
+                 out.append(py::str(x.error));
+             }
+             return out;
+           },
+           py::arg("device"), py::arg("spans"), py::arg("strict") = false)
+      .def("coalesce",
+           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+                      uint64_t merge_gap) {
+             Coalesced c = r.coalesce(device, to_spans(spans), merge_gap);
+             py::list ranges, placement;
+             for (const Span& s : c.ranges) ranges.append(py::make_tuple(s.addr, s.nbytes));
+             for (const auto& p : c.placement) placement.append(py::make_tuple(p.first, p.second));
+             return py::make_tuple(ranges, placement);
+           },
+           py::arg("device"), py::arg("spans"), py::arg("merge_gap") = 4096)
+      .def("stats",
+           [](const AllocatorRegistry& r) {
+             RegistryStats s = r.stats();
+             py::dict d;
+             d["recorded"] = s.recorded;
+             d["applied"] = s.applied;
+             d["ignored"] = s.ignored;
+             d["dropped"] = s.dropped;
+             d["queued"] = s.queued;
+             d["seeded_blocks"] = s.seeded_blocks;
+             return d;
+           })
+      .def_property_readonly("healthy", &AllocatorRegistry::healthy)
+      .def("start_auto_drain", &AllocatorRegistry::start_auto_drain, py::arg("threshold"))
+      .def("stop_auto_drain", &AllocatorRegistry::stop_auto_drain,
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_auto_drained", &AllocatorRegistry::wait_auto_drained, py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>());
+}
+
+#ifdef CUDASNAP_WITH_CUDA
+void init_cuda_backend(py::module_& m) {
+  m.def("cuda_device_count", &cuda_device_count);
+  py::class_<CudaCopyEngine, CopyEngine, std::shared_ptr<CudaCopyEngine>>(m, "CudaCopyEngine")
+      .def(py::init<int, int, bool, uint64_t>(), py::arg("device"), py::arg("crc_threads") = 4,
+           py::arg("gather_small") = false, py::arg("gather_max_bytes") = 64 * 1024)
+      .def_property_readonly("device", &CudaCopyEngine::device)
+      .def_property_readonly("crc_threads", &CudaCopyEngine::crc_threads)
+      .def_property_readonly("gather_small", &CudaCopyEngine::gather_small)
+      .def_property_readonly("gather_max_bytes", &CudaCopyEngine::gather_max_bytes)
+      .def_property_readonly("busy", &CudaCopyEngine::busy)
+      .def_property_readonly("hung", &CudaCopyEngine::hung)
+      .def("set_test_copy_delay_us", &CudaCopyEngine::set_test_copy_delay_us, py::arg("us"))
+      .def_property_readonly("copy_stream", &CudaCopyEngine::copy_stream)
+      .def_property_readonly("last_memcpy_calls", &CudaCopyEngine::last_memcpy_calls)
+      .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered);
+  m.def("register_arena",
+        [](Arena& a, int device) {
+          RegisterResult r = register_arena(a, device);
+          return py::make_tuple(r.ok, r.reason);
+        },
+        py::arg("arena"), py::arg("device") = -1, py::call_guard<py::gil_scoped_release>());
+  m.def("unregister_arena", &unregister_arena, py::arg("arena"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("create_private_pinned_arena", &create_private_pinned_arena, py::arg("num_slots"),
+        py::arg("data_capacity"), py::arg("meta_capacity"), py::arg("chunk_bytes"),
+        py::arg("job") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("attach_allocator_tracker", &attach_allocator_tracker, py::arg("auto_drain") = 16384,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attached_allocator_registry", &attached_allocator_registry);
+}
+#endif
+
+}  // namespace cudasnap::bindings
