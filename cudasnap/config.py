@@ -114,6 +114,13 @@ class Settings:
     restart: int = 0
     supervised: bool = False
     auto: bool = False
+    # core: read by the Snapshotter (its keyword arguments win). RANK / WORLD_SIZE: the
+    # launcher's rank and world size when torch.distributed is not initialised;
+    # CUDASNAP_ARENA_SYNC_MAX_BYTES (int>=0): arenas up to this size are made on the
+    # training thread (None: cudasnap.core.arena_prep.SYNC_MAX_BYTES).
+    rank: int = 0
+    world_size: int = 1
+    arena_sync_max_bytes: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -136,4 +143,12 @@ class Settings:
             restart=env_int(e, "CUDASNAP_RESTART", 0),
             supervised=bool(env_bool(e, "CUDASNAP_SUPERVISED")),
             auto=bool(env_bool(e, "CUDASNAP_AUTO")),
+            # core
+            rank=env_int(e, "RANK", 0),
+            world_size=env_int(e, "WORLD_SIZE", 1),
+            arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
         )
+
+
+def _opt_int(env: Mapping[str, str], name: str) -> int | None:  # core
+    return env_int(env, name, 0) if _raw(env, name) is not None else None
