@@ -31,6 +31,7 @@ CUDASNAP_RESTART                int>=0   0          restart attempt (``cudasnap 
                                                     TORCHELASTIC_RESTART_COUNT wins)
 CUDASNAP_SUPERVISED             bool     0          set by ``cudasnap run`` in its child
 CUDASNAP_AUTO                   bool     0          transparent mode (``cudasnap._autoload``)
+CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are made on the training thread
 =============================== ======== ========== ==================================================
 
 Build-time variables (read by setup.py only): CUDASNAP_CUDA_ARCHS, CUDASNAP_REQUIRE_CUDA,
