@@ -37,14 +37,12 @@ from .core.fences import FencesMixin
 from .core.flush import FlushMixin
 from .core.layout import LayoutMixin
 from .core.restore import RestoreMixin
-from .core.shared import RNG_SOURCES, check_options, new_stats
+from .core.shared import RNG_SOURCES, check_options, check_url, new_stats, summarize_stats
 from .core.staging import StagingMixin, supervisor_job
 from .core.state import TrainingState
 from .core.submit import SubmitMixin
-from .core.timeline import arena_slots, final_flush, move_aside
-from .errors import ConfigError, SnapshotError
+from .core.timeline import final_flush
 from .format import paths
-from .format.paths import is_url
 from .storage import open_storage, posix
 
 log = logging.getLogger("cudasnap")
@@ -110,7 +108,6 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             $CUDASNAP_ARENA_SYNC_MAX_BYTES.
     """
 
-
     def __init__(self, model: Any, optimizer: Any = None,
                  directory: str | os.PathLike | None = None,
                  *, extra: Mapping[str, Any] | None = None, num_slots: int = 2,
@@ -145,10 +142,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         self.rank = rank if rank is not None else dist.get_rank() if dist_on else env.rank
         self.world_size = world_size if world_size is not None else \
             dist.get_world_size() if dist_on else env.world_size
-        if is_url(directory) and (self.world_size > 1 or fresh):
-            raise ConfigError(f"{directory}: object-store snapshots are single-rank and cannot "
-                              "be moved aside (fresh) for now: use a local or shared file "
-                              "system directory, or a new URL prefix for a fresh start")
+        check_url(directory, self.world_size, fresh)
         self.last_step = self._restored = self._flushed_step = None
         self._resume_logged, self._partly_applied = False, None
         self.state = TrainingState(model, optimizer, extra)
@@ -194,11 +188,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             self._state_device())
         self._open_inherited_arena()
         if fresh:
-            move_aside(self.directory, self._inherited, self.flush_threads,
-                       None if self.world_size == 1 else paths.rank_dirname(self.rank))
-            if self._inherited is not None:
-                self._inherited.unlink()
-                self._inherited = None
+            self._start_fresh()
         self.dist = None
         if distributed if distributed is not None else dist_on and self.world_size > 1:
             from .dist.coordinator import Coordinator
@@ -216,30 +206,12 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
     # -------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
         """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
-        s = dict(self._stats)
-        ns = sorted(s.pop("boundary_ns"))
-        s["boundary_us_median"] = ns[len(ns) // 2] / 1e3 if ns else None
-        s["fence_wait_s"] = s.pop("fence_wait_ns") / 1e9
+        s = summarize_stats(self._stats)
         s["backend"] = getattr(self, "backend", None)
-        a = self._arena or self._inherited
-        s["staging"] = None if a is None else {
-            "path": a.path, "bytes": a.total_bytes, "shared": a.shared,
-            "page_locked": a.cuda_registered, "huge_pages": a.huge_pages,
-            # Why the arena is process-private (cudaHostRegister of the shared file refused).
-            "fallback_reason": self._prep.fallback_reason or (
-                self._cuda.fallback_reason if self._cuda is not None else None)}
-        s["arena_preparing"] = self._prep.busy
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())
-        s.update(arena_slots(self._arena or self._inherited, self.num_slots, self.spare_slot))
+        s.update(self._staging_stats())
         return s
-
-    def coverage(self) -> dict[str, Any]:
-        """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
-        if self._cuda is None:
-            raise SnapshotError("coverage() needs the CUDA backend (state on a GPU)")
-        lay = self._current_layout()
-        return self._cuda.coverage(lay.tensors)
 
     def close(self, keep_arena: bool = False, flush: bool | None = None) -> None:
         """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
@@ -262,15 +234,8 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
-            if self._cuda is not None:
-                self._cuda.close(self.wait_timeout_s)
-            elif self._engine is not None and not self._engine.shutdown(self.wait_timeout_s):
-                log.error("close(): the running snapshot copy was abandoned after %.0f s",
-                          self.wait_timeout_s)
-            for a in (self._arena, self._inherited):
-                if a is not None and not keep_arena:
-                    a.unlink()
-            self._arena = self._inherited = None
+            self._stop_engine()
+            self._release_arenas(unlink=not keep_arena)
             self._lock.release()
 
     def __enter__(self) -> "Snapshotter":

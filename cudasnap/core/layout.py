@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import torch
 
+from ..errors import SnapshotError
 from ..format import manifest as fmt
 from ..format.manifest import tensor_entry, validate_tensors
 from . import layout_watch
@@ -38,6 +40,14 @@ class LayoutMixin(Fields):
         reading the old tensors, which stay alive until it completes.
         """
         self._layout = None
+
+    def coverage(self) -> dict[str, Any]:
+        """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
+        if self._cuda is None:
+            raise SnapshotError("coverage() needs the CUDA backend (state on a GPU)")
+        lay = self._current_layout()
+        cov: dict[str, Any] = self._cuda.coverage(lay.tensors)
+        return cov
 
     def _build_layout(self) -> Layout:
         tensors = self.state.live_tensors()

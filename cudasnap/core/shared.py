@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..format.paths import is_url
 
 if TYPE_CHECKING:
     from .arena_prep import ArenaPreparer
@@ -111,6 +112,14 @@ def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: i
         raise ConfigError(f"unknown rng_sources {sorted(bad)}; use torch, cuda, numpy, python")
 
 
+def check_url(directory: Any, world_size: int, fresh: bool) -> None:
+    """An object-store URL: single-rank, and never moved aside (for now)."""
+    if is_url(directory) and (world_size > 1 or fresh):
+        raise ConfigError(f"{directory}: object-store snapshots are single-rank and cannot "
+                          "be moved aside (fresh) for now: use a local or shared file "
+                          "system directory, or a new URL prefix for a fresh start")
+
+
 def new_stats() -> dict[str, Any]:
     """The Snapshotter's counters (``stats()`` reports them)."""
     return {
@@ -119,3 +128,12 @@ def new_stats() -> dict[str, Any]:
         "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
         "health_events": 0, "restore": None, "layout_rebuilds": 0, "abandoned": 0,
         "arena_regrowths": 0, "skipped_not_ready": 0, "skipped_every": 0, "live_saves": 0}
+
+
+def summarize_stats(raw: dict[str, Any]) -> dict[str, Any]:
+    """``stats()``'s counters: the boundary-time median (us) and fence waits (s)."""
+    s = dict(raw)
+    ns = sorted(s.pop("boundary_ns"))
+    s["boundary_us_median"] = ns[len(ns) // 2] / 1e3 if ns else None
+    s["fence_wait_s"] = s.pop("fence_wait_ns") / 1e9
+    return s

@@ -16,10 +16,12 @@ from typing import Any
 
 from .._native import native
 from ..errors import ConfigError, SnapshotError
+from ..format import paths
 from ..storage import posix
 from . import arena_prep
 from .shared import Fields
 from .state import single_cuda_device
+from .timeline import arena_slots, move_aside
 
 log = logging.getLogger("cudasnap")
 
@@ -54,6 +56,36 @@ class StagingMixin(Fields):
     def staged_arenas(self) -> list[Any]:
         """This rank's open arenas: its own, then one inherited from a predecessor."""
         return [a for a in (self._arena, self._inherited) if a is not None]
+
+    def _start_fresh(self) -> None:
+        """``fresh=True``: snapshots (and the inherited arena's newest) go aside, then the
+        inherited arena is removed (cudasnap.core.timeline.move_aside)."""
+        move_aside(self.directory, self._inherited, self.flush_threads,
+                   None if self.world_size == 1 else paths.rank_dirname(self.rank))
+        if self._inherited is not None:
+            self._inherited.unlink()
+            self._inherited = None
+
+    def _staging_stats(self) -> dict[str, Any]:
+        """``stats()``'s arena fields: where it lives, how it is pinned, its slots."""
+        arenas = self.staged_arenas()
+        a = arenas[0] if arenas else None
+        s: dict[str, Any] = {"staging": None if a is None else {
+            "path": a.path, "bytes": a.total_bytes, "shared": a.shared,
+            "page_locked": a.cuda_registered, "huge_pages": a.huge_pages,
+            # Why the arena is process-private (cudaHostRegister of the shared file refused).
+            "fallback_reason": self._prep.fallback_reason or (
+                self._cuda.fallback_reason if self._cuda is not None else None)}}
+        s["arena_preparing"] = self._prep.busy
+        s.update(arena_slots(a, self.num_slots, self.spare_slot))
+        return s
+
+    def _release_arenas(self, unlink: bool) -> None:
+        """close(): drops the arenas, removing their files unless ``unlink`` is False."""
+        for a in self.staged_arenas():
+            if unlink:
+                a.unlink()
+        self._arena = self._inherited = None
 
     def arena_ready(self, timeout: float | None = None) -> bool:
         """Waits (up to ``timeout`` s) for a background arena set-up; True when none runs.

@@ -47,6 +47,14 @@ class SubmitMixin(Fields):
                  self.arena_path)
 
 
+    def _stop_engine(self) -> None:
+        """close(): stops the copy engine (bounded by ``wait_timeout_s``)."""
+        if self._cuda is not None:
+            self._cuda.close(self.wait_timeout_s)
+        elif self._engine is not None and not self._engine.shutdown(self.wait_timeout_s):
+            log.error("close(): the running snapshot copy was abandoned after %.0f s",
+                      self.wait_timeout_s)
+
     def boundary(self, step: int) -> None:
         """Snapshot the state after ``step``'s optimizer step; returns at once.
 
