@@ -207,7 +207,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
     def stats(self) -> dict[str, Any]:
         """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
         s = summarize_stats(self._stats)
-        s["backend"] = getattr(self, "backend", None)
+        s["backend"], s["layout"] = getattr(self, "backend", None), self._layout_info()
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())
         s.update(self._staging_stats())

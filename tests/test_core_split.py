@@ -137,3 +137,17 @@ def test_environment_is_read_and_keyword_arguments_win(snap_env, monkeypatch, tm
     with cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu", health=False, job="kw-" +
                               snap_env.job, flush_on_close=False) as snap:
         assert snap.guard is None and snap.job == "kw-" + snap_env.job
+
+
+def test_public_plan_and_staging_facts_replace_private_fields(snap_env) -> None:
+    """What bench/gpu_bench.py used to read from ``snap._layout`` / ``_cuda`` / ``_arena``."""
+    m, opt = _model()
+    with cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu", flush_on_close=False) as snap:
+        assert snap.stats()["layout"] is None and snap.staged_arenas() == []
+        snap.boundary(0)
+        assert snap.wait(60)
+        lay = snap.stats()["layout"]
+        assert lay["tensors"] == 2 and lay["copy_ranges"] >= 1  # weight, bias (SGD: no state)
+        assert lay["allocator_tracking"] is False and snap.copy_stream_handle() is None
+        (arena,) = snap.staged_arenas()
+        assert arena.slot_info(arena.newest_complete())["step"] == 0

@@ -49,6 +49,14 @@ class LayoutMixin(Fields):
         cov: dict[str, Any] = self._cuda.coverage(lay.tensors)
         return cov
 
+    def _layout_info(self) -> dict[str, Any] | None:
+        """``stats()["layout"]``: the current plan's tensors and copy ranges (None: no plan)."""
+        lay = self._layout
+        if lay is None:
+            return None
+        return {"tensors": len(lay.tensors), "copy_ranges": int(lay.plan.num_ranges),
+                "allocator_tracking": self._cuda is not None and self._cuda.registry is not None}
+
     def _build_layout(self) -> Layout:
         tensors = self.state.live_tensors()
         self._ensure_engine(tensors)

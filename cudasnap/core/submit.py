@@ -47,6 +47,11 @@ class SubmitMixin(Fields):
                  self.arena_path)
 
 
+    def copy_stream_handle(self) -> int | None:
+        """The CUDA backend's copy stream (a ``cudaStream_t`` as an int, for profilers and
+        benchmarks: ``torch.cuda.ExternalStream``); None before the first boundary or on CPU."""
+        return int(self._cuda.engine.copy_stream) if self._cuda is not None else None
+
     def _stop_engine(self) -> None:
         """close(): stops the copy engine (bounded by ``wait_timeout_s``)."""
         if self._cuda is not None:
