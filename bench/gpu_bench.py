@@ -495,7 +495,7 @@ def snapshot_bandwidth(a: argparse.Namespace, res: Results, tmp: Path, n: int,
         copy_stream = None
         if dev.type == "cuda":
             try:
-                copy_stream = torch.cuda.ExternalStream(int(snap._cuda.engine.copy_stream),
+                copy_stream = torch.cuda.ExternalStream(snap.copy_stream_handle(),
                                                         device=dev)
             except Exception as e:  # noqa: BLE001
                 res.note(f"(a) no copy-stream handle, DMA column empty: {e}")
@@ -531,10 +531,10 @@ def snapshot_bandwidth(a: argparse.Namespace, res: Results, tmp: Path, n: int,
                    snap_dma_gbps=median(dma), snap_wall_gbps=median(wall),
                    boundary_us_median=st["boundary_us_median"],
                    backend=st["backend"], skipped=st["skipped"],
-                   copy_ranges=int(snap._layout.plan.num_ranges))
-        if snap._cuda is not None:
-            row["private_arena_reason"] = snap._cuda.fallback_reason
-            row["tracking"] = snap._cuda.registry is not None
+                   copy_ranges=st["layout"]["copy_ranges"])
+        if st["backend"] == "cuda":
+            row["private_arena_reason"] = st["staging"]["fallback_reason"]
+            row["tracking"] = st["layout"]["allocator_tracking"]
     finally:
         snap.close()
 
@@ -738,7 +738,7 @@ def boundary_cost(a: argparse.Namespace, tmp: Path, n: int, with_opt: bool,
         row.update(median_us=ns[len(ns) // 2] / 1e3, p90_us=ns[int(len(ns) * 0.9)] / 1e3,
                    min_us=ns[0] / 1e3, calls=len(ns),
                    layout_rebuilds=st["layout_rebuilds"] - rebuilds0,
-                   tensors=len(snap._layout.tensors), ranges=int(snap._layout.plan.num_ranges),
+                   tensors=st["layout"]["tensors"], ranges=st["layout"]["copy_ranges"],
                    skipped=st["skipped"])
         row["ok"] = row["median_us"] < TARGETS["boundary_us"]
     finally:
@@ -767,7 +767,7 @@ def section_c(a: argparse.Namespace, res: Results, tmp: Path) -> None:
 # ------------------------------------------------------------------ (d)
 def _write_once(kind: str, snap: Any, slot: int, nbytes: int, path: Path) -> float:
     """Seconds for one durable write of the slot's bytes by ``kind``."""
-    arena = snap._arena
+    arena = snap.staged_arenas()[0]
     if kind == "flush":
         t0 = time.perf_counter()
         out = snap.flush(wait=False)
@@ -793,8 +793,9 @@ def flush_bandwidth(a: argparse.Namespace, disk: Path, n: int, row: dict[str, An
             snap.boundary(r)  # a new step each time: flushing an already flushed slot is a no-op
             if not snap.wait(timeout=120):
                 raise RuntimeError("snapshot did not complete")
-            slot = snap._arena.newest_complete()
-            nbytes = int(snap._arena.slot_info(slot)["data_bytes"])
+            arena = snap.staged_arenas()[0]
+            slot = arena.newest_complete()
+            nbytes = int(arena.slot_info(slot)["data_bytes"])
             order = kinds[r % 3:] + kinds[:r % 3]  # rotate: disk noise hits all alike
             for kind in order:
                 dt = _write_once(kind, snap, slot, nbytes, disk / f"raw-{kind}-{r}")

@@ -36,6 +36,7 @@ CUDASNAP_STATE_DIR              path     see right  this host's lock, directory 
                                                     ``$XDG_CACHE_HOME/cudasnap``, ``~/.cache/cudasnap``)
 CUDASNAP_S3_ENDPOINT            url      unset      S3 endpoint of ``s3://`` directories
                                                     (``http(s)://host:port``; default: AWS)
+CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are made on the training thread
 =============================== ======== ========== ==================================================
 
 Build-time variables (read by setup.py only): CUDASNAP_CUDA_ARCHS, CUDASNAP_REQUIRE_CUDA,
@@ -136,6 +137,13 @@ class Settings:
     # helper C: object-store directories (cudasnap.storage.fsspec)
     state_dir: Path | None = None
     s3_endpoint: str | None = None
+    # core: read by the Snapshotter (its keyword arguments win). RANK / WORLD_SIZE: the
+    # launcher's rank and world size when torch.distributed is not initialised;
+    # CUDASNAP_ARENA_SYNC_MAX_BYTES (int>=0): arenas up to this size are made on the
+    # training thread (None: cudasnap.core.arena_prep.SYNC_MAX_BYTES).
+    rank: int = 0
+    world_size: int = 1
+    arena_sync_max_bytes: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -161,4 +169,12 @@ class Settings:
             # helper C
             state_dir=_path(_raw(e, "CUDASNAP_STATE_DIR")),
             s3_endpoint=env_url(e, "CUDASNAP_S3_ENDPOINT"),
+            # core
+            rank=env_int(e, "RANK", 0),
+            world_size=env_int(e, "WORLD_SIZE", 1),
+            arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
         )
+
+
+def _opt_int(env: Mapping[str, str], name: str) -> int | None:  # core
+    return env_int(env, name, 0) if _raw(env, name) is not None else None

@@ -3,7 +3,7 @@ is made, pre-faulted and (CUDA) page-locked off the training thread, and copies 
 to a running flush.
 
 Determinism: ``arena_sync_max_bytes=0`` sends every arena to the background
-preparer, and ``cudasnap.arena_prep.test_gate`` holds that preparer until the test
+preparer, and ``cudasnap.core.arena_prep.test_gate`` holds that preparer until the test
 releases it, so "boundary() did not wait for the arena" is shown by boundaries
 that return while the arena cannot exist yet -- never by a wall-clock bound.
 """
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import cudasnap
-from cudasnap import arena_prep
 from cudasnap._native import native
+from cudasnap.core import arena_prep
 from cudasnap.errors import StagingError
 from cudasnap.storage import posix as store
 

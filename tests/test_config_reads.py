@@ -24,9 +24,9 @@ PKG = REPO / "cudasnap"
 # Modules allowed to read CUDASNAP_* variables directly: Settings itself, and the
 # test-only fault hooks (inert unless a fault test sets them).
 ALLOWED = {"cudasnap/config.py", "cudasnap/_testing/faults.py", "cudasnap/_testing/dist_hooks.py"}
-# Still reading directly in this branch; helper A moves them (issue 12). The test
-# fails once one no longer does: then remove it from this set.
-PENDING = {"cudasnap/snapshotter.py", "cudasnap/timeline.py"}
+# Modules still reading directly (none since issue 12). The test fails once one
+# listed here no longer does: then remove it from this set.
+PENDING: set[str] = set()
 
 
 def _string_constants() -> dict[str, str]:
@@ -333,9 +333,8 @@ def test_auto_mode_takes_the_guard_default_without_writing_the_environment(monke
         auto.install()
 
 
-# Named in the code but not yet in config.py's table: read by snapshotter.py, which
-# helper A moves onto Settings (issue 12). Remove once documented.
-UNDOCUMENTED_PENDING = {"CUDASNAP_ARENA_SYNC_MAX_BYTES"}
+# Named in the code but not yet in config.py's table (none since issue 12).
+UNDOCUMENTED_PENDING: set[str] = set()
 
 
 def test_every_variable_the_package_names_is_documented_in_config():

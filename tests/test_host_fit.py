@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from cudasnap.host_fit import host_fit, pick_snapshot_every
+from cudasnap.core.host_fit import host_fit, pick_snapshot_every
 from cudasnap.tools import cli
 
 GB = 10**9

@@ -232,7 +232,7 @@ def test_other_lr_scheduler_class_names_both(snap_env):
 
 def test_snapshot_without_optimizer_class_still_loads(snap_env, monkeypatch):
     """Snapshots written before the class was recorded have no 'class' field."""
-    from cudasnap.state import TrainingState
+    from cudasnap.core.state import TrainingState
 
     real = TrainingState.capture_host
 

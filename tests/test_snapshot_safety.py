@@ -20,8 +20,8 @@ from torch import nn
 
 import cudasnap
 from cudasnap._native import native
+from cudasnap.core.state import single_cuda_device
 from cudasnap.errors import ConfigError, StagingError
-from cudasnap.state import single_cuda_device
 from cudasnap.storage import posix
 
 CHUNK = 64 << 10

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cudasnap.core.state import TrainingState, check_plain_tensor
 from cudasnap.errors import ConfigError
-from cudasnap.state import TrainingState, check_plain_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -60,7 +60,11 @@ class LocalSnapshots(Protocol):
 
 
 class SnapshotterLocal:
-    """``LocalSnapshots`` over a Snapshotter (typed loosely: no import of it, no cycle)."""
+    """``LocalSnapshots`` over a Snapshotter (typed loosely: no import of it, no cycle).
+
+    Uses only the Snapshotter's public attributes and methods (``staged_arenas``,
+    ``restore_slot``, ``restore_dir``, ``record_restore``, ``last_restore``), never
+    its private fields."""
 
     def __init__(self, snap: Any) -> None:
         self._s = snap
@@ -90,7 +94,8 @@ class SnapshotterLocal:
         return int(self._s.flush_threads)
 
     def arenas(self) -> list[Any]:
-        return [a for a in (self._s._arena, self._s._inherited) if a is not None]
+        arenas: list[Any] = self._s.staged_arenas()
+        return arenas
 
     def arena_path_of(self, rank: int) -> Path:
         return paths.arena_path(Path(self._s.arena_path).parent, self.job, rank)
@@ -114,16 +119,16 @@ class SnapshotterLocal:
             self._s.flush(wait=False)
 
     def restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
-        step: int = self._s._restore_from_slot(arena, slot, where)
+        step: int = self._s.restore_slot(arena, slot, where)
         return step
 
     def restore_from_dir(self, path: Path) -> int:
-        step: int = self._s._restore_from_dir(path)
+        step: int = self._s.restore_dir(path)
         return step
 
     def record_restore(self, source: str, step: int, where: str) -> None:
-        self._s._stats["restore"] = {"source": source, "step": step, "where": where}
+        self._s.record_restore(source, step, where)
 
     def restore_source(self) -> str | None:
-        src: str | None = (self._s._stats.get("restore") or {}).get("source")
+        src: str | None = (self._s.last_restore() or {}).get("source")
         return src

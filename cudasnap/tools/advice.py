@@ -4,7 +4,7 @@
 into the two policies' expected waste (the exact-for-exponential closed form of
 :mod:`cudasnap.tools.analysis`) and a pick with its reasons; :func:`format_advice`
 prints it. The command line adds the host-memory fit and a ``snapshot_every``
-pick (:mod:`cudasnap.host_fit`).
+pick (:mod:`cudasnap.core.host_fit`).
 """
 from __future__ import annotations
 

@@ -208,8 +208,8 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def cmd_gc(a: argparse.Namespace) -> int:
     from .._native import native
+    from ..core.staging import pid_alive as _pid_alive
     from ..format import paths
-    from ..snapshotter import _pid_alive
 
     shm = Settings.from_env().shm_dir
     removed = 0
@@ -252,7 +252,7 @@ def cmd_health(a: argparse.Namespace) -> int:
 
 
 def cmd_advise(a: argparse.Namespace) -> int:
-    from ..host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
+    from ..core.host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
     from .advice import advise, format_advice
 
     for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):

@@ -76,7 +76,7 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
             st.setdefault(e["param_index"], {})[e["state_key"]] = tensors[e["name"]]
     for key, h in host.get("optim", {}).items():
         o = optims.setdefault(key, {"state": {}, "param_groups": []})
-        from ..state import _expand_params
+        from ..core.state import _expand_params
 
         o["param_groups"] = [_expand_params(g) for g in h["param_groups"]]
         for idx, k, v in h.get("scalars", []):

@@ -204,7 +204,7 @@ def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
 def start_over(directory: Path) -> Path | None:
     """``--fresh``: moves the snapshots aside (as ``fresh=True`` does) and renews the
     directory's identity, so this job's old arenas are not adopted (``gc`` removes them)."""
-    from ..timeline import move_aside
+    from ..core.timeline import move_aside
 
     aside = move_aside(directory, None, threads=1)
     paths.renew_id(directory)

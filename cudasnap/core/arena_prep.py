@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ._native import native
-from .errors import SnapshotError, StagingError
+from .._native import native
+from ..errors import SnapshotError, StagingError
 
 log = logging.getLogger("cudasnap")
 
@@ -150,7 +150,7 @@ def pin(arena: Any, device: int | None) -> tuple[Any, str | None]:
     """Page-locks ``arena`` for ``device`` (None: CPU backend, nothing to do)."""
     if device is None:
         return arena, None
-    from ._cuda import pin_arena
+    from .._cuda import pin_arena
 
     return pin_arena(arena, device)
 

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ConfigError, IncompatibleSnapshot
-from .format import codec
-from .format.manifest import dtype_name, span_bytes, torch_dtype
+from ..errors import ConfigError, IncompatibleSnapshot
+from ..format import codec
+from ..format.manifest import dtype_name, span_bytes, torch_dtype
 
 log = logging.getLogger("cudasnap.state")
 

@@ -16,17 +16,14 @@ import operator
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ._native import native
-from .errors import ConfigError, SnapshotError
-from .format import paths
-from .storage import posix
+from .._native import native
+from ..errors import ConfigError, SnapshotError
+from ..format import paths
+from ..storage import posix
 
 log = logging.getLogger("cudasnap")
-
-FRESH_ENV = "CUDASNAP_FRESH"
-
 
 def check_step(step: Any, last: int | None, restored: int | None) -> int:
     """Returns ``step`` as an int, or raises ConfigError naming the rule it breaks.
@@ -52,12 +49,6 @@ def check_step(step: Any, last: int | None, restored: int | None) -> int:
         raise ConfigError(f"boundary({value}) after boundary step {last}: steps must "
                           "strictly increase; to start over use fresh=True")
     return value
-
-
-def fresh_from_env(fresh: bool | None) -> bool:
-    if fresh is not None:
-        return bool(fresh)
-    return os.environ.get(FRESH_ENV, "") == "1"
 
 
 def move_aside(directory: Path, arena: Any, threads: int, subdir: str | None = None) -> Path | None:
@@ -114,26 +105,25 @@ def resume_message(step: int, source: str | None, where: str | None) -> str:
             f"({where}); pass fresh=True (cudasnap run --fresh) to start over")
 
 
-def final_flush(snap: Any) -> bool:
+class ClosingSnapshots(Protocol):
+    """What ``final_flush`` needs of the Snapshotter (no private fields)."""
+
+    def staged_arenas(self) -> list[Any]: ...
+    def flush_if_new(self, wait_s: float = 60.0) -> Path | None: ...
+
+
+def final_flush(snap: ClosingSnapshots) -> bool:
     """``close()`` with ``flush_on_close``: flushes the newest snapshot unless that step is
     already on disk. False when the flush failed (the caller then keeps the arena)."""
-    arena = snap._arena or snap._inherited
-    if arena is None:
+    arenas = snap.staged_arenas()
+    if not arenas:
         return True
     try:
-        snap.wait(60.0)
-        with snap._flush_lock:  # a triggered flush still running finishes first
-            slot = arena.newest_complete()
-            if slot < 0:
-                return True
-            step = int(arena.slot_info(slot)["step"])
-            if step == snap._flushed_step or (
-                    snap.directory / paths.step_dirname(step) / paths.MANIFEST).is_file():
-                return True
-            snap.flush()
+        snap.flush_if_new(60.0)
         return True
     except SnapshotError as e:
-        log.error("close(): the final flush failed (%s); the arena %s is kept", e, arena.path)
+        log.error("close(): the final flush failed (%s); the arena %s is kept", e,
+                  arenas[0].path)
         return False
 
 

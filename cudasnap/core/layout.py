@@ -1,0 +1,105 @@
+"""The plan cache: the copy plan is rebuilt only when the state changed.
+
+A ``Layout`` (``cudasnap.core.plan``) is built at the first boundary and reused
+while the state's signature holds and ``cudasnap.core.layout_watch`` (a window
+of identity checks per boundary, plus a periodic full re-scan) sees no replaced
+tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from ..errors import SnapshotError
+from ..format import manifest as fmt
+from ..format.manifest import tensor_entry, validate_tensors
+from . import layout_watch
+from .layout_watch import Watch, identity_entries
+from .plan import Layout, make_plan
+from .shared import Fields
+from .state import single_cuda_device
+
+log = logging.getLogger("cudasnap")
+
+
+class LayoutMixin(Fields):
+    RESCAN_EVERY = 64
+
+    def invalidate_layout(self) -> None:
+        """Forces the copy plan to be rebuilt at the next boundary.
+
+        Needed only after replacing state tensors outside ``optimizer.step()`` /
+        ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
+        replacement is otherwise found by the full re-scan every
+        ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
+        checks a window of them), and tensors added to a module by the full re-scan
+        every ``RESCAN_EVERY`` (x n / 2,048) boundaries. The running copy keeps
+        reading the old tensors, which stay alive until it completes.
+        """
+        self._layout = None
+
+    def coverage(self) -> dict[str, Any]:
+        """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
+        if self._cuda is None:
+            raise SnapshotError("coverage() needs the CUDA backend (state on a GPU)")
+        lay = self._current_layout()
+        cov: dict[str, Any] = self._cuda.coverage(lay.tensors)
+        return cov
+
+    def _layout_info(self) -> dict[str, Any] | None:
+        """``stats()["layout"]``: the current plan's tensors and copy ranges (None: no plan)."""
+        lay = self._layout
+        if lay is None:
+            return None
+        return {"tensors": len(lay.tensors), "copy_ranges": int(lay.plan.num_ranges),
+                "allocator_tracking": self._cuda is not None and self._cuda.registry is not None}
+
+    def _build_layout(self) -> Layout:
+        tensors = self.state.live_tensors()
+        self._ensure_engine(tensors)
+        if self._cuda is not None:
+            single_cuda_device(tensors, self._cuda.index)
+        plan, offsets = make_plan(tensors, self._cuda, self.chunk_bytes)
+        entries = []
+        for lt, off in zip(tensors, offsets):
+            e = tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase)
+            if lt.param_index is not None:
+                e["param_index"], e["state_key"] = lt.param_index, lt.state_key
+            if lt.aliases:
+                e["aliases"] = lt.aliases
+            entries.append(e)
+        validate_tensors(entries, plan.total_bytes, "layout")
+        head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
+                        backend=self.backend, torch=torch.__version__)
+        prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
+                  json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
+        self._stats["layout_rebuilds"] += 1
+        key = None
+        if self._cuda is not None:
+            self._cuda.watch(tensors)
+            key = self._cuda.plan_key()
+        log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
+                  plan.total_bytes / 1e6)
+        lay = Layout(tensors, plan, prefix, self.state.signature(),
+                     Watch(identity_entries(self.state, tensors)), self.RESCAN_EVERY)
+        lay.plan_key = key
+        return lay
+
+    def _current_layout(self) -> Layout:
+        lay = self._layout
+        if lay is not None and lay.signature == self.state.signature():
+            lay.checks += 1
+            periodic = lay.checks % lay.rescan_every == 0
+            # O(WINDOW) whatever the tensor count: see cudasnap.core.layout_watch.
+            if not lay.watch.check_next(layout_watch.WINDOW):
+                if self._cuda is not None and lay.plan_key is not None and not periodic \
+                        and self._cuda.plan_key() == lay.plan_key:
+                    return lay  # O(1): no watched block was freed since the plan was built
+                if lay.guard.check_next(layout_watch.WINDOW) < 0 and (
+                        not periodic or lay.same_objects(self.state.live_tensors())):
+                    return lay
+        self._layout = self._build_layout()
+        return self._layout

@@ -1,0 +1,98 @@
+"""The copy plan of the live tensors (``make_plan``) and the ``Layout`` that caches it.
+
+A ``Layout`` holds the planned tensors (alive while it lives), the native plan,
+the manifest's tensor table (``prefix``, written once per slot) and the checks
+that find it stale (``cudasnap.core.layout_watch``, the native ``LayoutGuard``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .._native import native
+from ..errors import SnapshotError
+from . import layout_watch
+from .layout_watch import Watch
+from .state import LiveTensor
+
+log = logging.getLogger("cudasnap")
+
+
+class Layout:
+    """Live tensors + their copy plan + the manifest prefix (written once per slot)."""
+
+    def __init__(self, tensors: list[LiveTensor], plan: Any, prefix: bytes, sig: tuple[int, ...],
+                 watch: Watch, rescan_every: int):
+        self.tensors = tensors
+        self.plan = plan
+        # The tensor table, held in C++: a slot that holds it gets only the host suffix.
+        self.prefix = native().MetaPrefix(prefix)
+        self.prefix_len = len(prefix)
+        self.signature = sig
+        self.objects = [lt.tensor for lt in tensors]
+        # Every planned storage stays allocated while this layout lives, so a copy
+        # of a plan not yet found stale (see layout_watch) never reads freed memory.
+        self.keep = [t.detach() for t in self.objects]
+        self.guard = native().LayoutGuard(self.objects)
+        self.watch = watch
+        # Full re-scan period: amortised O(1) per boundary whatever the tensor count.
+        per = 4 * layout_watch.WINDOW
+        self.rescan_every = rescan_every * max(1, -(-len(tensors) // per))
+        self.plan_key: int | None = None
+        self.checks = 0  # boundaries that used this layout (drives the full re-scan)
+
+    def ptrs_changed(self) -> bool:
+        return self.guard.first_moved() >= 0
+
+    def same_objects(self, tensors: list[LiveTensor]) -> bool:
+        return len(tensors) == len(self.objects) and all(
+            a.tensor is b for a, b in zip(tensors, self.objects))
+
+
+def make_plan(tensors: list[LiveTensor], cuda: Any, chunk_bytes: int) -> tuple[Any, list[int]]:
+    """Copy plan + each tensor's offset in the slot.
+
+    Host spans merge across small gaps. Device spans never merge across
+    allocator segments (a gap between two cudaMalloc segments may be
+    unmapped): with allocator tracking (``cuda``: the CUDA backend, or None)
+    they are coalesced by the registry within segments; without it only
+    overlapping spans merge.
+    """
+    C = native()
+    host = [i for i, lt in enumerate(tensors) if not lt.tensor.is_cuda]
+    dev = [i for i, lt in enumerate(tensors) if lt.tensor.is_cuda]
+    ptrs = [tensors[i].tensor.data_ptr() for i in host]
+    sizes = [tensors[i].nbytes for i in host]
+    phases = [tensors[i].phase for i in host]
+    where: list[tuple[int, int]] = [(-1, 0)] * len(tensors)
+    for j, i in enumerate(host):
+        where[i] = (j, 0)
+    if dev:
+        ranges = placement = None
+        if cuda is not None and cuda.registry is not None:
+            try:
+                ranges, placement = cuda.coalesce([tensors[i] for i in dev], 4096)
+            except SnapshotError as e:
+                log.warning("allocator-tracked coalescing unavailable (%s); "
+                            "copying tensor by tensor", e)
+        if ranges is None or placement is None:
+            ranges = [(tensors[i].tensor.data_ptr(), tensors[i].nbytes) for i in dev]
+            placement = [(k, 0) for k in range(len(dev))]
+        base = len(ptrs)
+        rphase = [1] * len(ranges)
+        for i, (r, _) in zip(dev, placement):
+            if r >= 0:
+                rphase[r] = min(rphase[r], tensors[i].phase)  # a buffer inside: fence early
+        for (addr, n), ph in zip(ranges, rphase):
+            ptrs.append(int(addr))
+            sizes.append(int(n))
+            phases.append(ph)
+        for i, (r, off) in zip(dev, placement):
+            where[i] = (base + r, int(off)) if r >= 0 else (-1, 0)
+    is_host = [True] * len(host) + [False] * (len(ptrs) - len(host))
+    # Host spans may merge across small gaps; with device ranges present the
+    # gap is 0 so ranges from different segments never merge.
+    plan = C.build_plan(ptrs, sizes, phases, is_host, chunk_bytes, 0 if dev else 4096, 4096)
+    offs = plan.tensor_offsets
+    offsets = [offs[r] + off if r >= 0 else 0 for r, off in where]
+    return plan, offsets

@@ -1,0 +1,205 @@
+"""Restore: find the candidates (shared-memory slots, committed snapshots), load, roll back.
+
+``restore_latest()`` tries every candidate newest step first: this node's
+arena slots (validated: manifest, then each chunk's CRC32C) and the storage's
+committed snapshots; a corrupt or torn one is skipped with a warning naming it.
+``rollback()`` copies the newest COMPLETE slot back in the same process.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._native import native
+from ..errors import CorruptSnapshot, IncompatibleSnapshot, SnapshotError
+from ..format import manifest as fmt
+from ..format import paths
+from ..format.manifest import validate_manifest
+from ..storage import posix
+from ..tools.progress import bytes_read, io_progress
+from .shared import Fields
+from .timeline import resume_message
+
+log = logging.getLogger("cudasnap")
+
+
+class RestoreMixin(Fields):
+    def restore_latest(self) -> int:
+        """Loads the newest snapshot that verifies; returns the step to resume at (0 if none).
+
+        Sources, newest step first: this node's shared-memory slot (fastest),
+        then committed snapshots on disk. A corrupt or torn candidate is skipped
+        with a warning naming it; a snapshot that does not fit the live
+        model/optimizer raises IncompatibleSnapshot.
+        """
+        if self._closed:
+            raise SnapshotError("restore_latest() on a closed Snapshotter")
+        self._wait_job(self.wait_timeout_s)
+        t0 = time.perf_counter()
+        if self.dist is not None:
+            nxt = self.dist.restore()
+            if nxt:
+                self._restored = nxt - 1
+            r = self._stats.get("restore") or {}
+            r["seconds"] = time.perf_counter() - t0
+            self._stats["restore"] = r if nxt else {"source": None, "step": None,
+                                                    "seconds": r["seconds"], "where": None}
+            self._layout = None
+            if nxt:
+                log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
+                if not self._resume_logged:
+                    self._resume_logged = True
+                    log.warning("rank %d: %s", self.rank,
+                                resume_message(nxt - 1, r.get("source"), r.get("where")))
+            return nxt
+        candidates: list[tuple[int, int, str, Any]] = []
+        self._partly_applied = None
+        arenas = self.staged_arenas()
+        arena: Any = arenas[0] if arenas else None
+        if arena is not None:
+            for slot in range(arena.num_slots):  # every COMPLETE slot: the older one too
+                info = arena.slot_info(slot)
+                if info["valid"]:
+                    candidates.append((info["step"], 1 + info["seq"], "shm", slot))
+                elif info["problem"]:  # COMPLETE-looking but damaged: say so, never load it
+                    log.warning("skipping snapshot %s slot %d: %s", arena.path, slot,
+                                info["problem"])
+        for s in self.storage.list_snapshots():
+            candidates.append((s.step, 0, "disk", s))
+        candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+        for _step, _, source, ref in candidates:
+            try:
+                if source == "shm":
+                    where = f"{arena.path} slot {ref}"
+                    got = self.restore_slot(arena, ref, where)
+                else:
+                    where = str(ref.path)
+                    got = self.restore_dir(ref)
+            except CorruptSnapshot as e:
+                log.warning("skipping snapshot %s: %s", where, e)
+                continue
+            secs = time.perf_counter() - t0
+            self._stats["restore"] = {"source": source, "step": got, "seconds": secs,
+                                      "where": where}
+            log.info("restored step %d from %s (%s) in %.3f s", got, source, where, secs)
+            if not self._resume_logged:
+                self._resume_logged = True
+                log.warning("%s", resume_message(got, source, where))
+            self._restored = got
+            self._layout = None
+            return got + 1
+        self._stats["restore"] = {"source": None, "step": None, "seconds": 0.0, "where": None}
+        if self._partly_applied:
+            raise CorruptSnapshot(
+                f"no snapshot could be restored, and {self._partly_applied} failed half-way "
+                "through being applied: the live model/optimizer are no longer in their "
+                "initial state; remove that snapshot and rebuild them before training")
+        return 0
+
+    def _apply(self, tensors: Any, host: Any, data: Any, where: str) -> int:
+        """state.apply, with a malformed (CRC-consistent but hostile) host state reported
+        as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
+        self._live = None  # the live state is about to be replaced: no JIT copy of it
+        try:
+            return self.state.apply(tensors, host, data, where)
+        except SnapshotError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+            self._partly_applied = where
+            raise CorruptSnapshot(
+                f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
+
+    def restore_dir(self, ref: Any) -> int:
+        """Applies a stored snapshot; returns its step. ``ref``: a snapshot of
+        ``self.storage``'s listing, or a local step/rank directory."""
+        if isinstance(ref, Path):
+            ref = posix.StoredSnapshot(-1, ref)
+        if isinstance(ref, posix.StoredSnapshot) and not (ref.path / paths.MANIFEST).exists() \
+                and any(ref.path.glob("rank-*")):
+            ref = posix.StoredSnapshot(ref.step, self._single_rank_view(ref.path))
+        manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
+        name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
+        with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", bytes_read):
+            data = self.storage.read_data(ref, manifest, self.flush_threads,
+                                          allow_foreign_owner=self.allow_foreign_owner)
+        return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
+
+    def _single_rank_view(self, step_dir: Path) -> Path:
+        """A multi-rank snapshot opened by one process: only replicated state loads."""
+        from ..format.paths import rank_dirname
+        from ..storage.posix import read_commit
+
+        if not posix.is_committed(step_dir):
+            raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")
+        commit = read_commit(step_dir)
+        groups = commit.get("replica_groups") or []
+        if len(groups) != 1:
+            raise IncompatibleSnapshot(
+                f"{step_dir} holds sharded state of {commit['world_size']} ranks; restore it with "
+                f"torch.distributed and {commit['world_size']} ranks")
+        for r in commit.get("present", range(commit["world_size"])):
+            d = step_dir / rank_dirname(int(r))
+            if (d / paths.MANIFEST).is_file():
+                return d
+        raise CorruptSnapshot(f"{step_dir}: no rank's files are present")
+
+    def restore_slot(self, arena: Any, slot: int, where: str) -> int:
+        """Applies an arena slot (validated first); returns its step."""
+        info = arena.slot_info(slot)
+        meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
+        meta["data"] = fmt.data_section(info["data_bytes"], arena.chunk_bytes,
+                                        arena.read_table(slot))
+        validate_manifest(meta, where)
+        C = native()
+        bad = C.verify_buffer(arena.data_ptr(slot), info["data_bytes"], arena.chunk_bytes,
+                              meta["data"]["crc32c"], self.flush_threads)
+        if bad >= 0:
+            raise CorruptSnapshot(f"{where}: chunk {bad} fails its CRC32C")
+        arena.lease(slot)
+        try:
+            data = torch.frombuffer(arena.data_view(slot, info["data_bytes"]), dtype=torch.uint8) \
+                if info["data_bytes"] else torch.empty(0, dtype=torch.uint8)
+            return self._apply(meta["tensors"], meta["host"], data, where)
+        finally:
+            arena.release(slot)
+
+    def newest_known_step(self) -> int:
+        """Newest step in shared memory or on disk, or -1 (no validation of the data)."""
+        best = -1
+        for a in self.staged_arenas():
+            if a.newest_complete() >= 0:
+                best = max(best, a.slot_info(a.newest_complete())["step"])
+        snaps = self.storage.list_snapshots()
+        return max(best, snaps[0].step if snaps else -1)
+
+    def rollback(self) -> int:
+        """In-process rollback: copy the newest COMPLETE slot back into the live tensors.
+
+        For a fault the process survives (a NaN loss, a peer failure): training
+        continues at the returned step (snapshot step + 1).
+        """
+        if self._closed:
+            raise SnapshotError("rollback() on a closed Snapshotter")
+        self._wait_job(self.wait_timeout_s)
+        arena = self._arena
+        if arena is None or arena.newest_complete() < 0:
+            raise SnapshotError("rollback(): no COMPLETE snapshot in memory yet")
+        slot = arena.newest_complete()
+        with self.guard.paused() if self.guard is not None else contextlib.nullcontext():
+            step = self.restore_slot(arena, slot, f"{arena.path} slot {slot}")
+        self._restored = step
+        return step + 1
+
+    def record_restore(self, source: str, step: int, where: str) -> None:
+        """Notes where a restore came from (``stats()["restore"]``; the coordinator's vote)."""
+        self._stats["restore"] = {"source": source, "step": step, "where": where}
+
+    def last_restore(self) -> dict[str, Any] | None:
+        """What the last restore loaded: source, step, where (None before any)."""
+        r: dict[str, Any] | None = self._stats.get("restore")
+        return r

@@ -1,0 +1,145 @@
+"""Submit: ``boundary(step)`` captures host state and hands the cached copy plan to the engine.
+
+``boundary()`` checks the step rule (``cudasnap.core.timeline``), encodes the
+host state, picks a free slot of the arena and submits the copy; it returns at
+once. The copy engine (CPU threads, or the CUDA backend's copy stream) is made
+at the first boundary. Zero-overhead mode (``snapshot_every=k``) copies every
+k-th boundary and remembers the others for a just-in-time flush (``flush``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .._native import native
+from ..errors import ConfigError, SnapshotError, StagingError
+from .plan import Layout
+from .shared import Fields
+from .state import LiveTensor, single_cuda_device
+from .timeline import check_step
+
+log = logging.getLogger("cudasnap")
+
+
+class SubmitMixin(Fields):
+    def _ensure_engine(self, tensors: list[LiveTensor]) -> None:
+        if self._engine is not None:
+            return
+        on_gpu = any(lt.tensor.is_cuda for lt in tensors)
+        name = self._backend_name
+        if name == "auto":
+            name = "cuda" if on_gpu else "cpu"
+        if name == "cpu" and on_gpu:
+            raise ConfigError("backend='cpu' but some state lives on a CUDA device")
+        if name == "cuda":
+            from .._cuda import CudaBackend
+
+            dev = single_cuda_device(tensors)
+            self._cuda = CudaBackend(dev, crc_threads=self.copy_threads,
+                                     wait_timeout_s=self.wait_timeout_s)
+            self._engine = self._cuda.engine
+        else:
+            self._engine = native().CpuCopyEngine(self.copy_threads)
+            self._engine.wait_timeout_s = self.wait_timeout_s
+        self.backend = name
+        log.info("cudasnap: %s backend, %d copy threads, arena %s", name, self.copy_threads,
+                 self.arena_path)
+
+
+    def copy_stream_handle(self) -> int | None:
+        """The CUDA backend's copy stream (a ``cudaStream_t`` as an int, for profilers and
+        benchmarks: ``torch.cuda.ExternalStream``); None before the first boundary or on CPU."""
+        return int(self._cuda.engine.copy_stream) if self._cuda is not None else None
+
+    def _stop_engine(self) -> None:
+        """close(): stops the copy engine (bounded by ``wait_timeout_s``)."""
+        if self._cuda is not None:
+            self._cuda.close(self.wait_timeout_s)
+        elif self._engine is not None and not self._engine.shutdown(self.wait_timeout_s):
+            log.error("close(): the running snapshot copy was abandoned after %.0f s",
+                      self.wait_timeout_s)
+
+    def boundary(self, step: int) -> None:
+        """Snapshot the state after ``step``'s optimizer step; returns at once.
+
+        ``step`` is a non-negative int, strictly above the previous boundary's step
+        or, after ``restore_latest()``/``rollback()``, above the restored step;
+        anything else raises ConfigError naming both steps (see cudasnap.core.timeline).
+        """
+        t0 = time.perf_counter_ns()
+        if self._closed:
+            raise SnapshotError("boundary() on a closed Snapshotter")
+        step = check_step(step, self.last_step, self._restored)
+        self._restored = None
+        self._boundaries += 1
+        self.last_step = step
+        self._live_dirty = False  # set again by the next optimizer step / buffer forward
+        try:
+            self._snapshot(step, t0)
+        finally:
+            # After the submit: a SIGTERM flush raised here waits for this very step.
+            if self.guard is not None:
+                self.guard.on_boundary(step)
+
+    def _snapshot(self, step: int, t0: int) -> None:
+        k = self.snapshot_every
+        if k > 1 and (self._boundaries - 1) % k:
+            # Zero-overhead mode: no copy. Until the next optimizer step the live
+            # state IS this step, so a JIT flush copies it then (see flush()).
+            self._stats["skipped_every"] += 1
+            self._live = (step, self._host_suffix(step))
+            self._record_ns(t0)
+            return
+        self._live = None
+        # A previous copy still running (no optimizer step in between): bounded.
+        if not self._wait_job(self.wait_timeout_s):
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: the previous copy is still running after "
+                        "%.0f s", step, self.wait_timeout_s)
+            return
+        lay = self._current_layout()
+        if self._submit_copy(lay, step, self._host_suffix(step)) is not None:
+            self._record_ns(t0)
+
+    def _host_suffix(self, step: int) -> bytes:
+        """The per-boundary end of the slot manifest: host state + step."""
+        return b"".join((self.state.encode_host(step).encode(), b',"step":',
+                         str(int(step)).encode(), b"}"))
+
+    def _submit_copy(self, lay: Layout, step: int, suffix: bytes) -> Any:
+        """Hands one snapshot to the copy engine; returns the job (None: skipped)."""
+        arena = self._ensure_arena(lay.plan, lay.prefix_len + len(suffix))
+        if arena is None:
+            self._stats["skipped"] += 1
+            return None
+        with self._slot_lock:  # held only to pick the slot (never across CUDA calls)
+            slot = arena.pick_write_slot()
+        if slot < 0:
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
+            return None
+        stream = self._cuda.current_stream() if self._cuda is not None else 0
+        try:
+            # begin_write() inside refuses a slot a concurrent flush leased since
+            # the pick (the arena's own lock orders the two): StagingError.
+            job = self._engine.submit(arena, slot, lay.plan, int(step), suffix, stream,
+                                      lay.prefix)  # positional: (meta suffix, stream, prefix)
+        except StagingError as e:
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: %s", step, e)
+            return None
+        with self._slot_lock:
+            self._fenced = [False, False]
+            self._job = job
+            self._job_layout = lay
+        self._stats["snapshots"] += 1
+        self._stats["bytes"] = lay.plan.total_bytes
+        return job
+
+    def _record_ns(self, t0: int) -> None:
+        ns = self._stats["boundary_ns"]
+        ns.append(time.perf_counter_ns() - t0)
+        if len(ns) > 4096:
+            del ns[:2048]
+
