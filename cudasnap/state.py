@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .core import sharded
 from .errors import ConfigError, IncompatibleSnapshot
 from .format import codec
 from .format.manifest import dtype_name, span_bytes, torch_dtype
@@ -34,6 +35,14 @@ class LiveTensor:
     param_index: int | None = None  # optimizer state: index in the optimizer's param order
     state_key: str | None = None
     aliases: list[str] = field(default_factory=list)
+    # Sharded state (cudasnap.core.sharded): ``tensor`` is the local shard of ``owner``.
+    owner: Any = None
+    shard: dict[str, Any] | None = None
+
+    @property
+    def ident(self) -> Any:
+        """The object its container (module, optimizer state) holds."""
+        return self.tensor if self.owner is None else self.owner
 
     @property
     def nbytes(self) -> int:
@@ -155,6 +164,9 @@ def check_plain_tensor(name: str, t: torch.Tensor) -> None:
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return
+    if sharded.is_dtensor(t):  # its local shard is copied instead (cudasnap.core.sharded)
+        check_plain_tensor(f"{name} (local shard)", sharded.local_shard(t))
+        return
     if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
             hasattr(t, "__tensor_flatten__"):
         raise ConfigError(
@@ -232,8 +244,11 @@ class TrainingState:
                         scalars.append((idx, k))
             self._scalar_keys[okey] = scalars
         for lt in out:
+            check_plain_tensor(lt.name, lt.tensor)
+            if sharded.is_dtensor(lt.tensor):  # sharded state: its local shard is copied
+                lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
+                lt.tensor = sharded.local_shard(lt.tensor)
             t = lt.tensor
-            check_plain_tensor(lt.name, t)
             if t.layout != torch.strided or t.is_sparse:
                 raise ConfigError(f"{lt.name}: only dense strided tensors can be snapshotted")
             dtype_name(t.dtype)
@@ -284,6 +299,7 @@ class TrainingState:
             if match is None:
                 raise IncompatibleSnapshot(
                     f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
+            sharded.check_same(name, e.get("shard"), match.shard, where)
             t = match.tensor
             if list(t.shape) != e["shape"]:
                 raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
@@ -348,7 +364,7 @@ class TrainingState:
             if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
                 raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
                                            f"parameter {idx!r}; the optimizer has {len(params)}")
-            state.setdefault(idx, {})[key] = view(e)
+            state.setdefault(idx, {})[key] = sharded.like_param(view(e), e, params[idx], where)
         for idx, key, value in host.get("scalars", []):
             state.setdefault(int(idx), {})[key] = value
         # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.

@@ -1,0 +1,1 @@
+"""The mechanisms behind Snapshotter: state, layout, fences, staging, restore, timeline."""
