@@ -82,3 +82,54 @@ def test_restore_into_another_mesh_names_both(spawned) -> None:
         err = r.get("error", "")
         assert "mesh (2,) dims ('dp',) placements [Shard(0)]" in err, r
         assert "mesh (2,) dims ('tp',)" in err and "cudasnap export" in err, r
+
+
+def _model_and_opt():
+    import torch
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 13), torch.nn.Tanh(), torch.nn.Linear(13, 4))
+    model.register_buffer("seen", torch.zeros(3))
+    return model, torch.optim.AdamW(model.parameters(), lr=5.0)
+
+
+def test_export_safetensors_consolidates_the_shards(spawned, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from cudasnap.tools.cli import main
+
+    base, _ = spawned
+    out = tmp_path / "full.safetensors"
+    assert main(["export", str(base / "fsdp_save"), "--to", "safetensors", str(out)]) == 0
+    got = load_file(str(out))
+    ref = _npz(base, "fsdp", "step3", 0)  # gathered with full_tensor() by the job itself
+    for k in ("0.weight", "0.bias", "2.weight", "2.bias", "seen"):
+        assert np.array_equal(got[k].numpy(), ref[f"m.{k}"]), k
+    assert np.array_equal(got["optim.state.0.exp_avg_sq"].numpy(), ref["o.0.weight.exp_avg_sq"])
+
+
+def test_export_dcp_loads_resharded_into_one_process(spawned, tmp_path: Path) -> None:
+    """2 ranks' shards -> one unsharded process (no process group): DCP reshards."""
+    import torch
+
+    import cudasnap
+    from cudasnap.tools.cli import main
+
+    base, _ = spawned
+    out = tmp_path / "dcp"
+    assert main(["export", str(base / "fsdp_save"), "--to", "dcp", str(out)]) == 0
+    assert (out / ".metadata").is_file()
+    model, opt = _model_and_opt()
+    assert cudasnap.load_resharded(out, model, opt) == 4
+    ref = _npz(base, "fsdp", "step3", 0)
+    for k, v in model.state_dict().items():
+        assert np.array_equal(v.numpy(), ref[f"m.{k}"]), k
+    names = dict(model.named_parameters())
+    for n, p in names.items():
+        for k, v in opt.state[p].items():
+            assert np.array_equal(v.numpy(), ref[f"o.{n}.{k}"]), (n, k)
+    assert opt.param_groups[0]["lr"] == 1e-2  # hyper-parameters come back too
+    # Training continues from the loaded state.
+    torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 4)).backward()
+    opt.step()
+    assert int(opt.state[names["0.weight"]]["step"]) == 5

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -213,11 +214,14 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
     """
     import torch
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties,
-                                                       TensorStorageMetadata)
-    from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
-                                                      WriteItemType)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -285,8 +289,10 @@ def load_resharded(checkpoint: str | Path, model: Any, optimizer: Any = None) ->
             for k, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     sd[f"optim.state.{i}.{k}"] = v
-    dcp.load(sd, checkpoint_id=str(checkpoint),
-             no_dist=not (torch.distributed.is_available() and torch.distributed.is_initialized()))
+    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=str(checkpoint), no_dist=no_dist)
     if optimizer is not None:
         saved = (side.get("optim") or {}).get("optim") or next(iter(side.get("optim", {}).values()),
                                                                 None)
