@@ -587,8 +587,11 @@ class Snapshotter:
         return arena
 
     # ---------------------------------------------------------- boundary
-    def boundary(self, step: int) -> None:
+    def boundary(self, step: int, **values: Any) -> None:
         """Snapshot the state after ``step``'s optimizer step; returns at once.
+
+        ``values``: plain per-step state (JSON-able values, tensors) saved with the
+        step and found in ``snap.values`` after a restore (cudasnap.core.values).
 
         ``step`` is a non-negative int, strictly above the previous boundary's step
         or, after ``restore_latest()``/``rollback()``, above the restored step;
@@ -602,6 +605,7 @@ class Snapshotter:
         self._boundaries += 1
         self.last_step = step
         self._live_dirty = False  # set again by the next optimizer step / buffer forward
+        self.state.step_values = values
         try:
             self._snapshot(step, t0)
         finally:
@@ -917,6 +921,11 @@ class Snapshotter:
             return self._apply(meta["tensors"], meta["host"], data, where)
         finally:
             arena.release(slot)
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The ``boundary(step, **values)`` of the restored step ({} before a restore)."""
+        return self.state.values
 
     def newest_known_step(self) -> int:
         """Newest step in shared memory or on disk, or -1 (no validation of the data)."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .core import sharded
+from .core import sharded, values
 from .errors import ConfigError, IncompatibleSnapshot
 from .format import codec
 from .format.manifest import dtype_name, span_bytes, torch_dtype
@@ -194,11 +194,16 @@ class TrainingState:
             elif callable(getattr(obj, "state_dict", None)) and callable(
                     getattr(obj, "load_state_dict", None)):
                 self.extra[key] = obj
+            elif values.accepts(key, obj):  # tensor / dict / list: restored in place
+                self.extra[key] = obj
             else:
                 raise ConfigError(
                     f"extra[{key!r}] ({type(obj).__name__}) needs state_dict()/load_state_dict() "
                     "or must be a torch.Generator")
         self._scalar_keys: dict[str, list[tuple[int, str]]] = {}
+        # boundary(step, **values): saved with the step; restore puts them in ``values``.
+        self.step_values: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
@@ -278,10 +283,15 @@ class TrainingState:
         for key, obj in self.extra.items():
             if isinstance(obj, torch.Generator):
                 extra[key] = {"kind": "generator", "state": obj.get_state()}
+            elif not callable(getattr(obj, "state_dict", None)):
+                extra[key] = {"kind": "value", "state": obj}
             else:
                 extra[key] = {"kind": "state_dict", "state": obj.state_dict(),
                               "class": type(obj).__qualname__}
-        return {"step": step, "rng": rng, "optim": optim, "extra": extra}
+        out = {"step": step, "rng": rng, "optim": optim, "extra": extra}
+        if self.step_values:
+            out["values"] = self.step_values
+        return out
 
     def encode_host(self, step: int) -> str:
         return codec.dumps(self.capture_host(step), "host")
@@ -347,8 +357,11 @@ class TrainingState:
                 raise IncompatibleSnapshot(f"{where}: no state for extra[{key!r}]")
             if isinstance(obj, torch.Generator):
                 obj.set_state(ent["state"])
+            elif ent.get("kind") == "value" or not callable(getattr(obj, "load_state_dict", None)):
+                values.restore_into(obj, ent["state"], key, where)
             else:
                 obj.load_state_dict(ent["state"])
+        self.values = dict(hd.get("values") or {})
         self._apply_rng(hd.get("rng", {}))
         return int(hd.get("step", -1))
 
