@@ -80,7 +80,8 @@ def describe(info: ShardInfo | None) -> str:
             f"[{', '.join(info['placements'])}] global shape {list(info['global_shape'])}")
 
 
-_SAME_KEYS = ("global_shape", "mesh_shape", "mesh_dims", "placements", "coord", "offset")
+# Not "coord": an HSDP replica holds the same shard at another replicate-dim coordinate.
+_SAME_KEYS = ("global_shape", "mesh_shape", "mesh_dims", "placements", "offset")
 
 
 def check_same(name: str, saved: ShardInfo | None, live: ShardInfo | None, where: str) -> None:
@@ -144,3 +145,32 @@ def validate(info: Any, local_shape: list[int], check: Any) -> None:
                            and all(isinstance(d, str) for d in dims)), "bad shard mesh_dims")
     coord = info.get("coord")
     check(coord is None or (ints(coord) and len(coord) == len(mshape)), "bad shard coord")
+
+
+def replica_groups(tensors: list[Any], world: int) -> list[list[int]] | None:
+    """Ranks holding identical state, from the DTensors' meshes (HSDP: the replicate dim).
+
+    ``tensors``: the live DTensors. A mesh dimension along which EVERY DTensor is
+    ``Replicate()`` makes the ranks differing only in that coordinate replicas (a lost
+    rank's shard is then loaded from a replica's files). None: no DTensor, meshes differ,
+    a mesh does not span the world, or no dimension is replicated throughout.
+    """
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors}
+    if len(meshes) != 1:
+        return None
+    mesh = next(iter(meshes.values()))
+    ranks = mesh.mesh
+    if ranks.numel() != world:
+        return None
+    from torch.distributed.tensor import Replicate
+
+    rep = [d for d in range(ranks.dim())
+           if all(isinstance(t.placements[d], Replicate) for t in tensors)]
+    if not rep:
+        return None
+    keep = [d for d in range(ranks.dim()) if d not in rep]
+    n_rep = 1
+    for d in rep:
+        n_rep *= int(ranks.shape[d])
+    groups = ranks.permute(*keep, *rep).reshape(-1, n_rep)
+    return sorted(sorted(int(r) for r in g) for g in groups.tolist())
