@@ -133,3 +133,26 @@ def test_export_dcp_loads_resharded_into_one_process(spawned, tmp_path: Path) ->
     torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 4)).backward()
     opt.step()
     assert int(opt.state[names["0.weight"]]["step"]) == 5
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"offset": [10, 0]}, "outside its global shape"),
+    ({"offset": [0]}, "rank disagrees"),
+    ({"placements": ["Shard(0)", "Replicate()"]}, "one string per mesh dimension"),
+    ({"global_shape": [13, -16]}, "non-negative integers"),
+    ({"mesh_dims": ["dp", "x"]}, "mesh_dims"),
+    ({"coord": [True]}, "coord"),
+])
+def test_a_damaged_shard_entry_is_refused_before_any_data_is_read(bad, why) -> None:
+    from cudasnap.errors import CorruptSnapshot
+    from cudasnap.format.manifest import validate_tensors
+
+    good = {"global_shape": [13, 16], "mesh_shape": [2], "mesh_dims": ["dp"],
+            "placements": ["Shard(0)"], "coord": [1], "offset": [7, 0]}
+    shard = {**good, **bad}
+    entry = {"name": "model.w", "group": "model:model", "dtype": "float32", "shape": [6, 16],
+             "stride": [16, 1], "storage_offset": 0, "offset": 0, "nbytes": 384, "phase": 1,
+             "shard": shard}
+    with pytest.raises(CorruptSnapshot, match=why):
+        validate_tensors([entry], 384, "m")
+    validate_tensors([{**entry, "shard": good}], 384, "m")  # the sound one passes

@@ -52,7 +52,8 @@ def test_hsdp_lost_rank_restores_from_its_replicate_group_and_exports(tmp_path: 
     """HSDP on a 2x2 (replicate, shard) mesh of 4 ranks: a committed step; then rank 3's
     files and every arena are lost (its node replaced): rank 3 loads its shard from rank 1
     (same shard, other replica). The same snapshot exported to DCP loads, resharded, into
-    one unsharded process; to safetensors, it is the full state."""
+    one unsharded process and into FSDP2 on 2 ranks, where training goes on; exported to
+    safetensors, it is the full state."""
     import shutil
 
     import torch
@@ -93,3 +94,9 @@ def test_hsdp_lost_rank_restores_from_its_replicate_group_and_exports(tmp_path: 
         assert np.array_equal(v.numpy(), full[f"m.{k}"]), k
     for n, p in model.named_parameters():
         assert np.array_equal(opt.state[p]["exp_avg"].numpy(), full[f"o.{n}.exp_avg"]), n
+    r3 = launch.run(tmp_path, nproc=2, max_restarts=0, script=SCRIPT, out="out3", ckpt="none",
+                    env={"MODE": "fsdp", "STEPS": "8", "NO_SNAP": "1", "LOAD_DCP": str(out)})
+    assert r3.rc == 0 and len(r3.ranks) == 2, _ok(r3)
+    for rank in range(2):  # 4 ranks (2x2 HSDP) -> 2 ranks (FSDP2): the same full state
+        assert _equal(r3.restored(rank), full), f"rank {rank}: resharded state differs"
+        assert not _equal(r3.state(rank), full)  # and two more steps trained from it

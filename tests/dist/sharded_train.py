@@ -8,6 +8,13 @@ NO_SNAP=1, DUMP_STEPS=1. Results: OUT/rank-R.npz holds the gathered FULL state
 (parameters and optimizer state, ``full_tensor()``), OUT/rank-R.json the restore
 info; OUT/restored-rank-R.npz the full state right after restore_latest().
 FLUSH_AT_END=1: every rank flushes (a coordinated, committed snapshot) before close.
+WIDTH=W: hidden sizes W (default 13 and 7: uneven shards); the bench makes it larger.
+DCP_ASYNC=1 (with NO_SNAP=1): torch.distributed.checkpoint.async_save of the same
+state after every step instead of a snapshot (bench/distributed.py --fsdp).
+Per rank OUT/rank-R.json also holds block_ms (median time the loop was blocked
+per step by boundary() or async_save) and t_start / t_restored.
+LOAD_DCP=D: start from ``cudasnap.load_resharded(D, ...)`` (a ``cudasnap export --to dcp``
+checkpoint of any mesh) instead of a snapshot; with NO_SNAP=1.
 
 Determinism: FSDP2's reduce-scatter and all-gather on gloo are bitwise stable for
 a fixed world size and module layout; nothing needed setting (unlike DDP's buckets).
@@ -66,8 +73,10 @@ def full_state(model, opt):
 def build(mode: str, world: int):
     torch.manual_seed(0)
     # Odd sizes: FSDP2 shards dim 0 unevenly (the last ranks hold fewer rows, or none).
-    model = torch.nn.Sequential(torch.nn.Linear(16, 13), torch.nn.Tanh(),
-                                torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4))
+    w = int(os.environ.get("WIDTH", "0"))
+    h1, h2 = (w, w) if w else (13, 7)
+    model = torch.nn.Sequential(torch.nn.Linear(16, h1), torch.nn.Tanh(),
+                                torch.nn.Linear(h1, h2), torch.nn.Tanh(), torch.nn.Linear(h2, 4))
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -85,8 +94,7 @@ def build(mode: str, world: int):
         fully_shard(model, mesh=mesh)
         return model, dist.get_rank()
     if mode == "tp":
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         model = torch.nn.Sequential(torch.nn.Linear(16, 14), torch.nn.Tanh(),
@@ -113,6 +121,10 @@ def main() -> int:
     kill_step = int(os.environ.get("KILL_STEP", "-1"))
     snap = None
     start = 0
+    if os.environ.get("LOAD_DCP"):
+        start = cudasnap.load_resharded(os.environ["LOAD_DCP"], model, opt)
+        data.position = start  # the data position is per rank: not carried over
+        np.savez(os.path.join(out, f"restored-rank-{rank}.npz"), **full_state(model, opt))
     if os.environ.get("NO_SNAP") != "1":
         snap = cudasnap.Snapshotter(model, opt, directory=os.environ["CKPT"], extra={"data": data})
         start = snap.restore_latest()
@@ -120,6 +132,9 @@ def main() -> int:
             np.savez(os.path.join(out, f"restored-rank-{rank}.npz"), **full_state(model, opt))
     if os.environ.get("DUMP_STEPS") == "1":
         os.makedirs(os.path.join(out, "steps"), exist_ok=True)
+    t_restored = time.time()
+    blocked: list[float] = []
+    fut = None
     for step in range(start, steps):
         x, y = data.next()
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -130,14 +145,27 @@ def main() -> int:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         if snap is not None:
             snap.boundary(step)
+        elif os.environ.get("DCP_ASYNC") == "1":
+            import torch.distributed.checkpoint as dcp
+
+            if fut is not None:
+                fut.result()  # one save in flight, as the snapshot's copy
+            fut = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                 checkpoint_id=os.path.join(out, f"dcp-{step % 2}"))
+        blocked.append(time.perf_counter() - t0)
         if os.environ.get("DUMP_STEPS") == "1":
             np.savez(os.path.join(out, "steps", f"rank-{rank}-step-{step}.npz"),
                      **full_state(model, opt))
         time.sleep(0.02)
+    if fut is not None:
+        fut.result()
     np.savez(os.path.join(out, f"rank-{rank}.npz"), **full_state(model, opt))
-    info = {"rank": rank, "attempt": attempt, "start": start,
+    info = {"rank": rank, "attempt": attempt, "start": start, "t_start": T_START,
+            "t_restored": t_restored,
+            "block_ms": float(np.median(blocked[1:] or blocked or [0.0])) * 1e3,
             "restore": snap.stats()["restore"] if snap else None}
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(info, f)

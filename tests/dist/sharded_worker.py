@@ -34,8 +34,7 @@ def build(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         fully_shard(model[2], mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
