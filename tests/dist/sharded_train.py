@@ -135,6 +135,9 @@ def main() -> int:
     t_restored = time.time()
     blocked: list[float] = []
     fut = None
+    # async_save's collectives run on a background thread: on the training's own gloo
+    # group they interleave with FSDP's all-gathers (gloo aborts). Its own group, as DCP asks.
+    dcp_pg = dist.new_group(backend="gloo") if os.environ.get("DCP_ASYNC") == "1" else None
     for step in range(start, steps):
         x, y = data.next()
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -154,7 +157,8 @@ def main() -> int:
             if fut is not None:
                 fut.result()  # one save in flight, as the snapshot's copy
             fut = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
-                                 checkpoint_id=os.path.join(out, f"dcp-{step % 2}"))
+                                 checkpoint_id=os.path.join(out, f"dcp-{step % 2}"),
+                                 process_group=dcp_pg)
         blocked.append(time.perf_counter() - t0)
         if os.environ.get("DUMP_STEPS") == "1":
             np.savez(os.path.join(out, "steps", f"rank-{rank}-step-{step}.npz"),
