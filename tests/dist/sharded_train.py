@@ -170,6 +170,8 @@ def main() -> int:
     info = {"rank": rank, "attempt": attempt, "start": start, "t_start": T_START,
             "t_restored": t_restored,
             "block_ms": float(np.median(blocked[1:] or blocked or [0.0])) * 1e3,
+            # the optimizer step's wait for a running copy (fence), per step
+            "fence_ms": snap.stats()["fence_wait_s"] * 1e3 / max(1, steps - start) if snap else 0.0,
             "restore": snap.stats()["restore"] if snap else None}
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(info, f)
