@@ -1,4 +1,5 @@
-"""FSDP2 under torchrun (2 ranks, CPU/gloo): SIGKILL one rank mid-run, torchrun
+"""FSDP2 (2 and 4 ranks), tensor parallel (2 ranks) and HSDP (4 ranks, 2x2 mesh) under
+torchrun (CPU/gloo): SIGKILL one rank mid-run, torchrun
 --max-restarts restarts the job, every rank resumes from its local shard, and the
 final gathered state (parameters and optimizer state) is bitwise equal to an
 uninterrupted run of the same script (tests/dist/sharded_train.py)."""
@@ -13,7 +14,6 @@ from tests.dist import launch
 
 SCRIPT = Path(launch.__file__).with_name("sharded_train.py")
 STEPS = 10
-WORLD = 2
 
 
 def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -25,16 +25,20 @@ def _ok(r: launch.Run) -> str:
 
 
 @pytest.mark.slow
-def test_fsdp2_sigkill_restart_resumes_bitwise(tmp_path: Path) -> None:
-    env = {"MODE": "fsdp", "STEPS": str(STEPS)}
-    ref = launch.run(tmp_path / "ref", nproc=WORLD, max_restarts=0, script=SCRIPT,
+@pytest.mark.parametrize(("mode", "world", "victim"),
+                         [("fsdp", 2, 1), ("fsdp", 4, 2), ("tp", 2, 0), ("hsdp", 4, 3)],
+                         ids=["fsdp2-2ranks", "fsdp2-4ranks", "tp-2ranks", "hsdp-2x2"])
+def test_sharded_sigkill_restart_resumes_bitwise(tmp_path: Path, mode: str, world: int,
+                                                 victim: int) -> None:
+    env = {"MODE": mode, "STEPS": str(STEPS)}
+    ref = launch.run(tmp_path / "ref", nproc=world, max_restarts=0, script=SCRIPT,
                      env={**env, "NO_SNAP": "1", "DUMP_STEPS": "1"})
-    assert ref.rc == 0 and len(ref.ranks) == WORLD, _ok(ref)
-    r = launch.run(tmp_path / "kill", nproc=WORLD, script=SCRIPT,
-                   env={**env, "KILL_RANK": "1", "KILL_STEP": "6",
-                        "CUDASNAP_PEER_TIMEOUT_S": "5"})
+    assert ref.rc == 0 and len(ref.ranks) == world, _ok(ref)
+    r = launch.run(tmp_path / "kill", nproc=world, script=SCRIPT,
+                   env={**env, "KILL_RANK": str(victim), "KILL_STEP": "6",
+                        "CUDASNAP_PEER_TIMEOUT_S": "10"})
     launch.cleanup_arenas(r.job)
-    assert r.rc == 0 and len(r.ranks) == WORLD, _ok(r)
+    assert r.rc == 0 and len(r.ranks) == world, _ok(r)
     assert r.kill() is not None and r.kill()["step"] == 6
     restored = {info["restore"]["step"] for info in r.ranks.values()}
     assert len(restored) == 1 and restored.pop() in (4, 5), r.ranks  # <= 1 step replayed
