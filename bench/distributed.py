@@ -17,6 +17,11 @@ forward of step --kill-step. Phases, from timestamps the ranks write
   restore       -> every rank restored (agreement on the step + load)
 
     python bench/distributed.py [--repeats 3] [--state-mb 50] [--no-results]
+
+--fsdp: FSDP2 (``fully_shard``, tests/dist/sharded_train.py) on 4 ranks instead:
+the time each step's boundary() blocks the loop against DCP ``async_save`` of the
+same sharded state (model + optimizer state_dict, one save in flight) in the same
+run, and kill -> every rank resumed (SIGKILL of rank 2, torchrun restart).
 """
 from __future__ import annotations
 
@@ -65,6 +70,57 @@ def one_run(base: Path, width: int, depth: int, steps: int, kill_step: int) -> d
     return out
 
 
+def fsdp_run(base: Path, width: int, steps: int, kill_step: int) -> dict:
+    script = Path(launch.__file__).with_name("sharded_train.py")
+    env = {"MODE": "fsdp", "STEPS": str(steps), "WIDTH": str(width)}
+    r = launch.run(base / "snap", script=script, timeout=600,
+                   env={**env, "KILL_RANK": "2", "KILL_STEP": str(kill_step),
+                        "CUDASNAP_PEER_TIMEOUT_S": "5"})
+    launch.cleanup_arenas(r.job)
+    d = launch.run(base / "dcp", script=script, max_restarts=0, timeout=600,
+                   env={**env, "NO_SNAP": "1", "DCP_ASYNC": "1"})
+    for x in (r, d):
+        if x.rc != 0 or len(x.ranks) != 4:
+            raise SystemExit(f"run failed: rc={x.rc}\n{launch.log_tail(x)}")
+    snap_ms = statistics.median(i["block_ms"] for i in r.ranks.values())
+    dcp_ms = statistics.median(i["block_ms"] for i in d.ranks.values())
+    fence_ms = statistics.median(i["fence_ms"] for i in r.ranks.values())
+    return {"boundary blocked": snap_ms / 1e3, "fence wait per step": fence_ms / 1e3,
+            "async_save blocked": dcp_ms / 1e3,
+            "ratio": dcp_ms / snap_ms if snap_ms else float("inf"),
+            "kill -> all resumed": max(i["t_restored"] for i in r.ranks.values())
+            - r.kill()["t"]}
+
+
+def fsdp_main(a: argparse.Namespace) -> int:
+    width = max(16, int((a.state_mb * 1e6 * 4 / 12) ** 0.5))  # W*W params, 3 copies, 4 ranks
+    root = Path(tempfile.mkdtemp(prefix="cudasnap-fsdp-bench-", dir=a.dir or "/var/tmp"))
+    runs = []
+    try:
+        for i in range(a.repeats):
+            log(f"run {i + 1}/{a.repeats}: FSDP2, 4 ranks, width {width}")
+            runs.append(fsdp_run(root / f"run{i}", width, a.steps, a.kill_step))
+            log("  " + ", ".join(f"{k} {v:.4f}" for k, v in runs[-1].items()))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    keys = list(runs[0])
+    rows = [[k, f"{statistics.median(r[k] for r in runs):.4f}" + ("" if k == "ratio" else " s"),
+             f"{min(r[k] for r in runs):.4f}", f"{max(r[k] for r in runs):.4f}"] for k in keys]
+    note = (f"torchrun 4 ranks, FSDP2 fully_shard on gloo (CPU), about {a.state_mb:.0f} MB of "
+            f"model + AdamW state per rank (width {width}); blocked: median per step over the "
+            f"ranks (boundary() call; the fence wait of the next optimizer step is its own row, "
+            f"a mean); ratio = async_save / boundary; SIGKILL of rank 2 at step {a.kill_step}; "
+            f"median of {a.repeats} runs. Machine: {machine_line()}.")
+    table = print_table("FSDP2: snapshot vs DCP async_save", ["measure", "median", "min", "max"],
+                        rows, note)
+    if not a.no_results:
+        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
+            f.write("\n## Distributed FSDP2 (4 ranks, CPU)\n\n`python bench/distributed.py "
+                    "--fsdp`\n\n" + table)
+        log("appended to bench/RESULTS.md")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -74,9 +130,12 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int, default=10)
     ap.add_argument("--dir", default=None, help="scratch directory on a real disk (default /var/tmp)")
     ap.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--fsdp", action="store_true", help="the FSDP2 case (see above)")
     a = ap.parse_args()
     if a.repeats < 2:
         ap.error("--repeats must be >= 2 (medians)")
+    if a.fsdp:
+        return fsdp_main(a)
     width = 1024
     depth = max(0, round(a.state_mb * 1e6 / 12 / (width * width)))  # param + 2 AdamW moments
     root = Path(tempfile.mkdtemp(prefix="cudasnap-dist-bench-", dir=a.dir or "/var/tmp"))

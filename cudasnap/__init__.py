@@ -44,9 +44,13 @@ def __getattr__(name: str) -> Any:
         from .snapshotter import Snapshotter
 
         return Snapshotter
+    if name == "load_resharded":  # a cudasnap export --to dcp checkpoint, any mesh
+        from .tools.export import load_resharded
+
+        return load_resharded
     raise AttributeError(f"module 'cudasnap' has no attribute {name!r}")
 
 
-__all__ = ["Snapshotter", "build_info", "SnapshotError", "CorruptSnapshot",
+__all__ = ["Snapshotter", "load_resharded", "build_info", "SnapshotError", "CorruptSnapshot",
            "IncompatibleSnapshot", "StagingError", "FlushError", "CudaError", "ConfigError",
            "__version__"]

@@ -92,7 +92,8 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         distributed: coordinate flushes and restores across ranks (default: when
             torch.distributed is initialised with more than one rank).
         replicas: which ranks hold identical state: "auto" (all ranks when the
-            model is DDP-wrapped, else none), "all", None, or a list of rank groups.
+            model is DDP-wrapped; HSDP: the ranks along the mesh's replicate dim; else
+            none), "all", None, or a list of rank groups.
         rng_sources: RNG states saved at each boundary (drop "numpy"/"python"
             when the loop never uses them: saves ~30 us per boundary).
         health: start the health monitor, signal handlers and watchdog
@@ -194,6 +195,11 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             from .dist.coordinator import Coordinator
             from .dist.local import SnapshotterLocal
 
+            if replicas == "auto":  # HSDP: the replicate dim of the DTensors' mesh
+                from .core.sharded import replica_groups
+
+                replicas = replica_groups([lt.owner for lt in self.state.live_tensors()
+                                           if lt.owner is not None], self.world_size) or replicas
             self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas)
         arena_prep.start_at_construction(self)  # large arenas: off the training thread
         self.guard = None

@@ -122,6 +122,9 @@ def same_state(npz: Path, ref: dict[str, np.ndarray]) -> None:
 
 def run_supervised(server, snap_env, argv: list, log: Path, **kw) -> tuple[int, list[dict]]:
     report: list[dict] = []
+    # warm=False: the forkserver client never imports torch; a standby would (the warm
+    # path is tested in test_standby.py and by the real run_trainer.py test below).
+    kw.setdefault("warm", False)
     rc = supervise(server.client_cmd(argv), snap_env.dir, report=report,
                    extra_env={**server.client_env(log), **kw.pop("extra_env", {})}, **kw)
     return rc, report
@@ -193,7 +196,7 @@ def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, 
     env.update({"CUDASNAP_JOB": snap_env.job, **server.client_env(log),
                 "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
     sup = subprocess.Popen([sys.executable, "-m", "cudasnap", "run", "--dir", str(snap_env.dir),
-                            "--max-restarts", "3", "--",
+                            "--max-restarts", "3", "--no-warm", "--",
                             *server.client_cmd(["--steps", STEPS, "--stats", stats,
                                                 "--stall-after", 4])],
                            env=env, stderr=subprocess.PIPE, text=True)
@@ -403,7 +406,8 @@ def test_sigkill_at_random_points_resumes_at_newest_complete_plus_one(
         report: list[dict] = []
         rc = supervise(server.client_cmd(["--steps", STEPS, "--stats", stats, "--out", out,
                                           "--kill-at", k, "--kill-phase", phase]),
-                       d / "ckpt", max_restarts=1, report=report, extra_env=server.client_env(log))
+                       d / "ckpt", max_restarts=1, report=report, extra_env=server.client_env(log),
+                       warm=False)
         assert rc == 0, what
         assert [r["rc"] for r in report] == [-signal.SIGKILL, 0], what
         evs = events(stats)

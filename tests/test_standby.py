@@ -76,3 +76,78 @@ def test_a_closed_pipe_ends_the_standby_without_running_anything(tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert not marker.exists()
+
+
+# --------------------------------------------------------- wired into cudasnap run (supervise)
+RECORDER = """
+import json, os, signal, sys
+pre = "torch" in sys.modules  # before this script imports anything heavy
+sb = sys.modules.get("cudasnap.tools.standby")
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"restart": os.environ["CUDASNAP_RESTART"], "pid": os.getpid(),
+                        "torch_preloaded": pre, "go": getattr(sb, "go_time", None)}) + "\\n")
+if os.environ["CUDASNAP_RESTART"] == "0" and sys.argv[2] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _supervised(snap_env, mode: str, warm: bool, max_restarts: int = 1):
+    import json
+
+    from cudasnap.tools.run import supervise
+
+    script, log = snap_env.tmp / "rec_train.py", snap_env.tmp / "rec.jsonl"
+    script.write_text(RECORDER)
+    report: list[dict] = []
+    rc = supervise([sys.executable, str(script), str(log), mode], snap_env.dir,
+                   max_restarts=max_restarts, report=report, warm=warm)
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    return rc, report, recs, script
+
+
+def _processes_running(needle: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if needle.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_the_restart_after_a_death_runs_in_the_warm_standby(snap_env):
+    rc, report, recs, script = _supervised(snap_env, "die", warm=True)
+    assert rc == 0, report
+    assert [r["rc"] for r in report] == [-9, 0]
+    assert [r["warm"] for r in report] == [False, True]
+    assert [r["restart"] for r in recs] == ["0", "1"]
+    assert recs[0]["torch_preloaded"] is False and recs[0]["go"] is None  # the first is cold
+    assert recs[1]["torch_preloaded"] is True  # imported before the death
+    assert recs[1]["go"] is not None and recs[1]["go"] >= report[0]["died"]
+    assert not _processes_running(str(script))
+
+
+def test_no_warm_restarts_cold(snap_env):
+    rc, report, recs, _ = _supervised(snap_env, "die", warm=False)
+    assert rc == 0 and [r["warm"] for r in report] == [False, False]
+    assert [r["torch_preloaded"] for r in recs] == [False, False]
+
+
+def test_an_unused_standby_is_reaped_when_the_job_finishes(snap_env):
+    rc, report, recs, script = _supervised(snap_env, "live", warm=True, max_restarts=2)
+    assert rc == 0 and len(report) == 1 and len(recs) == 1
+    assert not _processes_running(str(script)), "a standby outlived its supervisor's job"
+
+
+def test_a_standby_that_died_means_a_cold_start(tmp_path):
+    from cudasnap.tools.standby import Standby
+
+    (tmp_path / "t.py").write_text("pass\n")
+    sb = Standby.spawn([sys.executable, str(tmp_path / "t.py")], dict(os.environ))
+    assert sb is not None
+    sb.proc.kill()
+    sb.proc.wait()
+    assert sb.go() is None
+    assert Standby.spawn(["/bin/sh", "t.sh"], dict(os.environ)) is None  # not a python command

@@ -70,6 +70,8 @@ class LayoutMixin(Fields):
                 e["param_index"], e["state_key"] = lt.param_index, lt.state_key
             if lt.aliases:
                 e["aliases"] = lt.aliases
+            if lt.shard is not None:  # a DTensor's local shard (cudasnap.core.sharded)
+                e["shard"] = lt.shard
             entries.append(e)
         validate_tensors(entries, plan.total_bytes, "layout")
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,

@@ -47,7 +47,7 @@ def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tu
                     continue
                 for d in (sub._parameters, sub._buffers):
                     if leaf in d:
-                        out.append((d, leaf, lt.tensor))
+                        out.append((d, leaf, lt.ident))
                         break
         elif lt.param_index is not None:
             opt = state.optimizers[key]
@@ -57,7 +57,7 @@ def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tu
             # found by the full re-scan; load_state_dict rebuilds the layout at once.
             st = opt.state.get(p)
             if st is not None:
-                out.append((st, lt.state_key, lt.tensor))
+                out.append((st, lt.state_key, lt.ident))
     return out
 
 

@@ -168,6 +168,11 @@ class RestoreMixin(Fields):
         finally:
             arena.release(slot)
 
+    @property
+    def values(self) -> dict[str, Any]:
+        """The ``boundary(step, **values)`` of the restored step ({} before a restore)."""
+        return self.state.values
+
     def newest_known_step(self) -> int:
         """Newest step in shared memory or on disk, or -1 (no validation of the data)."""
         best = -1

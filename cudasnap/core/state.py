@@ -21,6 +21,7 @@ import torch
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import dtype_name, span_bytes, torch_dtype
+from . import sharded, values
 
 log = logging.getLogger("cudasnap.state")
 
@@ -34,6 +35,14 @@ class LiveTensor:
     param_index: int | None = None  # optimizer state: index in the optimizer's param order
     state_key: str | None = None
     aliases: list[str] = field(default_factory=list)
+    # Sharded state (cudasnap.core.sharded): ``tensor`` is the local shard of ``owner``.
+    owner: Any = None
+    shard: dict[str, Any] | None = None
+
+    @property
+    def ident(self) -> Any:
+        """The object its container (module, optimizer state) holds."""
+        return self.tensor if self.owner is None else self.owner
 
     @property
     def nbytes(self) -> int:
@@ -155,6 +164,9 @@ def check_plain_tensor(name: str, t: torch.Tensor) -> None:
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return
+    if sharded.is_dtensor(t):  # its local shard is copied instead (cudasnap.core.sharded)
+        check_plain_tensor(f"{name} (local shard)", sharded.local_shard(t))
+        return
     if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
             hasattr(t, "__tensor_flatten__"):
         raise ConfigError(
@@ -182,11 +194,16 @@ class TrainingState:
             elif callable(getattr(obj, "state_dict", None)) and callable(
                     getattr(obj, "load_state_dict", None)):
                 self.extra[key] = obj
+            elif values.accepts(key, obj):  # tensor / dict / list: restored in place
+                self.extra[key] = obj
             else:
                 raise ConfigError(
                     f"extra[{key!r}] ({type(obj).__name__}) needs state_dict()/load_state_dict() "
                     "or must be a torch.Generator")
         self._scalar_keys: dict[str, list[tuple[int, str]]] = {}
+        # boundary(step, **values): saved with the step; restore puts them in ``values``.
+        self.step_values: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
@@ -232,8 +249,11 @@ class TrainingState:
                         scalars.append((idx, k))
             self._scalar_keys[okey] = scalars
         for lt in out:
+            check_plain_tensor(lt.name, lt.tensor)
+            if sharded.is_dtensor(lt.tensor):  # sharded state: its local shard is copied
+                lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
+                lt.tensor = sharded.local_shard(lt.tensor)
             t = lt.tensor
-            check_plain_tensor(lt.name, t)
             if t.layout != torch.strided or t.is_sparse:
                 raise ConfigError(f"{lt.name}: only dense strided tensors can be snapshotted")
             dtype_name(t.dtype)
@@ -263,10 +283,15 @@ class TrainingState:
         for key, obj in self.extra.items():
             if isinstance(obj, torch.Generator):
                 extra[key] = {"kind": "generator", "state": obj.get_state()}
+            elif not callable(getattr(obj, "state_dict", None)):
+                extra[key] = {"kind": "value", "state": obj}
             else:
                 extra[key] = {"kind": "state_dict", "state": obj.state_dict(),
                               "class": type(obj).__qualname__}
-        return {"step": step, "rng": rng, "optim": optim, "extra": extra}
+        out = {"step": step, "rng": rng, "optim": optim, "extra": extra}
+        if self.step_values:
+            out["values"] = self.step_values
+        return out
 
     def encode_host(self, step: int) -> str:
         return codec.dumps(self.capture_host(step), "host")
@@ -284,6 +309,7 @@ class TrainingState:
             if match is None:
                 raise IncompatibleSnapshot(
                     f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
+            sharded.check_same(name, e.get("shard"), match.shard, where)
             t = match.tensor
             if list(t.shape) != e["shape"]:
                 raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
@@ -331,8 +357,11 @@ class TrainingState:
                 raise IncompatibleSnapshot(f"{where}: no state for extra[{key!r}]")
             if isinstance(obj, torch.Generator):
                 obj.set_state(ent["state"])
+            elif ent.get("kind") == "value" or not callable(getattr(obj, "load_state_dict", None)):
+                values.restore_into(obj, ent["state"], key, where)
             else:
                 obj.load_state_dict(ent["state"])
+        self.values = dict(hd.get("values") or {})
         self._apply_rng(hd.get("rng", {}))
         return int(hd.get("step", -1))
 
@@ -348,7 +377,7 @@ class TrainingState:
             if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
                 raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
                                            f"parameter {idx!r}; the optimizer has {len(params)}")
-            state.setdefault(idx, {})[key] = view(e)
+            state.setdefault(idx, {})[key] = sharded.like_param(view(e), e, params[idx], where)
         for idx, key, value in host.get("scalars", []):
             state.setdefault(int(idx), {})[key] = value
         # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.

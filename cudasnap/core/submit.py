@@ -60,8 +60,11 @@ class SubmitMixin(Fields):
             log.error("close(): the running snapshot copy was abandoned after %.0f s",
                       self.wait_timeout_s)
 
-    def boundary(self, step: int) -> None:
+    def boundary(self, step: int, **values: Any) -> None:
         """Snapshot the state after ``step``'s optimizer step; returns at once.
+
+        ``values``: plain per-step state (JSON-able values, tensors) saved with the
+        step and found in ``snap.values`` after a restore (cudasnap.core.values).
 
         ``step`` is a non-negative int, strictly above the previous boundary's step
         or, after ``restore_latest()``/``rollback()``, above the restored step;
@@ -75,6 +78,7 @@ class SubmitMixin(Fields):
         self._boundaries += 1
         self.last_step = step
         self._live_dirty = False  # set again by the next optimizer step / buffer forward
+        self.state.step_values = values
         try:
             self._snapshot(step, t0)
         finally:

@@ -52,6 +52,7 @@ class TensorEntry(TypedDict, total=False):
     param_index: int
     state_key: str
     aliases: list[str]
+    shard: dict[str, Any]  # DTensor local shard: mesh, placements, offset (core.sharded)
 
 
 class DataSection(TypedDict):
@@ -157,6 +158,10 @@ def validate_tensors(tensors: Any, data_bytes: int, where: str) -> None:
               "phase must be 0 or 1")
         # Required: restore dispatches on it (a missing one was a KeyError, not a fallback).
         _need(isinstance(e.get("group"), str), w, "group must be a string")
+        if "shard" in e:
+            from ..core.sharded import validate as validate_shard
+
+            validate_shard(e["shard"], shape, lambda c, what, w=w: _need(c, w, what))
 
 
 def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:

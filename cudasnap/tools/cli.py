@@ -193,9 +193,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_export(a: argparse.Namespace) -> int:
     from ..storage import posix
-    from .export import check_export_target, export_torch
+    from .export import check_export_target, export_dcp, export_safetensors, export_torch
 
     check_export_target(a.directory, a.to_file)
+    if a.fmt != "torch":  # sharded snapshots too: every rank's files, CRC-verified on read
+        fn = export_dcp if a.fmt == "dcp" else export_safetensors
+        print(f"wrote {fn(a.directory, a.to_file, step=a.step)}")
+        return 0
     snaps = [s for s in posix.list_snapshots(a.directory) if a.step is None or s.step == a.step]
     if snaps:  # the checksums first, for a message with the file, chunk and hex CRCs
         ok, msg = _verify_one(snaps[0].path, _NoProgress())
@@ -293,9 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("directory", type=_directory_arg)
     q.add_argument("--step", type=int, default=None)
     q.set_defaults(fn=cmd_verify)
-    q = sub.add_parser("export", help="write a snapshot as a torch state_dict file")
+    q = sub.add_parser("export", help="write a snapshot as a torch state_dict file, a DCP "
+                       "checkpoint (sharded: loads on any mesh) or consolidated safetensors")
     q.add_argument("directory", type=Path)
-    q.add_argument("--to", dest="fmt", choices=["torch"], default="torch")
+    q.add_argument("--to", dest="fmt", choices=["torch", "dcp", "safetensors"], default="torch")
     q.add_argument("to_file", type=Path)
     q.add_argument("--step", type=int, default=None)
     q.set_defaults(fn=cmd_export)

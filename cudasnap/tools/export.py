@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, SnapshotError
+from ..errors import ConfigError, IncompatibleSnapshot, SnapshotError
 from ..format import codec, paths
 from ..format.manifest import torch_dtype
 from ..storage import posix
+
+log = logging.getLogger("cudasnap.export")
 
 
 def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -88,3 +92,215 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
     to_file = Path(to_file)
     torch.save(out, to_file)
     return to_file
+
+
+# ------------------------------------------------------------ sharded (multi-rank) snapshots
+def _step_dir(directory: Path, step: int | None) -> posix.StoredSnapshot:
+    snaps = posix.list_snapshots(Path(directory))
+    if step is not None:
+        snaps = [s for s in snaps if s.step == step]
+    # A multi-rank step counts only with its COMMIT marker (every rank's files durable).
+    snaps = [s for s in snaps if (s.path / paths.MANIFEST).is_file() or posix.is_committed(s.path)]
+    if not snaps:
+        raise SnapshotError(f"no committed snapshot{f' of step {step}' if step is not None else ''}"
+                            f" in {directory}")
+    return snaps[0]
+
+
+def load_shards(directory: Path, step: int | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """(step, one record per rank: {"rank", "manifest", "tensors": {name: local tensor}}) of
+    the newest committed snapshot, every rank's files verified. Offline: no process group."""
+    s = _step_dir(directory, step)
+    if (s.path / paths.MANIFEST).is_file():
+        rank_dirs = [s.path]
+    else:
+        commit = posix.read_commit(s.path)
+        missing = [r for r in range(int(commit["world_size"]))
+                   if not (s.path / paths.rank_dirname(r) / paths.MANIFEST).is_file()]
+        if missing:  # replicated ranks may be absent; the assembly checks coverage
+            log.info("%s: no files of rank(s) %s", s.path, missing)
+        rank_dirs = [s.path / paths.rank_dirname(r) for r in range(int(commit["world_size"]))
+                     if r not in missing]
+    out = []
+    for d in rank_dirs:
+        m = posix.load_manifest(d / paths.MANIFEST)
+        tensors, _ = _views(posix.read_data(d, m), m)
+        out.append({"rank": int(m.get("rank", 0)), "manifest": m, "tensors": tensors})
+    return s.step, out
+
+
+def _views(data: Any, m: dict[str, Any]) -> tuple[dict[str, Any], None]:
+    out = {}
+    for e in m["tensors"]:
+        dt = torch_dtype(e["dtype"])
+        n = e["nbytes"]
+        out[e["name"]] = data[e["offset"]:e["offset"] + n].view(dt).as_strided(
+            e["shape"], e["stride"]) if n else data[:0].view(dt).reshape(e["shape"])
+    return out, None
+
+
+def _chunks(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tensor name: dtype, global shape, and its distinct chunks {offset tuple: (rank,
+    local tensor)} (a replicated chunk once, from the lowest rank holding it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in sorted(ranks, key=lambda x: x["rank"]):
+        for e in r["manifest"]["tensors"]:
+            sh = e.get("shard")
+            if sh is not None:
+                bad = [p for p in sh["placements"] if not (p.startswith("Shard(") or
+                                                          p == "Replicate()")]
+                if bad:
+                    raise ConfigError(f"{e['name']}: placement {bad[0]} cannot be exported "
+                                      "offline (only Shard(d) and Replicate())")
+                gshape, off = sh["global_shape"], tuple(sh["offset"])
+            else:
+                gshape, off = e["shape"], tuple(0 for _ in e["shape"])
+            ent = out.setdefault(e["name"], {"dtype": e["dtype"], "shape": gshape, "chunks": {},
+                                             "group": e["group"], "aliases": e.get("aliases", [])})
+            if ent["shape"] != gshape or ent["dtype"] != e["dtype"]:
+                raise SnapshotError(f"{e['name']}: ranks disagree on its global shape or dtype")
+            ent["chunks"].setdefault(off, (r["rank"], r["tensors"][e["name"]]))
+    return out
+
+
+def full_tensors(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """(step, {name: full tensor}) assembled offline from every rank's local shards."""
+    import torch
+
+    step_, ranks = load_shards(directory, step)
+    out = {}
+    for name, ent in _chunks(ranks).items():
+        full = torch.zeros(ent["shape"], dtype=torch_dtype(ent["dtype"]))
+        covered = 0
+        for off, (_, t) in ent["chunks"].items():
+            full[tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
+            covered += t.numel()
+        if covered != full.numel():
+            raise SnapshotError(f"{name}: the ranks' shards cover {covered} of {full.numel()} "
+                                "elements (files of a rank missing?)")
+        out[name] = full
+        for a in ent["aliases"]:
+            out[a] = full.clone()
+    return step_, out
+
+
+def _model_key(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def export_safetensors(directory: Path, to_file: Path, step: int | None = None) -> Path:
+    """Consolidated full tensors (shards of every rank gathered offline) in a safetensors
+    file: model tensors under their ``state_dict`` keys, optimizer state under its
+    snapshot names (``optim.state.<param index>.<key>``)."""
+    from safetensors.torch import save_file
+
+    check_export_target(directory, to_file)
+    step_, full = full_tensors(directory, step)
+    tensors = {_model_key(k): v.contiguous() for k, v in full.items()}
+    save_file(tensors, str(to_file), metadata={"format": "pt", "cudasnap_step": str(step_)})
+    return Path(to_file)
+
+
+HOST_SIDECAR = "cudasnap_host.json"
+
+
+def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
+    """A torch.distributed.checkpoint checkpoint of a (sharded) snapshot, written by DCP's
+    own FileSystemWriter with per-chunk metadata, so ``dcp.load`` reshards it onto any mesh.
+
+    Keys: ``model.<state_dict key>`` (as ``dcp.load({"model": model.state_dict()}, ...)``
+    flattens them) and ``optim.state.<param index>.<key>``; the optimizer's param groups
+    and the step go to ``cudasnap_host.json`` beside it (read by ``load_resharded``).
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"export target {out_dir} exists and is not empty")
+    step_, ranks = load_shards(directory, step)
+    chunks = _chunks(ranks)
+    order = sorted({r["rank"] for r in ranks})
+    items: dict[int, list[Any]] = {r: [] for r in order}
+    data: dict[MetadataIndex, Any] = {}
+    md: dict[str, Any] = {}
+    for name, ent in chunks.items():
+        names = [name, *ent["aliases"]]
+        props = TensorProperties(dtype=torch_dtype(ent["dtype"]))
+        for fqn in names:
+            cks = []
+            for off, (rank, t) in ent["chunks"].items():
+                idx = MetadataIndex(fqn, torch.Size(off))
+                ck = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(t.shape))
+                cks.append(ck)
+                items[rank].append(WriteItem(index=idx, type=WriteItemType.SHARD,
+                                             tensor_data=TensorWriteData(
+                                                 chunk=ck, properties=props,
+                                                 size=torch.Size(ent["shape"]))))
+                data[idx] = t.contiguous()
+            md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(ent["shape"]),
+                                            chunks=cks)
+
+    class _Source:  # what FileSystemWriter.write_data asks of a planner
+        @staticmethod
+        def resolve_data(item: Any) -> Any:
+            return data[item.index]
+
+    writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, sync_files=True)
+    writer.reset(str(out_dir))
+    writer.set_up_storage_writer(True)
+    plans = writer.prepare_global_plan(
+        [writer.prepare_local_plan(SavePlan(items[r])) for r in order])
+    results = [writer.write_data(p, _Source()).wait() for p in plans]  # type: ignore[arg-type]
+    writer.finish(Metadata(state_dict_metadata=md), results)
+    m0 = ranks[0]["manifest"]
+    host = codec.decode(m0["host"], "host")
+    side = {"step": step_, "world_size": m0.get("world_size", 1),
+            "optim": {k: {"param_groups": v.get("param_groups"), "class": v.get("class")}
+                      for k, v in host.get("optim", {}).items()}}
+    (out_dir / HOST_SIDECAR).write_text(codec.dumps(side, "export"))
+    return out_dir
+
+
+def load_resharded(checkpoint: str | Path, model: Any, optimizer: Any = None) -> int:
+    """Loads a ``cudasnap export --to dcp`` checkpoint into ``model`` (and ``optimizer``) on
+    any mesh or world size (DCP reshards: call it on every rank); returns the step to
+    resume at. RNG and ``extra`` state are per rank and not carried over."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    checkpoint = Path(checkpoint)
+    side = codec.loads((checkpoint / HOST_SIDECAR).read_text(), str(checkpoint / HOST_SIDECAR))
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
+    params: list[Any] = []
+    if optimizer is not None:
+        _init_optim_state(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    sd[f"optim.state.{i}.{k}"] = v
+    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=str(checkpoint), no_dist=no_dist)
+    if optimizer is not None:
+        saved = (side.get("optim") or {}).get("optim") or next(iter(side.get("optim", {}).values()),
+                                                                None)
+        if saved and saved.get("param_groups"):
+            if len(saved["param_groups"]) != len(optimizer.param_groups):
+                raise IncompatibleSnapshot(
+                    f"{checkpoint}: {len(saved['param_groups'])} param groups saved, the "
+                    f"optimizer has {len(optimizer.param_groups)}")
+            for g, s in zip(optimizer.param_groups, saved["param_groups"]):
+                g.update({k: v for k, v in s.items() if k != "params"})
+    return int(side["step"]) + 1

@@ -35,6 +35,7 @@ from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage import posix
+from .standby import Standby
 
 log = logging.getLogger("cudasnap.run")
 
@@ -224,8 +225,12 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
               shm_dir: Path | None = None, inject_first: str | None = None,
               watchdog_s: float | None = None, extra_env: dict[str, str] | None = None,
               report: list[dict[str, Any]] | None = None, auto: bool = False,
-              fresh: bool = False) -> int:
+              fresh: bool = False, warm: bool = True) -> int:
     """Runs ``cmd`` until it exits 0 or ``max_restarts`` restarts are used; returns its code.
+
+    ``warm``: keep the next attempt's interpreter started, torch imported, waiting
+    (``python SCRIPT``/``python -m MODULE`` commands; cudasnap.tools.standby), so a
+    restart skips the imports; ``--no-warm`` starts every attempt cold.
 
     Bad input (no or unknown command, a directory that is a file or busy) raises
     ConfigError before anything is started or touched.
@@ -254,7 +259,8 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
                 log.warning("resuming from %s in %s; pass --fresh to start over", where, directory)
         return _supervise_locked(cmd, directory, job, shm, max_restarts=max_restarts,
                                  inject_first=inject_first, watchdog_s=watchdog_s,
-                                 extra_env=extra_env, report=report, auto=auto)
+                                 extra_env=extra_env, report=report, auto=auto,
+                                 warm_next=warm)
     finally:
         lock.release()
 
@@ -262,7 +268,7 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
 def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                       max_restarts: int, inject_first: str | None, watchdog_s: float | None,
                       extra_env: dict[str, str] | None, report: list[dict[str, Any]] | None,
-                      auto: bool) -> int:
+                      auto: bool, warm_next: bool = True) -> int:
     # Load the extension (and torch) now, beside the first attempt: after a death the
     # flush must start at once, not after a multi-second import.
     preload = threading.Thread(target=native, name="cudasnap-preload", daemon=True)
@@ -286,28 +292,38 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             flusher.join()
         return rc if rc >= 0 else 128 - rc
 
+    def attempt_env(n: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": str(directory),
+                    "CUDASNAP_JOB": job, "CUDASNAP_SHM_DIR": str(shm),
+                    "CUDASNAP_RESTART": str(n), "CUDASNAP_SUPERVISED": "1"})
+        if watchdog_s:
+            env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
+        if auto:
+            env["CUDASNAP_AUTO"] = "1"
+            pkg = Path(__file__).resolve().parents[1]  # cudasnap/
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(pkg / "_autoload"), str(pkg.parent)] +
+                ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        if inject_first and n == 0:
+            env["CUDASNAP_INJECT"] = inject_first
+        elif n > 0:
+            env.pop("CUDASNAP_INJECT", None)
+        env.update(extra_env or {})
+        return env
+
+    standby: Standby | None = None
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         while True:
-            env = dict(os.environ)
-            env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": str(directory),
-                        "CUDASNAP_JOB": job, "CUDASNAP_SHM_DIR": str(shm),
-                        "CUDASNAP_RESTART": str(attempt), "CUDASNAP_SUPERVISED": "1"})
-            if watchdog_s:
-                env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
-            if auto:
-                env["CUDASNAP_AUTO"] = "1"
-                pkg = Path(__file__).resolve().parents[1]  # cudasnap/
-                env["PYTHONPATH"] = os.pathsep.join(
-                    [str(pkg / "_autoload"), str(pkg.parent)] +
-                    ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-            if inject_first and attempt == 0:
-                env["CUDASNAP_INJECT"] = inject_first
-            elif attempt > 0:
-                env.pop("CUDASNAP_INJECT", None)
-            env.update(extra_env or {})
             t_start = time.time()
-            child = subprocess.Popen(cmd, env=env)
+            warm = standby.go() if standby is not None else None
+            standby = None
+            child = warm if warm is not None else subprocess.Popen(cmd, env=attempt_env(attempt))
+            if warm_next and attempt < max_restarts:
+                # The next attempt's interpreter, torch imported, waiting for this one's
+                # death (cudasnap.tools.standby): a restart then skips the imports.
+                standby = Standby.spawn(cmd, attempt_env(attempt + 1))
             if stop_requested and child.poll() is None:
                 # The signal came before this child existed (or during the restart
                 # gap): it must not run on as if nothing had been asked.
@@ -316,7 +332,8 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             rc = child.wait()  # blocking waitpid: the death is noticed at once
             t_dead = time.time()
             entry: dict[str, Any] = {"attempt": attempt, "rc": rc, "started": t_start,
-                                     "died": t_dead, "exit": describe_exit(rc)}
+                                     "died": t_dead, "exit": describe_exit(rc),
+                                     "warm": warm is not None}
             if report is not None:
                 report.append(entry)
             if rc == 0:  # finished: never restarted
@@ -353,6 +370,8 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             attempt += 1
             log.warning("restarting (restart %d of %d)", attempt, max_restarts)
     finally:
+        if standby is not None:
+            standby.cancel()
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -368,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="transparent mode for scripts without cudasnap code (no bitwise resume)")
     p.add_argument("--fresh", action="store_true",
                    help="start over: move the directory's snapshots aside, ignore its arenas")
+    p.add_argument("--no-warm", action="store_true",
+                   help="no warm standby: every restart imports torch anew (saves its memory)")
     p.add_argument("--debug", action="store_true", help="tracebacks for errors")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command ...")
     a = p.parse_args(argv)
@@ -379,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.watchdog is not None and not a.watchdog > 0:
             raise ConfigError(f"--watchdog must be a positive number of seconds, not {a.watchdog}")
         return supervise(cmd, Path(a.dir), max_restarts=a.max_restarts, inject_first=a.inject,
-                         watchdog_s=a.watchdog, auto=a.auto, fresh=a.fresh)
+                         watchdog_s=a.watchdog, auto=a.auto, fresh=a.fresh,
+                         warm=not a.no_warm)
     except (SnapshotError, OSError) as e:
         if a.debug:
             raise

@@ -20,11 +20,17 @@ from __future__ import annotations
 import logging
 import os
 import runpy
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 log = logging.getLogger("cudasnap.standby")
+
+# Set in the standby process when "go" arrives (the resumed script reads it through
+# sys.modules["cudasnap.tools.standby"] to report its recovery time honestly).
+go_time: float | None = None
+ready_time: float | None = None
 
 def warm_command(cmd: list[str]) -> list[str] | None:
     """``cmd`` without its interpreter when a standby can run it (``[script, args..]`` or
@@ -66,6 +72,63 @@ def run(args: list[str]) -> None:
         runpy.run_path(args[0], run_name="__main__")
 
 
+class Standby:
+    """Supervisor side: one warm interpreter for the next attempt of ``cmd``.
+
+    ``Standby.spawn(cmd, env)`` returns None when ``cmd`` cannot run warm. ``go()``
+    releases it and returns its Popen (None if it died meanwhile: start cold);
+    ``cancel()`` closes the pipe and kills and reaps it.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], wfd: int) -> None:
+        self.proc, self._w = proc, wfd
+
+    @classmethod
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> Standby | None:
+        args = warm_command(cmd)
+        if args is None:
+            return None
+        r, w = os.pipe()
+        try:
+            # Own process group: a terminal's Ctrl-C must not kill a standby that has
+            # not started (the supervisor forwards signals to the running attempt).
+            proc = subprocess.Popen([cmd[0], "-m", "cudasnap.tools.standby", str(r), "--", *args],
+                                    env=env, pass_fds=(r,), start_new_session=True)
+        except OSError as e:
+            os.close(w)
+            log.warning("no warm standby (%s): the next restart starts cold", e)
+            return None
+        finally:
+            os.close(r)
+        return cls(proc, w)
+
+    def go(self) -> subprocess.Popen[bytes] | None:
+        """Starts the script in the standby; None (and reaped) if it is gone."""
+        if self.proc.poll() is None:
+            try:
+                os.write(self._w, b"go\n")
+            except OSError:  # it died between poll() and write(): EPIPE
+                pass
+            else:
+                self._close()
+                return self.proc
+        log.warning("warm standby exited early (%s): starting cold", self.proc.poll())
+        self.cancel()
+        return None
+
+    def cancel(self) -> None:
+        """Ends an unused standby at once (it holds no state: nothing to wait for)."""
+        self._close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def _close(self) -> None:
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+
+
 def main() -> int:
     fd = int(sys.argv[1])
     args = sys.argv[2:]
@@ -74,10 +137,15 @@ def main() -> int:
     t0 = time.monotonic()
     preload()
     log.debug("standby ready in %.2f s", time.monotonic() - t0)
+    ready = time.time()
     with os.fdopen(fd, "rb", buffering=0) as f:
         line = f.readline()
     if line.strip() != b"go":
         return 0  # cancelled: the supervisor is done or gone
+    # This file runs as __main__; the script finds the times under the module's name.
+    import cudasnap.tools.standby as named
+
+    named.ready_time, named.go_time = ready, time.time()
     run(args)
     return 0
 

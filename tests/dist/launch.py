@@ -69,7 +69,7 @@ def cleanup_arenas(job: str) -> None:
 
 def run(base: Path, *, nproc: int = 4, max_restarts: int = 1, env: dict[str, str] | None = None,
         job: str | None = None, out: str = "out", ckpt: str = "ckpt",
-        timeout: float = 240.0) -> Run:
+        timeout: float = 240.0, script: Path = JOB_SCRIPT) -> Run:
     """torchrun --standalone --nnodes=1 --nproc-per-node=NPROC --max-restarts=M ddp_train.py."""
     import time
 
@@ -84,7 +84,7 @@ def run(base: Path, *, nproc: int = 4, max_restarts: int = 1, env: dict[str, str
     e.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-           "--monitor-interval=0.1", str(JOB_SCRIPT)]
+           "--monitor-interval=0.1", str(script)]
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
