@@ -70,6 +70,8 @@ CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
       for (int k = 1; k < 3; ++k)  // waited on by the completion thread: sleep, do not spin
         CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(
             &ev_[r][k], cudaEventDisableTiming | cudaEventBlockingSync));
+      for (int k = 0; k < kMarks; ++k)
+        CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_mark_[r][k], cudaEventDisableTiming));
     }
     completion_ = std::thread([this] { completion_loop(); });
   } catch (...) {
@@ -96,6 +98,10 @@ void CudaCopyEngine::release_cuda() noexcept {
     for (int k = 0; k < 3; ++k) {
       if (ev_[r][k]) (void)cudaEventDestroy(ev_[r][k]);
       ev_[r][k] = nullptr;
+    }
+    for (int k = 0; k < kMarks; ++k) {
+      if (ev_mark_[r][k]) (void)cudaEventDestroy(ev_mark_[r][k]);
+      ev_mark_[r][k] = nullptr;
     }
     // cudaFreeHost may synchronize with the device: on a hung GPU leak the
     // (small) descriptor buffers rather than hang the process's exit.
@@ -162,11 +168,36 @@ bool CudaCopyEngine::busy() const {
 // --------------------------------------------------------------- submit
 
 void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev,
-                           int ring, uint64_t& desc_used) {
+                           int ring, uint64_t& desc_used,
+                           std::vector<std::pair<int, uint64_t>>* marks) {
   uint64_t first_desc = desc_used;
-  uint64_t memcpys = 0;
+  uint64_t memcpys = 0, gathered = 0;
+  // Small ranges go to one gather kernel per group, launched before the group's mark.
+  auto launch_pending = [&] {
+    uint64_t n = desc_used - first_desc;
+    if (!n) return;
+    GatherDesc* dev_desc = nullptr;
+    CUDASNAP_CUDA_CHECK(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_desc), desc_[ring], 0));
+    CUDASNAP_CUDA_CHECK(launch_gather(dev_desc + first_desc, static_cast<int>(n), copy_stream_));
+    gathered += n;
+    first_desc = desc_used;
+  };
+  // Ranges are sorted by dst, host ranges are written at submit and phase 0 completes
+  // before phase 1 starts (same stream): once every range before r has landed, every
+  // byte of the data area below r.dst has. A mark there lets the completion thread
+  // checksum those chunks while the DMA goes on.
+  const uint64_t group = std::max(plan.chunk_bytes * 4, plan.total_bytes / (kMarks + 1));
+  uint64_t next_mark = plan.phase0_bytes + group;
   for (const PlanRange& r : plan.ranges) {
     if (r.host || r.phase != phase || r.nbytes == 0) continue;
+    if (marks && r.dst >= next_mark && marks->size() < size_t(kMarks)) {
+      launch_pending();
+      int k = static_cast<int>(marks->size());
+      CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
+      marks->emplace_back(k, r.dst / plan.chunk_bytes);
+      next_mark = r.dst + group;
+    }
     if (gather_small_ && r.nbytes < gather_max_) {
       desc_[ring][desc_used++] = GatherDesc{r.src, data_dev + r.dst, r.nbytes};
       continue;
@@ -175,15 +206,9 @@ void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint6
                                         r.nbytes, cudaMemcpyDeviceToHost, copy_stream_));
     ++memcpys;
   }
+  launch_pending();
   last_memcpy_.fetch_add(memcpys);
-  uint64_t n = desc_used - first_desc;
-  if (n) {
-    GatherDesc* dev_desc = nullptr;
-    CUDASNAP_CUDA_CHECK(
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_desc), desc_[ring], 0));
-    CUDASNAP_CUDA_CHECK(launch_gather(dev_desc + first_desc, static_cast<int>(n), copy_stream_));
-    last_gathered_.fetch_add(n);
-  }
+  last_gathered_.fetch_add(gathered);
 }
 
 std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
@@ -300,7 +325,7 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
                                              reinterpret_cast<void*>(uintptr_t(us))));
     issue(*plan, 0, data, data_dev, ring, desc_used);
     CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][1], copy_stream_));
-    issue(*plan, 1, data, data_dev, ring, desc_used);
+    issue(*plan, 1, data, data_dev, ring, desc_used, &w->marks);
     CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -416,9 +441,20 @@ void CudaCopyEngine::finish(Work& w) {
     const uint64_t split = p0_full * plan.chunk_bytes;
     zero_pads(0, split);
     crc_chunks(plan, data, table, 0, p0_full);
+    // Phase 1: checksum each part as its mark completes, overlapped with the DMA
+    // of the rest (boundary -> COMPLETE close to the copy time itself).
+    uint64_t done = p0_full;
+    for (const auto& [k, covered] : w.marks) {
+      wait_event(ev_mark_[w.ring][k], deadline, "a part of the snapshot copy");
+      const uint64_t upto = std::min(covered, nchunks);
+      if (upto <= done) continue;
+      zero_pads(done * plan.chunk_bytes, upto * plan.chunk_bytes);
+      crc_chunks(plan, data, table, done, upto);
+      done = upto;
+    }
     wait_event(ev_[w.ring][2], deadline, "the snapshot copy");
-    zero_pads(split, plan.total_bytes);
-    crc_chunks(plan, data, table, p0_full, nchunks);
+    zero_pads(done * plan.chunk_bytes, plan.total_bytes);
+    crc_chunks(plan, data, table, done, nchunks);
     // A job a fence gave up on (cancelled) is never published: the trainer
     // went on writing while it copied.
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, job.begin_commit(), "cancelled: " << job.error());

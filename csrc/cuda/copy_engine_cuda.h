@@ -80,13 +80,18 @@ class CudaCopyEngine : public CopyEngine {
     int slot = -1;
     int ring = 0;
     std::vector<std::pair<uint64_t, uint64_t>> pads;  // [lo, hi) of the data area to zero
+    // Progress marks of phase 1: (event index in ev_mark_[ring], chunks below it that
+    // are whole once it completes): their CRC runs while the rest still copies.
+    std::vector<std::pair<int, uint64_t>> marks;
   };
   void completion_loop();
   void finish(Work& w);
   void crc_chunks(const CopyPlan& plan, const uint8_t* data, uint32_t* table, uint64_t c0,
                   uint64_t c1);
+  // Issues `phase`'s device ranges; with `marks`, also records progress events
+  // (at most kMarks, one per ~1/(kMarks+1) of the data) between them.
   void issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev, int ring,
-             uint64_t& desc_used);
+             uint64_t& desc_used, std::vector<std::pair<int, uint64_t>>* marks = nullptr);
   void release_cuda() noexcept;
   // Polls `ev` until it completes; throws on a CUDA error, on `deadline_ns`
   // (monotonic) passing (sets hung_) or when shutdown() abandons the copy.
@@ -97,7 +102,9 @@ class CudaCopyEngine : public CopyEngine {
   bool gather_small_;
   uint64_t gather_max_;
   cudaStream_t copy_stream_ = nullptr;
+  static constexpr int kMarks = 8;
   cudaEvent_t ev_[kRing][3] = {};  // ready, phase0, done
+  cudaEvent_t ev_mark_[kRing][kMarks] = {};  // phase-1 progress (checksums as chunks land)
   GatherDesc* desc_[kRing] = {};   // mapped pinned descriptor buffers (gather only)
   uint64_t desc_cap_[kRing] = {};
   int ring_next_ = 0;
