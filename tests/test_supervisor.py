@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -87,26 +88,50 @@ def test_a_directory_held_by_a_plain_job_is_not_supervised(snap_env):
 
 def test_disk_full_during_the_orphan_flush_keeps_the_arena_and_restarts(snap_env, server,
                                                                         monkeypatch):
-    """Item 3: the flush fails (ENOSPC): logged, the arena kept, the child restarted."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDASNAP_")}
-    env.update({"CUDASNAP_DIR": str(snap_env.dir), "CUDASNAP_JOB": snap_env.job,
-                "OMP_NUM_THREADS": "1"})
-    p = server.spawn(["--steps", 3, "--stats", snap_env.tmp / "stats.jsonl", "--exit-hard"],
-                     env, snap_env.tmp / "log")
-    assert p.wait() == 0, (snap_env.tmp / "log").read_text()
-    arena = snap_env.shm / f"cudasnap-{snap_env.job}-r0.arena"
-    assert arena.exists()
+    """Item 3: the supervisor's flush fails (ENOSPC): logged, the arena kept, the child
+    restarted, and the restarted trainer resumes from that arena (shared memory)."""
+    import json
 
     def full(*_a, **_k):
         raise FlushError("posix_fallocate failed: No space left on device")
 
-    monkeypatch.setattr(posix, "write_slot", full)
+    monkeypatch.setattr(posix, "write_slot", full)  # the supervisor's flush only
+    stats = snap_env.tmp / "stats.jsonl"
     report: list[dict] = []
-    rc = supervise(["sh", "-c", '[ "$CUDASNAP_RESTART" = 0 ] && exit 3; exit 0'], snap_env.dir,
-                   max_restarts=1, report=report)
-    assert rc == 0 and [e["rc"] for e in report] == [3, 0], report
+    cmd = server.client_cmd(["--steps", 6, "--stats", stats, "--kill-at", 3,
+                             "--kill-phase", "post_wait"])
+    rc = supervise(cmd, snap_env.dir, max_restarts=1, report=report, warm=False,
+                   extra_env={**server.client_env(snap_env.tmp / "log"), "OMP_NUM_THREADS": "1"})
+    assert rc == 0 and [e["rc"] for e in report] == [-signal.SIGKILL, 0], report
     assert "No space left" in report[0]["flushed"][0]["error"]
-    assert arena.exists() and not posix.list_snapshots(snap_env.dir)
+    evs = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
+    resumed = [e for e in evs if e["ev"] == "start" and e["attempt"] == 1]
+    assert len(resumed) == 1 and resumed[0]["restore"]["source"] == "shm", evs
+    assert resumed[0]["start"] == 4, evs  # step 3 was COMPLETE in the kept arena
+
+
+def test_a_long_orphan_flush_runs_beside_the_restart(snap_env, server, monkeypatch):
+    """Item 7 with a real arena: the supervisor's flush of the dead child's slot (slowed
+    to 3 s here) does not hold the restart up; it finishes while the new child runs."""
+    real = posix.write_slot
+
+    def slow(*a, **k):
+        time.sleep(3.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(posix, "write_slot", slow)
+    stats = snap_env.tmp / "stats.jsonl"
+    report: list[dict] = []
+    cmd = server.client_cmd(["--steps", 6, "--stats", stats, "--kill-at", 3,
+                             "--kill-phase", "post_wait"])
+    rc = supervise(cmd, snap_env.dir, max_restarts=1, report=report, warm=False,
+                   extra_env={**server.client_env(snap_env.tmp / "log"), "OMP_NUM_THREADS": "1"})
+    assert rc == 0 and len(report) == 2, report
+    dead, flush = report[0], report[0]["flushed"]
+    assert flush and flush[0].get("step") == 3 and not flush[0].get("error"), flush
+    assert report[1]["started"] - dead["died"] < 0.5, report
+    assert dead["flush_done"] - report[1]["started"] > 2.0, report  # the flush ran beside it
+    assert 3 in [s.step for s in posix.list_snapshots(snap_env.dir)]
 
 
 def test_a_clean_exit_is_not_restarted(snap_env):
