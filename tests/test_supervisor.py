@@ -86,6 +86,17 @@ def test_a_directory_held_by_a_plain_job_is_not_supervised(snap_env):
     assert not (snap_env.tmp / "ran").exists()
 
 
+def _killed_at_3_and_restarted(snap_env, server) -> tuple[int, list[dict], Path]:
+    """A trainer (6 steps) SIGKILLed after step 3 is COMPLETE, under supervise()."""
+    stats = snap_env.tmp / "stats.jsonl"
+    report: list[dict] = []
+    cmd = server.client_cmd(["--steps", 6, "--stats", stats, "--kill-at", 3,
+                             "--kill-phase", "post_wait"])
+    rc = supervise(cmd, snap_env.dir, max_restarts=1, report=report, warm=False,
+                   extra_env={**server.client_env(snap_env.tmp / "log"), "OMP_NUM_THREADS": "1"})
+    return rc, report, stats
+
+
 def test_disk_full_during_the_orphan_flush_keeps_the_arena_and_restarts(snap_env, server,
                                                                         monkeypatch):
     """Item 3: the supervisor's flush fails (ENOSPC): logged, the arena kept, the child
@@ -96,12 +107,7 @@ def test_disk_full_during_the_orphan_flush_keeps_the_arena_and_restarts(snap_env
         raise FlushError("posix_fallocate failed: No space left on device")
 
     monkeypatch.setattr(posix, "write_slot", full)  # the supervisor's flush only
-    stats = snap_env.tmp / "stats.jsonl"
-    report: list[dict] = []
-    cmd = server.client_cmd(["--steps", 6, "--stats", stats, "--kill-at", 3,
-                             "--kill-phase", "post_wait"])
-    rc = supervise(cmd, snap_env.dir, max_restarts=1, report=report, warm=False,
-                   extra_env={**server.client_env(snap_env.tmp / "log"), "OMP_NUM_THREADS": "1"})
+    rc, report, stats = _killed_at_3_and_restarted(snap_env, server)
     assert rc == 0 and [e["rc"] for e in report] == [-signal.SIGKILL, 0], report
     assert "No space left" in report[0]["flushed"][0]["error"]
     evs = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
@@ -120,12 +126,7 @@ def test_a_long_orphan_flush_runs_beside_the_restart(snap_env, server, monkeypat
         return real(*a, **k)
 
     monkeypatch.setattr(posix, "write_slot", slow)
-    stats = snap_env.tmp / "stats.jsonl"
-    report: list[dict] = []
-    cmd = server.client_cmd(["--steps", 6, "--stats", stats, "--kill-at", 3,
-                             "--kill-phase", "post_wait"])
-    rc = supervise(cmd, snap_env.dir, max_restarts=1, report=report, warm=False,
-                   extra_env={**server.client_env(snap_env.tmp / "log"), "OMP_NUM_THREADS": "1"})
+    rc, report, stats = _killed_at_3_and_restarted(snap_env, server)
     assert rc == 0 and len(report) == 2, report
     dead, flush = report[0], report[0]["flushed"]
     assert flush and flush[0].get("step") == 3 and not flush[0].get("error"), flush
