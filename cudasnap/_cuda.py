@@ -17,11 +17,19 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ._native import native
 from .errors import ConfigError, SnapshotError
+
+if TYPE_CHECKING:  # the stub only: importing this module loads no extension
+    from ._C import AllocatorRegistry, Arena, CudaCopyEngine
+
+#: per span: (block addr, block size, segment addr, segment size), or why it is not tracked
+Located = tuple[int, int, int, int] | str
+#: coalesce(): (ranges [(addr, nbytes)], placement [(range index, offset)])
+Coalesced = tuple[list[tuple[int, int]], list[tuple[int, int]]]
 
 log = logging.getLogger("cudasnap")
 
@@ -57,7 +65,7 @@ def _spans(items: Iterable[Any], index: int | None = None) -> list[tuple[int, in
     return out
 
 
-def pin_arena(arena: Any, device: int) -> tuple[Any, str | None]:
+def pin_arena(arena: Arena, device: int) -> tuple[Arena, str | None]:
     """Page-locks ``arena`` (cudaHostRegister) for DMA from ``device``: (arena, None).
 
     Where the shared-memory arena cannot be registered (VMs, gVisor, memlock
@@ -98,12 +106,12 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
         self.index = int(index)
         C = native()
-        self.engine = C.CudaCopyEngine(self.index, int(crc_threads), bool(gather_small))
+        self.engine: CudaCopyEngine = C.CudaCopyEngine(self.index, int(crc_threads), bool(gather_small))
         self.engine.wait_timeout_s = float(wait_timeout_s)
-        self.registry: Any = None
+        self.registry: AllocatorRegistry | None = None
         self.tracker_error: str | None = None
         self.fallback_reason: str | None = None  # why the arena is process-private
-        self._arenas: list[Any] = []  # arenas we cudaHostRegister'ed (held until unregistered)
+        self._arenas: list[Arena] = []  # arenas we cudaHostRegister'ed (held until unregistered)
         self._keys = itertools.count(1)
         self._closed = False
         if track:
@@ -115,7 +123,8 @@ class CudaBackend:
                             "checked against the named tensors instead", e)
 
     # ------------------------------------------------------------ staging
-    def prepare_arena(self, arena: Any, owner: Any = None, reason: str | None = None) -> Any:
+    def prepare_arena(self, arena: Arena | Callable[[], Arena], owner: object = None,
+                      reason: str | None = None) -> Arena:
         """Page-locks ``arena`` (an Arena, or a callable returning one) for DMA.
 
         An arena already page-locked (by :func:`pin_arena` on the background
@@ -150,7 +159,7 @@ class CudaBackend:
                 except SnapshotError as e:
                     log.warning("cudasnap: cudaHostUnregister failed: %s", e)
 
-    def release_arena(self, arena: Any, timeout: float = 120.0) -> bool:
+    def release_arena(self, arena: Arena, timeout: float = 120.0) -> bool:
         """Unregisters ``arena`` now (waits up to ``timeout`` s for a running copy first).
 
         False (and the arena stays registered) when the copy is still running.
@@ -194,7 +203,7 @@ class CudaBackend:
         d["device"] = self.index
         return d
 
-    def locate(self, spans: Iterable[Any]) -> list[Any]:
+    def locate(self, spans: Iterable[Any]) -> list[Located]:
         """Per span: (block_addr, block_size, segment_addr, segment_size) or an error string."""
         if self.registry is None:
             return [f"allocator tracking unavailable: {self.tracker_error}"
@@ -212,7 +221,7 @@ class CudaBackend:
                      "named-tensor spans", len(bad), bad[0])
         return not bad
 
-    def coalesce(self, spans: Iterable[Any], merge_gap: int = 4096) -> tuple[list, list]:
+    def coalesce(self, spans: Iterable[Any], merge_gap: int = 4096) -> Coalesced:
         """(ranges, placement): spans merged within segments (never across)."""
         if self.registry is None:
             raise SnapshotError(f"allocator tracking unavailable: {self.tracker_error}")

@@ -19,7 +19,7 @@ from typing import Any
 from ..config import Settings
 from ..errors import ConfigError
 from .events import EventLog
-from .flush_round import FlushRounds
+from .flush_round import FlushRounds, RoundResult
 from .kv import KV
 from .liveness import Liveness
 from .local import LocalSnapshots
@@ -96,7 +96,7 @@ class Coordinator:
         return self.live.dead
 
     @property
-    def last_flush(self) -> dict[str, Any] | None:
+    def last_flush(self) -> RoundResult | None:
         return self.rounds.last
 
     @property
