@@ -24,7 +24,7 @@ from ._native import native
 from .errors import ConfigError, SnapshotError
 
 if TYPE_CHECKING:  # the stub only: importing this module loads no extension
-    from ._C import AllocatorRegistry, Arena, CudaCopyEngine
+    from cudasnap._C import AllocatorRegistry, Arena, CudaCopyEngine
 
 #: per span: (block addr, block size, segment addr, segment size), or why it is not tracked
 Located = tuple[int, int, int, int] | str

@@ -42,7 +42,7 @@ from .liveness import Liveness
 from .local import LocalSnapshots
 
 if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
-    from .._C import Arena
+    from cudasnap._C import Arena
 
 log = logging.getLogger("cudasnap.dist")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..format import paths
 
 if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
-    from .._C import Arena
+    from cudasnap._C import Arena
 
 
 class LocalSnapshots(Protocol):

@@ -30,7 +30,7 @@ from ..errors import CorruptSnapshot, IncompatibleSnapshot
 from .paths import DATA
 
 if TYPE_CHECKING:  # the stub only
-    from .._C import SlotInfo
+    from cudasnap._C import SlotInfo
 
 FORMAT = "cudasnap"
 FORMAT_VERSION = 1

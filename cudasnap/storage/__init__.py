@@ -26,7 +26,8 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing cudasnap.storage loads neither torch nor _C
     import torch
 
-    from .._C import Arena
+    from cudasnap._C import Arena
+
     from ..format.manifest import Manifest
     from .fsspec import FsspecStorage, RemoteSnapshot, SnapshotRef
 

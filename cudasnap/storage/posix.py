@@ -59,7 +59,7 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
 
-    from .._C import Arena
+    from cudasnap._C import Arena
 
 log = logging.getLogger("cudasnap.storage.posix")
 
