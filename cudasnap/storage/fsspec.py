@@ -46,13 +46,13 @@ from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit, encode_latest
 from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname, url_hash
-from . import posix
+from . import counters, posix
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
 
-    from .._C import Arena
+    from cudasnap._C import Arena
 
 log = logging.getLogger("cudasnap.storage.fsspec")
 
@@ -207,7 +207,8 @@ class FsspecStorage:
             with self.fs.open(f"{key}/{DATA}", "wb", block_size=UPLOAD_BLOCK) as f:
                 view = arena.data_view(slot, nbytes) if nbytes else memoryview(b"")
                 for off in range(0, nbytes, UPLOAD_BLOCK):
-                    f.write(view[off:off + UPLOAD_BLOCK])
+                    # (a full block is uploaded as one part before write() returns)
+                    counters.add_written(f.write(view[off:off + UPLOAD_BLOCK]))
                     kill_point("upload")
             write_s = time.perf_counter() - t1
             self.fs.pipe_file(f"{key}/{MANIFEST}",
@@ -300,6 +301,7 @@ class FsspecStorage:
                     if not n:
                         raise CorruptSnapshot(f"{self._url(key)} ended at byte {off} of {nbytes}")
                     off += n
+                    counters.add_read(n)
         except OSError as e:
             raise CorruptSnapshot(f"cannot read {self._url(key)}: {e}") from e
         bad = native().verify_buffer(buf.data_ptr(), nbytes, int(d["chunk_bytes"]),
