@@ -12,6 +12,8 @@ snapshot refs and COMMIT records brought out, each reproduced here.
   (which makes the vote try an older step).
 * A COMMIT record's ``replica_groups`` is untrusted JSON: a non-list raised TypeError
   from ``len()`` instead of the IncompatibleSnapshot naming the world sizes.
+* ``replicas=`` that is not "auto"/"all"/"none" or rank groups raised a raw
+  TypeError/ValueError from ``int()``; now a ConfigError naming the value.
 """
 from __future__ import annotations
 
@@ -111,3 +113,13 @@ def test_world_change_with_a_malformed_commit_record_is_incompatible(groups):
     with pytest.raises(IncompatibleSnapshot, match="saved by 4 ranks, this job has 2"):
         _vote()._check_world(5, 4, groups, "DIR/step-00000005")
     _vote()._check_world(5, 4, [[0, 1, 2, 3]], "DIR")  # replicated then and now: fine
+
+
+@pytest.mark.parametrize("bad", ["bogus", 5, [[0, "x"], [1]], [0, 1], [[0.0], [1]]])
+def test_malformed_replicas_are_a_config_error_naming_them(bad):
+    from cudasnap.dist.coordinator import replica_groups
+
+    with pytest.raises(ConfigError, match=r"replicas=.*expected 'auto', 'all', 'none' or a list"):
+        replica_groups(bad, 2, False)
+    assert replica_groups([[1, 0]], 2, False) == [[0, 1]]
+    assert replica_groups("none", 2, True) == [[0], [1]]
