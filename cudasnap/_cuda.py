@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 from ._native import native
 from .errors import ConfigError, SnapshotError
 
-if TYPE_CHECKING:  # the stub only: importing this module loads no extension
+if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor the extension
+    import torch
+
     from cudasnap._C import AllocatorRegistry, Arena, CudaCopyEngine
 
 #: per span: (block addr, block size, segment addr, segment size), or why it is not tracked
@@ -37,7 +39,7 @@ log = logging.getLogger("cudasnap")
 AUTO_DRAIN_EVENTS = 16384
 
 
-def tensor_span_bytes(t: Any) -> int:
+def tensor_span_bytes(t: torch.Tensor) -> int:
     """Bytes a (possibly strided) tensor view spans in its storage."""
     if t.numel() == 0:
         return 0
@@ -93,7 +95,7 @@ def pin_arena(arena: Arena, device: int) -> tuple[Arena, str | None]:
 class CudaBackend:
     """The CUDA copy engine of one device, its staging arena and allocator tracking."""
 
-    def __init__(self, device: Any, crc_threads: int = 4, *, track: bool = True,
+    def __init__(self, device: torch.device | str | int, crc_threads: int = 4, *, track: bool = True,
                  gather_small: bool = False, auto_drain: int = AUTO_DRAIN_EVENTS,
                  wait_timeout_s: float = 120.0) -> None:
         import torch

@@ -51,6 +51,7 @@ from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
+    from fsspec import AbstractFileSystem
 
     from cudasnap._C import Arena
 
@@ -66,7 +67,7 @@ def state_dir(url: str) -> Path:
     return posix.check_directory(base / f"url-{url_hash(url)}")
 
 
-def filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     """(fsspec filesystem, root path without protocol) of ``url``."""
     try:
         import fsspec
