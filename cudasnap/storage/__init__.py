@@ -102,3 +102,9 @@ def open_storage(directory: str | os.PathLike[str]) -> PosixStorage | FsspecStor
         st.check()
         return st
     return PosixStorage(directory)
+
+
+if TYPE_CHECKING:  # mypy proves both storages satisfy both protocols (nothing runs)
+    def _conforms(p: PosixStorage, f: FsspecStorage
+                  ) -> tuple[StorageWriter, StorageReader, StorageWriter, StorageReader]:
+        return p, p, f, f
