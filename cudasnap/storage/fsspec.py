@@ -208,8 +208,9 @@ class FsspecStorage:
             with self.fs.open(f"{key}/{DATA}", "wb", block_size=UPLOAD_BLOCK) as f:
                 view = arena.data_view(slot, nbytes) if nbytes else memoryview(b"")
                 for off in range(0, nbytes, UPLOAD_BLOCK):
-                    # (a full block is uploaded as one part before write() returns)
-                    counters.add_written(f.write(view[off:off + UPLOAD_BLOCK]))
+                    block = view[off:off + UPLOAD_BLOCK]
+                    f.write(block)  # (a full block is uploaded as one part before it returns;
+                    counters.add_written(len(block))  # some files' write() returns None)
                     kill_point("upload")
             write_s = time.perf_counter() - t1
             self.fs.pipe_file(f"{key}/{MANIFEST}",
