@@ -17,11 +17,21 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ._native import native
 from .errors import ConfigError, SnapshotError
+
+if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor the extension
+    import torch
+
+    from cudasnap._C import AllocatorRegistry, Arena, CudaCopyEngine
+
+#: per span: (block addr, block size, segment addr, segment size), or why it is not tracked
+Located = tuple[int, int, int, int] | str
+#: coalesce(): (ranges [(addr, nbytes)], placement [(range index, offset)])
+Coalesced = tuple[list[tuple[int, int]], list[tuple[int, int]]]
 
 log = logging.getLogger("cudasnap")
 
@@ -29,7 +39,7 @@ log = logging.getLogger("cudasnap")
 AUTO_DRAIN_EVENTS = 16384
 
 
-def tensor_span_bytes(t: Any) -> int:
+def tensor_span_bytes(t: torch.Tensor) -> int:
     """Bytes a (possibly strided) tensor view spans in its storage."""
     if t.numel() == 0:
         return 0
@@ -57,7 +67,7 @@ def _spans(items: Iterable[Any], index: int | None = None) -> list[tuple[int, in
     return out
 
 
-def pin_arena(arena: Any, device: int) -> tuple[Any, str | None]:
+def pin_arena(arena: Arena, device: int) -> tuple[Arena, str | None]:
     """Page-locks ``arena`` (cudaHostRegister) for DMA from ``device``: (arena, None).
 
     Where the shared-memory arena cannot be registered (VMs, gVisor, memlock
@@ -85,7 +95,7 @@ def pin_arena(arena: Any, device: int) -> tuple[Any, str | None]:
 class CudaBackend:
     """The CUDA copy engine of one device, its staging arena and allocator tracking."""
 
-    def __init__(self, device: Any, crc_threads: int = 4, *, track: bool = True,
+    def __init__(self, device: torch.device | str | int, crc_threads: int = 4, *, track: bool = True,
                  gather_small: bool = False, auto_drain: int = AUTO_DRAIN_EVENTS,
                  wait_timeout_s: float = 120.0) -> None:
         import torch
@@ -98,12 +108,12 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
         self.index = int(index)
         C = native()
-        self.engine = C.CudaCopyEngine(self.index, int(crc_threads), bool(gather_small))
+        self.engine: CudaCopyEngine = C.CudaCopyEngine(self.index, int(crc_threads), bool(gather_small))
         self.engine.wait_timeout_s = float(wait_timeout_s)
-        self.registry: Any = None
+        self.registry: AllocatorRegistry | None = None
         self.tracker_error: str | None = None
         self.fallback_reason: str | None = None  # why the arena is process-private
-        self._arenas: list[Any] = []  # arenas we cudaHostRegister'ed (held until unregistered)
+        self._arenas: list[Arena] = []  # arenas we cudaHostRegister'ed (held until unregistered)
         self._keys = itertools.count(1)
         self._closed = False
         if track:
@@ -115,7 +125,8 @@ class CudaBackend:
                             "checked against the named tensors instead", e)
 
     # ------------------------------------------------------------ staging
-    def prepare_arena(self, arena: Any, owner: Any = None, reason: str | None = None) -> Any:
+    def prepare_arena(self, arena: Arena | Callable[[], Arena], owner: object = None,
+                      reason: str | None = None) -> Arena:
         """Page-locks ``arena`` (an Arena, or a callable returning one) for DMA.
 
         An arena already page-locked (by :func:`pin_arena` on the background
@@ -150,7 +161,7 @@ class CudaBackend:
                 except SnapshotError as e:
                     log.warning("cudasnap: cudaHostUnregister failed: %s", e)
 
-    def release_arena(self, arena: Any, timeout: float = 120.0) -> bool:
+    def release_arena(self, arena: Arena, timeout: float = 120.0) -> bool:
         """Unregisters ``arena`` now (waits up to ``timeout`` s for a running copy first).
 
         False (and the arena stays registered) when the copy is still running.
@@ -194,7 +205,7 @@ class CudaBackend:
         d["device"] = self.index
         return d
 
-    def locate(self, spans: Iterable[Any]) -> list[Any]:
+    def locate(self, spans: Iterable[Any]) -> list[Located]:
         """Per span: (block_addr, block_size, segment_addr, segment_size) or an error string."""
         if self.registry is None:
             return [f"allocator tracking unavailable: {self.tracker_error}"
@@ -212,7 +223,7 @@ class CudaBackend:
                      "named-tensor spans", len(bad), bad[0])
         return not bad
 
-    def coalesce(self, spans: Iterable[Any], merge_gap: int = 4096) -> tuple[list, list]:
+    def coalesce(self, spans: Iterable[Any], merge_gap: int = 4096) -> Coalesced:
         """(ranges, placement): spans merged within segments (never across)."""
         if self.registry is None:
             raise SnapshotError(f"allocator tracking unavailable: {self.tracker_error}")

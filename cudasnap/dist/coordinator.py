@@ -10,16 +10,18 @@ heartbeats go on during a flush. Newly dead peers trigger ``peer_failure``
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import queue
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigError
 from .events import EventLog
-from .flush_round import FlushRounds
+from .flush_round import FlushRounds, RoundResult
 from .kv import KV
 from .liveness import Liveness
 from .local import LocalSnapshots
@@ -28,7 +30,11 @@ from .restore_vote import RestoreVote
 log = logging.getLogger("cudasnap.dist")
 
 
-def replica_groups(replicas: Any, world: int, replicated: bool) -> list[list[int]]:
+#: ``Snapshotter(replicas=...)``: "auto", "all"/True, None/False/"none", or rank groups
+Replicas = str | bool | None | Iterable[Iterable[int]]
+
+
+def replica_groups(replicas: Replicas, world: int, replicated: bool) -> list[list[int]]:
     """``replicas`` ("auto", "all"/True, None/False/"none", or groups) as a partition of ranks."""
     if replicas == "auto":
         return [list(range(world))] if replicated else [[r] for r in range(world)]
@@ -36,7 +42,13 @@ def replica_groups(replicas: Any, world: int, replicated: bool) -> list[list[int
         return [list(range(world))]
     if replicas in (None, False, "none"):
         return [[r] for r in range(world)]
-    groups = [sorted(int(r) for r in g) for g in replicas]
+    try:
+        if isinstance(replicas, (str, bool)):
+            raise TypeError("not a list of rank groups")
+        groups = [sorted(operator.index(r) for r in g) for g in replicas]
+    except TypeError as e:
+        raise ConfigError(f"replicas={replicas!r}: expected 'auto', 'all', 'none' or a list of "
+                          f"rank groups such as [[0, 1], [2, 3]] ({e})") from None
     if sorted(r for g in groups for r in g) != list(range(world)):
         raise ConfigError(f"replica groups {groups} must partition ranks 0..{world - 1}")
     return groups
@@ -45,7 +57,7 @@ def replica_groups(replicas: Any, world: int, replicated: bool) -> list[list[int
 class Coordinator:
     """Agreed flushes and restores for one rank (see the package docstring)."""
 
-    def __init__(self, local: LocalSnapshots, replicas: Any = "auto", heartbeat_s: float = 0.5,
+    def __init__(self, local: LocalSnapshots, replicas: Replicas = "auto", heartbeat_s: float = 0.5,
                  peer_timeout_s: float | None = None, commit_timeout_s: float | None = None,
                  restore_timeout_s: float = 300.0, settings: Settings | None = None) -> None:
         import torch.distributed as dist
@@ -96,7 +108,7 @@ class Coordinator:
         return self.live.dead
 
     @property
-    def last_flush(self) -> dict[str, Any] | None:
+    def last_flush(self) -> RoundResult | None:
         return self.rounds.last
 
     @property

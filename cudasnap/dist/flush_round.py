@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ..format.paths import COMMIT, MANIFEST, rank_dirname, step_dirname
 from ..storage import posix
@@ -41,10 +41,23 @@ from .kv import KV, csv, parse_csv
 from .liveness import Liveness
 from .local import LocalSnapshots
 
+if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
+    from cudasnap._C import Arena
+
 log = logging.getLogger("cudasnap.dist")
 
 
-def complete_steps(arenas: list[Any]) -> list[int]:
+class RoundResult(TypedDict):
+    """How this rank's last flush round ended (``FlushRounds.last``)."""
+
+    step: int | None  # the agreed step (None: no step could be agreed on)
+    path: Path | None  # this rank's directory of the step (None: not written)
+    committed: bool
+    newest: int | None  # the newest step COMPLETE here when the round started
+    seconds: float
+
+
+def complete_steps(arenas: list[Arena]) -> list[int]:
     """Steps COMPLETE in ``arenas``, newest first."""
     out = {int(a.slot_info(i)["step"]) for a in arenas for i in range(a.num_slots)
            if a.slot_info(i)["valid"]}
@@ -63,7 +76,7 @@ class FlushRounds:
         self.flush_timeout_s = flush_timeout_s
         self.lock = threading.RLock()
         self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
-        self.last: dict[str, Any] | None = None
+        self.last: RoundResult | None = None
         self._die = DieInFlush(self.rank)
 
     def replicas_of(self, rank: int) -> list[int]:
@@ -223,7 +236,7 @@ class FlushRounds:
             log.warning("removing %s: left by a round that did not commit", d)
             shutil.rmtree(d, ignore_errors=True)
 
-    def _flush_rank(self, rank: int, step: int, arena: Any) -> Path | None:
+    def _flush_rank(self, rank: int, step: int, arena: Arena | None) -> Path | None:
         """Writes ``rank``'s slot of ``step``; None (logged) when it cannot."""
         if arena is None:
             return None

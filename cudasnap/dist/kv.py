@@ -12,7 +12,10 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 log = logging.getLogger("cudasnap.dist")
 
@@ -25,7 +28,7 @@ def parse_csv(v: str) -> set[int]:
     return {int(x) for x in v.split(",") if x}
 
 
-def open_store() -> Any:
+def open_store() -> Store:
     """Our own connection for heartbeats and agreement.
 
     Under torchrun this is the elastic agent's TCPStore (MASTER_ADDR/PORT with
@@ -51,7 +54,8 @@ def open_store() -> Any:
 class KV:
     """get/set/compare_set under one prefix; thread-aware (see the module docstring)."""
 
-    def __init__(self, prefix: str, store: Any = None, monitor_store: Any = None) -> None:
+    def __init__(self, prefix: str, store: Store | None = None,
+                 monitor_store: Store | None = None) -> None:
         self.prefix = prefix
         self.store = store if store is not None else open_store()
         self.store.set_timeout(datetime.timedelta(seconds=30))
@@ -72,7 +76,7 @@ class KV:
         with self._lock:
             return self._kv(self.store, key, value)
 
-    def _kv(self, st: Any, key: str, value: str | None) -> str | None:
+    def _kv(self, st: Store, key: str, value: str | None) -> str | None:
         if value is not None:
             st.set(self.prefix + key, value)
             return value

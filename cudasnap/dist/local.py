@@ -8,10 +8,12 @@ Snapshotter fields hold the arenas and how a slot or a directory is applied.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
-
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format import paths
+
+if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
+    from cudasnap._C import Arena
 
 
 class LocalSnapshots(Protocol):
@@ -28,7 +30,7 @@ class LocalSnapshots(Protocol):
     @property
     def flush_threads(self) -> int: ...
 
-    def arenas(self) -> list[Any]:
+    def arenas(self) -> list[Arena]:
         """This rank's open arenas: its own, then one inherited from a predecessor."""
 
     def arena_path_of(self, rank: int) -> Path:
@@ -46,7 +48,7 @@ class LocalSnapshots(Protocol):
     def peer_failure(self, detail: str) -> None:
         """Peers died: route through the trigger policy, or flush."""
 
-    def restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
+    def restore_from_slot(self, arena: Arena, slot: int, where: str) -> int:
         """Apply a slot; returns the restored step."""
 
     def restore_from_dir(self, path: Path) -> int:
@@ -93,8 +95,8 @@ class SnapshotterLocal:
     def flush_threads(self) -> int:
         return int(self._s.flush_threads)
 
-    def arenas(self) -> list[Any]:
-        arenas: list[Any] = self._s.staged_arenas()
+    def arenas(self) -> list[Arena]:
+        arenas: list[Arena] = self._s.staged_arenas()
         return arenas
 
     def arena_path_of(self, rank: int) -> Path:
@@ -118,7 +120,7 @@ class SnapshotterLocal:
         else:
             self._s.flush(wait=False)
 
-    def restore_from_slot(self, arena: Any, slot: int, where: str) -> int:
+    def restore_from_slot(self, arena: Arena, slot: int, where: str) -> int:
         step: int = self._s.restore_slot(arena, slot, where)
         return step
 

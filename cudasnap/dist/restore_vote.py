@@ -8,12 +8,11 @@ restore. The shared filesystem must show every rank the same ``DIR``.
 """
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any
 
+from ..format.manifest import parse_slot_meta
 from ..format.paths import MANIFEST, rank_dirname
-from ..storage.posix import committed_steps, read_commit
+from ..storage.posix import StoredSnapshot, committed_steps, read_commit
 from ..errors import CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from .events import EventLog
 from .flush_round import complete_steps
@@ -83,27 +82,31 @@ class RestoreVote:
         self.events("restored", step=None, source=None)
         return 0
 
-    def _check_world(self, step: int, saved_world: int, saved_groups: Any, where: str) -> None:
+    def _check_world(self, step: int, saved_world: int, saved_groups: object,
+                     where: str) -> None:
         """A new world size needs replicated state: declared now and when it was saved."""
-        if saved_world != self.world and (len(self.replica_groups) != 1
-                                          or len(saved_groups or [[0], [1]]) != 1):
+        # (from a COMMIT file: anything but a one-group list means "not replicated")
+        saved_replicated = isinstance(saved_groups, list) and len(saved_groups) == 1
+        if saved_world != self.world and (len(self.replica_groups) != 1 or not saved_replicated):
             raise IncompatibleSnapshot(
                 f"rank {self.rank}: step {step} ({where}) was saved by {saved_world} ranks, this "
                 f"job has {self.world}, and its state is not replicated")
 
-    def _restore_step(self, step: int, in_shm: bool, snap_dir: Any) -> int | None:
+    def _restore_step(self, step: int, in_shm: bool,
+                      snap_dir: StoredSnapshot | None) -> int | None:
         local = self.local
         if in_shm:
             for a in local.arenas():
                 for i in range(a.num_slots):
                     info = a.slot_info(i)
                     if info["valid"] and info["step"] == step:
-                        meta = json.loads(a.read_meta(i))
+                        where = f"{a.path} slot {i}"
+                        meta = parse_slot_meta(a.read_meta(i), where)
                         if int(meta.get("world_size", self.world)) != self.world:
                             log.warning("rank %d: %s slot %d is from a job of %s ranks; not used",
                                         self.rank, a.path, i, meta.get("world_size"))
                             continue
-                        got = local.restore_from_slot(a, i, f"{a.path} slot {i}")
+                        got = local.restore_from_slot(a, i, where)
                         local.record_restore("shm", got, str(a.path))
                         return got
         if snap_dir is None:

@@ -24,10 +24,13 @@ the snapshot directory.
 from __future__ import annotations
 
 import json
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import CorruptSnapshot, IncompatibleSnapshot
 from .paths import DATA
+
+if TYPE_CHECKING:  # the stub only
+    from cudasnap._C import SlotInfo
 
 FORMAT = "cudasnap"
 FORMAT_VERSION = 1
@@ -225,7 +228,7 @@ def manifest_crc(manifest: dict[str, Any]) -> int:
     return int(native().crc32c(text.encode()))
 
 
-def stored_manifest(meta: dict[str, Any], info: dict[str, Any], chunk_bytes: int,
+def stored_manifest(meta: dict[str, Any], info: SlotInfo, chunk_bytes: int,
                     crcs: list[int], extra: dict[str, Any] | None = None) -> bytes:
     """A slot's manifest completed for storage (disk or object): step, provenance, the data
     section and its own CRC; ``info``: the slot's ``slot_info``."""

@@ -16,52 +16,56 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..errors import ConfigError
 from ..format.paths import is_url
 from . import posix
+from .types import FlushResult
 
+if TYPE_CHECKING:  # type-only: importing cudasnap.storage loads neither torch nor _C
+    import torch
 
-class SnapshotRef(Protocol):
-    step: int
+    from cudasnap._C import Arena
 
-    @property
-    def path(self) -> Any: ...
+    from ..format.manifest import Manifest
+    from .fsspec import FsspecStorage, RemoteSnapshot, SnapshotRef
 
 
 class StorageWriter(Protocol):
     local_dir: Path
 
-    def write_slot(self, arena: Any, slot: int, *, threads: int = 4, keep: int = 3,
-                   extra_manifest: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
+                   extra_manifest: dict[str, Any] | None = None
+                   ) -> tuple[Path | str, FlushResult]:
         """Stores a leased COMPLETE arena slot durably and commits it; (location, stats)."""
 
-    def clean_partial(self) -> list[Any]:
+    def clean_partial(self) -> list[Path] | list[str]:
         """Removes what interrupted flushes left; returns what it removed."""
 
 
 class StorageReader(Protocol):
-    def list_snapshots(self) -> list[Any]:
+    def list_snapshots(self) -> list[posix.StoredSnapshot] | list[RemoteSnapshot]:
         """Committed snapshots, newest first (no validation)."""
 
-    def load_manifest(self, ref: Any, *, allow_foreign_owner: bool | None = None
-                      ) -> dict[str, Any]:
+    def load_manifest(self, ref: SnapshotRef, *, allow_foreign_owner: bool | None = None
+                      ) -> Manifest:
         """The validated manifest of ``ref`` (nothing of its data read yet)."""
 
-    def read_data(self, ref: Any, manifest: dict[str, Any], threads: int = 4, *,
-                  allow_foreign_owner: bool | None = None) -> Any:
+    def read_data(self, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None) -> torch.Tensor:
         """The data of ``ref`` as a uint8 tensor, every chunk CRC-verified."""
 
 
 class PosixStorage:
     """StorageWriter and StorageReader of a local directory (``cudasnap.storage.posix``)."""
 
-    def __init__(self, directory: str | os.PathLike[Any]) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.local_dir = posix.check_directory(Path(directory))
         self.url = str(self.local_dir)
 
-    def write_slot(self, arena: Any, slot: int, *, threads: int = 4, keep: int = 3,
-                   extra_manifest: dict[str, Any] | None = None) -> tuple[Path, dict[str, Any]]:
+    def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
+                   extra_manifest: dict[str, Any] | None = None) -> tuple[Path, FlushResult]:
         return posix.write_slot(arena, slot, self.local_dir, threads=threads, keep=keep,
                                 extra_manifest=extra_manifest)
 
@@ -71,16 +75,25 @@ class PosixStorage:
     def list_snapshots(self) -> list[posix.StoredSnapshot]:
         return posix.list_snapshots(self.local_dir)
 
-    def load_manifest(self, ref: posix.StoredSnapshot, *, allow_foreign_owner: bool | None = None
-                      ) -> dict[str, Any]:
-        return posix.load_manifest(ref.manifest_path, allow_foreign_owner=allow_foreign_owner)
+    @staticmethod
+    def _local(ref: SnapshotRef) -> posix.StoredSnapshot:
+        if not isinstance(ref, posix.StoredSnapshot):
+            raise ConfigError(f"{ref.path} is not a local snapshot: a local directory's storage "
+                              "cannot read it")
+        return ref
 
-    def read_data(self, ref: posix.StoredSnapshot, manifest: dict[str, Any], threads: int = 4, *,
-                  allow_foreign_owner: bool | None = None) -> Any:
-        return posix.read_data(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner)
+    def load_manifest(self, ref: SnapshotRef, *, allow_foreign_owner: bool | None = None
+                      ) -> Manifest:
+        return posix.load_manifest(self._local(ref).manifest_path,
+                                   allow_foreign_owner=allow_foreign_owner)
+
+    def read_data(self, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None) -> torch.Tensor:
+        return posix.read_data(self._local(ref).path, manifest, threads,
+                               allow_foreign_owner=allow_foreign_owner)
 
 
-def open_storage(directory: str | os.PathLike[Any]) -> Any:
+def open_storage(directory: str | os.PathLike[str]) -> PosixStorage | FsspecStorage:
     """The storage of ``directory``: FsspecStorage for a URL, PosixStorage otherwise."""
     if is_url(directory):
         from .fsspec import FsspecStorage
@@ -89,3 +102,9 @@ def open_storage(directory: str | os.PathLike[Any]) -> Any:
         st.check()
         return st
     return PosixStorage(directory)
+
+
+if TYPE_CHECKING:  # mypy proves both storages satisfy both protocols (nothing runs)
+    def _conforms(p: PosixStorage, f: FsspecStorage
+                  ) -> tuple[StorageWriter, StorageReader, StorageWriter, StorageReader]:
+        return p, p, f, f

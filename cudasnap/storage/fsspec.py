@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._testing.faults import kill_point
@@ -46,7 +46,14 @@ from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit, encode_latest
 from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname, url_hash
-from . import posix
+from . import counters, posix
+from .types import FlushResult
+
+if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
+    import torch
+    from fsspec import AbstractFileSystem
+
+    from cudasnap._C import Arena
 
 log = logging.getLogger("cudasnap.storage.fsspec")
 
@@ -60,7 +67,7 @@ def state_dir(url: str) -> Path:
     return posix.check_directory(base / f"url-{url_hash(url)}")
 
 
-def filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     """(fsspec filesystem, root path without protocol) of ``url``."""
     try:
         import fsspec
@@ -90,6 +97,10 @@ class RemoteSnapshot:
         return f"{self.path}/{MANIFEST}"
 
 
+#: a snapshot a storage lists: on local disk or in an object store
+SnapshotRef = posix.StoredSnapshot | RemoteSnapshot
+
+
 class FsspecStorage:
     """StorageWriter and StorageReader of one fsspec URL (see the module docstring)."""
 
@@ -108,6 +119,13 @@ class FsspecStorage:
 
     def where(self, ref: RemoteSnapshot) -> str:
         return ref.path
+
+    def _remote_key(self, ref: SnapshotRef) -> str:
+        """The object key of a snapshot of this store (ConfigError for any other)."""
+        prefix = f"{self.protocol}://"
+        if not isinstance(ref, RemoteSnapshot) or not ref.path.startswith(prefix):
+            raise ConfigError(f"{ref.path} is not a snapshot of {self.url}")
+        return ref.path[len(prefix):]
 
     def check(self) -> None:
         """Creates the bucket/prefix if needed and proves it is writable now."""
@@ -157,7 +175,7 @@ class FsspecStorage:
             return None
 
     # ------------------------------------------------------------ write
-    def _committed_same(self, step_key: str, job: Any, seq: int) -> bool:
+    def _committed_same(self, step_key: str, job: object, seq: int) -> bool:
         try:
             prev = json.loads(self.fs.cat_file(f"{step_key}/{MANIFEST}"))
             return (self.fs.exists(f"{step_key}/{COMMIT}") and prev.get("slot_seq") == seq
@@ -165,8 +183,8 @@ class FsspecStorage:
         except (OSError, ValueError, RecursionError, AttributeError):
             return False
 
-    def write_slot(self, arena: Any, slot: int, *, threads: int = 4, keep: int = 3,
-                   extra_manifest: dict[str, Any] | None = None, **_: Any) -> tuple[str, dict[str, Any]]:
+    def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
+                   extra_manifest: dict[str, Any] | None = None) -> tuple[str, FlushResult]:
         """Uploads a leased COMPLETE slot: data, manifest, then COMMIT, then ``latest``."""
         C = native()
         t0 = time.perf_counter()
@@ -190,7 +208,9 @@ class FsspecStorage:
             with self.fs.open(f"{key}/{DATA}", "wb", block_size=UPLOAD_BLOCK) as f:
                 view = arena.data_view(slot, nbytes) if nbytes else memoryview(b"")
                 for off in range(0, nbytes, UPLOAD_BLOCK):
-                    f.write(view[off:off + UPLOAD_BLOCK])
+                    block = view[off:off + UPLOAD_BLOCK]
+                    f.write(block)  # (a full block is uploaded as one part before it returns;
+                    counters.add_written(len(block))  # some files' write() returns None)
                     kill_point("upload")
             write_s = time.perf_counter() - t1
             self.fs.pipe_file(f"{key}/{MANIFEST}",
@@ -207,8 +227,8 @@ class FsspecStorage:
             raise FlushError(f"flush of step {step} to {self._url(key)} failed: {e}") from e
         self.prune(keep)
         elapsed = time.perf_counter() - t0
-        stats = {"bytes": nbytes, "seconds": elapsed, "write_seconds": write_s,
-                 "fsync_seconds": 0.0, "step": step}
+        stats: FlushResult = {"bytes": nbytes, "seconds": elapsed, "write_seconds": write_s,
+                              "fsync_seconds": 0.0, "step": step}
         log.info("flushed step %d: %.1f MB in %.3f s to %s", step, nbytes / 1e6, elapsed,
                  self._url(key))
         posix.append_flush_log(self.local_dir, {**stats, "pid": os.getpid(), "time": time.time(),
@@ -240,26 +260,30 @@ class FsspecStorage:
         except OSError as e:
             raise CorruptSnapshot(f"cannot read {self._url(key)}: {e}") from e
 
-    def load_manifest(self, ref: RemoteSnapshot, **_: Any) -> dict[str, Any]:
-        """The step's COMMIT and manifest, checked before any data byte is read."""
-        k = ref.path.split("://", 1)[1]
+    def load_manifest(self, ref: SnapshotRef, *, allow_foreign_owner: bool | None = None
+                      ) -> fmt.Manifest:
+        """The step's COMMIT and manifest, checked before any data byte is read.
+
+        (``allow_foreign_owner``: a file-ownership check of local disks; objects have none.)
+        """
+        k = self._remote_key(ref)
         c = decode_commit(self._cat(f"{k}/{COMMIT}", MAX_COMMIT_BYTES, "commit marker"),
                           f"{ref.path}/{COMMIT}")
         if c["step"] != ref.step:
             raise CorruptSnapshot(f"{ref.path}/{COMMIT} names step {c['step']}, not {ref.step}")
-        m = dict(fmt.parse_manifest(self._cat(f"{k}/{MANIFEST}", fmt.MAX_MANIFEST_BYTES,
-                                              "manifest"), f"{ref.path}/{MANIFEST}"))
+        m = fmt.parse_manifest(self._cat(f"{k}/{MANIFEST}", fmt.MAX_MANIFEST_BYTES, "manifest"),
+                               f"{ref.path}/{MANIFEST}")
         if m["step"] != ref.step:
             raise CorruptSnapshot(f"{ref.path}/{MANIFEST} holds step {m['step']}, not {ref.step}")
         return m
 
-    def read_data(self, ref: RemoteSnapshot, manifest: dict[str, Any], threads: int = 4,
-                  **_: Any) -> Any:
+    def read_data(self, ref: SnapshotRef, manifest: fmt.Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None) -> torch.Tensor:
         """Downloads data.bin into a new uint8 tensor, every chunk CRC32C-verified."""
         import torch
 
         d = manifest["data"]
-        key = f"{ref.path.split('://', 1)[1]}/{DATA}"
+        key = f"{self._remote_key(ref)}/{DATA}"
         nbytes = int(d["bytes"])
         try:
             size = int(self.fs.size(key))
@@ -279,6 +303,7 @@ class FsspecStorage:
                     if not n:
                         raise CorruptSnapshot(f"{self._url(key)} ended at byte {off} of {nbytes}")
                     off += n
+                    counters.add_read(n)
         except OSError as e:
             raise CorruptSnapshot(f"cannot read {self._url(key)}: {e}") from e
         bad = native().verify_buffer(buf.data_ptr(), nbytes, int(d["chunk_bytes"]),

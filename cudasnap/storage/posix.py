@@ -38,7 +38,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._testing.faults import kill_point
@@ -54,6 +54,12 @@ from ..format.commit import (
     encode_latest,
 )
 from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, STEP_RE, step_dirname
+from .types import FlushResult
+
+if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
+    import torch
+
+    from cudasnap._C import Arena
 
 log = logging.getLogger("cudasnap.storage.posix")
 
@@ -297,9 +303,9 @@ def committed_steps(directory: Path) -> list[StoredSnapshot]:
     return [s for s in list_snapshots(directory) if is_committed(s.path)]
 
 
-def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
+def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
                io_bytes: int = 16 << 20, keep: int = 3, extra_manifest: dict[str, Any] | None = None,
-               subdir: str | None = None, update_latest: bool = True) -> tuple[Path, dict[str, Any]]:
+               subdir: str | None = None, update_latest: bool = True) -> tuple[Path, FlushResult]:
     """Flushes a leased COMPLETE arena slot to ``directory``; returns (path, stats)."""
     C = native()
     t0 = time.perf_counter()
@@ -322,7 +328,7 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
             same = False
         if same:
             log.info("step %d already on disk at %s", step, target)
-            return target, {"bytes": 0, "seconds": 0.0, "skipped": True}
+            return target, {"bytes": 0, "seconds": 0.0, "skipped": True, "step": step}
         # Another run's (or a corrupt) copy of this step: replace it; it is moved
         # aside only once the new copy is complete, then removed.
         stale = target.with_name(f"{target.name}.old-{os.getpid()}")
@@ -376,7 +382,7 @@ def write_slot(arena: Any, slot: int, directory: Path, *, threads: int = 4,
                              f"{directory / LATEST} failed: {e}") from e
         prune(directory, keep)
     elapsed = time.perf_counter() - t0
-    stats = {"bytes": st["bytes"], "seconds": elapsed, "write_seconds": st["seconds"],
+    stats: FlushResult = {"bytes": st["bytes"], "seconds": elapsed, "write_seconds": st["seconds"],
              "fsync_seconds": st["fsync_seconds"], "step": step}
     log.info("flushed step %d: %.1f MB in %.3f s (%.2f GB/s) to %s", step, st["bytes"] / 1e6,
              elapsed, st["bytes"] / max(elapsed, 1e-9) / 1e9, target)
@@ -423,7 +429,7 @@ def prune(directory: Path, keep: int) -> None:
             shutil.rmtree(s.path, ignore_errors=True)
 
 
-def load_manifest(path: Path, *, allow_foreign_owner: bool | None = None) -> dict[str, Any]:
+def load_manifest(path: Path, *, allow_foreign_owner: bool | None = None) -> fmt.Manifest:
     """Reads and validates one manifest; raises CorruptSnapshot / IncompatibleSnapshot.
 
     The manifest must be a regular file (no symlink, FIFO or device) of this
@@ -438,11 +444,11 @@ def load_manifest(path: Path, *, allow_foreign_owner: bool | None = None) -> dic
         raise CorruptSnapshot(f"cannot stat {path.parent}: {e}") from e
     _check_trust(path.parent, dst, allow_foreign_owner)
     _check_trust(path, st, allow_foreign_owner)
-    return dict(fmt.parse_manifest(raw, str(path)))
+    return fmt.parse_manifest(raw, str(path))
 
 
-def read_data(snapshot_dir: Path, manifest: dict[str, Any], threads: int = 4, *,
-              allow_foreign_owner: bool | None = None) -> Any:
+def read_data(snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
+              allow_foreign_owner: bool | None = None) -> torch.Tensor:
     """Reads data.bin into a new uint8 tensor, every chunk CRC32C-verified.
 
     ``manifest`` must have passed ``load_manifest``: the file name is always

@@ -9,13 +9,13 @@ from typing import Any
 
 from ..errors import ConfigError, IncompatibleSnapshot, SnapshotError
 from ..format import codec, paths
-from ..format.manifest import torch_dtype
+from ..format.manifest import Manifest, torch_dtype
 from ..storage import posix
 
 log = logging.getLogger("cudasnap.export")
 
 
-def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], Manifest]:
     """Returns ({tensor name: tensor}, manifest) of a verified snapshot."""
     snaps = posix.list_snapshots(Path(directory))
     if step is not None:
@@ -129,7 +129,7 @@ def load_shards(directory: Path, step: int | None = None) -> tuple[int, list[dic
     return s.step, out
 
 
-def _views(data: Any, m: dict[str, Any]) -> tuple[dict[str, Any], None]:
+def _views(data: Any, m: Manifest) -> tuple[dict[str, Any], None]:
     out = {}
     for e in m["tensors"]:
         dt = torch_dtype(e["dtype"])

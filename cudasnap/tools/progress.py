@@ -1,9 +1,12 @@
 """Progress bars for long flushes, restores and verifies (terminal only).
 
-The byte-moving work runs in C++ with the GIL released; its flusher counts the
-bytes it writes and reads back in atomic counters (``_C.io_bytes()``), which a
-small thread polls into a tqdm bar. Unlike the kernel's per-process counters
-(``/proc/self/io``) these count only the flusher's own I/O, not every thread's.
+On local disk the byte-moving work runs in C++ with the GIL released; its
+flusher counts the bytes it writes and reads back in atomic counters
+(``_C.io_bytes()``). The object-store storage (``s3://``, fsspec) moves its
+data objects in Python and counts them in ``cudasnap.storage.counters``.
+``bytes_written``/``bytes_read`` are the sum of both, and a small thread polls
+them into a tqdm bar. Unlike the kernel's per-process counters
+(``/proc/self/io``) these count only snapshot data, not every thread's I/O.
 Off when stderr is not a terminal, when tqdm is missing, or for operations
 under ``min_bytes``.
 
@@ -29,17 +32,21 @@ CounterArg = Counter | Literal["write", "read"]
 
 
 def bytes_written() -> int:
-    """Bytes the native flusher has written to files in this process (monotonic)."""
+    """Snapshot data bytes written in this process (monotonic): by the native flusher
+    to files, plus by the object-store storage to objects."""
     from .._native import native
+    from ..storage import counters
 
-    return int(native().io_bytes()[0])
+    return int(native().io_bytes()[0]) + counters.io_bytes()[0]
 
 
 def bytes_read() -> int:
-    """Bytes the native flusher has read back from files in this process (monotonic)."""
+    """Snapshot data bytes read back in this process (monotonic): by the native flusher
+    from files, plus by the object-store storage from objects."""
     from .._native import native
+    from ..storage import counters
 
-    return int(native().io_bytes()[1])
+    return int(native().io_bytes()[1]) + counters.io_bytes()[1]
 
 
 def _counter(counter: CounterArg) -> Counter:
