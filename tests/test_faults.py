@@ -96,19 +96,55 @@ def test_sigkill_while_replacing_a_committed_copy_keeps_it(ctx, zygote):
     _check(F.kill_cases(ctx, zygote, [], replace=True), 1)
 
 
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def test_clean_partial_brings_back_a_moved_aside_copy(tmp_path):
     d = posix.check_directory(tmp_path / "ckpt")
-    (d / "step-00000007.old-99").mkdir()
-    (d / "step-00000007.old-99" / "manifest.json").write_text("{}")
-    (d / "step-00000007.tmp-99").mkdir()
-    (d / ".latest.tmp-99").write_text("x")
+    dead = _dead_pid()
+    (d / f"step-00000007.old-{dead}").mkdir()
+    (d / f"step-00000007.old-{dead}" / "manifest.json").write_text("{}")
+    (d / f"step-00000007.tmp-{dead}").mkdir()
+    (d / f".latest.tmp-{dead}").write_text("x")
     removed = posix.clean_partial(d)
-    assert [p.name for p in removed] == ["step-00000007.tmp-99"]
+    assert [p.name for p in removed] == [f"step-00000007.tmp-{dead}"]
     assert (d / "step-00000007" / "manifest.json").exists()
-    assert not (d / ".latest.tmp-99").exists()
+    assert not (d / f".latest.tmp-{dead}").exists()
     # When the new copy did arrive, the old one is just removed.
-    (d / "step-00000007.old-98").mkdir()
-    assert [p.name for p in posix.clean_partial(d)] == ["step-00000007.old-98"]
+    (d / f"step-00000007.old-{dead}").mkdir()
+    assert [p.name for p in posix.clean_partial(d)] == [f"step-00000007.old-{dead}"]
+
+
+def test_clean_partial_leaves_a_live_writers_flush_alone(tmp_path):
+    """The restarted attempt's constructor runs while ``cudasnap run`` still flushes the
+    dead attempt's arena (warm restart: 0.06 s after the death): the supervisor's
+    ``.tmp-<pid>`` must survive; a dead writer's goes, also when its pid was reused by a
+    process started later."""
+    import subprocess
+    import time
+
+    d = posix.check_directory(tmp_path / "ckpt")
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.05)
+        ours = d / f"step-00000008.tmp-{live.pid}"
+        ours.mkdir()
+        (d / f".latest.tmp-{live.pid}").write_text("x")
+        dead = d / f"step-00000007.tmp-{_dead_pid()}"
+        dead.mkdir()
+        assert posix.clean_partial(d) == [dead]
+        assert ours.is_dir() and (d / f".latest.tmp-{live.pid}").exists()
+        old = time.time() - 3600  # written an hour before the process with that pid started
+        os.utime(ours, (old, old))
+        assert posix.clean_partial(d) == [ours]
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_kill_hook_is_inert_unless_asked(monkeypatch):

@@ -206,12 +206,13 @@ def test_store_prune_keeps_newest_and_latest(snap_env):
     d = posix.check_directory(snap_env.dir)
     for step in (1, 5, 9, 12, 20):
         (d / paths.step_dirname(step)).mkdir()
-    (d / "step-00000030.tmp-123").mkdir()
+    tmp = d / f"step-00000030.tmp-{os.getpid()}"  # this process's, from an earlier life
+    tmp.mkdir()
     (d / "latest").write_text("step-00000005\n")
     posix.prune(d, 2)
     assert [s.step for s in posix.list_snapshots(d)] == [20, 12, 5]  # latest is kept too
-    assert [p.name for p in posix.clean_partial(d)] == ["step-00000030.tmp-123"]
-    assert not (d / "step-00000030.tmp-123").exists()
+    assert posix.clean_partial(d) == [tmp]
+    assert not tmp.exists()
 
 
 def test_store_load_manifest_rejects_garbage(snap_env):
