@@ -4,7 +4,9 @@
 // buffer read from disk) is copied into the contiguous CPU tensors of the live
 // model and optimizer. One span per tensor: `nbytes` bytes from
 // src + src_offset to dst. Spans are cut into pieces of at most `piece_bytes`
-// (a big tensor splits across threads) and run on parallel_for (thread_pool.h).
+// (a big tensor splits across threads) and run on parallel_for (thread_pool.h);
+// on x86-64 a piece of >= 256 KiB is written with non-temporal (streaming)
+// stores, as glibc's memcpy does only for single copies larger than most caches.
 //
 // Every span is checked before any byte is written (a Generic cudasnap::Error,
 // SnapshotError in Python, naming the span and its bytes):

@@ -29,6 +29,17 @@ def test_copy_spans_splits_big_spans_and_copies_every_byte(native_C):
     assert not c.any()  # a 0-byte span writes nothing
 
 
+def test_big_pieces_at_odd_addresses_are_copied_exactly(native_C):
+    """Pieces >= 256 KiB take the streaming-store path: unaligned head and tail included."""
+    src = _src(3 << 20)
+    buf = np.zeros((2 << 20) + 64, np.uint8)
+    n = (2 << 20) + 13
+    spans = [(buf.ctypes.data + 3, 7, n)]
+    assert native_C.copy_spans(src.ctypes.data, src.size, spans, 2, (1 << 20) + 5) == n
+    assert np.array_equal(buf[3:3 + n], src[7:7 + n])
+    assert not buf[:3].any() and not buf[3 + n:].any()  # not a byte outside the span
+
+
 @pytest.mark.parametrize("span, match", [
     (lambda d, n: (d, n - 3, 4), "outside the source buffer"),
     (lambda d, n: (d, n + 1, 0 + 1), "outside the source buffer"),
