@@ -150,3 +150,34 @@ def test_restore_from_shm_uses_the_native_copy_and_is_bitwise(snap_env, monkeypa
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     nbytes = sum(t.numel() * t.element_size() for t in want)
     assert sum(moved) == nbytes  # every tensor went through copy_spans
+
+
+def test_restore_into_a_fresh_optimizer_is_bitwise_and_native(snap_env, monkeypatch):
+    """A new process: fresh model, an optimizer without state (load_state_dict path)."""
+    m, opt = _model()
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir)
+    try:
+        snap.boundary(0)
+        snap.wait()
+        snap.close(keep_arena=True)
+    except BaseException:
+        snap.close()
+        raise
+    want = [t.detach().clone() for t in m.state_dict().values()] + [
+        v.clone() for s in opt.state.values() for v in s.values()]
+    torch.manual_seed(1)
+    m2 = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    moved: list[int] = []
+    real = copy_back.copy_into
+    monkeypatch.setattr(copy_back, "copy_into", lambda *a, **k: moved.append(real(*a, **k)))
+    snap2 = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir)
+    try:
+        assert snap2.restore_latest() == 1
+        assert snap2.last_restore()["source"] == "shm"
+    finally:
+        snap2.close()
+    got = [t.detach() for t in m2.state_dict().values()] + [
+        v for s in opt2.state.values() for v in s.values()]
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert sum(moved) == sum(t.numel() * t.element_size() for t in want)
