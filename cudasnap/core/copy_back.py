@@ -30,17 +30,22 @@ def copy_threads() -> int:
     return max(1, min(8, n))
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int] | None:
-    """[lo, hi) bytes a plain strided CPU tensor covers, None for any other."""
-    if type(t) not in _PLAIN or t.device.type != "cpu" or t.layout != torch.strided:
+def _extent(t: Any, span: tuple[int, int, int] | None) -> tuple[int, int] | None:
+    """[lo, hi) bytes a plain strided CPU tensor covers (its byte span, when it has one),
+    None for any other."""
+    if span is not None:
+        return span[0], span[0] + span[2]
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided:
         return None
     n = span_bytes(list(t.shape), list(t.stride()), t.element_size())
     return (t.data_ptr(), t.data_ptr() + n) if n else None
 
 
-def _overlapping(pairs: list[tuple[Any, Any]]) -> list[list[int]]:
+def _overlapping(pairs: list[tuple[Any, Any]],
+                 spans: list[tuple[int, int, int] | None]) -> list[list[int]]:
     """Groups (2 or more pair indices) whose destinations overlap one another."""
-    ext = sorted((e[0], e[1], i) for i, e in enumerate(_extent(d) for d, _ in pairs) if e)
+    ext = sorted((e[0], e[1], i) for i, e in enumerate(
+        _extent(d, sp) for (d, _), sp in zip(pairs, spans)) if e)
     groups: list[list[int]] = []
     cur: list[int] = []
     end = 0
@@ -59,17 +64,13 @@ def _overlapping(pairs: list[tuple[Any, Any]]) -> list[list[int]]:
 def byte_span(dst: Any, src: Any, lo: int, hi: int) -> tuple[int, int, int] | None:
     """(dst pointer, offset in data, bytes) when ``dst.copy_(src)`` is a byte copy out of
     the buffer at [lo, hi); None when torch's copy_ must do it."""
-    if type(dst) not in _PLAIN or type(src) is not torch.Tensor:
+    if (type(dst) not in _PLAIN or type(src) is not torch.Tensor or not dst.is_cpu
+            or not src.is_cpu or dst.layout != torch.strided or dst.dtype != src.dtype
+            or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()
+            or dst.is_inference() or dst.is_conj() or dst.is_neg() or src.is_conj()
+            or src.is_neg()):
         return None
-    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.layout != torch.strided:
-        return None
-    if dst.dtype != src.dtype or dst.shape != src.shape or dst.is_inference():
-        return None
-    if not (dst.is_contiguous() and src.is_contiguous()):
-        return None
-    if dst.is_conj() or dst.is_neg() or src.is_conj() or src.is_neg():
-        return None
-    n = dst.numel() * dst.element_size()
+    n = dst.nbytes
     s = src.data_ptr()
     if n == 0 or s < lo or s + n > hi:
         return None
@@ -85,7 +86,7 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
     hi = lo + data.numel() * data.element_size()
     spans: list[tuple[int, int, int] | None] = [
         byte_span(d, s, lo, hi) if lo else None for d, s in pairs]
-    for group in _overlapping(pairs):
+    for group in _overlapping(pairs, spans):
         for i in group:
             spans[i] = None
     fast = [s for s in spans if s is not None]
