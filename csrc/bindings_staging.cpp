@@ -3,11 +3,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "bindings.h"
 #include "copy_engine.h"
 #include "copy_plan.h"
 #include "error.h"
 #include "flusher.h"
+#include "host_copy.h"
 #include "staging.h"
 
 namespace py = pybind11;
@@ -220,6 +223,21 @@ void init_flusher(py::module_& m) {
         },
         py::arg("ptr"), py::arg("nbytes"), py::arg("chunk_bytes"), py::arg("crcs"),
         py::arg("threads") = 4);
+  m.def("copy_spans",
+        [](uint64_t src, uint64_t src_nbytes,
+           const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, int threads,
+           uint64_t piece_bytes) {
+          std::vector<HostSpan> v;
+          v.reserve(spans.size());
+          for (const auto& [dst, off, n] : spans) v.push_back({dst, off, n});
+          py::gil_scoped_release nogil;
+          return copy_spans(reinterpret_cast<const uint8_t*>(src), src_nbytes, v, threads,
+                            piece_bytes);
+        },
+        py::arg("src"), py::arg("src_nbytes"), py::arg("spans"), py::arg("threads") = 4,
+        py::arg("piece_bytes") = kHostCopyPiece,
+        "copies (dst_ptr, src_offset, nbytes) spans out of [src, src + src_nbytes) on "
+        "`threads` threads; every span is checked first");
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
   m.def("flush_active", &flush_active, "flusher writes running now in this process");
   m.def("flushes_started", &flushes_started);

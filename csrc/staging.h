@@ -13,6 +13,10 @@
 // then stores state=COMPLETE last (release order). A reader trusts a slot only
 // when the state is COMPLETE and the header CRC matches, so a snapshot is never
 // half-visible, whatever moment the writer dies at.
+//
+// Sources: staging_file.cpp (the file: create/open/validate, mapping, reservation,
+// pre-faulting, huge pages, owner), staging.cpp (the slots: state machine,
+// manifests, CRC tables, leases), staging_layout.h (geometry + header CRCs).
 #pragma once
 
 #include <array>

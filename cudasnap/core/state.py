@@ -21,7 +21,7 @@ import torch
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import dtype_name, span_bytes, torch_dtype
-from . import sharded, values
+from . import copy_back, sharded, values
 
 log = logging.getLogger("cudasnap.state")
 
@@ -344,13 +344,12 @@ class TrainingState:
             flat = data[off:off + n].view(dt) if n else torch.empty(0, dtype=dt)
             return flat.as_strided(e["shape"], e["stride"]) if n else flat.reshape(e["shape"])
 
-        with torch.no_grad():
-            for e in tensors:
-                if e["group"].startswith("model:"):
-                    live[e["name"]].tensor.copy_(view(e))
+        # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into).
+        copy_back.copy_into([(live[e["name"]].tensor, view(e)) for e in tensors
+                             if e["group"].startswith("model:")], data)
         for okey, opt in self.optimizers.items():
             self._apply_optimizer(okey, opt, [e for e in tensors if e["group"] == f"optim:{okey}"],
-                                  hd.get("optim", {}).get(okey), view, where)
+                                  hd.get("optim", {}).get(okey), view, where, data)
         for key, obj in self.extra.items():
             ent = hd.get("extra", {}).get(key)
             if ent is None:
@@ -367,7 +366,7 @@ class TrainingState:
 
     def _apply_optimizer(self, okey: str, opt: torch.optim.Optimizer,
                          entries: list[dict[str, Any]], host: dict[str, Any] | None,
-                         view: Any, where: str) -> None:
+                         view: Any, where: str, data: torch.Tensor) -> None:
         if host is None:
             raise IncompatibleSnapshot(f"{where}: no host state for optimizer {okey!r}")
         params = _param_order(opt)
@@ -390,13 +389,14 @@ class TrainingState:
                 for k, v in s.items())
             for i, s in state.items()) and len(opt.state) == len(state)
         if in_place:
-            with torch.no_grad():
-                for i, s in state.items():
-                    for k, v in s.items():
-                        if isinstance(v, torch.Tensor):
-                            opt.state[params[i]][k].copy_(v)
-                        else:
-                            opt.state[params[i]][k] = v
+            pairs = []
+            for i, s in state.items():
+                for k, v in s.items():
+                    if isinstance(v, torch.Tensor):
+                        pairs.append((opt.state[params[i]][k], v))
+                    else:
+                        opt.state[params[i]][k] = v
+            copy_back.copy_into(pairs, data)
             groups = host["param_groups"]
             if len(groups) != len(opt.param_groups):
                 raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} has {len(opt.param_groups)}"
@@ -407,8 +407,12 @@ class TrainingState:
                         g[k] = v
             return
         groups = [_expand_params(g) for g in host["param_groups"]]
-        sd_state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-                    for i, s in state.items()}
+        clones: list[tuple[Any, Any]] = []  # (v.clone(), as one native copy where it can)
+        sd_state = {i: {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v)
+                        for k, v in s.items()} for i, s in state.items()}
+        for i, s in state.items():
+            clones += [(sd_state[i][k], v) for k, v in s.items() if isinstance(v, torch.Tensor)]
+        copy_back.copy_into(clones, data)
         try:
             opt.load_state_dict({"state": sd_state, "param_groups": groups})
         except (ValueError, KeyError, RuntimeError) as e:
