@@ -232,7 +232,7 @@ def test_a_real_cpp_failure_names_file_line_and_call(tmp_path):
     msg = str(ei.value)
     assert str(tmp_path / "nope.arena") in msg and "No such file" in msg
     assert "open(" in msg or "::open" in msg  # the failing call
-    assert "staging.cpp:" in msg
+    assert "staging_file.cpp:" in msg  # the file and line of the check
     with pytest.raises(FlushError) as ei:
         C.fsync_dir(str(tmp_path / "missing-dir"))
     assert "flusher.cpp:" in str(ei.value) and "missing-dir" in str(ei.value)

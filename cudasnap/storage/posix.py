@@ -32,7 +32,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import stat
@@ -55,6 +54,7 @@ from ..format.commit import (
     encode_latest,
 )
 from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, STEP_RE, step_dirname
+from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
@@ -220,78 +220,6 @@ def replace_latest(directory: Path, name: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     native().fsync_dir(str(directory))
-
-
-def _writer_alive(p: Path) -> bool:
-    """True when the ``.tmp-<pid>`` / ``.old-<pid>`` entry ``p`` belongs to another live
-    process of this host: a flush in progress (e.g. ``cudasnap run``'s flush of the dead
-    attempt's arena while the restarted attempt starts), never to be removed under it."""
-    m = re.search(r"\.(?:tmp|old)-(\d+)", p.name)
-    if m is None:
-        return False
-    pid = int(m.group(1))
-    if pid == os.getpid() or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, another user's
-    except OSError:
-        return False
-    started = _process_start_time(pid)
-    try:  # a process started after the entry was last written reuses a dead writer's pid
-        return started is None or started <= p.lstat().st_mtime + 1.0
-    except OSError:
-        return False
-
-
-def _process_start_time(pid: int) -> float | None:
-    """Wall time ``pid`` started (/proc; None where unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def clean_partial(directory: Path) -> list[Path]:
-    """Removes ``.tmp`` directories of interrupted flushes; returns what it removed.
-
-    A ``.old-<pid>`` copy (a committed step moved aside while a new copy of the
-    same step replaced it) whose replacement never arrived is renamed back: it
-    is the only committed copy of that step. Entries of a writer that is still
-    running on this host are left alone (it is flushing right now).
-    """
-    d = Path(directory)
-    removed = []
-    for p in [*d.glob("step-*.old-*"), *d.glob("step-*/rank-*.old-*")]:
-        if _writer_alive(p):
-            continue
-        orig = p.with_name(p.name.split(".old-")[0])
-        if not orig.exists():
-            try:
-                os.rename(p, orig)
-                log.warning("restored %s: its replacement was interrupted", orig)
-                continue
-            except OSError:
-                pass
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
-    for p in [*d.glob("step-*.tmp*"), *d.glob("step-*/rank-*.tmp-*")]:
-        if _writer_alive(p):
-            log.info("leaving %s: its writer (a flush in progress) is alive", p)
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
-    for p in d.glob(f".{LATEST}.tmp-*"):
-        if not _writer_alive(p):
-            p.unlink(missing_ok=True)
-    return removed
 
 
 def list_snapshots(directory: Path) -> list[StoredSnapshot]:
