@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from cudasnap import Snapshotter, layout_watch
+from cudasnap import Snapshotter
+from cudasnap.core import layout_watch
 from cudasnap.errors import CorruptSnapshot
 
 
