@@ -5,6 +5,12 @@ Small tensors (the cost under test is per tensor, not per byte): AdamW state of
 boundaries (so the fence hook runs and the copy of the previous boundary is done).
 The arena is made ready before timing: its set-up is issue 15 target 1, not this.
 
+What the boundary right after ``opt.step()`` also pays (measured 2026-12-03, loaded VM):
+glibc's malloc_consolidate of the small blocks the optimizer step freed, run by the
+first >= 1 KB allocation after it (``torch.get_rng_state`` here): 0.2-0.4 ms alone,
+0.6-1.3 ms of the 4,000-tensor median (``GLIBC_TUNABLES=glibc.malloc.mxfast=0``
+removes it), and cold caches after the step; neither is boundary()'s own work.
+
 Baseline: the first tensor count (8 by default) in the same run. ``x base`` is
 each median over its median: an O(1) boundary keeps it near 1 at any count.
 ``--repeats`` reruns the whole sweep (the machine is noisy: compare medians).
