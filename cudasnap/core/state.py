@@ -22,6 +22,7 @@ from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import dtype_name, span_bytes, torch_dtype
 from . import copy_back, sharded, values
+from .host_capture import HostEncoder
 
 log = logging.getLogger("cudasnap.state")
 
@@ -205,6 +206,7 @@ class TrainingState:
         self.step_values: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
+        self._host_encoder = HostEncoder()
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
         for mkey, mod in self.models.items():
@@ -294,7 +296,9 @@ class TrainingState:
         return out
 
     def encode_host(self, step: int) -> str:
-        return codec.dumps(self.capture_host(step), "host")
+        """``codec.dumps(self.capture_host(step))``; RNG sources that did not change
+        since the last boundary reuse their text (cudasnap.core.host_capture)."""
+        return self._host_encoder.dumps(self.capture_host(step))
 
     # ------------------------------------------------------------ apply
     def check_compatible(self, tensors: list[dict[str, Any]], where: str) -> None:

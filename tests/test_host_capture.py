@@ -1,0 +1,73 @@
+"""Host state encoding with per-RNG-source reuse (issue 15 target 2): the text
+``encode_host`` writes decodes to exactly what ``codec.dumps(capture_host())`` holds,
+whichever RNG changed, and unchanged sources are not encoded again."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import torch
+
+from cudasnap.core.host_capture import HostEncoder
+from cudasnap.core.state import TrainingState
+from cudasnap.format import codec
+
+
+def _state() -> TrainingState:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    return TrainingState(model, opt, extra={"sched": sched, "gen": torch.Generator()})
+
+
+def _same(st: TrainingState, step: int) -> dict:
+    text = st.encode_host(step)
+    want = codec.dumps(st.capture_host(step), "host")
+    got = json.loads(text)
+    assert got == json.loads(want)
+    assert codec.decode(got, "host")["rng"] == codec.decode(json.loads(want), "host")["rng"]
+    return got
+
+
+def test_text_equals_codec_whatever_changed():
+    st = _state()
+    enc: HostEncoder = st._host_encoder
+    _same(st, 0)
+    assert enc.encoded == 3  # torch, python, numpy (no CUDA here)
+    _same(st, 1)
+    assert enc.encoded == 3  # nothing drew: every source's text reused
+    torch.randn(3)
+    _same(st, 2)
+    assert enc.encoded == 4
+    random.random()
+    np.random.rand()
+    _same(st, 3)
+    assert enc.encoded == 6
+    st.step_values = {"batch": [1, 2, 3]}
+    _same(st, 4)
+    assert enc.encoded == 6
+
+
+def test_exact_keys_sign_of_zero_nan_and_types():
+    st = _state()
+    for gauss in (0.0, -0.0, float("nan"), 0.5, 0.0):
+        s = list(np.random.get_state())
+        s[3], s[4] = 1, gauss
+        np.random.set_state(tuple(s))
+        got = _same(st, 0)
+        assert repr(codec.decode(got["rng"]["numpy"], "x")["gauss"]) == repr(gauss)
+    enc = HostEncoder()
+    a = enc.part("x", {"v": True}, "x")
+    assert enc.part("x", {"v": 1}, "x") != a  # True is not 1
+    assert enc.part("x", {"v": 1.0}, "x") != enc.part("y", {"v": 1}, "y")
+
+
+def test_unusual_rng_dict_falls_back_to_the_codec():
+    enc = HostEncoder()
+    host = {"step": 1, "rng": {"__odd": b"x", "torch": b"\x00\x01"}, "optim": {}, "extra": {}}
+    assert json.loads(enc.dumps(host)) == json.loads(codec.dumps(host, "host"))
+    host = {"step": 1, "rng": {}, "optim": {}, "extra": {}}
+    assert json.loads(enc.dumps(host)) == json.loads(codec.dumps(host, "host"))
+    host = {"rng": {"torch": b"\x00"}}
+    assert json.loads(enc.dumps(host)) == json.loads(codec.dumps(host, "host"))
