@@ -1,13 +1,6 @@
 """The Snapshotter: snapshot at every iteration boundary, flush just in time, restore.
 
-Typical use::
-
-    snap = cudasnap.Snapshotter(model, optimizer, directory="ckpt/", extra={"sched": sched})
-    start = snap.restore_latest()          # 0 on a fresh run
-    for step in range(start, steps):
-        loss = model(batch(step)).sum(); loss.backward()
-        optimizer.step(); optimizer.zero_grad(set_to_none=True)
-        snap.boundary(step)                # returns at once; the copy runs in the background
+Typical use: README.md "Quick start".
 
 ``boundary(step)`` captures host state, then hands a cached copy plan to the
 copy engine and returns. The next ``optimizer.step()`` (a step pre-hook) and
