@@ -238,3 +238,16 @@ def test_copy_running_beside_a_flush_uses_one_worker(snap_env):
     finally:
         engine.shutdown(30)
         arena.unlink()
+
+
+def test_close_during_the_background_set_up_is_not_reported_as_a_failure(snap_env, gate, caplog):
+    """A set-up stopped by close() is not an error: no WARNING "preparing ... failed"."""
+    caplog.set_level(logging.DEBUG, logger="cudasnap")
+    model, opt = _adam(256)
+    snap = _snap(snap_env, model, opt)
+    assert snap._prep.busy  # held by the gate
+    snap.close()
+    bad = [r.getMessage() for r in caplog.records
+           if r.levelno >= logging.WARNING and "failed" in r.getMessage()]
+    assert not bad, bad
+    assert any("stopped on request" in r.getMessage() for r in caplog.records)

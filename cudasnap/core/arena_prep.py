@@ -254,6 +254,9 @@ class ArenaPreparer:
             return None
         err, res = self._error, self._result
         self._error = self._result = None
+        if err is not None and self._cancel is not None and self._cancel.is_set:
+            log.debug("cudasnap: preparing %s stopped on request (%s)", self._what, err)
+            return None  # cancelled by close() or a newer set-up: not a failure
         if err is not None and self._speculative:
             log.warning("cudasnap: preparing %s failed (%s); the first boundary sizes the "
                         "arena from its copy plan instead", self._what, err)
