@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._native import native
+from .._proc import pid_alive
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage import posix
@@ -24,18 +25,6 @@ from .state import single_cuda_device
 from .timeline import arena_slots, move_aside
 
 log = logging.getLogger("cudasnap")
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def supervisor_job(env_job: str | None, sup_dir: str | None, supervised: bool,

@@ -23,21 +23,10 @@ import torch  # noqa: E402
 T_TORCH = time.time()
 
 import cudasnap  # noqa: E402
+from cudasnap._proc import process_start_time  # noqa: E402
 from cudasnap.config import Settings  # noqa: E402
 
 T_CUDASNAP = time.time()
-
-
-def process_start_time() -> float | None:
-    """Wall time this process was exec'd (/proc/self/stat starttime; 10 ms resolution)."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
 
 
 class SyntheticData:

@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+from .._proc import pid_alive, process_start_time
 from ..format.paths import LATEST
 
 log = logging.getLogger("cudasnap.storage.partial")
@@ -29,31 +30,13 @@ def _writer_alive(p: Path) -> bool:
     pid = int(m.group(1))
     if pid == os.getpid() or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        pass  # alive, another user's
-    except OSError:
-        return False
-    started = _process_start_time(pid)
+    started = process_start_time(pid)
     try:  # a process started after the entry was last written reuses a dead writer's pid
         return started is None or started <= p.lstat().st_mtime + 1.0
     except OSError:
         return False
-
-
-def _process_start_time(pid: int) -> float | None:
-    """Wall time ``pid`` started (/proc; None where unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
 
 
 def clean_partial(directory: Path) -> list[Path]:

@@ -212,7 +212,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def cmd_gc(a: argparse.Namespace) -> int:
     from .._native import native
-    from ..core.staging import pid_alive as _pid_alive
+    from .._proc import pid_alive as _pid_alive
     from ..format import paths
 
     shm = Settings.from_env().shm_dir
