@@ -24,10 +24,12 @@ loaded 2-core VM, a few ms on a quiet host.)
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +170,20 @@ def drop(arena: Any) -> None:
         arena.unlink()
 
 
+# Set-ups still running at interpreter exit are stopped first: a daemon thread inside the
+# native pre-fault (GIL released) that wakes up during finalization is unwound by
+# pthread_exit through C++ frames, which aborts the process ("terminate called without
+# an active exception", exit 134) in a script that simply ends without close().
+_running: weakref.WeakSet[ArenaPreparer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit(timeout: float = 30.0) -> None:
+    for prep in list(_running):
+        if prep.busy:
+            prep.cancel(timeout)
+
+
 class ArenaPreparer:
     """Runs one arena set-up at a time on a daemon thread; the training thread
     polls it (:attr:`busy`, :meth:`take`) and never waits for it."""
@@ -209,6 +225,7 @@ class ArenaPreparer:
         self._thread = threading.Thread(target=self._run, args=(job, self._cancel),
                                         name="cudasnap-arena-prep", daemon=True)
         self._thread.start()
+        _running.add(self)
         log.info("cudasnap: preparing %s in the background", what)
 
     def run_here(self, job: Callable[[Any], tuple[Any, str | None, bool]]) -> Prepared:
