@@ -33,11 +33,12 @@ class LayoutMixin(Fields):
 
         Needed only after replacing state tensors outside ``optimizer.step()`` /
         ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
-        replacement is otherwise found by the full re-scan every
+        replacement is otherwise found by the rotating identity check within
         ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
-        checks a window of them), and tensors added to a module by the full re-scan
-        every ``RESCAN_EVERY`` (x n / 2,048) boundaries. The running copy keeps
-        reading the old tensors, which stay alive until it completes.
+        checks a window of them), and tensors added to a module or an existing
+        ``opt.state[p]`` only by the full re-scan every ``RESCAN_EVERY`` x
+        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.plan.Layout). The
+        running copy keeps reading the old tensors, which stay alive until it completes.
         """
         self._layout = None
 
