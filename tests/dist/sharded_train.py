@@ -33,9 +33,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 import cudasnap  # noqa: E402
+from tests.dist.sharded_worker import full_state  # noqa: E402  (PYTHONPATH: the repo)
 
 
 class Data:
@@ -55,19 +55,6 @@ class Data:
 
     def load_state_dict(self, sd):
         self.position = sd["position"]
-
-
-def full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().numpy().copy()
-
-
-def full_state(model, opt):
-    out = {f"m.{k}": full(v) for k, v in model.state_dict().items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            out[f"o.{names[id(p)]}.{k}"] = full(v)
-    return out
 
 
 def build(mode: str, world: int):
