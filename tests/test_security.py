@@ -178,7 +178,8 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
     (step, pid, rank) or ``subdir`` (the rank name from cudasnap.format.paths) -- never a
     string read from a manifest. A new join fails this test until it is reviewed."""
     reviewed = {
-        "DATA", "MANIFEST", "LATEST", "FLUSH_LOG", "step_dirname(step)", "subdir",
+        "DATA", "MANIFEST", "LATEST", "LATEST_LOCK", "FLUSH_LOG", "step_dirname(step)", "subdir",
+        "step_dirname(cur_step)",
         "'.lock' if rank == 0 else f'.lock-rank{rank}'", "f'.probe-{os.getpid()}'",
         "f'.{LATEST}.tmp-{os.getpid()}'", "f'{step_dirname(step)}.tmp-{os.getpid()}'",
         "f'{subdir}.tmp-{os.getpid()}'", "COMMIT", "f'.{COMMIT}.tmp-{os.getpid()}'",

@@ -53,7 +53,16 @@ from ..format.commit import (
     encode_commit,
     encode_latest,
 )
-from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, STEP_RE, step_dirname
+from ..format.paths import (
+    COMMIT,
+    DATA,
+    FLUSH_LOG,
+    LATEST,
+    MANIFEST,
+    STEP_RE,
+    parse_step_dirname,
+    step_dirname,
+)
 from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
 from .types import FlushResult
 
@@ -208,18 +217,41 @@ def _write_file_durable(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def replace_latest(directory: Path, name: str) -> None:
-    """Points ``latest`` at step directory ``name`` atomically (write, fsync, rename, fsync)."""
-    tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
+LATEST_LOCK = ".latest-lock"
+
+
+def replace_latest(directory: Path, name: str) -> bool:
+    """Points ``latest`` at step directory ``name`` atomically (write, fsync, rename, fsync).
+
+    ``latest`` never moves back: when it names a step directory that still exists
+    with a higher step, it is left alone (False). Two writers can finish out of
+    order: ``cudasnap run``'s flush of the dead attempt's step N ends after the
+    restarted attempt flushed N+3. The read-compare-replace runs under an flock of
+    ``DIR/.latest-lock``, so neither writer can slip in between.
+    """
+    new_step = parse_step_dirname(name)
+    fd = os.open(directory / LATEST_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        tmp.unlink(missing_ok=True)
-        _write_file_durable(tmp, encode_latest(name))
-        kill_point("latest")
-        os.replace(tmp, directory / LATEST)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    native().fsync_dir(str(directory))
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        cur = read_latest(directory)
+        cur_step = parse_step_dirname(cur) if cur else None
+        if (cur_step is not None and new_step is not None and cur_step > new_step
+                and (directory / step_dirname(cur_step)).is_dir()):
+            log.info("latest stays at %s (newer than %s, which was flushed after it)", cur, name)
+            return False
+        tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
+        try:
+            tmp.unlink(missing_ok=True)
+            _write_file_durable(tmp, encode_latest(name))
+            kill_point("latest")
+            os.replace(tmp, directory / LATEST)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        native().fsync_dir(str(directory))
+        return True
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def list_snapshots(directory: Path) -> list[StoredSnapshot]:
