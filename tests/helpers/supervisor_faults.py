@@ -6,7 +6,8 @@ start at (or a count, named in the case), ``got`` what happened.
 
 ``negative`` (bench/faults.py --negative) runs the cases of items 1 and 2 with the
 trainer's Snapshotter set back to the behaviour before the fix (no spare slot, no
-flush on close): those cases must then report LOST, which shows they can fail.
+flush on close) and item 7's with a supervisor that flushes before it restarts:
+those cases must then report LOST, which shows they can fail.
 """
 from __future__ import annotations
 
@@ -36,16 +37,24 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 # ``cudasnap run`` whose orphan flush (posix.write_slot) first sleeps argv[1] seconds: a
-# large state or a slow disk, in a real supervisor process (item 7).
-_SLOW_FLUSH_RUN = """import sys, time
+# large state or a slow disk, in a real supervisor process (item 7). argv[2] "sync": the
+# negative control, a supervisor that finishes that flush before it restarts (pre-fix).
+_SLOW_FLUSH_RUN = """import sys, threading, time, types
 from cudasnap.storage import posix
+from cudasnap.tools import run
 real = posix.write_slot
 def slow(*a, **k):
     time.sleep(float(sys.argv[1]))
     return real(*a, **k)
 posix.write_slot = slow
-from cudasnap.tools.run import main
-sys.exit(main(sys.argv[2:]))
+class FlushFirst(threading.Thread):
+    def start(self):
+        super().start()
+        if self.name == "cudasnap-orphan-flush":
+            self.join()
+if sys.argv[2] == "sync":
+    run.threading = types.SimpleNamespace(**{**vars(threading), "Thread": FlushFirst})
+sys.exit(run.main(sys.argv[3:]))
 """
 
 
@@ -92,10 +101,11 @@ def _kill_restart(ctx: Ctx, case: Case) -> Case:
     p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt", run_args=("--max-restarts",
                                                                                "1"))
     _cleanup_arenas(ctx, d)
-    s = _starts(stats)
+    s, kills = _starts(stats), _events(stats, "kill")
     case.got = s[1]["start"] if p.returncode == 0 and len(s) == 2 else None
-    case.detail = f"rc {p.returncode}, restart gap {s[1]['t'] - s[0]['t']:.2f} s" \
-        if len(s) == 2 and "t" in s[0] else f"rc {p.returncode}"
+    case.detail = f"rc {p.returncode}" + (
+        f", death -> resumed child running {s[1]['t'] - kills[0]['t']:.2f} s"
+        if len(s) == 2 and len(kills) == 1 else "")
     return case
 
 
@@ -233,7 +243,7 @@ def _close_then_kill(ctx: Ctx, case: Case, *, negative: bool) -> Case:
 SLOW_ORPHAN_FLUSH_S = 3.0
 
 
-def _orphan_flush_beside_restart(ctx: Ctx, case: Case) -> Case:
+def _orphan_flush_beside_restart(ctx: Ctx, case: Case, negative: bool = False) -> Case:
     """Item 7: the supervisor's flush of the dead child's slot takes 3 s (slowed in the
     ``cudasnap run`` process). The restart must begin < 0.5 s after the SIGKILL, the flush
     end more than 2.5 s after that restart (it ran beside it, not before it), the new
@@ -241,7 +251,8 @@ def _orphan_flush_beside_restart(ctx: Ctx, case: Case) -> Case:
     d, stats = ctx.dir("sup-beside"), ctx.root / f"{case.name}.jsonl"
     p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt",
              run_args=("--max-restarts", "1"),
-             supervisor=("-c", _SLOW_FLUSH_RUN, str(SLOW_ORPHAN_FLUSH_S)))
+             supervisor=("-c", _SLOW_FLUSH_RUN, str(SLOW_ORPHAN_FLUSH_S),
+                         "sync" if negative else "beside"))
     _cleanup_arenas(ctx, d)
     from cudasnap.storage import posix
 
@@ -253,24 +264,27 @@ def _orphan_flush_beside_restart(ctx: Ctx, case: Case) -> Case:
         case.got, case.detail = 0, f"{how}; kill {kills}, restart {restart}, flushed {flushed}"
         return case
     to_restart, beside = restart - kills[0]["t"], flushed - restart
-    on_disk = 4 in [x.step for x in posix.list_snapshots(d)]
+    steps = [x.step for x in posix.list_snapshots(d)]
+    on_disk, latest = 4 in steps, posix.read_latest(d)
     ok = (to_restart < 0.5 and beside > SLOW_ORPHAN_FLUSH_S - 0.5 and start == 5
           and how == "resumed from shm" and on_disk)
     case.got = 1 if ok else 0
     case.detail = (f"death -> restart {to_restart:.2f} s, orphan flush ended {beside:.2f} s "
                    f"after the restart, new child running (step {start}, {how[13:]}) "
                    f"{s[1]['t'] - kills[0]['t']:.2f} s after the death; step 4 on disk: "
-                   f"{on_disk}")
+                   f"{on_disk} (on disk: {steps}, latest: {latest})")
     return case
 
 
 def supervisor_cases(ctx: Ctx, negative: bool = False) -> list[Case]:
-    if negative:  # items 1 and 2 with the pre-fix Snapshotter: each must report LOST
+    if negative:  # items 1, 2 (pre-fix Snapshotter), 7 (pre-fix supervisor): each LOST
         neg = [("long_flush_kill_during", 5, lambda c: _long_flush(ctx, c, after=False,
                                                                    negative=True)),
                ("long_flush_kill_after", 6, lambda c: _long_flush(ctx, c, after=True,
                                                                   negative=True)),
-               ("close_then_kill", STEPS, lambda c: _close_then_kill(ctx, c, negative=True))]
+               ("close_then_kill", STEPS, lambda c: _close_then_kill(ctx, c, negative=True)),
+               ("orphan_flush_beside_restart", 1,
+                lambda c: _orphan_flush_beside_restart(ctx, c, negative=True))]
         return [guarded(c, lambda c=c, f=f: f(c))  # type: ignore[misc]
                 for c, f in ((Case("supervisor-negative", n, e, need_named=False), f)
                              for n, e, f in neg)]
