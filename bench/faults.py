@@ -98,7 +98,7 @@ def negative_controls() -> int:
             cases = supervisor_cases(ctx, negative=True)
         finally:
             ctx.cleanup()
-    print(f"negative controls (pre-fix Snapshotter), {time.perf_counter() - t0:.0f} s:\n")
+    print(f"negative controls (the behaviour before the fixes), {time.perf_counter() - t0:.0f} s:\n")
     print(F.table(cases))
     for c in cases:
         print("  " + c.line())
