@@ -274,3 +274,63 @@ def test_a_lock_still_held_by_the_dead_childs_own_worker_does_not_stop_the_run(s
                    extra_env={"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH",
                                                                                     "")})
     assert rc == 0 and [e["rc"] for e in report] == [-9, 0], report
+
+
+def _trainer_events(stats: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
+
+
+def _supervised_trainer(snap_env, server, max_restarts: int, *argv: object
+                        ) -> tuple[int, list[dict], list[dict]]:
+    """run_trainer.py ``argv`` (forked from the warm server) under supervise(), no standby:
+    (exit status, the supervisor's report, the trainer's events)."""
+    stats = snap_env.tmp / "stats.jsonl"
+    report: list[dict] = []
+    rc = supervise(server.client_cmd(["--stats", stats, *argv]), snap_env.dir,
+                   max_restarts=max_restarts, report=report, warm=False,
+                   extra_env={**server.client_env(snap_env.tmp / "log"), "OMP_NUM_THREADS": "1"})
+    return rc, report, _trainer_events(stats)
+
+
+@pytest.mark.parametrize("when", ["during", "right_after"])
+def test_a_kill_during_or_right_after_a_long_flush_replays_at_most_one_step(snap_env, server,
+                                                                            when):
+    """Item 1 under the supervisor: a flush started after step 2 stays in progress (its slot
+    leased) until boundary(5) is done, while training goes on. A SIGKILL during it (step 5,
+    after its optimizer step) or right after it ended (step 6) resumes at that very step
+    from shared memory. (Fails with Snapshotter(spare_slot=False), the pre-fix arena: the
+    boundaries during the flush are skipped and the restart comes back at step 4.)"""
+    kill = ["--kill-at", 5, "--kill-phase", "post_opt"] if when == "during" else \
+        ["--kill-after-flush"]
+    rc, report, evs = _supervised_trainer(snap_env, server, 1, "--steps", 8, "--flush-at", 2,
+                                          "--flush-steps", 3, *kill)
+    want = 5 if when == "during" else 6
+    killed = [e for e in evs if e["ev"] == "kill"]
+    assert len(killed) == 1 and killed[0]["step"] == want, evs
+    assert killed[0]["flushing"] is (when == "during"), evs  # the fault asked for
+    assert rc == 0 and [e["rc"] for e in report] == [-signal.SIGKILL, 0], report
+    resumed = [e for e in evs if e["ev"] == "start" and e["attempt"] == 1]
+    assert len(resumed) == 1 and resumed[0]["restore"]["source"] == "shm", evs
+    assert resumed[0]["start"] == want, evs  # replays the killed step only
+    assert report[0]["flushed"][0]["step"] == want - 1, report  # the supervisor's flush
+    if when == "right_after":
+        assert [e["step"] for e in evs if e["ev"] == "flush_done"] == [2], evs
+        assert 2 in [s.step for s in posix.list_snapshots(snap_env.dir)]
+
+
+def test_a_kill_right_after_close_resumes_at_the_end_and_is_not_restarted_again(snap_env,
+                                                                               server):
+    """Item 2 under the supervisor: SIGKILL right after ``snap.close()``, which flushed the
+    final step and removed the arena. The restarted child resumes at the end from disk,
+    not at step 0, finishes, and the supervisor does not restart it again (3 allowed).
+    (Fails with Snapshotter(flush_on_close=False): the restart comes back at step 0.)"""
+    rc, report, evs = _supervised_trainer(snap_env, server, 3, "--steps", 6,
+                                          "--kill-after-close")
+    assert [e["phase"] for e in evs if e["ev"] == "kill"] == ["after_close"], evs
+    assert rc == 0 and [e["rc"] for e in report] == [-signal.SIGKILL, 0], report
+    resumed = [e for e in evs if e["ev"] == "start" and e["attempt"] == 1]
+    assert len(resumed) == 1 and resumed[0]["start"] == 6, evs
+    assert resumed[0]["restore"]["source"] == "disk", evs
+    assert [s.step for s in posix.list_snapshots(snap_env.dir)] == [5]

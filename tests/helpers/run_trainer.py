@@ -14,10 +14,19 @@ the step is split here so a kill can land between its phases.
     --flush-end         flush once after the last step
     --slow-flush S      every flush first sleeps S seconds (a big state, a slow disk)
     --exit-hard         os._exit(0) after the last step (no close: arena stays)
+    --flush-at K        after boundary(K): a flush starts on a thread and stays in progress
+                        (its write held, the slot leased) until boundary(K + --flush-steps)
+                        is done: a long flush that training runs beside (bench/faults.py)
+    --kill-after-flush  SIGKILL after the optimizer step of the first step begun once the
+                        --flush-at flush has ended ("right after a long flush")
+    --kill-after-close  SIGKILL right after close() (which flushes the final step)
+    --no-spare-slot / --no-close-flush  Snapshotter(spare_slot=False / flush_on_close=False):
+                        the behaviour before issue 14 items 1 / 2 (negative controls)
     --second-snapshotter  then a second Snapshotter (DIR-2, job JOB-2) with health on
 
-Kill/stall/block apply on the first attempt only (CUDASNAP_RESTART unset or 0).
-Events are JSON lines appended to --stats (start, boundary, stalled, blocked, final).
+Kill/stall/block/flush-at apply on the first attempt only (CUDASNAP_RESTART unset or 0).
+Events are JSON lines appended to --stats (start, boundary, stalled, blocked, final,
+flush_start, flush_done, kill), each with its wall-clock time ``t``.
 The Snapshotter takes its directory/job/health settings from the environment
 (CUDASNAP_DIR, CUDASNAP_JOB, CUDASNAP_HEALTH, ...), as under ``cudasnap run``.
 """
@@ -48,6 +57,7 @@ PHASES = ("pre", "mid", "post_opt", "post_boundary", "post_wait", "flush")
 
 
 def emit(path: str, **rec) -> None:
+    rec.setdefault("t", time.time())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         os.write(fd, (json.dumps(rec, default=str) + "\n").encode())
@@ -101,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exit-hard", action="store_true")
     ap.add_argument("--slow-flush", type=float, default=0.0,
                     help="every flush first sleeps this long (a big state, a slow disk)")
+    ap.add_argument("--flush-at", type=int, default=-1,
+                    help="start a flush after boundary(K), held until boundary(K + --flush-steps)")
+    ap.add_argument("--flush-steps", type=int, default=3)
+    ap.add_argument("--kill-after-flush", action="store_true")
+    ap.add_argument("--kill-after-close", action="store_true")
+    ap.add_argument("--no-spare-slot", action="store_true")
+    ap.add_argument("--no-close-flush", action="store_true")
     ap.add_argument("--second-snapshotter", action="store_true",
                     help="then a second Snapshotter (own directory and job) snapshots and flushes")
     a = ap.parse_args(argv)
@@ -121,20 +138,40 @@ def main(argv: list[str] | None = None) -> int:
             return real_write_slot(*args, **kw)
 
         posix.write_slot = slow_write_slot
+    held = threading.Event()  # set once boundary(flush_at + flush_steps) is done
+    flusher: threading.Thread | None = None
+    if first and a.flush_at >= 0:
+        from cudasnap.storage import posix
+
+        real_write = posix.write_slot
+
+        def held_write_slot(*args, **kw):
+            held.wait(120)  # (bounded: a run that never gets there still ends)
+            return real_write(*args, **kw)
+
+        posix.write_slot = held_write_slot
     snap = None
     start = 0
     if not a.ref:
         import cudasnap
 
-        snap = cudasnap.Snapshotter(job.model, job.opt, extra=job.extra(), copy_threads=1)
+        snap = cudasnap.Snapshotter(job.model, job.opt, extra=job.extra(), copy_threads=1,
+                                    spare_slot=not a.no_spare_slot,
+                                    flush_on_close=not a.no_close_flush)
         start = snap.restore_latest()
     emit(a.stats, ev="start", attempt=attempt, pid=os.getpid(), start=start,
          restore=snap.stats()["restore"] if snap else None,
          guard=snap.guard is not None if snap else False)
 
+    def flush_then_record(step: int) -> None:
+        emit(a.stats, ev="flush_done", step=step, flushed=str(snap.flush()))
+
     def at(phase: str, step: int) -> None:
-        if first and step == a.kill_at and phase == a.kill_phase:
-            emit(a.stats, ev="kill", step=step, phase=phase)
+        after_flush = (a.kill_after_flush and phase == "post_opt" and flusher is not None
+                       and not flusher.is_alive())
+        if first and (after_flush or (step == a.kill_at and phase == a.kill_phase)):
+            emit(a.stats, ev="kill", step=step, phase=phase,
+                 flushing=flusher is not None and flusher.is_alive())
             die()
 
     for step in range(start, a.steps):
@@ -149,6 +186,16 @@ def main(argv: list[str] | None = None) -> int:
             snap.boundary(step)
             emit(a.stats, ev="boundary", step=step)
             at("post_boundary", step)
+            if first and step == a.flush_at:
+                snap.wait()
+                flusher = threading.Thread(target=flush_then_record, args=(step,), daemon=True)
+                emit(a.stats, ev="flush_start", step=step)
+                flusher.start()
+            if first and a.flush_at >= 0 and step == a.flush_at + a.flush_steps:
+                snap.wait()
+                held.set()
+                if a.kill_after_flush:  # the kill comes right after the flush ends
+                    flusher.join(120)
             if first and step == a.kill_at and a.kill_phase in ("post_wait", "flush"):
                 snap.wait()
                 if a.kill_phase == "flush":
@@ -200,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         if snap.guard is not None:
             rec["triggers"] = [(h.trigger.kind, h.outcome) for h in snap.guard.history()]
     emit(a.stats, **rec)
+    if first and a.kill_after_close:
+        emit(a.stats, ev="kill", step=a.steps, phase="after_close")
+        die()
     if a.second_snapshotter:
         import cudasnap
 

@@ -1,13 +1,19 @@
-"""Supervisor (``cudasnap run``) fault cases for bench/faults.py (issue 14, items 2-7).
+"""Supervisor (``cudasnap run``) fault cases for bench/faults.py (issue 14, items 1-7).
 
 Each case runs real ``cudasnap run`` processes around tests/helpers/run_trainer.py
 and reports a faultlib.Case: ``expected`` is the step the restarted attempt must
 start at (or a count, named in the case), ``got`` what happened.
+
+``negative`` (bench/faults.py --negative) runs the cases of items 1 and 2 with the
+trainer's Snapshotter set back to the behaviour before the fix (no spare slot, no
+flush on close) and item 7's with a supervisor that flushes before it restarts:
+those cases must then report LOST, which shows they can fail.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,18 +36,55 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+# ``cudasnap run`` whose orphan flush (posix.write_slot) first sleeps argv[1] seconds: a
+# large state or a slow disk, in a real supervisor process (item 7). argv[2] "sync": the
+# negative control, a supervisor that finishes that flush before it restarts (pre-fix).
+_SLOW_FLUSH_RUN = """import sys, threading, time, types
+from cudasnap.storage import posix
+from cudasnap.tools import run
+real = posix.write_slot
+def slow(*a, **k):
+    time.sleep(float(sys.argv[1]))
+    return real(*a, **k)
+posix.write_slot = slow
+class FlushFirst(threading.Thread):
+    def start(self):
+        super().start()
+        if self.name == "cudasnap-orphan-flush":
+            self.join()
+if sys.argv[2] == "sync":
+    run.threading = types.SimpleNamespace(**{**vars(threading), "Thread": FlushFirst})
+sys.exit(run.main(sys.argv[3:]))
+"""
+
+
 def _run(d: Path, stats: Path, *trainer: str, run_args: tuple[str, ...] = (),
-         env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "cudasnap", "run", "--dir", str(d), *run_args, "--",
+         env: dict[str, str] | None = None, timeout: float = 300,
+         supervisor: tuple[str, ...] = ("-m", "cudasnap", "run")) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, *supervisor, "--dir", str(d), *run_args, "--",
            sys.executable, str(TRAINER), "--steps", str(STEPS), "--stats", str(stats), *trainer]
     return subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _starts(stats: Path) -> list[dict[str, Any]]:
+def _events(stats: Path, ev: str | None = None) -> list[dict[str, Any]]:
     if not stats.exists():
         return []
     evs = [json.loads(ln) for ln in stats.read_text().splitlines() if ln.strip()]
-    return [e for e in evs if e.get("ev") == "start"]
+    return [e for e in evs if ev is None or e.get("ev") == ev]
+
+
+def _starts(stats: Path) -> list[dict[str, Any]]:
+    return _events(stats, "start")
+
+
+def _log_time(stderr: str, text: str) -> float | None:
+    """Wall-clock time of the first ``cudasnap run`` log line containing ``text``."""
+    for line in stderr.splitlines():
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) cudasnap-run ", line)
+        if m and text in line:
+            return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + \
+                int(m.group(2)) / 1000
+    return None
 
 
 def _cleanup_arenas(ctx: Ctx, d: Path) -> None:
@@ -58,10 +101,11 @@ def _kill_restart(ctx: Ctx, case: Case) -> Case:
     p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt", run_args=("--max-restarts",
                                                                                "1"))
     _cleanup_arenas(ctx, d)
-    s = _starts(stats)
+    s, kills = _starts(stats), _events(stats, "kill")
     case.got = s[1]["start"] if p.returncode == 0 and len(s) == 2 else None
-    case.detail = f"rc {p.returncode}, restart gap {s[1]['t'] - s[0]['t']:.2f} s" \
-        if len(s) == 2 and "t" in s[0] else f"rc {p.returncode}"
+    case.detail = f"rc {p.returncode}" + (
+        f", death -> resumed child running {s[1]['t'] - kills[0]['t']:.2f} s"
+        if len(s) == 2 and len(kills) == 1 else "")
     return case
 
 
@@ -147,12 +191,115 @@ def _clean_exit(ctx: Ctx, case: Case) -> Case:
     return case
 
 
-def supervisor_cases(ctx: Ctx) -> list[Case]:
+def _resumed(p: subprocess.CompletedProcess[str], stats: Path, attempts: int = 2
+             ) -> tuple[int | None, str]:
+    """(step the second attempt started at, its restore source) when the run ended 0
+    after exactly ``attempts`` attempts (a finished child restarted shows one more)."""
+    s = _starts(stats)
+    if p.returncode != 0 or len(s) != attempts:
+        return None, f"rc {p.returncode}, {len(s)} attempt(s)"
+    src = (s[1].get("restore") or {}).get("source")
+    return s[1]["start"], f"resumed from {src}"
+
+
+def _long_flush(ctx: Ctx, case: Case, *, after: bool, negative: bool) -> Case:
+    """Item 1: a flush started after step 2 stays in progress (slot leased) until
+    boundary(5) is done while training goes on (0.3 s a step). SIGKILL during it (step
+    5, after its optimizer step) or right after it ended (step 6): the restarted child
+    starts at the killed step, replaying at most that one step."""
+    d, stats = ctx.dir("sup-flush"), ctx.root / f"{case.name}.jsonl"
+    kill = ("--kill-after-flush",) if after else ("--kill-at", "5", "--kill-phase", "post_opt")
+    p = _run(d, stats, "--flush-at", "2", "--flush-steps", "3", "--sleep-per-step", "0.3",
+             *kill, *(("--no-spare-slot",) if negative else ()), run_args=("--max-restarts", "1"))
+    _cleanup_arenas(ctx, d)
+    kills, fl = _events(stats, "kill"), _events(stats, "flush_start")
+    done = _events(stats, "flush_done")
+    if len(kills) != 1 or not fl or kills[0]["flushing"] is after or bool(done) is not after:
+        raise AssertionError(f"not the fault asked for: kill {kills}, flush {fl} {done}")
+    case.got, how = _resumed(p, stats)
+    flush_s = (done[0]["t"] if done else kills[0]["t"]) - fl[0]["t"]
+    when = (f"{kills[0]['t'] - done[0]['t']:.2f} s after the end of a {flush_s:.2f} s flush"
+            if done else f"during a flush running for {flush_s:.2f} s")
+    case.detail = f"killed at step {kills[0]['step']} {when}; {how}"
+    return case
+
+
+def _close_then_kill(ctx: Ctx, case: Case, *, negative: bool) -> Case:
+    """Item 2: SIGKILL right after ``snap.close()`` (which flushes the final step): the
+    restarted child starts at STEPS from disk (not 0), finishes, and is not restarted
+    again (``--max-restarts 3``: got None when a third attempt ran)."""
+    d, stats = ctx.dir("sup-close"), ctx.root / f"{case.name}.jsonl"
+    p = _run(d, stats, "--kill-after-close", *(("--no-close-flush",) if negative else ()),
+             run_args=("--max-restarts", "3"))
+    _cleanup_arenas(ctx, d)
+    kills = _events(stats, "kill")
+    if len(kills) != 1 or kills[0]["phase"] != "after_close":
+        raise AssertionError(f"not the fault asked for: kill {kills}")
+    case.got, how = _resumed(p, stats)
+    case.detail = f"{how}; attempts: {len(_starts(stats))}"
+    return case
+
+
+SLOW_ORPHAN_FLUSH_S = 3.0
+
+
+def _orphan_flush_beside_restart(ctx: Ctx, case: Case, negative: bool = False) -> Case:
+    """Item 7: the supervisor's flush of the dead child's slot takes 3 s (slowed in the
+    ``cudasnap run`` process). The restart must begin < 0.5 s after the SIGKILL, the flush
+    end more than 2.5 s after that restart (it ran beside it, not before it), the new
+    child resume at step 5 from shared memory and step 4 reach the disk (got 1: all hold)."""
+    d, stats = ctx.dir("sup-beside"), ctx.root / f"{case.name}.jsonl"
+    p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt",
+             run_args=("--max-restarts", "1"),
+             supervisor=("-c", _SLOW_FLUSH_RUN, str(SLOW_ORPHAN_FLUSH_S),
+                         "sync" if negative else "beside"))
+    _cleanup_arenas(ctx, d)
+    from cudasnap.storage import posix
+
+    kills, s = _events(stats, "kill"), _starts(stats)
+    restart = _log_time(p.stderr, "restarting (restart 1 of 1)")
+    flushed = _log_time(p.stderr, "flushed step 4 left in")
+    start, how = _resumed(p, stats)
+    if len(kills) != 1 or restart is None or flushed is None or start is None:
+        case.got, case.detail = 0, f"{how}; kill {kills}, restart {restart}, flushed {flushed}"
+        return case
+    to_restart, beside = restart - kills[0]["t"], flushed - restart
+    steps = [x.step for x in posix.list_snapshots(d)]
+    on_disk, latest = 4 in steps, posix.read_latest(d)
+    ok = (to_restart < 0.5 and beside > SLOW_ORPHAN_FLUSH_S - 0.5 and start == 5
+          and how == "resumed from shm" and on_disk)
+    case.got = 1 if ok else 0
+    case.detail = (f"death -> restart {to_restart:.2f} s, orphan flush ended {beside:.2f} s "
+                   f"after the restart, new child running (step {start}, {how[13:]}) "
+                   f"{s[1]['t'] - kills[0]['t']:.2f} s after the death; step 4 on disk: "
+                   f"{on_disk} (on disk: {steps}, latest: {latest})")
+    return case
+
+
+def supervisor_cases(ctx: Ctx, negative: bool = False) -> list[Case]:
+    if negative:  # items 1, 2 (pre-fix Snapshotter), 7 (pre-fix supervisor): each LOST
+        neg = [("long_flush_kill_during", 5, lambda c: _long_flush(ctx, c, after=False,
+                                                                   negative=True)),
+               ("long_flush_kill_after", 6, lambda c: _long_flush(ctx, c, after=True,
+                                                                  negative=True)),
+               ("close_then_kill", STEPS, lambda c: _close_then_kill(ctx, c, negative=True)),
+               ("orphan_flush_beside_restart", 1,
+                lambda c: _orphan_flush_beside_restart(ctx, c, negative=True))]
+        return [guarded(c, lambda c=c, f=f: f(c))  # type: ignore[misc]
+                for c, f in ((Case("supervisor-negative", n, e, need_named=False), f)
+                             for n, e, f in neg)]
     specs = [("kill_restart", 5, _kill_restart, False),
              ("diskfull_orphan_flush", 5, _diskfull_orphan_flush, True),
              ("two_runs_one_dir", 1, _two_runs_one_directory, True),
              ("deleted_dir_fresh", 0, _deleted_directory, True),
-             ("clean_exit_not_restarted", 1, _clean_exit, False)]
+             ("clean_exit_not_restarted", 1, _clean_exit, False),
+             ("long_flush_kill_during", 5,
+              lambda x, c: _long_flush(x, c, after=False, negative=False), False),
+             ("long_flush_kill_after", 6,
+              lambda x, c: _long_flush(x, c, after=True, negative=False), False),
+             ("close_then_kill", STEPS,
+              lambda x, c: _close_then_kill(x, c, negative=False), False),
+             ("orphan_flush_beside_restart", 1, _orphan_flush_beside_restart, False)]
     out = []
     for name, expected, fn, named in specs:
         case = Case("supervisor", name, expected, need_named=named)
