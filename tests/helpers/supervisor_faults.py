@@ -254,6 +254,7 @@ def _orphan_flush_beside_restart(ctx: Ctx, case: Case, negative: bool = False) -
              supervisor=("-c", _SLOW_FLUSH_RUN, str(SLOW_ORPHAN_FLUSH_S),
                          "sync" if negative else "beside"))
     _cleanup_arenas(ctx, d)
+    from cudasnap.format import paths
     from cudasnap.storage import posix
 
     kills, s = _events(stats, "kill"), _starts(stats)
@@ -266,8 +267,10 @@ def _orphan_flush_beside_restart(ctx: Ctx, case: Case, negative: bool = False) -
     to_restart, beside = restart - kills[0]["t"], flushed - restart
     steps = [x.step for x in posix.list_snapshots(d)]
     on_disk, latest = 4 in steps, posix.read_latest(d)
+    # `latest` names the newest step on disk, although the flush of step 4 ended last.
+    newest = paths.step_dirname(max(steps)) if steps else None
     ok = (to_restart < 0.5 and beside > SLOW_ORPHAN_FLUSH_S - 0.5 and start == 5
-          and how == "resumed from shm" and on_disk)
+          and how == "resumed from shm" and on_disk and latest == newest)
     case.got = 1 if ok else 0
     case.detail = (f"death -> restart {to_restart:.2f} s, orphan flush ended {beside:.2f} s "
                    f"after the restart, new child running (step {start}, {how[13:]}) "
