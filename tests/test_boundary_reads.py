@@ -21,8 +21,9 @@ from cudasnap.format import codec
 
 def HostText(sources):  # noqa: N802 (imported late: the test of the boundary runs without it)
     from cudasnap.core.host_capture import HostText as cls
+    from cudasnap.core.state import capture_rng
 
-    return cls(sources)
+    return cls(sources, capture_rng)
 
 
 def _state() -> TrainingState:

@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -160,8 +161,10 @@ class HostText:
     when that key's exact value changed.
     """
 
-    def __init__(self, sources: tuple[str, ...]) -> None:
+    def __init__(self, sources: tuple[str, ...],
+                 capture_rng: Callable[[tuple[str, ...]], dict[str, Any]]) -> None:
         self.sources = sources
+        self._capture_rng = capture_rng  # cudasnap.core.state.capture_rng (state imports us)
         self.enc = HostEncoder()
         self.read = 0  # RNG states read through their Python API
         self._watch: dict[str, tuple[Any, tuple[Any, ...]]] = {}
@@ -212,7 +215,7 @@ class HostText:
         if src == "cuda" and not torch.cuda.is_initialized():
             got: dict[str, Any] = {}  # what capture_rng gives then, without its ~20 us check
         else:
-            got = state_capture_rng((src,))
+            got = self._capture_rng((src,))
         if src not in got:
             self._text.pop(src, None)
             return None
@@ -273,9 +276,3 @@ class _WithoutRng:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_state"], name)
-
-
-def state_capture_rng(sources: tuple[str, ...]) -> dict[str, Any]:
-    from .state import capture_rng  # state imports this module
-
-    return capture_rng(sources)

@@ -17,7 +17,7 @@ from ..errors import ConfigError, SnapshotError, StagingError
 from .host_capture import HostText
 from .plan import Layout
 from .shared import Fields
-from .state import LiveTensor, single_cuda_device
+from .state import LiveTensor, capture_rng, single_cuda_device
 from .timeline import check_step
 
 log = logging.getLogger("cudasnap")
@@ -117,7 +117,7 @@ class SubmitMixin(Fields):
         st = self.state
         ht = self._host_text
         if ht is None or ht.sources != st.rng_sources:
-            ht = self._host_text = HostText(st.rng_sources)
+            ht = self._host_text = HostText(st.rng_sources, capture_rng)
         parts = ht.parts(st, step)
         parts += (b',"step":', str(int(step)).encode(), b"}")
         return parts
