@@ -15,8 +15,18 @@ Baseline: the first tensor count (8 by default) in the same run. ``x base`` is
 each median over its median: an O(1) boundary keeps it near 1 at any count.
 ``--repeats`` reruns the whole sweep (the machine is noisy: compare medians).
 
+``alloc_after_step_us``: a separate loop without cudasnap timing the first 4 KB
+allocation after ``opt.step()`` (the consolidation above, paid by whatever allocates
+first; since the boundary writes its manifest text through a reused native buffer
+it is no longer the boundary).
+
+``--against DIR``: before/after in one session: every (repeat, tensor count) runs
+twice, alternating, in a fresh process: once with ``PYTHONPATH=DIR`` (e.g. a
+checkout of main with its extension built) and once with this tree; the table
+gives both medians and after/before ratios of wall and thread CPU time.
+
     python bench/boundary_cpu.py [--tensors 8,4000,40000] [--boundaries 200] [--every 1]
-                                 [--repeats 1]
+                                 [--repeats 1] [--against DIR]
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,12 +72,49 @@ def run(ntensors: int, boundaries: int, every: int) -> dict[str, Any]:
         snap.wait()
         st = snap.stats()
         snap.close()
-    return {"tensors": ntensors, "median_ms": statistics.median(ts) / 1e6,
+    alloc = []
+    for _ in range(min(boundaries, 60)):
+        opt.step()
+        t0 = time.perf_counter_ns()
+        bytearray(4096)
+        alloc.append(time.perf_counter_ns() - t0)
+    return {"alloc_after_step_us": statistics.median(alloc) / 1e3, "from": cudasnap.__file__,
+            "tensors": ntensors, "median_ms": statistics.median(ts) / 1e6,
             "p90_ms": sorted(ts)[int(len(ts) * 0.9)] / 1e6,
             # CPU time of the training thread: what boundary() costs, without the
             # preemption a loaded host adds to the wall time.
             "cpu_median_ms": statistics.median(cpu) / 1e6, "snapshots": st["snapshots"],
             "layout_rebuilds": st["layout_rebuilds"]}
+
+
+def _one(path: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
+    """One tensor count in a fresh process importing cudasnap from ``path``."""
+    env = dict(os.environ, PYTHONPATH=path)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--tensors", str(n),
+                          "--boundaries", str(a.boundaries), "--every", str(a.every), "--json"],
+                         env=env, check=True, capture_output=True, text=True, cwd=path).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def compare(a: argparse.Namespace) -> None:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for rep in range(a.repeats):
+        for n in [int(x) for x in a.tensors.split(",")]:
+            before = _one(os.path.abspath(a.against), n, a)  # alternating, same session
+            after = _one(here, n, a)
+            assert before["from"] != after["from"], before["from"]
+            r = {"repeat": rep, "tensors": n, "load": os.getloadavg()[0],
+                 "before_ms": before["median_ms"], "after_ms": after["median_ms"],
+                 "ratio": after["median_ms"] / before["median_ms"],
+                 "before_cpu_ms": before["cpu_median_ms"], "after_cpu_ms": after["cpu_median_ms"],
+                 "cpu_ratio": after["cpu_median_ms"] / before["cpu_median_ms"],
+                 "alloc_after_step_us": after["alloc_after_step_us"]}
+            print(json.dumps(r) if a.json else
+                  f"rep {rep} {n:>6} tensors (load {r['load']:.1f}): wall median before "
+                  f"{r['before_ms']:.3f} / after {r['after_ms']:.3f} ms = {r['ratio']:.2f}x; "
+                  f"thread CPU {r['before_cpu_ms']:.3f} / {r['after_cpu_ms']:.3f} ms = "
+                  f"{r['cpu_ratio']:.2f}x; 4 KB malloc after opt.step "
+                  f"{r['alloc_after_step_us']:.0f} us", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=int, default=1, help="snapshot_every (k)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--against", help="a tree to compare with (before/after, alternating)")
     a = p.parse_args(argv)
+    if a.against:
+        compare(a)
+        return
     for rep in range(a.repeats):
         base = None
         for n in [int(x) for x in a.tensors.split(",")]:

@@ -8,6 +8,7 @@
 #include "error.h"
 #include "layout_check.h"
 #include "signals.h"
+#include "state_watch.h"
 #include "test_hooks.h"
 
 namespace py = pybind11;
@@ -82,7 +83,21 @@ void init_layout_check(py::module_& m) {
       .def(py::init([](py::list tensors) { return new LayoutGuard(tensors.ptr()); }))
       .def("first_moved", &LayoutGuard::first_moved)
       .def("check_next", &LayoutGuard::check_next, py::arg("count"))
-      .def("__len__", &LayoutGuard::size);
+      .def("__len__", &LayoutGuard::size)
+      .def("set_entries", [](LayoutGuard& g, py::list entries) { g.set_entries(entries.ptr()); },
+           py::arg("entries"))
+      .def("entries_changed", &LayoutGuard::entries_changed, py::arg("count"))
+      .def_property_readonly("num_entries", &LayoutGuard::num_entries)
+      .def("window_changed", &LayoutGuard::window_changed, py::arg("count"));
+  py::class_<StateWatch>(m, "StateWatch")
+      .def(py::init<std::vector<std::pair<uint64_t, uint64_t>>, bool>(), py::arg("regions"),
+           py::arg("torch_cpu_rng") = false)
+      .def("changed", &StateWatch::changed)
+      .def_property_readonly("watched_bytes", &StateWatch::watched_bytes);
+  py::class_<ValueWatch>(m, "ValueWatch")
+      .def(py::init<>())
+      .def("changed", [](ValueWatch& w, py::handle v) { return w.changed(v.ptr()); },
+           py::arg("value"));
 }
 
 void init_signals(py::module_& m) {

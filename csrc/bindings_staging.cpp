@@ -152,12 +152,38 @@ void init_copy_engine(py::module_& m) {
       .def_property_readonly("backend", &CopyEngine::backend)
       .def("submit",
            [](CopyEngine& e, const std::shared_ptr<Arena>& a, int slot,
-              const std::shared_ptr<CopyPlan>& plan, int64_t step, const py::bytes& meta,
+              const std::shared_ptr<CopyPlan>& plan, int64_t step, const py::object& meta,
               uint64_t stream, const std::shared_ptr<const MetaPrefix>& prefix) {
-             // `meta` is the whole manifest, or with `prefix` its suffix (host state + step).
-             SlotMeta m{prefix, meta};
-             py::gil_scoped_release nogil;
-             return e.submit(a, slot, plan, step, m, stream);
+             // `meta` is the whole manifest, or with `prefix` its suffix (host state +
+             // step): bytes, or a list/tuple of bytes written one after the other.
+             // The text goes through one reused buffer: no allocation per boundary
+             // once it is large enough (a >= 1 KB malloc right after an optimizer
+             // step pays glibc's consolidation of every small block the step freed).
+             static std::string buf;  // guarded by the GIL
+             SlotMeta m{prefix, std::string()};
+             m.suffix.swap(buf);
+             m.suffix.clear();
+             auto add = [&](PyObject* o) {
+               if (!PyBytes_Check(o)) throw py::type_error("submit: meta parts must be bytes");
+               m.suffix.append(PyBytes_AS_STRING(o), static_cast<size_t>(PyBytes_GET_SIZE(o)));
+             };
+             PyObject* mo = meta.ptr();
+             if (PyList_Check(mo) || PyTuple_Check(mo)) {
+               py::sequence seq = py::reinterpret_borrow<py::sequence>(meta);
+               size_t total = 0;
+               for (py::handle h : seq) total += PyBytes_Check(h.ptr()) ? PyBytes_GET_SIZE(h.ptr()) : 0;
+               m.suffix.reserve(total);
+               for (py::handle h : seq) add(h.ptr());
+             } else {
+               add(mo);
+             }
+             std::shared_ptr<CopyJob> job;
+             {
+               py::gil_scoped_release nogil;
+               job = e.submit(a, slot, plan, step, m, stream);
+             }
+             buf.swap(m.suffix);  // keeps its capacity for the next boundary
+             return job;
            },
            py::arg("arena"), py::arg("slot"), py::arg("plan"), py::arg("step"),
            py::arg("meta"), py::arg("stream") = 0, py::arg("prefix") = nullptr)

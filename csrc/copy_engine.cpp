@@ -200,9 +200,6 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
                                                int64_t step, const SlotMeta& meta,
                                                uint64_t /*stream*/) {
   check_submit(arena, plan);
-  for (const PlanRange& r : plan->ranges)
-    CUDASNAP_CHECK(r.host, "the CPU copy engine cannot read device memory (range at 0x"
-                               << std::hex << r.src << "); use the CUDA backend");
   auto work = std::make_shared<Work>();
   work->job = std::make_shared<CopyJob>(slot, step, plan->total_bytes);
   work->job->submit_ns = monotonic_ns();
@@ -215,6 +212,13 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
   {
     std::unique_lock<std::mutex> lk(mu_);
     CUDASNAP_CHECK(!stop_, "copy engine is shut down");
+    // O(ranges) once per plan, not per boundary: a plan is immutable once built.
+    if (plan != host_checked_) {
+      for (const PlanRange& r : plan->ranges)
+        CUDASNAP_CHECK(r.host, "the CPU copy engine cannot read device memory (range at 0x"
+                                   << std::hex << r.src << "); use the CUDA backend");
+      host_checked_ = plan;
+    }
     // One snapshot in flight at a time; a stalled one must not hang the trainer.
     double wait_s = wait_timeout_s();
     bool idle = idle_cv_.wait_for(lk, std::chrono::duration<double>(wait_s),

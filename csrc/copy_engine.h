@@ -133,6 +133,8 @@ class CpuCopyEngine : public CopyEngine {
   std::atomic<uint64_t> delay_us_{0};
   std::atomic<int> last_workers_{0};
   std::atomic<uint64_t> last_yield_{0};
+  // The last plan whose ranges were all found host memory (guarded by mu_).
+  std::shared_ptr<const CopyPlan> host_checked_;
   WorkerPool pool_;  // last: its workers stop before the members they use go
 };
 

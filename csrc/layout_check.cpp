@@ -29,7 +29,51 @@ LayoutGuard::LayoutGuard(PyObject* tensors) {
   }
 }
 
-LayoutGuard::~LayoutGuard() { Py_XDECREF(list_); }
+LayoutGuard::~LayoutGuard() {
+  Py_XDECREF(list_);
+  Py_XDECREF(entries_);
+}
+
+void LayoutGuard::set_entries(PyObject* entries) {
+  CUDASNAP_CHECK(PyList_Check(entries), "LayoutGuard.set_entries expects a list");
+  Py_ssize_t n = PyList_GET_SIZE(entries);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* e = PyList_GET_ITEM(entries, i);
+    CUDASNAP_CHECK(PyTuple_Check(e) && PyTuple_GET_SIZE(e) == 3,
+                   "LayoutGuard.set_entries: item " << i << " is not a (container, key, object) tuple");
+  }
+  PyObject* copy = PyList_GetSlice(entries, 0, n);
+  CUDASNAP_CHECK(copy != nullptr, "LayoutGuard: cannot copy the entry list");
+  Py_XDECREF(entries_);
+  entries_ = copy;
+  entry_cursor_ = 0;
+}
+
+bool LayoutGuard::entries_changed(int64_t count) {
+  const size_t n = num_entries();
+  if (n == 0 || count <= 0) return false;
+  const size_t todo = std::min(n, static_cast<size_t>(count));
+  for (size_t k = 0; k < todo; ++k) {
+    PyObject* e = PyList_GET_ITEM(entries_, static_cast<Py_ssize_t>(entry_cursor_));
+    PyObject* d = PyTuple_GET_ITEM(e, 0);
+    PyObject* key = PyTuple_GET_ITEM(e, 1);
+    PyObject* want = PyTuple_GET_ITEM(e, 2);
+    bool same;
+    if (PyDict_CheckExact(d)) {
+      PyObject* got = PyDict_GetItemWithError(d, key);  // borrowed
+      if (got == nullptr && PyErr_Occurred()) PyErr_Clear();  // unhashable: counts as changed
+      same = got == want;
+    } else {  // another mapping: its own __getitem__
+      PyObject* got = PyObject_GetItem(d, key);  // new reference
+      if (got == nullptr) PyErr_Clear();
+      same = got == want;
+      Py_XDECREF(got);
+    }
+    if (!same) return true;  // the cursor stays: the entry is reported again until rebuilt
+    entry_cursor_ = (entry_cursor_ + 1) % n;
+  }
+  return false;
+}
 
 int64_t LayoutGuard::first_moved() const {
   Py_ssize_t n = PyList_GET_SIZE(list_);

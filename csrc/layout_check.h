@@ -2,7 +2,9 @@
 //
 // Called at every boundary, so it must cost nanoseconds per tensor: it reads
 // each tensor's data pointer through the C++ tensor behind the Python object
-// instead of one Python method call per tensor.
+// instead of one Python method call per tensor, and the container identity
+// entries (is `opt.state[p]["exp_avg"]` still the planned tensor?) by direct
+// dict lookups instead of a Python loop.
 #pragma once
 
 #include <Python.h>
@@ -26,11 +28,22 @@ class LayoutGuard {
   // once per ceil(size / count) calls. Index of a moved tensor, or -1.
   int64_t check_next(int64_t count);
   size_t size() const { return ptrs_.size(); }
+  // Container identity entries: a Python list of (container, key, expected object)
+  // tuples (the dicts that hold the state tensors). Replaces the previous list.
+  void set_entries(PyObject* entries);
+  // Checks the next `count` entries (wrapping): true when one no longer holds its
+  // expected object (`container[key] is not expected`, or the key is gone).
+  bool entries_changed(int64_t count);
+  size_t num_entries() const { return entries_ ? static_cast<size_t>(PyList_GET_SIZE(entries_)) : 0; }
+  // One boundary's check in one call: `count` pointers and `count` entries.
+  bool window_changed(int64_t count) { return entries_changed(count) || check_next(count) >= 0; }
 
  private:
   PyObject* list_;  // owned reference (a private copy of the list)
   std::vector<uint64_t> ptrs_;
   size_t cursor_ = 0;
+  PyObject* entries_ = nullptr;  // owned reference (a private copy of the list)
+  size_t entry_cursor_ = 0;
 };
 
 }  // namespace cudasnap

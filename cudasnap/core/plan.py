@@ -35,6 +35,7 @@ class Layout:
         self.keep = [t.detach() for t in self.objects]
         self.guard = native().LayoutGuard(self.objects)
         self.watch = watch
+        watch.attach(self.guard)  # identity window checked natively too
         # Full re-scan period: amortised O(1) per boundary whatever the tensor count.
         per = 4 * layout_watch.WINDOW
         self.rescan_every = rescan_every * max(1, -(-len(tensors) // per))

@@ -14,15 +14,17 @@ from typing import Any
 
 from .._native import native
 from ..errors import ConfigError, SnapshotError, StagingError
+from .host_capture import HostText
 from .plan import Layout
 from .shared import Fields
-from .state import LiveTensor, single_cuda_device
+from .state import LiveTensor, capture_rng, single_cuda_device
 from .timeline import check_step
 
 log = logging.getLogger("cudasnap")
 
 
 class SubmitMixin(Fields):
+    _host_text: HostText | None = None  # made at the first boundary
     def _ensure_engine(self, tensors: list[LiveTensor]) -> None:
         if self._engine is not None:
             return
@@ -92,7 +94,7 @@ class SubmitMixin(Fields):
             # Zero-overhead mode: no copy. Until the next optimizer step the live
             # state IS this step, so a JIT flush copies it then (see flush()).
             self._stats["skipped_every"] += 1
-            self._live = (step, self._host_suffix(step))
+            self._live = (step, b"".join(self._host_suffix(step)))
             self._record_ns(t0)
             return
         self._live = None
@@ -106,14 +108,25 @@ class SubmitMixin(Fields):
         if self._submit_copy(lay, step, self._host_suffix(step)) is not None:
             self._record_ns(t0)
 
-    def _host_suffix(self, step: int) -> bytes:
-        """The per-boundary end of the slot manifest: host state + step."""
-        return b"".join((self.state.encode_host(step).encode(), b',"step":',
-                         str(int(step)).encode(), b"}"))
+    def _host_suffix(self, step: int) -> list[bytes]:
+        """The per-boundary end of the slot manifest, host state + step, in pieces that
+        the copy engine writes one after the other (no joined copy: see HostText.parts).
 
-    def _submit_copy(self, lay: Layout, step: int, suffix: bytes) -> Any:
-        """Hands one snapshot to the copy engine; returns the job (None: skipped)."""
-        arena = self._ensure_arena(lay.plan, lay.prefix_len + len(suffix))
+        Reads only the RNG sources whose bytes changed since the last boundary
+        (cudasnap.core.host_capture.HostText)."""
+        st = self.state
+        ht = self._host_text
+        if ht is None or ht.sources != st.rng_sources:
+            ht = self._host_text = HostText(st.rng_sources, capture_rng)
+        parts = ht.parts(st, step)
+        parts += (b',"step":', str(int(step)).encode(), b"}")
+        return parts
+
+    def _submit_copy(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> Any:
+        """Hands one snapshot to the copy engine; returns the job (None: skipped).
+        ``suffix``: the manifest's host part, whole or in pieces."""
+        n = len(suffix) if isinstance(suffix, bytes) else sum(map(len, suffix))
+        arena = self._ensure_arena(lay.plan, lay.prefix_len + n)
         if arena is None:
             self._stats["skipped"] += 1
             return None
