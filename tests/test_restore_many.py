@@ -253,3 +253,38 @@ def test_many_tensor_restore_walks_the_state_once_and_builds_no_views(snap_env, 
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
     assert walks == [1]  # live_tensors once per restore (it was twice)
     assert views == []  # every tensor was a byte copy planned from its entry
+
+
+@pytest.mark.parametrize("incompatible", [False, True])
+def test_a_damaged_slot_is_reported_as_such_and_copies_nothing(snap_env, incompatible):
+    """The CRC32C check runs beside the state checks: a flipped data byte is still what
+    restore_slot reports (also when the live model does not fit the snapshot either),
+    and not one byte reaches the live tensors."""
+    from cudasnap.errors import IncompatibleSnapshot
+    from tests.helpers import layout as L
+
+    m, opt = _trained(50)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir)
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        snap.wait()
+        arena = snap._arena
+        slot = arena.newest_complete()
+        where = f"{arena.path} slot {slot}"
+        if incompatible:  # a live tensor of another shape: the state check fails too
+            m.ps[3] = nn.Parameter(torch.zeros(2))
+            with pytest.raises(IncompatibleSnapshot):
+                snap.restore_slot(arena, slot, where)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(7.0)
+        geo = (arena.data_capacity, arena.meta_capacity, arena.chunk_bytes)
+        n = arena.slot_info(slot)["data_bytes"]
+        L.flip_byte(arena.path, L.data_offset(slot, *geo) + n - 1, 0x40)
+        with pytest.raises(CorruptSnapshot, match="fails its CRC32C"):
+            snap.restore_slot(arena, slot, where)
+    finally:
+        snap.close()
+    assert all(bool(p.eq(7.0).all()) for p in m.parameters())
+    assert snap._partly_applied is None

@@ -14,6 +14,7 @@ checks every span lies inside ``data`` before writing a byte.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -173,7 +174,8 @@ def plan_reference(pairs: list[tuple[Any, Any]], data: torch.Tensor
 
 
 def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
-              threads: int | None = None, *, reference: bool = False) -> int:
+              threads: int | None = None, *, reference: bool = False,
+              before: Callable[[], None] | None = None) -> int:
     """``dst.copy_(src)`` for each pair (under no_grad; ``src``: a tensor or a manifest
     entry of ``data``, see the module doc); returns the bytes the native
     multi-threaded copy moved. A destination overlapping another one keeps torch's
@@ -182,7 +184,8 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
     The byte copies are planned natively (``_C.plan_pairs``: no Python call per
     tensor); ``reference=True`` plans them in Python (``plan_reference``) instead.
     The views torch copies from are built before any byte is copied, so an entry
-    they cannot be made of raises with every destination untouched.
+    they cannot be made of raises with every destination untouched; ``before()``
+    runs then too (restore waits there for its CRC32C check).
     """
     lo = data.data_ptr() if data.numel() and data.is_cpu else 0
     size = data.numel() * data.element_size()
@@ -206,6 +209,8 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
             slow, run = plan.slow, plan.run
     rest = [(pairs[i][0], entry_view(data, s) if type(s) is dict else s)
             for i in slow for s in (pairs[i][1],)]
+    if before is not None:
+        before()
     moved = run(threads or copy_threads()) if run is not None else 0
     with torch.no_grad():
         for d, s in rest:

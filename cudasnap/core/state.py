@@ -340,11 +340,12 @@ class TrainingState:
                     raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
 
     def apply(self, tensors: list[dict[str, Any]], host: dict[str, Any], data: torch.Tensor,
-              where: str) -> int:
+              where: str, before_copy: Callable[[], None] | None = None) -> int:
         """Copies a snapshot into the live objects; returns its step.
 
         Every check runs before the first byte is copied; then all tensors (model and
         optimizer state) go through one ``copy_back.copy_into`` call; then the host state.
+        ``before_copy``: called after the checks, before the first byte (it may raise).
         """
         lts = self.live_tensors()  # once per restore: it walks every module and optimizer
         self.check_compatible(tensors, where, lts)
@@ -367,7 +368,7 @@ class TrainingState:
             pairs += more
             finish.append(done)
         # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into).
-        copy_back.copy_into(pairs, data)
+        copy_back.copy_into(pairs, data, before=before_copy)
         for done in finish:
             done()
         for key, obj in self.extra.items():
