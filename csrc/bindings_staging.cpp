@@ -11,6 +11,7 @@
 #include "error.h"
 #include "flusher.h"
 #include "host_copy.h"
+#include "restore_spans.h"
 #include "staging.h"
 
 namespace py = pybind11;
@@ -18,6 +19,14 @@ namespace py = pybind11;
 namespace cudasnap::bindings {
 
 namespace {
+
+struct PlannedCopy {
+  RestorePlan plan;
+  py::list keep;  // owns the destination tensors the plan points into
+  uint64_t lo = 0;
+  uint64_t size = 0;
+  bool done = false;
+};
 
 py::dict slot_info_dict(const SlotInfo& s) {
   py::dict d;
@@ -264,6 +273,42 @@ void init_flusher(py::module_& m) {
         py::arg("piece_bytes") = kHostCopyPiece,
         "copies (dst_ptr, src_offset, nbytes) spans out of [src, src + src_nbytes) on "
         "`threads` threads; every span is checked first");
+  py::class_<PlannedCopy>(m, "RestorePlan",
+                          "restore's byte copies, planned by plan_pairs; run() copies them")
+      .def_property_readonly("slow", [](const PlannedCopy& p) { return p.plan.slow; },
+                             "indices of the pairs left to torch copy_")
+      .def_property_readonly("count", [](const PlannedCopy& p) { return p.plan.spans.size(); })
+      .def("run",
+           [](PlannedCopy& p, int threads) {
+             CUDASNAP_CHECK(!p.done, "RestorePlan.run: already run");
+             p.done = true;
+             uint64_t moved = 0;
+             if (!p.plan.spans.empty()) {
+               py::gil_scoped_release nogil;  // p.keep holds the destination tensors
+               moved = copy_spans(reinterpret_cast<const uint8_t*>(p.lo), p.size, p.plan.spans,
+                                  threads);
+             }
+             bump_versions(p.plan);
+             return moved;
+           },
+           py::arg("threads") = 4,
+           "copies the planned spans (every one checked first), marks their destinations "
+           "modified in place; returns the bytes copied");
+  m.def("plan_pairs",
+        [](py::list dsts, py::list srcs, py::dict dtypes, py::tuple plain_types,
+           py::object src_type, uint64_t lo, uint64_t size) {
+          PlannedCopy p;
+          p.plan = plan_restore(dsts.ptr(), srcs.ptr(), dtypes.ptr(), plain_types.ptr(),
+                                src_type.ptr(), lo, size);
+          p.keep = py::list(dsts);  // a private copy: the caller's list may change
+          p.lo = lo;
+          p.size = size;
+          return p;
+        },
+        py::arg("dsts"), py::arg("srcs"), py::arg("dtypes"), py::arg("plain_types"),
+        py::arg("src_type"), py::arg("lo"), py::arg("size"),
+        "restore's copy-back plan: which (dst, src) pairs are byte copies (src a manifest "
+        "entry or a tensor inside [lo, lo + size)), without a Python call per pair");
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
   m.def("flush_active", &flush_active, "flusher writes running now in this process");
   m.def("flushes_started", &flushes_started);

@@ -1,24 +1,87 @@
 """Copy-back of a verified snapshot into live tensors (restore, rollback).
 
 ``copy_into(pairs, data)`` does ``dst.copy_(src)`` for every (live tensor,
-snapshot view) pair, with the same bytes as a result. The pairs that are plain
-byte copies (a contiguous CPU destination, a contiguous source inside the
-snapshot buffer ``data``, same dtype and shape, no destination overlapping
-another) go to the engine's multi-threaded ``copy_spans`` in one call, first,
-with the GIL released; torch's ``copy_`` keeps everything else (CUDA
-destinations, non-contiguous ones, tensor subclasses, dtype views), in order.
-The native call checks every span lies inside ``data`` before writing a byte.
+snapshot value) pair, with the same bytes as a result. A snapshot value is a
+tensor, or a (validated) manifest entry: the view ``entry_view(data, entry)``,
+built only when torch has to copy it. The pairs that are plain byte copies (a
+contiguous CPU destination, a contiguous source inside the snapshot buffer
+``data``, same dtype and shape, no destination overlapping another) go to the
+engine's multi-threaded ``copy_spans`` in one call, first, with the GIL
+released; torch's ``copy_`` keeps everything else (CUDA destinations,
+non-contiguous ones, tensor subclasses, dtype views), in order. The native call
+checks every span lies inside ``data`` before writing a byte.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..format.manifest import span_bytes
+from ..format.manifest import dtype_key, span_bytes, torch_dtype
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+Entry = dict[str, Any]  # a manifest tensor entry (format.manifest.TensorEntry)
+
+
+def entry_view(data: torch.Tensor, e: Entry) -> torch.Tensor:
+    """The snapshot's tensor of entry ``e``: a view of the flat buffer ``data``."""
+    off, n = e["offset"], e["nbytes"]
+    dt = torch_dtype(e["dtype"])
+    flat = data[off:off + n].view(dt) if n else torch.empty(0, dtype=dt)
+    return flat.as_strided(e["shape"], e["stride"]) if n else flat.reshape(e["shape"])
+
+
+def entry_span(dst: Any, e: Entry, size: int) -> tuple[int, int, int] | None:
+    """``byte_span(dst, entry_view(data, e), ...)`` without building the view: (dst
+    pointer, offset in data, bytes), or None when torch's copy_ must do it. ``e``'s
+    stride must be ``dst``'s (a contiguous dst has a contiguous view then)."""
+    if (type(dst) not in _PLAIN or not dst.is_cpu or dst.layout != torch.strided
+            or not dst.is_contiguous() or dst.is_inference() or dst.is_conj() or dst.is_neg()
+            or dtype_key(dst.dtype) != e["dtype"] or list(dst.shape) != e["shape"]
+            or list(dst.stride()) != e["stride"]):
+        return None
+    off, n = e["offset"], e["nbytes"]
+    if n == 0 or n != dst.nbytes or off < 0 or off + n > size:
+        return None
+    return dst.data_ptr(), off, n
+
+
+class Ref:
+    """An optimizer state tensor of the snapshot, by its manifest entry (no view yet)."""
+
+    __slots__ = ("e",)
+
+    def __init__(self, e: dict[str, Any]) -> None:
+        self.e = e
+
+
+def fits_in_place(have: Any, v: Any) -> bool:
+    """Whether the live optimizer value ``have`` can take snapshot value ``v`` in place:
+    a tensor of the same shape and dtype for a tensor, anything for a scalar."""
+    if isinstance(v, Ref):
+        return isinstance(have, torch.Tensor) and list(have.shape) == v.e["shape"] \
+            and dtype_key(have.dtype) == v.e["dtype"]
+    return not isinstance(v, torch.Tensor) or (
+        isinstance(have, torch.Tensor) and have.shape == v.shape and have.dtype == v.dtype)
+
+
+def contiguous_strides(shape: list[int]) -> list[int]:
+    out = [1] * len(shape)
+    acc = 1
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = acc
+        acc *= max(shape[i], 1)
+    return out
+
+
+def empty_like_entry(data: torch.Tensor, e: dict[str, Any]) -> torch.Tensor:
+    """``torch.empty_like(entry_view(data, e))``, without the view when the
+    entry is contiguous (the common case)."""
+    if e["nbytes"] and e["stride"] == contiguous_strides(e["shape"]):
+        return torch.empty(e["shape"], dtype=torch_dtype(e["dtype"]), device=data.device)
+    return torch.empty_like(entry_view(data, e))
 
 
 def copy_threads() -> int:
@@ -77,29 +140,79 @@ def byte_span(dst: Any, src: Any, lo: int, hi: int) -> tuple[int, int, int] | No
     return dst.data_ptr(), s - lo, n
 
 
-def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
-              threads: int | None = None) -> int:
-    """``dst.copy_(src)`` for each pair (under no_grad); returns the bytes the native
-    multi-threaded copy moved. A destination overlapping another one keeps torch's
-    sequential copy_, so the outcome never depends on the order of the copies."""
-    lo = data.data_ptr() if data.numel() else 0
+def _dtypes() -> dict[str, Any]:
+    """{manifest dtype name: torch.dtype} for the native planner (made once)."""
+    global _DTYPES
+    if _DTYPES is None:
+        from ..format.manifest import _ITEMSIZE
+
+        _DTYPES = {n: getattr(torch, n) for n in _ITEMSIZE if hasattr(torch, n)}
+    return _DTYPES
+
+
+_DTYPES: dict[str, Any] | None = None
+
+
+def plan_reference(pairs: list[tuple[Any, Any]], data: torch.Tensor
+                   ) -> tuple[list[tuple[int, int, int]], list[int], list[int]]:
+    """The reference planner, in Python (the native ``copy_pairs`` follows its rules):
+    (byte-copy spans, their pair indices, indices of the pairs left to torch copy_)."""
+    lo = data.data_ptr() if data.numel() and data.is_cpu else 0
     hi = lo + data.numel() * data.element_size()
-    spans: list[tuple[int, int, int] | None] = [
-        byte_span(d, s, lo, hi) if lo else None for d, s in pairs]
+    spans: list[tuple[int, int, int] | None] = []
+    for d, s in pairs:
+        sp = entry_span(d, s, hi - lo) if lo and type(s) is dict else None
+        if sp is None and lo:
+            sp = byte_span(d, entry_view(data, s) if type(s) is dict else s, lo, hi)
+        spans.append(sp)
     for group in _overlapping(pairs, spans):
         for i in group:
             spans[i] = None
-    fast = [s for s in spans if s is not None]
-    moved = 0
-    if fast:
+    fast = [i for i, sp in enumerate(spans) if sp is not None]
+    return [sp for sp in spans if sp is not None], fast, [
+        i for i, sp in enumerate(spans) if sp is None]
+
+
+def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
+              threads: int | None = None, *, reference: bool = False,
+              before: Callable[[], None] | None = None) -> int:
+    """``dst.copy_(src)`` for each pair (under no_grad; ``src``: a tensor or a manifest
+    entry of ``data``, see the module doc); returns the bytes the native
+    multi-threaded copy moved. A destination overlapping another one keeps torch's
+    sequential copy_, so the outcome never depends on the order of the copies.
+
+    The byte copies are planned natively (``_C.plan_pairs``: no Python call per
+    tensor); ``reference=True`` plans them in Python (``plan_reference``) instead.
+    The views torch copies from are built before any byte is copied, so an entry
+    they cannot be made of raises with every destination untouched; ``before()``
+    runs then too (restore waits there for its CRC32C check).
+    """
+    lo = data.data_ptr() if data.numel() and data.is_cpu else 0
+    size = data.numel() * data.element_size()
+    run: Any = None
+    slow: list[int] = list(range(len(pairs)))
+    if lo and pairs:
         from .._native import native
 
-        moved = native().copy_spans(lo, hi - lo, fast, threads or copy_threads())
-        for (d, _), s in zip(pairs, spans):
-            if s is not None:  # what copy_ does: autograd sees the in-place change
-                torch.autograd.graph.increment_version(d)
+        C = native()
+        if reference:
+            spans, fast, slow = plan_reference(pairs, data)
+
+            def run(n: int) -> int:
+                moved = C.copy_spans(lo, size, spans, n) if spans else 0
+                for i in fast:  # what copy_ does: autograd sees the in-place change
+                    torch.autograd.graph.increment_version(pairs[i][0])
+                return moved
+        else:
+            plan = C.plan_pairs([d for d, _ in pairs], [s for _, s in pairs], _dtypes(),
+                                _PLAIN, torch.Tensor, lo, size)
+            slow, run = plan.slow, plan.run
+    rest = [(pairs[i][0], entry_view(data, s) if type(s) is dict else s)
+            for i in slow for s in (pairs[i][1],)]
+    if before is not None:
+        before()
+    moved = run(threads or copy_threads()) if run is not None else 0
     with torch.no_grad():
-        for (d, s), sp in zip(pairs, spans):
-            if sp is None:
-                d.copy_(s)
+        for d, s in rest:
+            d.copy_(s)
     return moved

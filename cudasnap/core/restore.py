@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,30 @@ from .shared import Fields
 from .timeline import resume_message
 
 log = logging.getLogger("cudasnap")
+
+
+class _Verify:
+    """``fn(*args)`` (verify_buffer) on its own thread; ``result()`` waits for it."""
+
+    def __init__(self, fn: Callable[..., int], *args: Any) -> None:
+        self._out: int | None = None
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
+                                        name="cudasnap-verify")
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., int], args: tuple[Any, ...]) -> None:
+        try:
+            self._out = fn(*args)
+        except BaseException as e:  # handed to the caller by result()
+            self._err = e
+
+    def result(self) -> int:
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        assert self._out is not None
+        return self._out
 
 
 class RestoreMixin(Fields):
@@ -101,12 +127,13 @@ class RestoreMixin(Fields):
                 "initial state; remove that snapshot and rebuild them before training")
         return 0
 
-    def _apply(self, tensors: Any, host: Any, data: Any, where: str) -> int:
+    def _apply(self, tensors: Any, host: Any, data: Any, where: str,
+               before_copy: Callable[[], None] | None = None) -> int:
         """state.apply, with a malformed (CRC-consistent but hostile) host state reported
         as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
         self._live = None  # the live state is about to be replaced: no JIT copy of it
         try:
-            return self.state.apply(tensors, host, data, where)
+            return self.state.apply(tensors, host, data, where, before_copy)
         except SnapshotError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
@@ -149,22 +176,38 @@ class RestoreMixin(Fields):
         raise CorruptSnapshot(f"{step_dir}: no rank's files are present")
 
     def restore_slot(self, arena: Any, slot: int, where: str) -> int:
-        """Applies an arena slot (validated first); returns its step."""
+        """Applies an arena slot (validated first); returns its step.
+
+        The chunks' CRC32C check runs on its own thread (native, GIL released) while
+        the state is checked and the copy planned; no byte is copied before it passed,
+        and a slot failing it is reported as damaged whatever else was found first.
+        """
         info = arena.slot_info(slot)
         meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
         meta["data"] = fmt.data_section(info["data_bytes"], arena.chunk_bytes,
                                         arena.read_table(slot))
         validate_manifest(meta, where)
         C = native()
-        bad = C.verify_buffer(arena.data_ptr(slot), info["data_bytes"], arena.chunk_bytes,
-                              meta["data"]["crc32c"], self.flush_threads)
-        if bad >= 0:
-            raise CorruptSnapshot(f"{where}: chunk {bad} fails its CRC32C")
         arena.lease(slot)
         try:
+            check = _Verify(C.verify_buffer, arena.data_ptr(slot), info["data_bytes"],
+                            arena.chunk_bytes, meta["data"]["crc32c"], self.flush_threads)
+
+            def verified() -> None:
+                bad = check.result()
+                if bad >= 0:
+                    raise CorruptSnapshot(f"{where}: chunk {bad} fails its CRC32C")
+
             data = torch.frombuffer(arena.data_view(slot, info["data_bytes"]), dtype=torch.uint8) \
                 if info["data_bytes"] else torch.empty(0, dtype=torch.uint8)
-            return self._apply(meta["tensors"], meta["host"], data, where)
+            was = self._partly_applied
+            try:
+                return self._apply(meta["tensors"], meta["host"], data, where, verified)
+            except BaseException:
+                if check.result() >= 0:  # nothing was copied: the damage is the news
+                    self._partly_applied = was
+                    verified()
+                raise
         finally:
             arena.release(slot)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import array
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +20,12 @@ import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_name, span_bytes, torch_dtype
+from ..format.manifest import dtype_key, dtype_name, span_bytes
 from . import copy_back, sharded, values
 from .host_capture import HostEncoder
 
 log = logging.getLogger("cudasnap.state")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -251,14 +252,16 @@ class TrainingState:
                         scalars.append((idx, k))
             self._scalar_keys[okey] = scalars
         for lt in out:
-            check_plain_tensor(lt.name, lt.tensor)
-            if sharded.is_dtensor(lt.tensor):  # sharded state: its local shard is copied
-                lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
-                lt.tensor = sharded.local_shard(lt.tensor)
+            if type(lt.tensor) not in _PLAIN:  # a plain one passes both checks
+                check_plain_tensor(lt.name, lt.tensor)
+                if sharded.is_dtensor(lt.tensor):  # sharded state: its local shard is copied
+                    lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
+                    lt.tensor = sharded.local_shard(lt.tensor)
             t = lt.tensor
             if t.layout != torch.strided or t.is_sparse:
                 raise ConfigError(f"{lt.name}: only dense strided tensors can be snapshotted")
-            dtype_name(t.dtype)
+            if dtype_key(t.dtype) is None:
+                dtype_name(t.dtype)  # raises, naming the dtype
         return out
 
     # ------------------------------------------------------- host state
@@ -301,9 +304,12 @@ class TrainingState:
         return self._host_encoder.dumps(self.capture_host(step))
 
     # ------------------------------------------------------------ apply
-    def check_compatible(self, tensors: list[dict[str, Any]], where: str) -> None:
-        """Raises IncompatibleSnapshot naming the first model tensor that differs."""
-        live = {lt.name: lt for lt in self.live_tensors() if lt.group.startswith("model:")}
+    def check_compatible(self, tensors: list[dict[str, Any]], where: str,
+                         live_tensors: list[LiveTensor] | None = None) -> None:
+        """Raises IncompatibleSnapshot naming the first model tensor that differs.
+        ``live_tensors``: ``self.live_tensors()`` when the caller has it already."""
+        lts = self.live_tensors() if live_tensors is None else live_tensors
+        live = {lt.name: lt for lt in lts if lt.group.startswith("model:")}
         for lt in list(live.values()):
             for a in lt.aliases:
                 live[a] = lt
@@ -313,12 +319,13 @@ class TrainingState:
             if match is None:
                 raise IncompatibleSnapshot(
                     f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
-            sharded.check_same(name, e.get("shard"), match.shard, where)
+            if match.shard or e.get("shard"):
+                sharded.check_same(name, e.get("shard"), match.shard, where)
             t = match.tensor
             if list(t.shape) != e["shape"]:
                 raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
                                            f"snapshot, {list(t.shape)} in the live model")
-            if dtype_name(t.dtype) != e["dtype"]:
+            if dtype_key(t.dtype) != e["dtype"]:
                 raise IncompatibleSnapshot(f"{where}: {name!r} has dtype {e['dtype']} in the "
                                            f"snapshot, {dtype_name(t.dtype)} in the live model")
         names = {lt.name for lt in live.values()}
@@ -326,34 +333,44 @@ class TrainingState:
         if missing:
             raise IncompatibleSnapshot(
                 f"{where}: live model tensor {missing[0]!r} is missing from the snapshot")
-        for okey in self.optimizers:
-            if f"optim:{okey}" not in {e.get("group") for e in tensors} and any(
-                    e.get("group", "").startswith("optim:") for e in tensors):
-                raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
+        groups = {e.get("group") for e in tensors}
+        if any(isinstance(g, str) and g.startswith("optim:") for g in groups):
+            for okey in self.optimizers:
+                if f"optim:{okey}" not in groups:
+                    raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
 
     def apply(self, tensors: list[dict[str, Any]], host: dict[str, Any], data: torch.Tensor,
-              where: str) -> int:
-        """Copies a snapshot into the live objects; returns its step."""
-        self.check_compatible(tensors, where)
+              where: str, before_copy: Callable[[], None] | None = None) -> int:
+        """Copies a snapshot into the live objects; returns its step.
+
+        Every check runs before the first byte is copied; then all tensors (model and
+        optimizer state) go through one ``copy_back.copy_into`` call; then the host state.
+        ``before_copy``: called after the checks, before the first byte (it may raise).
+        """
+        lts = self.live_tensors()  # once per restore: it walks every module and optimizer
+        self.check_compatible(tensors, where, lts)
         hd = codec.decode(host, "host")
         check_classes(self, hd, where)  # before anything is changed
-        live = {lt.name: lt for lt in self.live_tensors()}
-        for lt in list(live.values()):
+        live = {lt.name: lt for lt in lts}
+        for lt in lts:
             for a in lt.aliases:
                 live[a] = lt
-
-        def view(e: dict[str, Any]) -> torch.Tensor:
-            off, n = e["offset"], e["nbytes"]
-            dt = torch_dtype(e["dtype"])
-            flat = data[off:off + n].view(dt) if n else torch.empty(0, dtype=dt)
-            return flat.as_strided(e["shape"], e["stride"]) if n else flat.reshape(e["shape"])
-
-        # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into).
-        copy_back.copy_into([(live[e["name"]].tensor, view(e)) for e in tensors
-                             if e["group"].startswith("model:")], data)
+        by_group: dict[str, list[dict[str, Any]]] = {}
+        for e in tensors:
+            by_group.setdefault(e["group"], []).append(e)
+        # Model tensors by entry: copy_back builds a view only where torch must copy.
+        pairs: list[tuple[Any, Any]] = [(live[e["name"]].tensor, e) for g, es in by_group.items()
+                                        if g.startswith("model:") for e in es]
+        finish = []
         for okey, opt in self.optimizers.items():
-            self._apply_optimizer(okey, opt, [e for e in tensors if e["group"] == f"optim:{okey}"],
-                                  hd.get("optim", {}).get(okey), view, where, data)
+            more, done = self._prepare_optimizer(okey, opt, by_group.get(f"optim:{okey}", []),
+                                                 hd.get("optim", {}).get(okey), where, data)
+            pairs += more
+            finish.append(done)
+        # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into).
+        copy_back.copy_into(pairs, data, before=before_copy)
+        for done in finish:
+            done()
         for key, obj in self.extra.items():
             ent = hd.get("extra", {}).get(key)
             if ent is None:
@@ -368,59 +385,82 @@ class TrainingState:
         self._apply_rng(hd.get("rng", {}))
         return int(hd.get("step", -1))
 
-    def _apply_optimizer(self, okey: str, opt: torch.optim.Optimizer,
-                         entries: list[dict[str, Any]], host: dict[str, Any] | None,
-                         view: Any, where: str, data: torch.Tensor) -> None:
+    def _prepare_optimizer(self, okey: str, opt: torch.optim.Optimizer,
+                           entries: list[dict[str, Any]], host: dict[str, Any] | None,
+                           where: str, data: torch.Tensor
+                           ) -> tuple[list[tuple[Any, Any]], Callable[[], None]]:
+        """Checks an optimizer's snapshot state; returns the (live tensor, snapshot value)
+        pairs to copy and what to run after the copy (scalars, param groups, or
+        ``load_state_dict`` when the optimizer's state is not the snapshot's shape)."""
         if host is None:
             raise IncompatibleSnapshot(f"{where}: no host state for optimizer {okey!r}")
         params = _param_order(opt)
+        dt_cls = sharded._dtensor_cls()  # once, not is_dtensor() per entry
         state: dict[int, dict[str, Any]] = {}
         for e in entries:
             idx, key = e.get("param_index"), e.get("state_key")
             if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
                 raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
                                            f"parameter {idx!r}; the optimizer has {len(params)}")
-            state.setdefault(idx, {})[key] = sharded.like_param(view(e), e, params[idx], where)
+            p = params[idx]
+            state.setdefault(idx, {})[key] = copy_back.Ref(e) if "shard" not in e and not (
+                dt_cls is not None and isinstance(p, dt_cls)) else sharded.like_param(
+                    copy_back.entry_view(data, e), e, p, where)
         for idx, key, value in host.get("scalars", []):
             state.setdefault(int(idx), {})[key] = value
         # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.
-        in_place = all(
-            params[i] in opt.state and set(opt.state[params[i]]) == set(s) and all(
-                not isinstance(v, torch.Tensor) or (
-                    isinstance(opt.state[params[i]][k], torch.Tensor)
-                    and opt.state[params[i]][k].shape == v.shape
-                    and opt.state[params[i]][k].dtype == v.dtype)
-                for k, v in s.items())
-            for i, s in state.items()) and len(opt.state) == len(state)
-        if in_place:
-            pairs = []
+        if len(opt.state) == len(state) and all(
+                params[i] in opt.state and set(opt.state[params[i]]) == set(s)
+                and all(copy_back.fits_in_place(opt.state[params[i]][k], v) for k, v in s.items())
+                for i, s in state.items()):
+            pairs: list[tuple[Any, Any]] = []
+            scalars: list[tuple[dict[str, Any], str, Any]] = []
             for i, s in state.items():
+                st = opt.state[params[i]]
                 for k, v in s.items():
-                    if isinstance(v, torch.Tensor):
-                        pairs.append((opt.state[params[i]][k], v))
+                    if isinstance(v, copy_back.Ref):
+                        pairs.append((st[k], v.e))
+                    elif isinstance(v, torch.Tensor):
+                        pairs.append((st[k], v))
                     else:
-                        opt.state[params[i]][k] = v
-            copy_back.copy_into(pairs, data)
+                        scalars.append((st, k, v))
             groups = host["param_groups"]
             if len(groups) != len(opt.param_groups):
                 raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} has {len(opt.param_groups)}"
                                            f" param groups, the snapshot {len(groups)}")
-            for g, saved in zip(opt.param_groups, groups):
-                for k, v in saved.items():
-                    if k != "params":
-                        g[k] = v
-            return
-        groups = [_expand_params(g) for g in host["param_groups"]]
-        clones: list[tuple[Any, Any]] = []  # (v.clone(), as one native copy where it can)
-        sd_state = {i: {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v)
-                        for k, v in s.items()} for i, s in state.items()}
+
+            def set_host() -> None:
+                for st, k, v in scalars:
+                    st[k] = v
+                for g, saved in zip(opt.param_groups, groups):
+                    for k, v in saved.items():
+                        if k != "params":
+                            g[k] = v
+
+            return pairs, set_host
+        expanded = [_expand_params(g) for g in host["param_groups"]]
+        clones: list[tuple[Any, Any]] = []  # (new tensor, snapshot value): one native copy
+        sd_state: dict[int, dict[str, Any]] = {}
         for i, s in state.items():
-            clones += [(sd_state[i][k], v) for k, v in s.items() if isinstance(v, torch.Tensor)]
-        copy_back.copy_into(clones, data)
-        try:
-            opt.load_state_dict({"state": sd_state, "param_groups": groups})
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
+            d = sd_state[i] = {}
+            for k, v in s.items():
+                if isinstance(v, copy_back.Ref):
+                    d[k] = copy_back.empty_like_entry(data, v.e)
+                    clones.append((d[k], v.e))
+                elif isinstance(v, torch.Tensor):
+                    d[k] = torch.empty_like(v)
+                    clones.append((d[k], v))
+                else:
+                    d[k] = v
+
+        def load() -> None:
+            try:
+                opt.load_state_dict({"state": sd_state, "param_groups": expanded})
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise IncompatibleSnapshot(
+                    f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
+
+        return clones, load
 
     @staticmethod
     def _apply_rng(rng: dict[str, Any]) -> None:

@@ -99,6 +99,19 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+_NAMES: dict[Any, str | None] = {}
+
+
+def dtype_key(dtype: Any) -> str | None:
+    """``dtype_name(dtype)``, or None for a dtype snapshots do not hold (no exception);
+    cached: per-tensor loops call it."""
+    name = _NAMES.get(dtype, "")
+    if name == "":
+        n = str(dtype).removeprefix("torch.")
+        _NAMES[dtype] = name = n if n in _ITEMSIZE else None
+    return name
+
+
 def torch_dtype(name: str) -> Any:
     import torch
 
@@ -129,8 +142,75 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_DIM_LIMIT = 2**48
+
+
+class _Refused(Exception):
+    """A fast check found something: the full check says what."""
+
+
+def _refuse(cond: bool, what: str = "") -> None:
+    if not cond:
+        raise _Refused
+
+
+def _tensors_sound(tensors: list[Any], data_bytes: int) -> bool:
+    """True only when ``_check_tensors`` would accept ``tensors``: the same rules, with
+    no message built per entry (restore reads thousands of entries). False sends the
+    table to ``_check_tensors``, which names the first problem."""
+    seen: set[str] = set()
+    add = seen.add
+    sizes = _ITEMSIZE
+    limit = _DIM_LIMIT
+    for e in tensors:
+        if type(e) is not dict:
+            return False
+        name, dt, shape, stride = e.get("name"), e.get("dtype"), e.get("shape"), e.get("stride")
+        off, nbytes, group = e.get("offset"), e.get("nbytes"), e.get("group")
+        if (type(name) is not str or not 0 < len(name) < 4096 or "\x00" in name
+                or name in seen or type(dt) is not str or dt not in sizes
+                or type(shape) is not list or type(stride) is not list
+                or len(shape) != len(stride) or len(shape) > _MAX_DIMS
+                or type(off) is not int or type(nbytes) is not int or off < 0 or nbytes < 0
+                or type(group) is not str):
+            return False
+        add(name)
+        last = 0
+        empty = False
+        for n, st in zip(shape, stride):
+            if type(n) is not int or type(st) is not int or not (0 <= n < limit
+                                                                  and 0 <= st < limit):
+                return False
+            if n == 0:
+                empty = True
+            last += (n - 1) * st
+        itemsize = sizes[dt]
+        if nbytes != (0 if empty else itemsize * (1 + last)) or off % itemsize \
+                or off + nbytes > data_bytes:
+            return False
+        phase = e.get("phase", 1)
+        if type(phase) is not int or not (phase == 0 or phase == 1):
+            return False
+        if "shard" in e:
+            from ..core.sharded import validate as validate_shard
+
+            try:
+                validate_shard(e["shard"], shape, _refuse)
+            except _Refused:
+                return False
+    return True
+
+
 def validate_tensors(tensors: Any, data_bytes: int, where: str) -> None:
+    """Raises CorruptSnapshot naming the first unsound tensor entry (see module doc)."""
     _need(isinstance(tensors, list), where, "'tensors' must be a list")
+    if _tensors_sound(tensors, data_bytes):
+        return
+    _check_tensors(tensors, data_bytes, where)
+
+
+def _check_tensors(tensors: list[Any], data_bytes: int, where: str) -> None:
+    """The entry-by-entry check with a message for each problem (the reference rules)."""
     seen: set[str] = set()
     for i, e in enumerate(tensors):
         w = f"{where}: tensor #{i}"
