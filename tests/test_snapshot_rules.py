@@ -236,8 +236,8 @@ def test_snapshot_without_optimizer_class_still_loads(snap_env, monkeypatch):
 
     real = TrainingState.capture_host
 
-    def old_format(self, step):
-        host = real(self, step)
+    def old_format(self, step, rng=True):
+        host = real(self, step, rng)
         for o in host["optim"].values():
             o.pop("class", None)
         for e in host["extra"].values():

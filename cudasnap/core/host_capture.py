@@ -230,7 +230,7 @@ class HostText:
         out = [b'{"rng":{']
         self._rng_parts(out)
         out.append(b"}")
-        host = type(state).capture_host(_WithoutRng(state), step)
+        host = state.capture_host(step, rng=False)
         for k, v in host.items():
             if k != "rng":
                 out.append(self._rest(k, v))
@@ -261,18 +261,3 @@ class HostText:
 
     def dumps(self, state: Any, step: int) -> str:
         return b"".join(self.parts(state, step)).decode()
-
-
-class _WithoutRng:
-    """``state`` as ``TrainingState.capture_host`` sees it, with no RNG source (the
-    boundary reads those itself): attribute reads go to ``state``."""
-
-    rng_sources: tuple[str, ...] = ()
-
-    def __init__(self, state: Any) -> None:
-        self.__dict__.update(state.__dict__)  # plain reads, no __getattr__ miss each
-        self.__dict__["_state"] = state
-        self.__dict__["rng_sources"] = ()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_state"], name)

@@ -265,9 +265,12 @@ class TrainingState:
         return out
 
     # ------------------------------------------------------- host state
-    def capture_host(self, step: int) -> dict[str, Any]:
-        """Host-side state at a boundary, as codec-ready Python values."""
-        rng = capture_rng(self.rng_sources)
+    def capture_host(self, step: int, rng: bool = True) -> dict[str, Any]:
+        """Host-side state at a boundary, as codec-ready Python values.
+
+        ``rng=False``: no RNG state (``"rng": {}``); the boundary reads those itself,
+        only when they changed (cudasnap.core.host_capture.HostText)."""
+        rng_states = capture_rng(self.rng_sources) if rng else {}
         optim: dict[str, Any] = {}
         for okey, opt in self.optimizers.items():
             groups = []
@@ -293,7 +296,7 @@ class TrainingState:
             else:
                 extra[key] = {"kind": "state_dict", "state": obj.state_dict(),
                               "class": type(obj).__qualname__}
-        out = {"step": step, "rng": rng, "optim": optim, "extra": extra}
+        out = {"step": step, "rng": rng_states, "optim": optim, "extra": extra}
         if self.step_values:
             out["values"] = self.step_values
         return out
