@@ -1,5 +1,5 @@
 """Host state encoding with per-RNG-source reuse (issue 15 target 2): the text
-``encode_host`` writes decodes to exactly what ``codec.dumps(capture_host())`` holds,
+``HostEncoder.dumps`` writes decodes to exactly what ``codec.dumps(capture_host())`` holds,
 whichever RNG changed, and unchanged sources are not encoded again."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def _state() -> TrainingState:
     return TrainingState(model, opt, extra={"sched": sched, "gen": torch.Generator()})
 
 
-def _same(st: TrainingState, step: int) -> dict:
-    text = st.encode_host(step)
+def _same(enc: HostEncoder, st: TrainingState, step: int) -> dict:
+    text = enc.dumps(st.capture_host(step))
     want = codec.dumps(st.capture_host(step), "host")
     got = json.loads(text)
     assert got == json.loads(want)
@@ -32,30 +32,31 @@ def _same(st: TrainingState, step: int) -> dict:
 
 def test_text_equals_codec_whatever_changed():
     st = _state()
-    enc: HostEncoder = st._host_encoder
-    _same(st, 0)
+    enc = HostEncoder()
+    _same(enc, st, 0)
     assert enc.encoded == 3  # torch, python, numpy (no CUDA here)
-    _same(st, 1)
+    _same(enc, st, 1)
     assert enc.encoded == 3  # nothing drew: every source's text reused
     torch.randn(3)
-    _same(st, 2)
+    _same(enc, st, 2)
     assert enc.encoded == 4
     random.random()
     np.random.rand()
-    _same(st, 3)
+    _same(enc, st, 3)
     assert enc.encoded == 6
     st.step_values = {"batch": [1, 2, 3]}
-    _same(st, 4)
+    _same(enc, st, 4)
     assert enc.encoded == 6
 
 
 def test_exact_keys_sign_of_zero_nan_and_types():
     st = _state()
+    enc = HostEncoder()
     for gauss in (0.0, -0.0, float("nan"), 0.5, 0.0):
         s = list(np.random.get_state())
         s[3], s[4] = 1, gauss
         np.random.set_state(tuple(s))
-        got = _same(st, 0)
+        got = _same(enc, st, 0)
         assert repr(codec.decode(got["rng"]["numpy"], "x")["gauss"]) == repr(gauss)
     enc = HostEncoder()
     a = enc.part("x", {"v": True}, "x")

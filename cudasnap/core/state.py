@@ -22,7 +22,6 @@ from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import dtype_key, dtype_name, span_bytes
 from . import copy_back, sharded, values
-from .host_capture import HostEncoder
 
 log = logging.getLogger("cudasnap.state")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -207,7 +206,6 @@ class TrainingState:
         self.step_values: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
-        self._host_encoder = HostEncoder()
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
         for mkey, mod in self.models.items():
@@ -300,11 +298,6 @@ class TrainingState:
         if self.step_values:
             out["values"] = self.step_values
         return out
-
-    def encode_host(self, step: int) -> str:
-        """``codec.dumps(self.capture_host(step))``; RNG sources that did not change
-        since the last boundary reuse their text (cudasnap.core.host_capture)."""
-        return self._host_encoder.dumps(self.capture_host(step))
 
     # ------------------------------------------------------------ apply
     def check_compatible(self, tensors: list[dict[str, Any]], where: str,
