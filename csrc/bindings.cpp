@@ -76,6 +76,18 @@ void init_crc(py::module_& m) {
     if (!ok) throw py::value_error("crc32c implementation '" + impl + "' is unknown or unsupported by this CPU");
     return out;
   }, py::arg("data"), py::arg("impl"), py::arg("crc") = 0);
+  m.def("crc32c_copy", [](py::buffer dst, py::buffer src, uint32_t crc) {
+    py::buffer_info d = dst.request(/*writable=*/true);
+    py::buffer_info s = src.request();
+    uint64_t dn = uint64_t(d.size) * d.itemsize, sn = uint64_t(s.size) * s.itemsize;
+    CUDASNAP_CHECK(dn >= sn, "crc32c_copy: destination holds " << dn << " bytes, source " << sn);
+    auto dp = static_cast<const uint8_t*>(d.ptr), sp = static_cast<const uint8_t*>(s.ptr);
+    CUDASNAP_CHECK(dp + sn <= sp || sp + sn <= dp, "crc32c_copy: source and destination overlap");
+    py::gil_scoped_release nogil;
+    return crc32c_copy(crc, d.ptr, s.ptr, sn);
+  }, py::arg("dst"), py::arg("src"), py::arg("crc") = 0,
+     "copies src into the start of dst and returns the CRC32C of the bytes copied "
+     "(continuing `crc`), reading src once");
 }
 
 void init_layout_check(py::module_& m) {

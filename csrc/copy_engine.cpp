@@ -114,17 +114,25 @@ uint32_t copy_chunk(const CopyPlan& plan, uint8_t* data, uint64_t chunk) {
   uint64_t lo = chunk * plan.chunk_bytes;
   uint64_t hi = std::min(lo + plan.chunk_bytes, plan.total_bytes);
   uint64_t cursor = lo;
+  uint32_t crc = 0;  // continued range by range, in slot order: the chunk's CRC32C
   for (size_t i = first_range(plan, lo); i < plan.ranges.size(); ++i) {
     const PlanRange& r = plan.ranges[i];
     if (r.dst >= hi) break;
     uint64_t s = std::max(lo, r.dst);
     uint64_t e = std::min(hi, r.dst + r.nbytes);
-    if (s > cursor) std::memset(data + cursor, 0, s - cursor);  // alignment padding
-    std::memcpy(data + s, reinterpret_cast<const uint8_t*>(r.src) + (s - r.dst), e - s);
+    if (s > cursor) {  // alignment padding
+      std::memset(data + cursor, 0, s - cursor);
+      crc = crc32c(crc, data + cursor, s - cursor);
+    }
+    // One read of the source for the copy and its checksum.
+    crc = crc32c_copy(crc, data + s, reinterpret_cast<const uint8_t*>(r.src) + (s - r.dst), e - s);
     cursor = e;
   }
-  if (cursor < hi) std::memset(data + cursor, 0, hi - cursor);
-  return crc32c(0, data + lo, hi - lo);
+  if (cursor < hi) {
+    std::memset(data + cursor, 0, hi - cursor);
+    crc = crc32c(crc, data + cursor, hi - cursor);
+  }
+  return crc;
 }
 
 uint32_t chunk_crc(const CopyPlan& plan, const uint8_t* data, uint64_t chunk) {

@@ -88,6 +88,8 @@ inline uint64_t load64(const unsigned char* p) noexcept {
   return v;
 }
 
+inline void store64(unsigned char* d, uint64_t v) noexcept { std::memcpy(d, &v, 8); }
+
 __attribute__((target("sse4.2"))) uint32_t crc_hw_1way(uint32_t crc, const unsigned char* p,
                                                         size_t n) noexcept {
   uint64_t c = crc;
@@ -140,6 +142,76 @@ __attribute__((target("sse4.2"))) uint32_t crc_hw_3way(uint32_t crc, const unsig
   return crc_hw_1way(crc, p, n);
 }
 
+// crc_hw_1way / crc_hw_block3 / crc_hw_3way that also store every word they
+// read to `d`: the copy and its checksum read the source once (the copy engine's
+// chunk copy; copy then checksum read each byte twice).
+__attribute__((target("sse4.2"))) uint32_t copy_hw_1way(uint32_t crc, unsigned char* d,
+                                                         const unsigned char* p,
+                                                         size_t n) noexcept {
+  uint64_t c = crc;
+  while (n >= 8) {
+    uint64_t v = load64(p);
+    store64(d, v);
+    c = _mm_crc32_u64(c, v);
+    p += 8;
+    d += 8;
+    n -= 8;
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  while (n--) {
+    unsigned char b = *p++;
+    *d++ = b;
+    c32 = _mm_crc32_u8(c32, b);
+  }
+  return c32;
+}
+
+__attribute__((target("sse4.2"))) inline uint32_t copy_hw_block3(uint32_t crc, unsigned char* d,
+                                                                 const unsigned char* p,
+                                                                 size_t len,
+                                                                 const ZeroTable& z) noexcept {
+  uint64_t c0 = crc, c1 = 0, c2 = 0;
+  const unsigned char* end = p + len;
+  do {
+    uint64_t v0 = load64(p), v1 = load64(p + len), v2 = load64(p + 2 * len);
+    store64(d, v0);
+    store64(d + len, v1);
+    store64(d + 2 * len, v2);
+    c0 = _mm_crc32_u64(c0, v0);
+    c1 = _mm_crc32_u64(c1, v1);
+    c2 = _mm_crc32_u64(c2, v2);
+    p += 8;
+    d += 8;
+  } while (p < end);
+  uint32_t c = z.apply(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
+  return z.apply(c) ^ static_cast<uint32_t>(c2);
+}
+
+__attribute__((target("sse4.2"))) uint32_t copy_hw_3way(uint32_t crc, unsigned char* d,
+                                                         const unsigned char* p,
+                                                         size_t n) noexcept {
+  const Tables& T = tables();
+  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0) {
+    unsigned char b = *p++;
+    *d++ = b;
+    crc = _mm_crc32_u8(crc, b);
+    --n;
+  }
+  while (n >= 3 * kLong) {
+    crc = copy_hw_block3(crc, d, p, kLong, T.zlong);
+    p += 3 * kLong;
+    d += 3 * kLong;
+    n -= 3 * kLong;
+  }
+  while (n >= 3 * kShort) {
+    crc = copy_hw_block3(crc, d, p, kShort, T.zshort);
+    p += 3 * kShort;
+    d += 3 * kShort;
+    n -= 3 * kShort;
+  }
+  return copy_hw_1way(crc, d, p, n);
+}
+
 bool detect_hw() noexcept { return __builtin_cpu_supports("sse4.2"); }
 #else
 bool detect_hw() noexcept { return false; }
@@ -158,6 +230,16 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t len) noexcept {
   if (kHw) return ~crc_hw_3way(crc, p, len);
 #endif
   return ~crc_sw(crc, p, len);
+}
+
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t len) noexcept {
+#if defined(__x86_64__)
+  if (kHw)
+    return ~copy_hw_3way(~crc, static_cast<unsigned char*>(dst),
+                         static_cast<const unsigned char*>(src), len);
+#endif
+  std::memcpy(dst, src, len);
+  return crc32c(crc, dst, len);
 }
 
 bool crc32c_impl(const char* impl, uint32_t crc, const void* data, size_t len,

@@ -15,6 +15,10 @@ namespace cudasnap {
 // Continue a CRC32C over `len` bytes; start with crc = 0.
 uint32_t crc32c(uint32_t crc, const void* data, size_t len) noexcept;
 
+// Copy `len` bytes from `src` to `dst` (not overlapping) and continue a CRC32C
+// over them, reading the source once; same result as memcpy + crc32c(crc, dst, len).
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t len) noexcept;
+
 // True when the SSE4.2 instruction path is in use.
 bool crc32c_hardware() noexcept;
 

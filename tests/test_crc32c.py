@@ -116,3 +116,31 @@ def test_continuation_across_any_split(C):
 def test_unknown_impl_is_a_clear_error(C):
     with pytest.raises(ValueError, match="crc32c implementation 'avx9000'"):
         C._crc32c_impl(b"x", "avx9000")
+
+
+def test_copy_copies_and_checksums_like_memcpy_then_crc(C):
+    """crc32c_copy (the CPU copy engine's fused chunk copy) == memcpy + crc32c, on every
+    edge of the 3-way code, unaligned source and destination, with a running CRC."""
+    rng = np.random.default_rng(13)
+    src = rng.integers(0, 256, (4 << 20) + 64, dtype=np.uint8)
+    for n in EDGE_LENGTHS:
+        for soff, doff in ((0, 0), (1, 0), (3, 5), (7, 1)):
+            dst = np.full(n + 16, 0xA5, dtype=np.uint8)
+            view = memoryview(src)[soff:soff + n]
+            want = C._crc32c_impl(view, "portable", 0x1234ABCD)
+            got = C.crc32c_copy(memoryview(dst)[doff:doff + n], view, 0x1234ABCD)
+            assert got == want, (n, soff, doff)
+            assert bytes(dst[doff:doff + n]) == bytes(view), (n, soff, doff)
+            assert not (dst[:doff] != 0xA5).any() and not (dst[doff + n:] != 0xA5).any()
+
+
+def test_copy_refuses_a_short_overlapping_or_read_only_destination(C):
+    from cudasnap import SnapshotError
+
+    buf = np.zeros(100, dtype=np.uint8)
+    with pytest.raises(SnapshotError, match="destination holds 10 bytes, source 20"):
+        C.crc32c_copy(memoryview(buf)[:10], memoryview(buf)[50:70])
+    with pytest.raises(SnapshotError, match="overlap"):
+        C.crc32c_copy(memoryview(buf)[10:40], memoryview(buf)[0:20])
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        C.crc32c_copy(b"\0" * 20, memoryview(buf)[0:20])
