@@ -360,11 +360,14 @@ def run_size(size_gb: float, a: Any, tmp_root: Path) -> dict[str, Any] | None:
     res = {"size_gb": size, "rc": rc, "wall_s": time.time() - t0, "raw": job.raw,
            "triggers": job.triggers, "recoveries": job.recoveries(report), "error": job.error,
            "staged_bytes": getattr(job, "staged_bytes", None)}
-    C.rm(tmp)
     from cudasnap.format import paths
 
-    for p in Path("/dev/shm").glob(paths.arena_glob(paths.job_id(job.dir))):
-        p.unlink()
+    # The job id names the arena; it comes from the directory's id file, so take it
+    # before the directory goes.
+    arenas = list(Path("/dev/shm").glob(paths.arena_glob(paths.job_id(job.dir))))
+    C.rm(tmp)
+    for p in arenas:
+        p.unlink(missing_ok=True)
     C.free_mem()
     return res
 
