@@ -585,7 +585,7 @@ def report(cases: list[dict[str, Any]]) -> str:
             "blocked: time the training thread is held in the call. durable: from the call to "
             "fsync'd files (cudasnap: boundary -> COMPLETE + flush(); its JIT flush alone is the "
             "`flush` figure the ratio column uses). raw write = os.write+fsync of the same bytes "
-            "in the same process. RSS includes mapped shared memory (cudasnap's 2-slot arena, "
+            "in the same process. RSS includes mapped shared memory (cudasnap's 3-slot arena, "
             "DLRover's buffer); 'held' = RSS after the save minus RSS before the peer's first "
             "save (staging kept between saves)."))
         fl = cs.get("flush")
