@@ -181,7 +181,13 @@ class RestoreMixin(Fields):
         The chunks' CRC32C check runs on its own thread (native, GIL released) while
         the state is checked and the copy planned; no byte is copied before it passed,
         and a slot failing it is reported as damaged whatever else was found first.
+        A background arena set-up (the pre-fault of an adopted arena) is held for the
+        duration: it would take cores and the mmap lock from the check and the copy.
         """
+        with self._prep.paused():
+            return self._restore_slot(arena, slot, where)
+
+    def _restore_slot(self, arena: Any, slot: int, where: str) -> int:
         info = arena.slot_info(slot)
         meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
         meta["data"] = fmt.data_section(info["data_bytes"], arena.chunk_bytes,
