@@ -45,7 +45,8 @@ def test_streaming_copy_of_4_page_blocks_is_exact_at_every_edge(native_C):
     bytes: every head alignment and lengths at and around the block edges."""
     src = _src((1 << 20) + 4096)
     for head in (0, 1, 15, 16, 63):
-        for n in ((64 << 10) - 1, (64 << 10), (64 << 10) + 16384 + 5, (256 << 10) + 1, (256 << 10) + 16384 - 1, (256 << 10) + 16384 + 63,
+        for n in ((64 << 10) - 1, (64 << 10), (64 << 10) + 16384 + 5, (256 << 10) + 1,
+                  (256 << 10) + 16384 - 1, (256 << 10) + 16384 + 63,
                   (1 << 20) - 64 + 3):
             buf = np.zeros(n + 192, np.uint8)
             at = 64 - (buf.ctypes.data & 63) + head  # dst misaligned by `head` from a line
