@@ -59,7 +59,18 @@ void init_staging(py::module_& m) {
   py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
       .def(py::init<>())
       .def("set", [](CancelFlag& c) { c.set.store(true); })
-      .def_property_readonly("is_set", [](const CancelFlag& c) { return c.set.load(); });
+      .def_property_readonly("is_set", [](const CancelFlag& c) { return c.set.load(); })
+      .def("pause", [](CancelFlag& c) { c.paused.fetch_add(1); },
+           "holds the set-up at its next piece (nested pauses count)")
+      .def(
+          "resume",
+          [](CancelFlag& c) {
+            int cur = c.paused.load();
+            while (cur > 0 && !c.paused.compare_exchange_weak(cur, cur - 1)) {
+            }
+          },
+          "undoes one pause(); the set-up goes on when none is left")
+      .def_property_readonly("paused", [](const CancelFlag& c) { return c.paused.load() > 0; });
   py::class_<MetaPrefix, std::shared_ptr<MetaPrefix>>(m, "MetaPrefix")
       .def(py::init([](const py::bytes& b) { return std::make_shared<MetaPrefix>(std::string(b)); }))
       .def_property_readonly("id", [](const MetaPrefix& p) { return p.id; })

@@ -19,27 +19,52 @@ namespace {
 // are not read first (a plain copy's read-for-ownership is a third memory
 // transfer per line) and do not evict the cache. glibc's memcpy does the same
 // only above ~3/4 of the last-level cache per call, which our pieces are not.
-constexpr uint64_t kStreamMin = 256ull << 10;
+// From 64 KiB on: restore's 4,000 tensors of 125 KB copy ~1.3x faster than with memcpy.
+constexpr uint64_t kStreamMin = 64ull << 10;
+
+#ifdef CUDASNAP_STREAM_STORES
+// 64 bytes from src to dst (dst 16-byte aligned) with streaming stores.
+inline void stream64(uint8_t* dst, const uint8_t* src) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+  const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+}
+
+// Blocks of 4 pages are copied 128 bytes of each page in turn (glibc's
+// large_memcpy_4x pattern): four read and four write streams at once keep more
+// DRAM pages open than one long stream, ~25% faster than a straight streaming
+// loop (and than glibc's whole-buffer memcpy) on the 2-core VM of bench/RESULTS.md.
+constexpr uint64_t kPageBytes = 4096;
+constexpr uint64_t kBlock = 4 * kPageBytes;
+#endif
 
 void copy_piece(uint8_t* dst, const uint8_t* src, uint64_t n) {
 #ifdef CUDASNAP_STREAM_STORES
   if (n >= kStreamMin) {
-    const uint64_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    // Whole cache lines only: a partly written line defeats the streaming store.
+    const uint64_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
     std::memcpy(dst, src, head);
     dst += head;
     src += head;
     n -= head;
-    const uint64_t body = n & ~uint64_t(63);
-    for (uint64_t i = 0; i < body; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    const uint64_t blocks = n / kBlock * kBlock;
+    for (uint64_t o = 0; o < blocks; o += kBlock) {
+      for (uint64_t i = 0; i < kPageBytes; i += 128) {
+        for (uint64_t k = 0; k < kBlock; k += kPageBytes) {
+          const uint8_t* s = src + o + k + i;
+          _mm_prefetch(reinterpret_cast<const char*>(s + 256), _MM_HINT_T0);
+          stream64(dst + o + k + i, s);
+          stream64(dst + o + k + i + 64, s + 64);
+        }
+      }
     }
+    const uint64_t body = blocks + (n - blocks) / 64 * 64;
+    for (uint64_t i = blocks; i < body; i += 64) stream64(dst + i, src + i);
     _mm_sfence();  // the streamed lines are visible before the batch reports done
     std::memcpy(dst + body, src + body, n - body);
     return;

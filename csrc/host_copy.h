@@ -5,7 +5,7 @@
 // model and optimizer. One span per tensor: `nbytes` bytes from
 // src + src_offset to dst. Spans are cut into pieces of at most `piece_bytes`
 // (a big tensor splits across threads) and run on parallel_for (thread_pool.h);
-// on x86-64 a piece of >= 256 KiB is written with non-temporal (streaming)
+// on x86-64 a piece of >= 64 KiB is written with non-temporal (streaming)
 // stores, as glibc's memcpy does only for single copies larger than most caches.
 //
 // Every span is checked before any byte is written (a Generic cudasnap::Error,

@@ -90,9 +90,15 @@ struct SlotInfo {
 
 // Set from another thread to stop a long arena set-up (create / prefault) at
 // its next piece (every kSetupPiece bytes); the set-up then throws StagingError.
+// `paused` > 0 (a restore reading an arena slot: it wants the cores and the mmap
+// lock) holds the set-up at its next piece until it drops to 0 again, or the
+// flag is set; nested pauses count.
 struct CancelFlag {
   std::atomic<bool> set{false};
+  std::atomic<int> paused{0};
 };
+// Blocks (1 ms sleeps) while `cancel` is paused and not set; null: returns at once.
+void wait_while_paused(const CancelFlag* cancel);
 constexpr uint64_t kSetupPiece = 64ull << 20;
 // The part of a slot manifest that stays the same from one boundary to the next
 // (the tensor table: ~190 B per tensor). Built once per layout; a slot whose meta

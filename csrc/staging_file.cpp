@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "error.h"
 #include "staging.h"
@@ -33,6 +34,11 @@ uint64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+void wait_while_paused(const CancelFlag* cancel) {
+  while (cancel != nullptr && cancel->paused.load() > 0 && !cancel->set.load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 uint64_t Arena::required_bytes(int num_slots, uint64_t data_capacity, uint64_t meta_capacity,
@@ -100,6 +106,7 @@ std::shared_ptr<Arena> Arena::create(const std::string& path, int num_slots,
     a->advise_huge_pages();
     a->init_layout(num_slots, data_capacity, meta_capacity, chunk_bytes, job);
     for (uint64_t off = 0; off < total; off += kSetupPiece) {
+      wait_while_paused(cancel);
       CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
                           "set-up of staging arena " << path << " cancelled");
       reserve(off, std::min(kSetupPiece, total - off));
@@ -238,6 +245,7 @@ void Arena::prefault(const CancelFlag* cancel) {
   if (fd_ >= 0 && writable_) {
     // Reserve what is not yet (a set-up that crashed half-way): no SIGBUS later.
     for (uint64_t off = 0; off < size_; off += kSetupPiece) {
+      wait_while_paused(cancel);
       CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
                           "pre-faulting staging arena " << path_ << " cancelled");
       uint64_t n = std::min(kSetupPiece, size_ - off);
@@ -258,6 +266,7 @@ void Arena::populate(const CancelFlag* cancel) {
   constexpr uint64_t kPiece = 4ull << 20;
   bool populate = true;
   for (uint64_t off = 0; off < size_; off += kPiece) {
+    wait_while_paused(cancel);
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, !(cancel && cancel->set.load()),
                         "pre-faulting staging arena " << path_ << " cancelled");
     uint64_t n = std::min(kPiece, size_ - off);

@@ -30,7 +30,7 @@ def test_copy_spans_splits_big_spans_and_copies_every_byte(native_C):
 
 
 def test_big_pieces_at_odd_addresses_are_copied_exactly(native_C):
-    """Pieces >= 256 KiB take the streaming-store path: unaligned head and tail included."""
+    """Pieces >= 64 KiB take the streaming-store path: unaligned head and tail included."""
     src = _src(3 << 20)
     buf = np.zeros((2 << 20) + 64, np.uint8)
     n = (2 << 20) + 13
@@ -38,6 +38,22 @@ def test_big_pieces_at_odd_addresses_are_copied_exactly(native_C):
     assert native_C.copy_spans(src.ctypes.data, src.size, spans, 2, (1 << 20) + 5) == n
     assert np.array_equal(buf[3:3 + n], src[7:7 + n])
     assert not buf[:3].any() and not buf[3 + n:].any()  # not a byte outside the span
+
+
+def test_streaming_copy_of_4_page_blocks_is_exact_at_every_edge(native_C):
+    """The streaming path copies 16 KiB blocks 4 pages at a time, then whole lines, then
+    bytes: every head alignment and lengths at and around the block edges."""
+    src = _src((1 << 20) + 4096)
+    for head in (0, 1, 15, 16, 63):
+        for n in ((64 << 10) - 1, (64 << 10), (64 << 10) + 16384 + 5, (256 << 10) + 1,
+                  (256 << 10) + 16384 - 1, (256 << 10) + 16384 + 63,
+                  (1 << 20) - 64 + 3):
+            buf = np.zeros(n + 192, np.uint8)
+            at = 64 - (buf.ctypes.data & 63) + head  # dst misaligned by `head` from a line
+            spans = [(buf.ctypes.data + at, 11, n)]
+            assert native_C.copy_spans(src.ctypes.data, src.size, spans, 1, n) == n
+            assert np.array_equal(buf[at:at + n], src[11:11 + n]), (head, n)
+            assert not buf[:at].any() and not buf[at + n:].any(), (head, n)
 
 
 @pytest.mark.parametrize("span, match", [

@@ -25,12 +25,13 @@ loaded 2-core VM, a few ms on a quiet host.)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +285,25 @@ class ArenaPreparer:
             log.info("cudasnap: %s ready after %.2f s; %d boundaries were skipped meanwhile",
                      self._what, res.seconds, self.skipped)
         return res
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[bool]:
+        """Holds a running set-up at its next piece of work (4 MiB of pre-fault, 64 MiB
+        of reservation) for the ``with`` block; yields whether one was running.
+
+        A restore reading an arena slot wants both cores and the mmap lock the
+        pre-fault takes; the set-up goes on where it stopped afterwards, so the
+        arena still ends up fully prepared. ``cancel()`` ends a pause at once.
+        """
+        flag = self._cancel if self.busy else None
+        if flag is None:
+            yield False
+            return
+        flag.pause()
+        try:
+            yield True
+        finally:
+            flag.resume()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until no set-up runs (True) or ``timeout`` passes."""

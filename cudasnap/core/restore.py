@@ -46,6 +46,9 @@ class _Verify:
         except BaseException as e:  # handed to the caller by result()
             self._err = e
 
+    def join(self) -> None:
+        self._thread.join()
+
     def result(self) -> int:
         self._thread.join()
         if self._err is not None:
@@ -181,27 +184,39 @@ class RestoreMixin(Fields):
         The chunks' CRC32C check runs on its own thread (native, GIL released) while
         the state is checked and the copy planned; no byte is copied before it passed,
         and a slot failing it is reported as damaged whatever else was found first.
+        A background arena set-up (the pre-fault of an adopted arena) is held for the
+        duration: it would take cores and the mmap lock from the check and the copy.
         """
+        with self._prep.paused():
+            return self._restore_slot(arena, slot, where)
+
+    def _restore_slot(self, arena: Any, slot: int, where: str) -> int:
         info = arena.slot_info(slot)
-        meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
-        meta["data"] = fmt.data_section(info["data_bytes"], arena.chunk_bytes,
-                                        arena.read_table(slot))
-        validate_manifest(meta, where)
+        nbytes = info["data_bytes"]
+        if nbytes > arena.data_capacity:  # never read past the slot (slot_info says so too)
+            raise CorruptSnapshot(f"{where}: {nbytes} data bytes exceed the slot capacity "
+                                  f"{arena.data_capacity}")
+        crcs = arena.read_table(slot)
         C = native()
         arena.lease(slot)
+        check: _Verify | None = None
         try:
-            check = _Verify(C.verify_buffer, arena.data_ptr(slot), info["data_bytes"],
-                            arena.chunk_bytes, meta["data"]["crc32c"], self.flush_threads)
+            # The CRC32C pass starts first: the manifest is parsed and checked beside it.
+            check = _Verify(C.verify_buffer, arena.data_ptr(slot), nbytes, arena.chunk_bytes,
+                            crcs, self.flush_threads)
 
             def verified() -> None:
                 bad = check.result()
                 if bad >= 0:
                     raise CorruptSnapshot(f"{where}: chunk {bad} fails its CRC32C")
 
-            data = torch.frombuffer(arena.data_view(slot, info["data_bytes"]), dtype=torch.uint8) \
-                if info["data_bytes"] else torch.empty(0, dtype=torch.uint8)
             was = self._partly_applied
             try:
+                meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
+                meta["data"] = fmt.data_section(nbytes, arena.chunk_bytes, crcs)
+                validate_manifest(meta, where)
+                data = torch.frombuffer(arena.data_view(slot, nbytes), dtype=torch.uint8) \
+                    if nbytes else torch.empty(0, dtype=torch.uint8)
                 return self._apply(meta["tensors"], meta["host"], data, where, verified)
             except BaseException:
                 if check.result() >= 0:  # nothing was copied: the damage is the news
@@ -209,6 +224,8 @@ class RestoreMixin(Fields):
                     verified()
                 raise
         finally:
+            if check is not None:
+                check.join()  # never release the slot while the check still reads it
             arena.release(slot)
 
     @property
