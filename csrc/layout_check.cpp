@@ -138,8 +138,11 @@ int64_t LayoutGuard::check_next(int64_t count) {
   for (size_t k = 0; k < todo; ++k) {
     size_t i = cursor_;
     cursor_ = (cursor_ + 1) % n;
-    auto ii = static_cast<Py_ssize_t>(i);
-    if (ptr_of(PyList_GET_ITEM(list_, ii), ii) != ptrs_[i]) return static_cast<int64_t>(i);
+    // The private list holds the objects checked to be tensors at construction (a
+    // tensor's __class__ cannot become a non-tensor one): no isinstance check here.
+    PyObject* t = PyList_GET_ITEM(list_, static_cast<Py_ssize_t>(i));
+    if (reinterpret_cast<uint64_t>(THPVariable_Unpack(t).data_ptr()) != ptrs_[i])
+      return static_cast<int64_t>(i);
   }
   return -1;
 }

@@ -34,7 +34,11 @@ StateWatch::StateWatch(std::vector<std::pair<uint64_t, uint64_t>> regions, bool 
 void StateWatch::read(std::string& out) const {
   out.clear();
   for (const auto& r : regions_) out.append(reinterpret_cast<const char*>(r.first), r.second);
-  if (torch_) {
+  if (torch_) append_torch(out);
+}
+
+void StateWatch::append_torch(std::string& out) {
+  {
     // Everything CPUGeneratorImpl::get_state() serializes, field by field (no padding).
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -55,13 +59,32 @@ void StateWatch::read(std::string& out) const {
   }
 }
 
+bool StateWatch::same_as_last() {
+  // Compares the watched bytes where they are with the last call's copy: no copy of
+  // them while nothing changed (half the memory touched by a boundary's check).
+  size_t off = 0;
+  for (const auto& r : regions_) {
+    if (off + r.second > last_.size() ||
+        std::memcmp(last_.data() + off, reinterpret_cast<const void*>(r.first), r.second) != 0)
+      return false;
+    off += r.second;
+  }
+  if (torch_) {
+    cur_.clear();  // the generator's fields, as read() appends them (reserved: no malloc)
+    append_torch(cur_);
+    if (off + cur_.size() != last_.size() ||
+        std::memcmp(last_.data() + off, cur_.data(), cur_.size()) != 0)
+      return false;
+    off += cur_.size();
+  }
+  return off == last_.size();
+}
+
 bool StateWatch::changed() {
-  read(cur_);
-  bool diff = first_ || cur_.size() != last_.size() ||
-              std::memcmp(cur_.data(), last_.data(), cur_.size()) != 0;
+  if (!first_ && same_as_last()) return false;
   first_ = false;
-  if (diff) last_.swap(cur_);
-  return diff;
+  read(last_);
+  return true;
 }
 
 void put_plain_value(std::string& cur_, PyObject* v, int depth) {

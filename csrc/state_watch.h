@@ -34,6 +34,8 @@ class StateWatch {
 
  private:
   void read(std::string& out) const;
+  bool same_as_last();
+  static void append_torch(std::string& out);
   std::vector<std::pair<uint64_t, uint64_t>> regions_;
   bool torch_;
   bool first_ = true;

@@ -75,7 +75,9 @@ class SubmitMixin(Fields):
         t0 = time.perf_counter_ns()
         if self._closed:
             raise SnapshotError("boundary() on a closed Snapshotter")
-        step = check_step(step, self.last_step, self._restored)
+        last = self.last_step
+        if type(step) is not int or last is None or step <= last or self._restored is not None:
+            step = check_step(step, last, self._restored)  # the rule, or its error
         self._restored = None
         self._boundaries += 1
         self.last_step = step
@@ -99,7 +101,7 @@ class SubmitMixin(Fields):
             return
         self._live = None
         # A previous copy still running (no optimizer step in between): bounded.
-        if not self._wait_job(self.wait_timeout_s):
+        if self._job is not None and not self._wait_job(self.wait_timeout_s):
             self._stats["skipped"] += 1
             log.warning("step %d not snapshotted: the previous copy is still running after "
                         "%.0f s", step, self.wait_timeout_s)
