@@ -20,13 +20,19 @@ allocation after ``opt.step()`` (the consolidation above, paid by whatever alloc
 first; since the boundary writes its manifest text through a reused native buffer
 it is no longer the boundary).
 
+``--spin`` (diagnostic): wait for each copy by polling instead of sleeping in the
+fence. A training thread that slept while the copy ran (the fence in ``opt.step()``)
+comes back to caches other work has filled: most of the 4,000-tensor median is
+that (constant native work, e.g. comparing 8 KB of RNG state, costs 5-10x more
+then), not boundary()'s own work.
+
 ``--against DIR``: before/after in one session: every (repeat, tensor count) runs
 twice, alternating, in a fresh process: once with ``PYTHONPATH=DIR`` (e.g. a
 checkout of main with its extension built) and once with this tree; the table
 gives both medians and after/before ratios of wall and thread CPU time.
 
     python bench/boundary_cpu.py [--tensors 8,4000,40000] [--boundaries 200] [--every 1]
-                                 [--repeats 1] [--against DIR]
+                                 [--repeats 1] [--against DIR] [--spin]
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ import time
 from typing import Any
 
 
-def run(ntensors: int, boundaries: int, every: int) -> dict[str, Any]:
+def run(ntensors: int, boundaries: int, every: int, spin: bool = False) -> dict[str, Any]:
     import torch
 
     import cudasnap
@@ -63,6 +69,9 @@ def run(ntensors: int, boundaries: int, every: int) -> dict[str, Any]:
         snap.arena_ready()  # large arenas are set up in the background (target 1)
         ts, cpu = [], []
         for step in range(1, boundaries + 1):
+            job = snap._job
+            while spin and job is not None and not job.done(1):
+                pass  # --spin: the training thread never sleeps (its caches stay warm)
             opt.step()
             snap.wait()  # the copy cost is not under test, only the blocked time
             t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
@@ -91,7 +100,8 @@ def _one(path: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
     """One tensor count in a fresh process importing cudasnap from ``path``."""
     env = dict(os.environ, PYTHONPATH=path)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--tensors", str(n),
-                          "--boundaries", str(a.boundaries), "--every", str(a.every), "--json"],
+                          "--boundaries", str(a.boundaries), "--every", str(a.every), "--json",
+                          *(["--spin"] if a.spin else [])],
                          env=env, check=True, capture_output=True, text=True, cwd=path).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -124,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=int, default=1, help="snapshot_every (k)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--spin", action="store_true",
+                   help="diagnostic: wait for each copy by polling, not sleeping (a thread "
+                        "that slept in the fence comes back to cold caches)")
     p.add_argument("--against", help="a tree to compare with (before/after, alternating)")
     a = p.parse_args(argv)
     if a.against:
@@ -132,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(a.repeats):
         base = None
         for n in [int(x) for x in a.tensors.split(",")]:
-            r = run(n, a.boundaries, a.every)
+            r = run(n, a.boundaries, a.every, a.spin)
             base = base or r
             r["repeat"] = rep
             r["x_base"] = r["median_ms"] / base["median_ms"]

@@ -100,12 +100,39 @@ void init_layout_check(py::module_& m) {
            py::arg("entries"))
       .def("entries_changed", &LayoutGuard::entries_changed, py::arg("count"))
       .def_property_readonly("num_entries", &LayoutGuard::num_entries)
-      .def("window_changed", &LayoutGuard::window_changed, py::arg("count"));
+      .def("window_changed", &LayoutGuard::window_changed, py::arg("count"))
+      .def("set_sizes", [](LayoutGuard& g, py::list owners, py::str attr) { g.set_sizes(owners.ptr(), attr.ptr()); },
+           py::arg("owners"), py::arg("attr"))
+      .def("sizes_changed", &LayoutGuard::sizes_changed)
+      .def("set_rescan_every", &LayoutGuard::set_rescan_every, py::arg("n"))
+      .def("boundary_check", &LayoutGuard::boundary_check, py::arg("count"))
+      .def_property_readonly("checks", &LayoutGuard::checks);
   py::class_<StateWatch>(m, "StateWatch")
       .def(py::init<std::vector<std::pair<uint64_t, uint64_t>>, bool>(), py::arg("regions"),
            py::arg("torch_cpu_rng") = false)
       .def("changed", &StateWatch::changed)
       .def_property_readonly("watched_bytes", &StateWatch::watched_bytes);
+  py::class_<HostWatch>(m, "HostWatch")
+      .def(py::init<>())
+      .def("add_watched",
+           [](HostWatch& w, std::vector<std::pair<uint64_t, uint64_t>> regions, bool torch_cpu_rng,
+              py::list same, py::handle gauss) {
+             return w.add_watched(std::move(regions), torch_cpu_rng, same.ptr(), gauss.ptr());
+           },
+           py::arg("regions"), py::arg("torch_cpu_rng") = false, py::arg("same") = py::list(),
+           py::arg("gauss") = py::none())
+      .def("add_always", &HostWatch::add_always)
+      .def("add_flag", [](HostWatch& w, py::handle obj, py::str attr) { return w.add_flag(obj.ptr(), attr.ptr()); },
+           py::arg("obj"), py::arg("attr"))
+      .def("unwatch", &HostWatch::unwatch, py::arg("index"))
+      .def("set_optim",
+           [](HostWatch& w, py::dict optimizers, py::dict scalar_keys) {
+             w.set_optim(optimizers.ptr(), scalar_keys.ptr());
+           },
+           py::arg("optimizers"), py::arg("scalar_keys"))
+      .def("changed", &HostWatch::changed)
+      .def("__len__", &HostWatch::size)
+      .def_property_readonly_static("OPTIM_BIT", [](py::handle) { return HostWatch::kOptimBit; });
   py::class_<ValueWatch>(m, "ValueWatch")
       .def(py::init<>())
       .def("changed", [](ValueWatch& w, py::handle v) { return w.changed(v.ptr()); },

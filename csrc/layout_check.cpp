@@ -32,6 +32,55 @@ LayoutGuard::LayoutGuard(PyObject* tensors) {
 LayoutGuard::~LayoutGuard() {
   Py_XDECREF(list_);
   Py_XDECREF(entries_);
+  Py_XDECREF(owners_);
+  Py_XDECREF(size_attr_);
+}
+
+namespace {
+// len(getattr(owner, attr)), or -1 when that fails.
+Py_ssize_t size_of(PyObject* owner, PyObject* attr) {
+  PyObject* v = PyObject_GetAttr(owner, attr);  // new reference
+  Py_ssize_t n = v == nullptr ? -1 : PyObject_Size(v);
+  if (n < 0) PyErr_Clear();
+  Py_XDECREF(v);
+  return n;
+}
+}  // namespace
+
+void LayoutGuard::set_sizes(PyObject* owners, PyObject* attr) {
+  CUDASNAP_CHECK(PyList_Check(owners) && PyUnicode_Check(attr),
+                 "LayoutGuard.set_sizes expects a list and an attribute name");
+  PyObject* copy = PyList_GetSlice(owners, 0, PyList_GET_SIZE(owners));
+  CUDASNAP_CHECK(copy != nullptr, "LayoutGuard: cannot copy the owner list");
+  Py_XDECREF(owners_);
+  Py_XDECREF(size_attr_);
+  owners_ = copy;
+  Py_INCREF(attr);
+  size_attr_ = attr;
+  sizes_.clear();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(owners_); ++i)
+    sizes_.push_back(size_of(PyList_GET_ITEM(owners_, i), size_attr_));
+}
+
+bool LayoutGuard::sizes_changed() const {
+  if (owners_ == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(owners_); ++i) {
+    Py_ssize_t n = size_of(PyList_GET_ITEM(owners_, i), size_attr_);
+    if (n < 0 || n != sizes_[static_cast<size_t>(i)]) return true;
+  }
+  return false;
+}
+
+void LayoutGuard::set_rescan_every(int64_t n) {
+  CUDASNAP_CHECK(n >= 1, "LayoutGuard: rescan period must be >= 1, got " << n);
+  rescan_every_ = n;
+}
+
+int LayoutGuard::boundary_check(int64_t count) {
+  if (sizes_changed()) return 1;
+  ++checks_;
+  if (entries_changed(count) || check_next(count) >= 0) return 1;
+  return rescan_every_ > 0 && checks_ % rescan_every_ == 0 ? 2 : 0;
 }
 
 void LayoutGuard::set_entries(PyObject* entries) {
@@ -89,8 +138,11 @@ int64_t LayoutGuard::check_next(int64_t count) {
   for (size_t k = 0; k < todo; ++k) {
     size_t i = cursor_;
     cursor_ = (cursor_ + 1) % n;
-    auto ii = static_cast<Py_ssize_t>(i);
-    if (ptr_of(PyList_GET_ITEM(list_, ii), ii) != ptrs_[i]) return static_cast<int64_t>(i);
+    // The private list holds the objects checked to be tensors at construction (a
+    // tensor's __class__ cannot become a non-tensor one): no isinstance check here.
+    PyObject* t = PyList_GET_ITEM(list_, static_cast<Py_ssize_t>(i));
+    if (reinterpret_cast<uint64_t>(THPVariable_Unpack(t).data_ptr()) != ptrs_[i])
+      return static_cast<int64_t>(i);
   }
   return -1;
 }

@@ -37,6 +37,16 @@ class LayoutGuard {
   size_t num_entries() const { return entries_ ? static_cast<size_t>(PyList_GET_SIZE(entries_)) : 0; }
   // One boundary's check in one call: `count` pointers and `count` entries.
   bool window_changed(int64_t count) { return entries_changed(count) || check_next(count) >= 0; }
+  // The state's signature: len(getattr(owner, attr)) of each owner in a Python list
+  // (len(opt.state) per optimizer: it grows on lazy init), remembered as of now.
+  void set_sizes(PyObject* owners, PyObject* attr);
+  bool sizes_changed() const;
+  // A boundary's whole layout check in one call: the signature, then the next `count`
+  // identity entries and `count` data pointers. 1: stale (rebuild the plan); 2: fresh,
+  // but a full re-scan is due (every `rescan_every`-th fresh check); 0: fresh.
+  int boundary_check(int64_t count);
+  void set_rescan_every(int64_t n);
+  int64_t checks() const { return checks_; }
 
  private:
   PyObject* list_;  // owned reference (a private copy of the list)
@@ -44,6 +54,11 @@ class LayoutGuard {
   size_t cursor_ = 0;
   PyObject* entries_ = nullptr;  // owned reference (a private copy of the list)
   size_t entry_cursor_ = 0;
+  PyObject* owners_ = nullptr;  // owned reference (a private copy of the list)
+  PyObject* size_attr_ = nullptr;
+  std::vector<Py_ssize_t> sizes_;
+  int64_t rescan_every_ = 0;
+  int64_t checks_ = 0;
 };
 
 }  // namespace cudasnap

@@ -115,15 +115,17 @@ class _Unwatchable(Exception):
     pass
 
 
-def _python_watch() -> tuple[Any, tuple[Any, ...]]:
-    """Watch of the ``random`` module's generator (the one ``random.getstate`` reads)."""
+def _python_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, ...]]:
+    """Watch of the ``random`` module's generator (the one ``random.getstate`` reads):
+    (regions, identity checks, object whose ``gauss_next`` is compared, held objects)."""
     inst = getattr(random.getstate, "__self__", None)
     if not isinstance(inst, random.Random):
         raise _Unwatchable("random.getstate is not bound to a random.Random")
-    return native().StateWatch([_object_region(inst)]), (inst,)
+    # gauss_next lives in the instance dict, outside the watched bytes: compared apart.
+    return [_object_region(inst)], [(random, ("getstate", "__self__"), inst)], inst, (inst,)
 
 
-def _numpy_watch() -> tuple[Any, tuple[Any, ...]]:
+def _numpy_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, ...]]:
     """Watch of NumPy's global RandomState: its own fields (the cached gauss) and the
     Mersenne-Twister state of its bit generator (what ``np.random.get_state`` reads)."""
     rs = getattr(np.random.get_state, "__self__", None)
@@ -131,12 +133,8 @@ def _numpy_watch() -> tuple[Any, tuple[Any, ...]]:
     if bg is None or type(bg).__name__ != "MT19937" or type(rs).__name__ != "RandomState":
         raise _Unwatchable("np.random is not a legacy RandomState over MT19937")
     addr = int(bg.ctypes.state_address)
-    return native().StateWatch([_object_region(rs), (addr, _MT19937_STATE_BYTES)]), (rs, bg)
-
-
-def _gauss_key(inst: Any) -> Any:
-    g = getattr(inst, "gauss_next", None)
-    return (type(g), repr(g))
+    same = [(np.random, ("get_state", "__self__"), rs), (rs, ("_bit_generator",), bg)]
+    return [_object_region(rs), (addr, _MT19937_STATE_BYTES)], same, None, (rs, bg)
 
 
 def _still_watched(src: str, held: tuple[Any, ...]) -> bool:
@@ -149,16 +147,24 @@ def _still_watched(src: str, held: tuple[Any, ...]) -> bool:
     return True
 
 
+_NO_TEXT = b""  # a source read last time that had nothing to save
+
+
 class HostText:
     """The host part of a boundary's manifest, reading only what changed.
 
     Decodes to the same value as ``codec.dumps(state.capture_host(step))``
-    (tested). RNG sources: a source whose watched bytes did not change since the
-    last boundary reuses its text without being read; "cuda" (and any source
-    that cannot be watched) is read every time and encoded when its exact key
-    changed. The rest of ``capture_host`` (optimizer hyper-parameters,
-    ``extra``, values) is captured as before and encoded per top-level key
-    when that key's exact value changed.
+    (tested). One native call per boundary (``HostWatch.changed``) says what
+    changed since the last boundary, without running Python code or making
+    Python objects: each watched RNG source's bytes (and the identity of the
+    generator objects ``capture_rng`` reads, and ``random``'s cached
+    ``gauss_next``), whether CUDA is initialised (the "cuda" source, read at
+    every boundary once it is), and the optimizers' param groups. A source
+    that did not change reuses its text without being read; one that cannot be
+    watched is read every time and encoded when its exact key changed. The rest
+    of ``capture_host`` (``extra``, values, param groups that changed or are not
+    plain values) is captured as before and encoded per top-level key when that
+    key's exact value changed.
     """
 
     def __init__(self, sources: tuple[str, ...],
@@ -167,58 +173,65 @@ class HostText:
         self._capture_rng = capture_rng  # cudasnap.core.state.capture_rng (state imports us)
         self.enc = HostEncoder()
         self.read = 0  # RNG states read through their Python API
-        self._watch: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+        self._hw = native().HostWatch()
+        self._bit: dict[str, int] = {}
+        self._watch: dict[str, tuple[Any, ...]] = {}  # watched source -> objects it reads
         self._text: dict[str, bytes] = {}
+        self._rng: list[bytes] | None = None  # the RNG text pieces of the last boundary
+        self._rng_mask = 0
         self._rest_text: dict[str, bytes] = {}
         self._values: dict[str, Any] = {}  # native ValueWatch per top-level key
         self._heads: dict[str, str] = {}
-        self._gauss: Any = None  # random.Random.gauss_next lives in the instance dict
+        self._bound: Any = None  # the TrainingState whose optimizers _hw watches
+        self._optim: bytes | None = None  # ',"optim":<text>' while the groups did not change
+        self._optim_bit = int(self._hw.OPTIM_BIT)
         for src in sources:
+            bit = None
             try:
                 if src == "torch":
-                    w: tuple[Any, tuple[Any, ...]] = (native().StateWatch([], True), ())
-                elif src == "python":
-                    w = _python_watch()
-                elif src == "numpy":
-                    w = _numpy_watch()
-                else:
-                    continue
+                    bit = self._hw.add_watched([], True)
+                    self._watch[src] = ()
+                elif src in ("python", "numpy"):
+                    regions, same, gauss, held = (_python_watch if src == "python"
+                                                  else _numpy_watch)()
+                    bit = self._hw.add_watched(regions, False, same, gauss)
+                    self._watch[src] = held
+                elif src == "cuda":  # torch.cuda.is_initialized() is `_initialized and ...`
+                    bit = self._hw.add_flag(torch.cuda, "_initialized")
             except (_Unwatchable, AttributeError, TypeError, ValueError) as e:
                 log.debug("RNG source %s is read at every boundary (%s)", src, e)
-                continue
-            self._watch[src] = w
+            self._bit[src] = self._hw.add_always() if bit is None else bit
+            self._rng_mask |= 1 << self._bit[src]
 
-    def _rng_parts(self, out: list[bytes]) -> None:
-        first = True
+    def _rng_parts(self, mask: int) -> list[bytes]:
+        out: list[bytes] = []
         for src in self.sources:
-            w = self._watch.get(src)
-            if w is not None and not _still_watched(src, w[1]):
-                del self._watch[src]  # replaced generator: read at every boundary from now on
-                w = None
-            # The bytes are compared BEFORE they are read: a draw in between shows
-            # as a change at the next boundary, never as a stale text.
+            bit = self._bit[src]
             text = self._text.get(src)
-            if w is None or w[0].changed() or text is None or (
-                    src == "python" and self._gauss != _gauss_key(w[1][0])):
-                if src == "python" and w is not None:
-                    self._gauss = _gauss_key(w[1][0])  # before the read, as the bytes above
+            if mask >> bit & 1 or text is None:
+                held = self._watch.get(src)
+                if held is not None and not _still_watched(src, held):
+                    del self._watch[src]  # replaced generator: read at every boundary from now on
+                    self._hw.unwatch(bit)
+                # The bytes were compared BEFORE they are read: a draw in between shows
+                # as a change at the next boundary, never as a stale text.
                 text = self._read(src)
-                if text is None:
-                    continue
-            if not first:
+            if text is _NO_TEXT:
+                continue
+            if out:
                 out.append(b",")  # a separate piece: ``b"," + text`` would copy the text
             out.append(text)
-            first = False
+        return out
 
-    def _read(self, src: str) -> bytes | None:
-        """``"src":<text>`` of one RNG source read now (None: nothing to save)."""
+    def _read(self, src: str) -> bytes:
+        """``"src":<text>`` of one RNG source read now (_NO_TEXT: nothing to save)."""
         if src == "cuda" and not torch.cuda.is_initialized():
             got: dict[str, Any] = {}  # what capture_rng gives then, without its ~20 us check
         else:
             got = self._capture_rng((src,))
         if src not in got:
-            self._text.pop(src, None)
-            return None
+            self._text[src] = _NO_TEXT
+            return _NO_TEXT
         self.read += 1
         text = f'"{src}":{self.enc.part(src, got[src], f"host.rng.{src}")}'.encode()
         self._text[src] = text
@@ -227,13 +240,29 @@ class HostText:
     def parts(self, state: Any, step: int) -> list[bytes]:
         """The host JSON text in pieces (the copy engine writes them one after the other;
         joining them here would allocate the whole text at every boundary)."""
-        out = [b'{"rng":{']
-        self._rng_parts(out)
-        out.append(b"}")
-        host = state.capture_host(step, rng=False)
-        for k, v in host.items():
-            if k != "rng":
-                out.append(self._rest(k, v))
+        if state is not self._bound:
+            self._hw.set_optim(state.optimizers, state._scalar_keys)
+            self._bound, self._optim = state, None
+        mask = self._hw.changed()
+        rng = self._rng
+        if rng is None or mask & self._rng_mask:
+            rng = self._rng = self._rng_parts(mask)
+        out = [b'{"rng":{', *rng, b"}", b',"step":', str(int(step)).encode()]
+        optim = self._optim
+        if optim is None or mask & self._optim_bit:
+            optim = None
+        if optim is None or state.extra or state.step_values:
+            host = state.capture_host(step, rng=False, optim=optim is None)
+            for k, v in host.items():
+                if k != "rng" and k != "step":
+                    out.append(self._rest(k, v))
+            if optim is None:
+                self._optim = self._rest_text.get("optim")  # None: not a plain value
+            else:
+                out.append(optim)
+        else:  # nothing but the step changed
+            out.append(optim)
+            out.append(b',"extra":{}')
         out.append(b"}")
         return out
 

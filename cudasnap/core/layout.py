@@ -87,22 +87,20 @@ class LayoutMixin(Fields):
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)
         lay = Layout(tensors, plan, prefix, self.state.signature(),
-                     Watch(identity_entries(self.state, tensors)), self.RESCAN_EVERY)
+                     Watch(identity_entries(self.state, tensors)), self.RESCAN_EVERY,
+                     list(self.state.optimizers.values()))
         lay.plan_key = key
         return lay
 
     def _current_layout(self) -> Layout:
         lay = self._layout
-        if lay is not None and lay.signature == self.state.signature():
-            lay.checks += 1
-            periodic = lay.checks % lay.rescan_every == 0
-            # O(WINDOW) whatever the tensor count: see cudasnap.core.layout_watch.
-            if not lay.watch.check_next(layout_watch.WINDOW):
-                if self._cuda is not None and lay.plan_key is not None and not periodic \
-                        and self._cuda.plan_key() == lay.plan_key:
-                    return lay  # O(1): no watched block was freed since the plan was built
-                if lay.guard.check_next(layout_watch.WINDOW) < 0 and (
-                        not periodic or lay.same_objects(self.state.live_tensors())):
-                    return lay
+        if lay is not None:
+            # One native call, O(WINDOW) whatever the tensor count: the signature
+            # (len(opt.state) per optimizer), WINDOW identity entries and WINDOW data
+            # pointers (cudasnap.core.layout_watch); 2: fresh, but the periodic full
+            # re-scan is due.
+            fresh = lay.guard.boundary_check(layout_watch.WINDOW)
+            if fresh == 0 or fresh == 2 and lay.same_objects(self.state.live_tensors()):
+                return lay
         self._layout = self._build_layout()
         return self._layout

@@ -263,14 +263,15 @@ class TrainingState:
         return out
 
     # ------------------------------------------------------- host state
-    def capture_host(self, step: int, rng: bool = True) -> dict[str, Any]:
+    def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, Any]:
         """Host-side state at a boundary, as codec-ready Python values.
 
-        ``rng=False``: no RNG state (``"rng": {}``); the boundary reads those itself,
-        only when they changed (cudasnap.core.host_capture.HostText)."""
+        ``rng=False``: no RNG state (``"rng": {}``); ``optim=False``: no ``"optim"`` key.
+        The boundary reads those itself, only when they changed
+        (cudasnap.core.host_capture.HostText)."""
         rng_states = capture_rng(self.rng_sources) if rng else {}
-        optim: dict[str, Any] = {}
-        for okey, opt in self.optimizers.items():
+        groups_of: dict[str, Any] = {}
+        for okey, opt in self.optimizers.items() if optim else ():
             groups = []
             idx = 0
             for g in opt.param_groups:
@@ -283,8 +284,8 @@ class TrainingState:
             params = _param_order(opt) if keys else []  # O(params): only when needed
             scalars = [[i, k, opt.state[params[i]][k]] for i, k in keys
                        if params[i] in opt.state and k in opt.state[params[i]]]
-            optim[okey] = {"param_groups": groups, "scalars": scalars,
-                           "class": type(opt).__qualname__}
+            groups_of[okey] = {"param_groups": groups, "scalars": scalars,
+                               "class": type(opt).__qualname__}
         extra: dict[str, Any] = {}
         for key, obj in self.extra.items():
             if isinstance(obj, torch.Generator):
@@ -294,7 +295,9 @@ class TrainingState:
             else:
                 extra[key] = {"kind": "state_dict", "state": obj.state_dict(),
                               "class": type(obj).__qualname__}
-        out = {"step": step, "rng": rng_states, "optim": optim, "extra": extra}
+        out = {"step": step, "rng": rng_states, "optim": groups_of, "extra": extra}
+        if not optim:
+            del out["optim"]
         if self.step_values:
             out["values"] = self.step_values
         return out

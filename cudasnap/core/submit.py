@@ -75,7 +75,9 @@ class SubmitMixin(Fields):
         t0 = time.perf_counter_ns()
         if self._closed:
             raise SnapshotError("boundary() on a closed Snapshotter")
-        step = check_step(step, self.last_step, self._restored)
+        last = self.last_step
+        if type(step) is not int or last is None or step <= last or self._restored is not None:
+            step = check_step(step, last, self._restored)  # the rule, or its error
         self._restored = None
         self._boundaries += 1
         self.last_step = step
@@ -99,7 +101,7 @@ class SubmitMixin(Fields):
             return
         self._live = None
         # A previous copy still running (no optimizer step in between): bounded.
-        if not self._wait_job(self.wait_timeout_s):
+        if self._job is not None and not self._wait_job(self.wait_timeout_s):
             self._stats["skipped"] += 1
             log.warning("step %d not snapshotted: the previous copy is still running after "
                         "%.0f s", step, self.wait_timeout_s)
@@ -125,11 +127,25 @@ class SubmitMixin(Fields):
     def _submit_copy(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> Any:
         """Hands one snapshot to the copy engine; returns the job (None: skipped).
         ``suffix``: the manifest's host part, whole or in pieces."""
-        n = len(suffix) if isinstance(suffix, bytes) else sum(map(len, suffix))
-        arena = self._ensure_arena(lay.plan, lay.prefix_len + n)
-        if arena is None:
-            self._stats["skipped"] += 1
-            return None
+        n = lay.prefix_len + (len(suffix) if isinstance(suffix, bytes) else sum(map(len, suffix)))
+        ok = lay.arena_ok
+        # arena_prep.ensure() returns an arena only while no set-up runs or waits to be
+        # taken, and only ensure() (or the constructor, before any arena) starts one:
+        # while the arena it returned for this layout is still current and a meta area
+        # as large suffices, it would return the same arena (its "fits" branch): skip it.
+        # Kept on the layout (a new plan asks again) as the arena's id: no reference to
+        # it is held (a regrowth unmaps the old arena first), and self._arena changes
+        # only in ensure() and close(), so the id is not reused meanwhile.
+        if ok is not None and ok[0] == id(self._arena) and n <= ok[1]:
+            arena = self._arena
+        else:
+            lay.arena_ok = None
+            arena = self._ensure_arena(lay.plan, n)
+            if arena is None:
+                self._stats["skipped"] += 1
+                return None
+            if arena is self._arena:
+                lay.arena_ok = (id(arena), int(arena.meta_capacity))
         with self._slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
         if slot < 0:
@@ -151,7 +167,7 @@ class SubmitMixin(Fields):
             self._job = job
             self._job_layout = lay
         self._stats["snapshots"] += 1
-        self._stats["bytes"] = lay.plan.total_bytes
+        self._stats["bytes"] = lay.total_bytes
         return job
 
     def _record_ns(self, t0: int) -> None:
