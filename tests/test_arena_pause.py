@@ -12,7 +12,8 @@ import threading
 
 import pytest
 import torch
-from torch import nn
+from helpers.trainlib import adam_step as _step
+from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._native import native
@@ -81,25 +82,13 @@ def test_cancel_ends_a_pause(snap_env):
         a.unlink()
 
 
-def _adam(seed):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _step(model, opt):
-    model(torch.randn(8, 64)).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def _snap(env, model, opt):
     return cudasnap.Snapshotter(model, opt, directory=env.dir, copy_threads=1,
                                 chunk_bytes=CHUNK, arena_sync_max_bytes=0)
 
 
 def _leave_a_snapshot(env):
-    model, opt = _adam(0)
+    model, opt = _adam(seed=0)
     snap = _snap(env, model, opt)
     try:
         assert snap.arena_ready(60)
@@ -125,7 +114,7 @@ def test_restore_from_a_slot_holds_the_preparer_then_lets_it_finish(snap_env, mo
         del view, a
     gate = threading.Event()
     monkeypatch.setattr(arena_prep, "test_gate", gate)
-    model, opt = _adam(1)
+    model, opt = _adam(seed=1)
     snap = _snap(snap_env, model, opt)
     seen: list[bool] = []
     inner = snap._restore_slot

@@ -15,6 +15,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers.trainlib import adam_step as _step
+from helpers.trainlib import small_adam as _adam
 from torch import nn
 
 import cudasnap
@@ -25,18 +27,6 @@ from cudasnap.storage import posix as store
 
 CHUNK = 64 << 10
 NOT_READY = "is being prepared in the background"
-
-
-def _adam(dim=64, seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _step(model, opt):
-    model(torch.randn(8, model[0].in_features)).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _snap(env, model, opt, **kw):

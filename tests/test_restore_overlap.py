@@ -4,7 +4,8 @@ and a manifest that fails after the check started still falls back cleanly."""
 from __future__ import annotations
 
 import torch
-from torch import nn
+from helpers.trainlib import adam_step as _step
+from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap.core import restore
@@ -13,21 +14,9 @@ from cudasnap.errors import CorruptSnapshot
 CHUNK = 64 << 10
 
 
-def _adam(seed):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _step(model, opt):
-    model(torch.randn(8, 64)).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def _two_slots(env):
     """Steps 0 and 1 in the two slots of the arena; returns the state at step 0 and 1."""
-    model, opt = _adam(0)
+    model, opt = _adam(seed=0)
     snap = cudasnap.Snapshotter(model, opt, directory=env.dir, chunk_bytes=CHUNK)
     out = []
     try:
@@ -58,7 +47,7 @@ def test_the_crc_check_starts_before_the_manifest_is_parsed(snap_env, monkeypatc
 
     monkeypatch.setattr(restore, "_Verify", Spy)
     monkeypatch.setattr(restore.fmt, "parse_slot_meta", spy_parse)
-    model, opt = _adam(1)
+    model, opt = _adam(seed=1)
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, chunk_bytes=CHUNK)
     try:
         assert snap.restore_latest() == 2
@@ -89,7 +78,7 @@ def test_a_manifest_failing_beside_the_running_check_falls_back(snap_env, monkey
 
     monkeypatch.setattr(restore, "_Verify", Spy)
     monkeypatch.setattr(restore.fmt, "parse_slot_meta", bad_first)
-    model, opt = _adam(1)
+    model, opt = _adam(seed=1)
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, chunk_bytes=CHUNK)
     try:
         assert snap.restore_latest() == 1  # the older slot, whole

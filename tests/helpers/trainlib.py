@@ -125,3 +125,17 @@ def _crc(t: torch.Tensor) -> str:
 
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     return f"{native().crc32c(raw):08x}:{raw.size}"
+
+
+def small_adam(dim: int = 64, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Linear + BatchNorm under Adam: a tiny state with parameters, buffers and Adam moments."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def adam_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One training step of ``small_adam``'s model on random input."""
+    model(torch.randn(8, model[0].in_features)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
