@@ -88,128 +88,76 @@ inline uint64_t load64(const unsigned char* p) noexcept {
   return v;
 }
 
-inline void store64(unsigned char* d, uint64_t v) noexcept { std::memcpy(d, &v, 8); }
+// The instruction loops below, in two forms: kCopy = false checksums [p, p+n);
+// kCopy = true also stores every word it reads to `d` (crc32c_copy: the copy and
+// its checksum read the source once; copy then checksum read each byte twice).
+template <bool kCopy>
+inline uint64_t take64(unsigned char* d, const unsigned char* p) noexcept {
+  uint64_t v = load64(p);
+  if constexpr (kCopy) std::memcpy(d, &v, 8);
+  return v;
+}
 
-__attribute__((target("sse4.2"))) uint32_t crc_hw_1way(uint32_t crc, const unsigned char* p,
-                                                        size_t n) noexcept {
+template <bool kCopy>
+inline unsigned char take8(unsigned char* d, const unsigned char* p) noexcept {
+  if constexpr (kCopy) *d = *p;
+  return *p;
+}
+
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint32_t hw_1way(uint32_t crc, unsigned char* d,
+                                                    const unsigned char* p, size_t n) noexcept {
   uint64_t c = crc;
-  while (n >= 8) {
-    c = _mm_crc32_u64(c, load64(p));
-    p += 8;
-    n -= 8;
-  }
+  for (; n >= 8; p += 8, d += kCopy ? 8 : 0, n -= 8) c = _mm_crc32_u64(c, take64<kCopy>(d, p));
   uint32_t c32 = static_cast<uint32_t>(c);
-  while (n--) c32 = _mm_crc32_u8(c32, *p++);
+  for (; n > 0; ++p, d += kCopy ? 1 : 0, --n) c32 = _mm_crc32_u8(c32, take8<kCopy>(d, p));
   return c32;
 }
 
 // Three chains over [p, p+len), [p+len, p+2len), [p+2len, p+3len) (len a
 // multiple of 8), joined with the zeros_len table.
-__attribute__((target("sse4.2"))) inline uint32_t crc_hw_block3(uint32_t crc,
-                                                                const unsigned char* p,
-                                                                size_t len,
-                                                                const ZeroTable& z) noexcept {
+template <bool kCopy>
+__attribute__((target("sse4.2"))) inline uint32_t hw_block3(uint32_t crc, unsigned char* d,
+                                                            const unsigned char* p, size_t len,
+                                                            const ZeroTable& z) noexcept {
   uint64_t c0 = crc, c1 = 0, c2 = 0;
   const unsigned char* end = p + len;
   do {
-    c0 = _mm_crc32_u64(c0, load64(p));
-    c1 = _mm_crc32_u64(c1, load64(p + len));
-    c2 = _mm_crc32_u64(c2, load64(p + 2 * len));
+    c0 = _mm_crc32_u64(c0, take64<kCopy>(d, p));
+    c1 = _mm_crc32_u64(c1, take64<kCopy>(kCopy ? d + len : d, p + len));  // d: null unless kCopy
+    c2 = _mm_crc32_u64(c2, take64<kCopy>(kCopy ? d + 2 * len : d, p + 2 * len));
     p += 8;
+    if constexpr (kCopy) d += 8;
   } while (p < end);
   uint32_t c = z.apply(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
   return z.apply(c) ^ static_cast<uint32_t>(c2);
 }
 
-__attribute__((target("sse4.2"))) uint32_t crc_hw_3way(uint32_t crc, const unsigned char* p,
-                                                        size_t n) noexcept {
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint32_t hw_3way(uint32_t crc, unsigned char* d,
+                                                    const unsigned char* p, size_t n) noexcept {
   const Tables& T = tables();
   // Align to 8 bytes first so the three chains' loads stay aligned.
-  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0) {
-    crc = _mm_crc32_u8(crc, *p++);
-    --n;
+  for (; n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0; ++p, d += kCopy ? 1 : 0, --n)
+    crc = _mm_crc32_u8(crc, take8<kCopy>(d, p));
+  const struct { size_t len; const ZeroTable& z; } blocks[] = {{kLong, T.zlong}, {kShort, T.zshort}};
+  for (const auto& b : blocks) {
+    while (n >= 3 * b.len) {
+      crc = hw_block3<kCopy>(crc, d, p, b.len, b.z);
+      p += 3 * b.len;
+      if constexpr (kCopy) d += 3 * b.len;
+      n -= 3 * b.len;
+    }
   }
-  while (n >= 3 * kLong) {
-    crc = crc_hw_block3(crc, p, kLong, T.zlong);
-    p += 3 * kLong;
-    n -= 3 * kLong;
-  }
-  while (n >= 3 * kShort) {
-    crc = crc_hw_block3(crc, p, kShort, T.zshort);
-    p += 3 * kShort;
-    n -= 3 * kShort;
-  }
-  return crc_hw_1way(crc, p, n);
+  return hw_1way<kCopy>(crc, d, p, n);
 }
 
-// crc_hw_1way / crc_hw_block3 / crc_hw_3way that also store every word they
-// read to `d`: the copy and its checksum read the source once (the copy engine's
-// chunk copy; copy then checksum read each byte twice).
-__attribute__((target("sse4.2"))) uint32_t copy_hw_1way(uint32_t crc, unsigned char* d,
-                                                         const unsigned char* p,
-                                                         size_t n) noexcept {
-  uint64_t c = crc;
-  while (n >= 8) {
-    uint64_t v = load64(p);
-    store64(d, v);
-    c = _mm_crc32_u64(c, v);
-    p += 8;
-    d += 8;
-    n -= 8;
-  }
-  uint32_t c32 = static_cast<uint32_t>(c);
-  while (n--) {
-    unsigned char b = *p++;
-    *d++ = b;
-    c32 = _mm_crc32_u8(c32, b);
-  }
-  return c32;
+uint32_t crc_hw_1way(uint32_t crc, const unsigned char* p, size_t n) noexcept {
+  return hw_1way<false>(crc, nullptr, p, n);
 }
 
-__attribute__((target("sse4.2"))) inline uint32_t copy_hw_block3(uint32_t crc, unsigned char* d,
-                                                                 const unsigned char* p,
-                                                                 size_t len,
-                                                                 const ZeroTable& z) noexcept {
-  uint64_t c0 = crc, c1 = 0, c2 = 0;
-  const unsigned char* end = p + len;
-  do {
-    uint64_t v0 = load64(p), v1 = load64(p + len), v2 = load64(p + 2 * len);
-    store64(d, v0);
-    store64(d + len, v1);
-    store64(d + 2 * len, v2);
-    c0 = _mm_crc32_u64(c0, v0);
-    c1 = _mm_crc32_u64(c1, v1);
-    c2 = _mm_crc32_u64(c2, v2);
-    p += 8;
-    d += 8;
-  } while (p < end);
-  uint32_t c = z.apply(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
-  return z.apply(c) ^ static_cast<uint32_t>(c2);
-}
-
-__attribute__((target("sse4.2"))) uint32_t copy_hw_3way(uint32_t crc, unsigned char* d,
-                                                         const unsigned char* p,
-                                                         size_t n) noexcept {
-  const Tables& T = tables();
-  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0) {
-    unsigned char b = *p++;
-    *d++ = b;
-    crc = _mm_crc32_u8(crc, b);
-    --n;
-  }
-  while (n >= 3 * kLong) {
-    crc = copy_hw_block3(crc, d, p, kLong, T.zlong);
-    p += 3 * kLong;
-    d += 3 * kLong;
-    n -= 3 * kLong;
-  }
-  while (n >= 3 * kShort) {
-    crc = copy_hw_block3(crc, d, p, kShort, T.zshort);
-    p += 3 * kShort;
-    d += 3 * kShort;
-    n -= 3 * kShort;
-  }
-  return copy_hw_1way(crc, d, p, n);
+uint32_t crc_hw_3way(uint32_t crc, const unsigned char* p, size_t n) noexcept {
+  return hw_3way<false>(crc, nullptr, p, n);
 }
 
 bool detect_hw() noexcept { return __builtin_cpu_supports("sse4.2"); }
@@ -235,8 +183,8 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t len) noexcept {
 uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t len) noexcept {
 #if defined(__x86_64__)
   if (kHw)
-    return ~copy_hw_3way(~crc, static_cast<unsigned char*>(dst),
-                         static_cast<const unsigned char*>(src), len);
+    return ~hw_3way<true>(~crc, static_cast<unsigned char*>(dst),
+                            static_cast<const unsigned char*>(src), len);
 #endif
   std::memcpy(dst, src, len);
   return crc32c(crc, dst, len);
