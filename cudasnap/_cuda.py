@@ -4,12 +4,12 @@ Used by :class:`cudasnap.Snapshotter` when the state lives on a GPU. Importing
 this module never initialises CUDA (torch and the engine load lazily, inside
 the methods).
 
-The allocator registry (``cudasnap._C.AllocatorRegistry``) is what makes the
-boundary O(1): :meth:`CudaBackend.plan_key` is one integer that changes only
-when a watched block is freed (or its segment unmapped) or the watch set is
-replaced, so a cached copy plan survives iterations that only allocate and
-free activations. It does not notice NEW state tensors (e.g. optimizer moments
-created at the first step): the caller compares its set of state tensors too.
+The allocator registry (``cudasnap._C.AllocatorRegistry``) coalesces device
+ranges for the copy plan and reports coverage. :meth:`CudaBackend.plan_key` is
+one integer that changes only when a watched block (:meth:`CudaBackend.watch`)
+is freed or its segment unmapped, or the watch set is replaced; the boundary
+no longer uses it: its layout check is ``LayoutGuard.boundary_check``
+(cudasnap.core.layout), which runs on every backend.
 """
 from __future__ import annotations
 

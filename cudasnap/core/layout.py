@@ -1,7 +1,7 @@
 """The plan cache: the copy plan is rebuilt only when the state changed.
 
 A ``Layout`` (``cudasnap.core.plan``) is built at the first boundary and reused
-while the state's signature holds and ``cudasnap.core.layout_watch`` (a window
+while the optimizer state's key counts hold and ``cudasnap.core.layout_watch`` (a window
 of identity checks per boundary, plus a periodic full re-scan) sees no replaced
 tensor.
 """
@@ -80,17 +80,10 @@ class LayoutMixin(Fields):
         prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
                   json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
         self._stats["layout_rebuilds"] += 1
-        key = None
-        if self._cuda is not None:
-            self._cuda.watch(tensors)
-            key = self._cuda.plan_key()
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)
-        lay = Layout(tensors, plan, prefix, self.state.signature(),
-                     Watch(identity_entries(self.state, tensors)), self.RESCAN_EVERY,
-                     list(self.state.optimizers.values()))
-        lay.plan_key = key
-        return lay
+        return Layout(tensors, plan, prefix, Watch(identity_entries(self.state, tensors)),
+                      self.RESCAN_EVERY, list(self.state.optimizers.values()))
 
     def _current_layout(self) -> Layout:
         lay = self._layout

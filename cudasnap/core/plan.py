@@ -21,15 +21,14 @@ log = logging.getLogger("cudasnap")
 class Layout:
     """Live tensors + their copy plan + the manifest prefix (written once per slot)."""
 
-    def __init__(self, tensors: list[LiveTensor], plan: Any, prefix: bytes, sig: tuple[int, ...],
-                 watch: Watch, rescan_every: int, optimizers: list[Any] | None = None):
+    def __init__(self, tensors: list[LiveTensor], plan: Any, prefix: bytes, watch: Watch,
+                 rescan_every: int, optimizers: list[Any] | None = None):
         self.tensors = tensors
         self.plan = plan
         self.total_bytes = int(plan.total_bytes)
         # The tensor table, held in C++: a slot that holds it gets only the host suffix.
         self.prefix = native().MetaPrefix(prefix)
         self.prefix_len = len(prefix)
-        self.signature = sig
         self.objects = [lt.tensor for lt in tensors]
         # Every planned storage stays allocated while this layout lives, so a copy
         # of a plan not yet found stale (see layout_watch) never reads freed memory.
@@ -41,21 +40,12 @@ class Layout:
         per = 4 * layout_watch.WINDOW
         self.rescan_every = rescan_every * max(1, -(-len(tensors) // per))
         self.guard.set_rescan_every(self.rescan_every)
-        # The signature (len(opt.state) per optimizer: TrainingState.signature), checked
+        # The signature (len(opt.state) per optimizer: lazy optimizer init), checked
         # natively with the windows in one call per boundary (LayoutGuard.boundary_check).
         self.guard.set_sizes(list(optimizers or []), "state")
-        self.plan_key: int | None = None
         # (id of the arena, its meta capacity) arena_prep.ensure() gave this plan
         # (cudasnap.core.submit.SubmitMixin._submit_copy); None: ask it.
         self.arena_ok: tuple[int, int] | None = None
-
-    @property
-    def checks(self) -> int:
-        """Boundaries that used this layout (drives the full re-scan)."""
-        return int(self.guard.checks)
-
-    def ptrs_changed(self) -> bool:
-        return self.guard.first_moved() >= 0
 
     def same_objects(self, tensors: list[LiveTensor]) -> bool:
         return len(tensors) == len(self.objects) and all(

@@ -214,12 +214,6 @@ class TrainingState:
                     check_plain_tensor(f"{mkey}.{name}", t)
 
     # ----------------------------------------------------------- layout
-    def signature(self) -> tuple[int, ...]:
-        """Cheap fingerprint of the optimizer state's shape (changes on lazy init)."""
-        # O(1): new per-parameter state appears as a new key of opt.state; keys
-        # added inside an existing entry are found by the periodic re-scan.
-        return tuple(len(opt.state) for opt in self.optimizers.values())
-
     def live_tensors(self) -> list[LiveTensor]:
         out: list[LiveTensor] = []
         by_id: dict[int, LiveTensor] = {}
