@@ -207,12 +207,18 @@ void init_cuda_backend(py::module_& m) {
       .def_property_readonly("copy_stream", &CudaCopyEngine::copy_stream)
       .def_property_readonly("last_memcpy_calls", &CudaCopyEngine::last_memcpy_calls)
       .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered);
+  // The GIL is released around the CUDA calls only: the (ok, reason) tuple is
+  // made after it is taken back (a Python object made without it crashes).
   m.def("register_arena",
         [](Arena& a, int device) {
-          RegisterResult r = register_arena(a, device);
+          RegisterResult r;
+          {
+            py::gil_scoped_release nogil;
+            r = register_arena(a, device);
+          }
           return py::make_tuple(r.ok, r.reason);
         },
-        py::arg("arena"), py::arg("device") = -1, py::call_guard<py::gil_scoped_release>());
+        py::arg("arena"), py::arg("device") = -1);
   m.def("unregister_arena", &unregister_arena, py::arg("arena"),
         py::call_guard<py::gil_scoped_release>());
   m.def("create_private_pinned_arena", &create_private_pinned_arena, py::arg("num_slots"),

@@ -26,6 +26,11 @@ _RUN = uuid.uuid4().hex[:6]
 _counter = itertools.count()
 
 
+# tests/cuda_emu runs in its own process under the emulated CUDA runtime
+# (tools/cudaemu/run.sh; `make test` does both lanes): not collected here.
+collect_ignore = [] if os.environ.get("CUDASNAP_EMULATED_CUDA") == "1" else ["cuda_emu"]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")

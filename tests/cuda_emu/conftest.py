@@ -1,0 +1,70 @@
+"""The emulated CUDA lane: tests that run the CUDA path under tools/cudaemu.
+
+They run in their own pytest process with the emulated runtime preloaded
+(``make test`` calls ``tools/cudaemu/run.sh python -m pytest tests/cuda_emu``);
+the plain lane does not collect this folder (tests/conftest.py). Nothing here
+skips: a test of this lane that cannot run is a failure.
+
+``emu``: the emulator's control API (fault injection, counters) through ctypes;
+every test starts and ends with the faults cleared.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+class Emu:
+    """ctypes view of tools/cudaemu's test control API (cudaemu_*)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(None)  # the preloaded emulator's symbols are global
+        self._fault = lib.cudaemu_fault
+        self._fault.argtypes = [ctypes.c_char_p]
+        self._counter = lib.cudaemu_counter
+        self._counter.argtypes = [ctypes.c_char_p]
+        self._counter.restype = ctypes.c_ulonglong
+        self._pinned = lib.cudaemu_is_pinned
+        self._pinned.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.lib = lib
+
+    def fault(self, spec: str) -> None:
+        """Applies a fault spec (``sticky:API:N``, ``host_register:ERR``, ...; ``clear``)."""
+        self._fault(spec.encode())
+
+    def counter(self, name: str) -> int:
+        """kernel_launches, copies, pinned_ranges, device_allocations, device_bytes,
+        captures, or the call count of an API (``cudaMemcpyAsync``)."""
+        return int(self._counter(name.encode()))
+
+    def is_pinned(self, addr: int, nbytes: int) -> bool:
+        return bool(self._pinned(addr, nbytes))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("CUDASNAP_EMULATED_CUDA") != "1":
+        raise pytest.UsageError(
+            "tests/cuda_emu runs only under the emulated CUDA runtime: "
+            "tools/cudaemu/run.sh .venv/bin/python -m pytest tests/cuda_emu")
+
+
+@pytest.fixture(scope="session")
+def emu() -> Emu:
+    try:
+        e = Emu()
+    except AttributeError as exc:  # not preloaded: a failure, never a skip
+        pytest.fail(f"the emulated CUDA runtime is not loaded ({exc}); run under tools/cudaemu/run.sh")
+    import torch
+
+    assert torch.cuda.is_available(), "torch sees no CUDA device under the emulator"
+    return e
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "emu" in request.fixturenames:
+        request.getfixturevalue("emu").fault("clear")
