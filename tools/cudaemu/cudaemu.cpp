@@ -187,7 +187,6 @@ void apply_fault(Emu& e, const std::string& specs) {
       size_t c2 = val.rfind(':');
       e.fault.sticky_api = val.substr(0, c2);
       e.fault.sticky_n = c2 == std::string::npos ? 1 : strtoull(val.c_str() + c2 + 1, nullptr, 10);
-      e.api_calls[e.fault.sticky_api] = 0;
     } else if (key == "host_register") {
       e.fault.host_register_err = atoi(val.c_str());
     } else if (key == "host_alloc") {
@@ -352,14 +351,6 @@ cudaError_t sync_all() {
 }
 
 // ---------------------------------------------------------------- capture
-
-// Does the calling thread own a non-relaxed capture?
-bool own_capture_locked(Emu& e) {
-  auto me = std::this_thread::get_id();
-  for (auto& c : e.captures)
-    if (c->owner == me && c->mode != cudaStreamCaptureModeRelaxed) return true;
-  return false;
-}
 
 // A potentially unsafe call (allocation, registration, synchronisation or a
 // query of execution status). Returns cudaErrorStreamCaptureUnsupported and
@@ -1412,6 +1403,26 @@ EMU_API cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, vo
   return ret(enqueue(resolve(stream), std::move(op)));
 }
 
+// CUDA 13's launch path (crt/host_runtime.h): the stub asks __cudaGetKernel for
+// a handle of its host function once, then launches with __cudaLaunchKernel.
+// The handle is the host function itself.
+EMU_API cudaError_t __cudaGetKernel(cudaKernel_t* out, const void* fun) {
+  if (!out) return ret(cudaErrorInvalidValue);
+  *out = reinterpret_cast<cudaKernel_t>(const_cast<void*>(fun));
+  return cudaSuccess;
+}
+
+EMU_API cudaError_t __cudaLaunchKernel(cudaKernel_t k, dim3 grid, dim3 block, void** args,
+                                       size_t shmem, cudaStream_t stream) {
+  return cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, block, args, shmem, stream);
+}
+
+EMU_API cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t k, dim3 grid, dim3 block, void** args,
+                                            size_t shmem, cudaStream_t stream) {
+  return cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, block, args, shmem,
+                          stream ? stream : cudaStreamPerThread);
+}
+
 EMU_API cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* cfg, const void* func, void** args) {
   if (!cfg) return ret(cudaErrorInvalidValue);
   return cudaLaunchKernel(func, cfg->gridDim, cfg->blockDim, args, cfg->dynamicSmemBytes, cfg->stream);
@@ -1594,5 +1605,11 @@ EMU_API int cudaemu_is_pinned(const void* p, size_t n) {
 // Called by the generated stubs: an API the emulator does not implement.
 EMU_API int cudaemu_unimplemented(const char* name) {
   if (emu().trace) fprintf(stderr, "cudaemu: unimplemented %s\n", name);
+  {
+    std::lock_guard<std::mutex> g(emu().mu);
+    ++emu().api_calls[std::string("unimplemented:") + name];
+    ++emu().api_calls["unimplemented"];
+  }
+  t_last = cudaErrorNotSupported;  // as a failed launch would: cudaGetLastError() reports it
   return cudaErrorNotSupported;
 }

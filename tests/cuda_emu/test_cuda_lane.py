@@ -1,0 +1,381 @@
+"""The Snapshotter's CUDA path end to end, under the emulated CUDA runtime.
+
+torch's real caching allocator, streams and events; cudasnap's CUDA copy engine,
+allocator tracker, arena registration, fences, completion + CRC32C, flush,
+restore (host-to-device) and rollback. State changes through host-to-device
+copies (tests/cuda_emu/emu_train.py). Each check has a negative control or a
+value that a broken mechanism could not produce.
+
+Child processes run this file as a script (``python test_cuda_lane.py MODE``),
+inheriting the emulator from the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for p in (str(REPO), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from emu_train import build, diff, pattern, state_bytes, train_step  # noqa: E402
+
+COPY_DELAY_US = 20_000
+
+
+def make_snap(model: Any, opt: Any, directory: Path, job: str, **kw: Any) -> Any:
+    import cudasnap
+
+    return cudasnap.Snapshotter(model, opt, directory=directory, job=job, health=False, **kw)
+
+
+def read_slot(arena: Any, slot: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(slot info, name -> raw bytes) straight from the shared-memory slot, CRC-checked."""
+    from cudasnap import _C
+
+    info = arena.slot_info(slot)
+    assert info["valid"] and info["state"] == "COMPLETE", info
+    n = int(info["data_bytes"])
+    assert _C.verify_buffer(arena.data_ptr(slot), n, arena.chunk_bytes, arena.read_table(slot),
+                            2) == -1, "a chunk of the slot fails its CRC32C"
+    meta = json.loads(arena.read_meta(slot))
+    data = torch.frombuffer(bytearray(arena.data_view(slot, n)), dtype=torch.uint8)
+    out = {e["name"]: data[int(e["offset"]):int(e["offset"]) + int(e["nbytes"])].clone()
+           for e in meta["tensors"]}
+    return info, out
+
+
+def run_steps_checked(snap: Any, model: Any, opt: Any, steps: int, start: int = 0) -> int:
+    """Each boundary's slot == a synchronous copy of the state at that boundary, while the
+    next step's forward and optimizer step run right after it (the copy is delayed on the
+    copy stream, so only the fences keep those writes behind it)."""
+    checked = 0
+    for i in range(start, start + steps):
+        train_step(model, opt, i)
+        want = state_bytes(snap)
+        if snap._cuda is not None:
+            snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
+        snap.boundary(i)
+        train_step(model, opt, 1000 + i)  # writes the state being copied, behind the fences
+        assert snap.wait(timeout=60), "snapshot did not complete"
+        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        assert info["step"] == i
+        if i > start:  # the first boundary builds the engine: its copy is not delayed
+            bad = diff(got, want)
+            assert not bad, f"step {i}: slot differs from the state at the boundary: {bad}"
+            checked += 1
+    snap._cuda.engine.set_test_copy_delay_us(0)
+    return checked
+
+
+# ---------------------------------------------------------------- in process
+def test_snapshot_bytes_equal_state_at_boundary(snap_env: Any, emu: Any) -> None:
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        assert snap.restore_latest() == 0
+        before = emu.counter("cudaMemcpyAsync")
+        assert run_steps_checked(snap, model, opt, steps=4) == 3
+        st = snap.stats()
+        assert st["backend"] == "cuda"
+        assert snap._cuda.fallback_reason is None  # the shm arena itself is page-locked
+        assert emu.is_pinned(snap._arena.data_ptr(0), 1)
+        assert emu.counter("cudaMemcpyAsync") > before  # the engine's D2H copies ran here
+        assert snap._cuda.engine.last_memcpy_calls >= 1
+    finally:
+        snap.close()
+
+
+def test_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> None:
+    """Negative control: the same loop with the fences removed gives torn slots."""
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        snap._fence = lambda phase: None  # the hooks call it: now they order nothing
+        with pytest.raises(AssertionError, match="slot differs"):
+            run_steps_checked(snap, model, opt, steps=3)
+    finally:
+        snap._cuda.engine.set_test_copy_delay_us(0)
+        snap.wait(timeout=60)
+        snap.close()
+
+
+def test_allocator_tracker_sees_torch_allocations(snap_env: Any, emu: Any) -> None:
+    """The trace hook on torch's real caching allocator: blocks appear and go."""
+    from cudasnap import _C
+
+    torch.cuda.init()
+    x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    reg = _C.attach_allocator_tracker(16384)
+    assert _C.attached_allocator_registry() is reg
+    reg.drain()
+    live = {b[0]: b[1] for b in reg.live_blocks(0)}
+    assert x.data_ptr() in live and live[x.data_ptr()] >= x.numel()  # seeded from snapshot()
+    y = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")  # after attach: a trace event
+    reg.drain()
+    assert y.data_ptr() in {b[0] for b in reg.live_blocks(0)}
+    addr = y.data_ptr()
+    del y
+    torch.cuda.synchronize()
+    reg.drain()
+    assert addr not in {b[0] for b in reg.live_blocks(0)}
+    assert reg.stats()["applied"] >= 2
+    segs = reg.segments(0)
+    assert any(s[0] <= x.data_ptr() < s[0] + s[1] for s in segs)
+    del x
+
+
+def test_coverage_reports_an_unregistered_copy(snap_env: Any, emu: Any) -> None:
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        train_step(model, opt, 0)
+        snap.boundary(0)
+        assert snap.wait(timeout=60)
+        ema = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # nobody registered it
+        ema.copy_(torch.ones(1 << 20, dtype=torch.uint8))
+        cov = snap.coverage()
+        assert cov["available"]
+        assert cov["uncovered_bytes"] >= ema.numel()
+        assert any(a <= ema.data_ptr() < a + s for a, s in map(tuple, cov["largest_uncovered"]))
+    finally:
+        snap.close()
+
+
+def test_rollback_restores_bytes_in_place(snap_env: Any, emu: Any) -> None:
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        train_step(model, opt, 0)
+        snap.boundary(0)
+        assert snap.wait(timeout=60)
+        saved = state_bytes(snap)
+        ptrs = {lt.name: lt.tensor.data_ptr() for lt in snap.state.live_tensors()}
+        cuda_rng = torch.cuda.get_rng_state()
+        for i in range(1, 4):
+            train_step(model, opt, i)
+        torch.rand(8, device="cuda")  # advances the CUDA generator (host-side offset)
+        assert len(diff(state_bytes(snap), saved)) == len(saved)
+        assert not torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+        assert snap.rollback() == 1
+        torch.cuda.synchronize()
+        assert diff(state_bytes(snap), saved) == []
+        assert {lt.name: lt.tensor.data_ptr() for lt in snap.state.live_tensors()} == ptrs
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+        assert opt.state[model.w]["n"] == 1  # host state of the optimizer came back too
+        train_step(model, opt, 1)
+        snap.boundary(1)
+        assert snap.wait(timeout=60)
+    finally:
+        snap.close()
+
+
+def test_gather_kernel_copies_small_ranges(snap_env: Any, emu: Any) -> None:
+    """The engine's gather kernel (csrc/cuda/gather.cu), emulated by cudaemu, copies
+    ranges below gather_max_bytes into the mapped arena (here: every range)."""
+    from cudasnap import _cuda
+
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        train_step(model, opt, 0)
+        snap.boundary(0)  # builds the backend
+        assert snap.wait(timeout=60)
+        old = snap._cuda.engine
+        gather = _cuda.native().CudaCopyEngine(0, 1, True, 1 << 30)
+        assert gather.gather_small and gather.gather_max_bytes == 1 << 30
+        snap._cuda.engine = gather
+        snap._engine = gather
+        launches = emu.counter("kernel_launches")
+        train_step(model, opt, 1)
+        want = state_bytes(snap)
+        snap.boundary(1)
+        assert snap.wait(timeout=60)
+        _, got = read_slot(snap._arena, snap._arena.newest_complete())
+        assert diff(got, want) == []
+        assert gather.last_gathered >= 1 and gather.last_memcpy_calls == 0
+        assert emu.counter("kernel_launches") > launches
+        snap._cuda.engine = snap._engine = old
+        gather.shutdown(10.0)
+    finally:
+        snap.close()
+
+
+def test_pinned_fallback_when_registration_is_refused(snap_env: Any, emu: Any) -> None:
+    """cudaHostRegister refused (as under gVisor): a private pinned arena, with the reason."""
+    emu.fault("host_register:801")  # cudaErrorNotSupported
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        assert run_steps_checked(snap, model, opt, steps=3) == 2
+        reason = snap._cuda.fallback_reason
+        assert reason and "cudaHostRegister" in reason and "cudaErrorNotSupported" in reason
+        assert not snap._arena.shared
+        assert emu.is_pinned(snap._arena.data_ptr(0), 1)  # cudaHostAlloc'd
+        assert snap.flush() is not None  # the in-process flush still works
+    finally:
+        snap.close()
+
+
+def test_flush_then_restore_in_a_fresh_process(snap_env: Any, emu: Any) -> None:
+    model, opt = build()
+    snap = make_snap(model, opt, snap_env.dir, snap_env.job)
+    try:
+        for i in range(3):
+            train_step(model, opt, i)
+            snap.boundary(i)
+        assert snap.wait(timeout=60)
+        want = state_bytes(snap)
+        path = snap.flush()
+        assert path is not None and path.name == "step-00000002"
+    finally:
+        snap.close(flush=False)
+    for p in snap_env.arena_files():
+        p.unlink()  # only the disk copy is left
+    out = snap_env.tmp / "restored.pt"
+    child = run_child("resume", "--dir", snap_env.dir, "--job", snap_env.job + "-b", "--out", out)
+    assert child.returncode == 0, child.stderr[-3000:]
+    res = last_json(child)
+    assert res["start"] == 3 and res["source"] == "disk", res
+    got = torch.load(out)
+    assert diff(got, want) == []
+
+
+def test_kill9_leaves_a_slot_a_new_process_restores(snap_env: Any, emu: Any) -> None:
+    out1, out2 = snap_env.tmp / "before.pt", snap_env.tmp / "after.pt"
+    child = run_child("crash", "--dir", snap_env.dir, "--job", snap_env.job, "--out", out1,
+                      "--steps", 4)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    assert snap_env.arena_path().exists()
+    child = run_child("resume", "--dir", snap_env.dir, "--job", snap_env.job, "--out", out2)
+    assert child.returncode == 0, child.stderr[-3000:]
+    res = last_json(child)
+    assert res["start"] == 4 and res["source"] == "shm", res
+    assert diff(torch.load(out2), torch.load(out1)) == []
+
+
+def test_sticky_error_fails_the_copy_and_keeps_the_previous_slot(snap_env: Any, emu: Any) -> None:
+    """A sticky cudaErrorIllegalAddress during a snapshot copy: that job fails, the
+    previous COMPLETE slot stays the newest, and the JIT flush writes it to disk."""
+    out = snap_env.tmp / "good.pt"
+    child = run_child("sticky", "--dir", snap_env.dir, "--job", snap_env.job, "--out", out)
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-3000:]
+    res = last_json(child)
+    assert res["failed_step"] == 3 and res["newest"] == 2, res
+    assert "cudaErrorIllegalAddress" in res["error"], res
+    assert res["flushed"].endswith("step-00000002"), res
+    assert res["sticky"] == "cudaErrorIllegalAddress"
+    for p in snap_env.arena_files():
+        p.unlink()
+    out2 = snap_env.tmp / "restored.pt"
+    child = run_child("resume", "--dir", snap_env.dir, "--job", snap_env.job + "-b", "--out", out2)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert last_json(child)["start"] == 3
+    assert diff(torch.load(out2), torch.load(out)) == []
+
+
+# ------------------------------------------------------------------ children
+def run_child(mode: str, *args: Any, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("CUDASNAP_HEALTH", None)
+    return subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def last_json(p: subprocess.CompletedProcess) -> dict[str, Any]:
+    for line in reversed(p.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line from the child (rc {p.returncode}):\n{p.stdout}\n{p.stderr}")
+
+
+def child_crash(a: argparse.Namespace) -> None:
+    model, opt = build(seed=0)
+    snap = make_snap(model, opt, Path(a.dir), a.job)
+    assert snap.restore_latest() == 0
+    for i in range(a.steps):
+        train_step(model, opt, i)
+        snap.boundary(i)
+    assert snap.wait(timeout=60)
+    torch.save(state_bytes(snap), a.out)
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit
+
+
+def child_resume(a: argparse.Namespace) -> None:
+    model, opt = build(seed=7)  # other initial values: only a restore makes them equal
+    snap = make_snap(model, opt, Path(a.dir), a.job)
+    start = snap.restore_latest()
+    torch.cuda.synchronize()
+    torch.save(state_bytes(snap), a.out)
+    src = (snap.last_restore() or {}).get("source")
+    for i in range(start, start + 2):  # and it trains on
+        train_step(model, opt, i)
+        snap.boundary(i)
+    assert snap.wait(timeout=60)
+    print(json.dumps({"start": start, "source": src}), flush=True)
+    snap.close(flush=False)
+
+
+def child_sticky(a: argparse.Namespace) -> None:
+    import ctypes
+
+    lib = ctypes.CDLL(None)
+    model, opt = build(seed=0)
+    snap = make_snap(model, opt, Path(a.dir), a.job)
+    for i in range(3):
+        train_step(model, opt, i)
+        snap.boundary(i)
+        assert snap.wait(timeout=60)
+    train_step(model, opt, 3)
+    good = None
+    torch.save(good, a.out)
+    # The next D2H copy of the engine faults (sticky, as an Xid 31/43 would).
+    n = lib.cudaemu_counter(b"cudaMemcpyAsync")
+    lib.cudaemu_fault(f"sticky:cudaMemcpyAsync:{n + 1}".encode())
+    snap.boundary(3)
+    snap.wait(timeout=60)
+    arena = snap._arena
+    newest = arena.newest_complete()
+    job_err = snap._job.error if snap._job is not None else ""
+    err = ""
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        err = str(e)
+    flushed = snap.flush()
+    # The state the previous slot holds (step 2), from the slot itself.
+    _, got = read_slot(arena, newest)
+    torch.save(got, a.out)
+    print(json.dumps({"failed_step": 3, "newest": arena.slot_info(newest)["step"],
+                      "error": job_err or err, "flushed": str(flushed),
+                      "sticky": "cudaErrorIllegalAddress" if "illegal memory" in err else err}),
+          flush=True)
+    os._exit(0)  # the CUDA context is gone: no orderly teardown
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["crash", "resume", "sticky"])
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    a = ap.parse_args(argv)
+    os.environ["CUDASNAP_JOB"] = a.job
+    {"crash": child_crash, "resume": child_resume, "sticky": child_sticky}[a.mode](a)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
