@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build demo test lint compile-check bench-deps clean
+.PHONY: all venv build emu demo test test-emulated lint compile-check bench-deps clean
 
 all: build
 
@@ -24,6 +24,10 @@ venv: $(STAMP)
 build: $(STAMP)
 	CUDASNAP_CUDA_ARCHS="$(CUDA_ARCHS)" $(BIN)/python setup.py -q build_ext --inplace
 
+# The emulated CUDA runtime (tools/cudaemu) the CUDA tests run under.
+emu: $(STAMP)
+	$(BIN)/python tools/cudaemu/build.py
+
 demo: build
 	$(BIN)/python -m cudasnap demo
 
@@ -38,8 +42,14 @@ lint: $(STAMP)
 compile-check: $(STAMP)
 	$(BIN)/python tools/compile_check.py
 
-test: build lint compile-check
+# Two lanes: every test on the CPU, then the CUDA path (tests/cuda_emu) in its own
+# process under the emulated CUDA runtime, with the real CUDA build of torch on top.
+test: build emu lint compile-check
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory test-emulated
+
+test-emulated: build emu
+	tools/cudaemu/run.sh $(BIN)/python -m pytest -q tests/cuda_emu
 
 # The peers bench/peers.py compares against (torchsnapshot, DLRover), outside the venv.
 bench-deps: $(STAMP)

@@ -24,6 +24,8 @@
 //   documented mode rules say so; work on a capturing stream is recorded into
 //   a graph and replayed by cudaGraphLaunch; the legacy stream reports
 //   cudaErrorStreamCaptureImplicit while a blocking stream captures;
+// * expandable segments: the driver's virtual memory calls (cuMemAddressReserve,
+//   cuMemCreate, cuMemMap, cuMemUnmap, ...) on reserved anonymous mappings;
 // * kernel launches are no-ops (their names come from the fat-binary
 //   registration), except the few cudasnap's own code launches, emulated here
 //   (cudasnap::gather_kernel);
@@ -1528,7 +1530,116 @@ EMU_API CUresultEmu cuMemGetAddressRange_v2(uintptr_t* base, size_t* size, uintp
   return 0;
 }
 
+// Virtual memory management (cuMem*), as torch's expandable segments use it:
+// a reservation is an inaccessible anonymous mapping; cuMemCreate makes a
+// handle of physical bytes (counted against the device's memory); cuMemMap
+// makes its pages accessible at an address of a reservation and counts them as
+// device memory; cuMemUnmap discards them again. A handle maps at one address.
 namespace {
+struct PhysHandle {
+  size_t size = 0;
+  uintptr_t mapped_at = 0;
+};
+std::map<unsigned long long, PhysHandle> g_handles;  // under emu().mu
+unsigned long long g_next_handle = 1;
+constexpr size_t kGranularity = 2u << 20;
+}  // namespace
+
+EMU_API CUresultEmu cuMemGetAllocationGranularity(size_t* g, const void*, int) {
+  if (!g) return 1;
+  *g = kGranularity;
+  return 0;
+}
+
+EMU_API CUresultEmu cuMemAddressReserve(uintptr_t* ptr, size_t size, size_t align, uintptr_t,
+                                        unsigned long long) {
+  if (!ptr || size == 0 || size % kGranularity) return 1;
+  align = std::max(align, kGranularity);
+  void* m = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (m == MAP_FAILED) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  uintptr_t u = reinterpret_cast<uintptr_t>(m);
+  uintptr_t a = (u + align - 1) & ~(align - 1);
+  if (a > u) munmap(m, a - u);
+  if (a + size < u + size + align) munmap(reinterpret_cast<void*>(a + size), u + size + align - a - size);
+  *ptr = a;
+  return 0;
+}
+
+EMU_API CUresultEmu cuMemAddressFree(uintptr_t ptr, size_t size) {
+  return munmap(reinterpret_cast<void*>(ptr), size) == 0 ? 0 : 1;
+}
+
+EMU_API CUresultEmu cuMemCreate(unsigned long long* h, size_t size, const void*, unsigned long long) {
+  if (!h || size == 0 || size % kGranularity) return 1;
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  if (e.mem_used + size > e.mem_total) return 2;
+  e.mem_used += size;
+  *h = g_next_handle++;
+  g_handles[*h] = PhysHandle{size, 0};
+  return 0;
+}
+
+EMU_API CUresultEmu cuMemRelease(unsigned long long h) {
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  auto it = g_handles.find(h);
+  if (it == g_handles.end()) return 1;
+  e.mem_used -= it->second.size;
+  g_handles.erase(it);  // its mapping, if any, stays until cuMemUnmap (as in the driver)
+  return 0;
+}
+
+EMU_API CUresultEmu cuMemMap(uintptr_t ptr, size_t size, size_t offset, unsigned long long h,
+                             unsigned long long) {
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  auto it = g_handles.find(h);
+  if (it == g_handles.end() || offset != 0 || size != it->second.size || it->second.mapped_at)
+    return 1;
+  void* m = mmap(reinterpret_cast<void*>(ptr), size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return 2;
+  it->second.mapped_at = ptr;
+  e.dev_allocs[ptr] = size;
+  return 0;
+}
+
+EMU_API CUresultEmu cuMemSetAccess(uintptr_t, size_t, const void*, size_t) { return 0; }
+
+EMU_API CUresultEmu cuMemUnmap(uintptr_t ptr, size_t size) {
+  if (sync_all() != cudaSuccess) return 700;  // the driver waits for work using the range
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  for (uintptr_t p = ptr; p < ptr + size;) {
+    auto it = e.dev_allocs.find(p);
+    if (it == e.dev_allocs.end()) return 1;
+    size_t n = it->second;
+    e.dev_allocs.erase(it);
+    for (auto& [k, ph] : g_handles)
+      if (ph.mapped_at == p) ph.mapped_at = 0;
+    mmap(reinterpret_cast<void*>(p), n, PROT_NONE,
+         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    p += n;
+  }
+  return 0;
+}
+
+namespace {
+// Driver functions torch looks up at start (c10/cuda/driver_api.cpp) but this
+// emulator does not provide: found, and each call fails with
+// CUDA_ERROR_NOT_SUPPORTED (IPC export/import, multicast, green contexts, ...).
+int drv_not_supported() { return 801; }
+const char* const kNotSupported[] = {
+    "cuCtxPopCurrent", "cuCtxPushCurrent", "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle", "cuMemGetAllocationPropertiesFromHandle",
+    "cuMemRetainAllocationHandle", "cuMemsetD32Async", "cuStreamWriteValue32",
+    "cuMulticastAddDevice", "cuMulticastBindMem", "cuMulticastCreate", "cuMulticastUnbind",
+    "cuCtxFromGreenCtx", "cuDevResourceGenerateDesc", "cuDevSmResourceSplitByCount",
+    "cuDeviceGetDevResource", "cuGreenCtxCreate", "cuGreenCtxDestroy", "cuGreenCtxStreamCreate",
+    "cuLogsRegisterCallback", "cuLogsUnregisterCallback"};
+
 void* driver_entry(const char* sym) {
   static const std::pair<const char*, void*> table[] = {
       {"cuGetErrorString", reinterpret_cast<void*>(&cuGetErrorString)},
@@ -1545,10 +1656,20 @@ void* driver_entry(const char* sym) {
       {"cuDeviceGetAttribute", reinterpret_cast<void*>(&cuDeviceGetAttribute)},
       {"cuMemGetAddressRange", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
       {"cuMemGetAddressRange_v2", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
+      {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&cuMemGetAllocationGranularity)},
+      {"cuMemAddressReserve", reinterpret_cast<void*>(&cuMemAddressReserve)},
+      {"cuMemAddressFree", reinterpret_cast<void*>(&cuMemAddressFree)},
+      {"cuMemCreate", reinterpret_cast<void*>(&cuMemCreate)},
+      {"cuMemRelease", reinterpret_cast<void*>(&cuMemRelease)},
+      {"cuMemMap", reinterpret_cast<void*>(&cuMemMap)},
+      {"cuMemSetAccess", reinterpret_cast<void*>(&cuMemSetAccess)},
+      {"cuMemUnmap", reinterpret_cast<void*>(&cuMemUnmap)},
   };
   if (!sym) return nullptr;
   for (const auto& [name, fn] : table)
     if (std::strcmp(name, sym) == 0) return fn;
+  for (const char* name : kNotSupported)
+    if (std::strcmp(name, sym) == 0) return reinterpret_cast<void*>(&drv_not_supported);
   if (emu().trace) fprintf(stderr, "cudaemu: driver entry point %s not provided\n", sym);
   return nullptr;
 }
