@@ -35,7 +35,8 @@
 //                            then sticks: every later call returns it
 //     host_register:ERR      cudaHostRegister fails with error code ERR
 //     host_alloc:ERR         cudaHostAlloc/cudaMallocHost fail with ERR
-//     copy_delay_us:N        each copy on a stream first sleeps N microseconds
+//     copy_delay_us:N        each copy issued from now on sleeps N microseconds on
+//                            its stream before it copies
 //     mem_mb:N               device memory size (also CUDAEMU_MEM_MB)
 // CUDAEMU_DEVICES sets the device count (default 1); CUDAEMU_TRACE=1 logs
 // every call of an API the emulator does not implement (those fail with
@@ -77,6 +78,7 @@ struct Op {
   uint64_t wait_seq = 0;
   std::string api;                 // for sticky-fault matching
   uint64_t api_n = 0;              // which call of `api` this is (1-based)
+  uint64_t delay_us = 0;           // copy_delay_us in force when the copy was issued
 };
 
 struct Stream {
@@ -280,13 +282,12 @@ void worker_loop(Stream* s) {
       if (!op.api.empty() && op.api == e.fault.sticky_api && e.fault.sticky_n &&
           op.api_n == e.fault.sticky_n)
         fail = true;
-      uint64_t delay = e.fault.copy_delay_us;
-      bool is_copy = op.api.find("Memcpy") != std::string::npos;
+      uint64_t delay = op.delay_us;
       lk.unlock();
       if (fail) {
         e.sticky.store(cudaErrorIllegalAddress);
       } else if (!e.sticky.load()) {  // a faulted context runs nothing more
-        if (is_copy && delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+        if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
         op.fn();
       }
       lk.lock();
@@ -476,6 +477,10 @@ cudaError_t do_copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
   op.fn = [dst, src, n] { std::memmove(dst, src, n); };
   op.api = api;
   op.api_n = count_call(api);
+  {
+    std::lock_guard<std::mutex> g(e.mu);
+    op.delay_us = e.fault.copy_delay_us;
+  }
   e.copies.fetch_add(1);
   uint64_t seq = 0;
   cudaError_t st = enqueue(s, std::move(op), &seq);
