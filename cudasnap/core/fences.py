@@ -6,20 +6,36 @@ the phase of that copy it would overwrite: the optimizer's step pre-hook and
 forward pre-hook of every module owning buffers (phase 0: buffers), and the
 explicit ``Snapshotter.fence()``. A wait longer than ``wait_timeout_s``
 abandons that snapshot (logged), so a stalled copier never hangs training.
+
+Storage lifetime: the copy reads the planned tensors' memory by address, so the
+job's ``Layout`` (``cudasnap.core.plan``: it holds every planned storage) is kept
+until the copy can no longer read it: until the job is COMPLETE, and for a failed
+or cancelled job until the engine has drained (``_hold_draining``). Only then may
+``p.data = ...``, ``set_()`` or a swapped optimizer state free a block it read.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SnapshotError
 from .shared import Fields
 
+if TYPE_CHECKING:
+    from .plan import Layout
+
 log = logging.getLogger("cudasnap")
+
+# Layouts of copies a closed Snapshotter left running on a hung GPU: the DMA may
+# still read their storages, so they are never freed (process lifetime, logged).
+_ABANDONED: list[Layout] = []
 
 
 class FencesMixin(Fields):
+    # Layouts of failed or cancelled copies that may still read them (see _hold_draining).
+    _draining: tuple[Layout, ...] = ()
+
     def _install_fences(self) -> None:
         for opt in self.state.optimizers.values():
             self._hooks.append(opt.register_step_pre_hook(lambda *_: self._fence(1)))
@@ -75,11 +91,12 @@ class FencesMixin(Fields):
         if job is None:
             return True
         t0 = time.perf_counter_ns()
+        failed = False
         try:
             ok = job.wait(1, -1.0 if timeout is None else timeout)
         except SnapshotError as e:
             log.error("snapshot of step %d failed: %s", job.step, e)
-            ok = True
+            ok = failed = True
         self._stats["fence_wait_ns"] += time.perf_counter_ns() - t0
         if ok:
             secs = job.seconds_to_complete
@@ -89,10 +106,52 @@ class FencesMixin(Fields):
             # Another thread (a flush) may wait too: retire only the job we waited on.
             with self._slot_lock:
                 if self._job is job:
+                    # (No local holds the layout: a logged error's traceback keeps this frame.)
+                    if failed:
+                        self._hold_draining(self._job_layout)
+                    else:
+                        # COMPLETE: its copy has drained, and so has every earlier one (one
+                        # copy at a time; on CUDA in stream order): their layouts may go.
+                        self._draining = ()
                     self._job = None
                     self._job_layout = None
                     self._fenced = [True, True]
         return ok
+
+    def _hold_draining(self, lay: Layout | None) -> None:
+        """Keeps the layout of a failed or cancelled copy (and so its storages) alive.
+
+        A job fails as soon as it is cancelled (a fence's bounded wait ran out) or
+        its completion wait timed out, while its copy may still be reading: CPU
+        workers finish the chunk they are in, and a DMA already queued on the copy
+        stream runs whenever the GPU gets to it. The layout is released when the
+        engine is known to have drained it: the next accepted submit (see
+        ``_release_drained``), the next COMPLETE job, or ``close()``.
+        """
+        if lay is not None and all(lay is not h for h in self._draining):
+            self._draining = (*self._draining, lay)
+
+    def _release_drained(self) -> None:
+        """After the engine accepted a new job: the copies of the held layouts are over.
+
+        The CPU engine accepts a job only once the previous one's workers finished;
+        the CUDA engine only once its completion thread finished the previous job,
+        which waits for that job's last DMA unless the GPU was declared hung (then
+        the layouts stay until a later job completes, which is after them in stream
+        order, or are abandoned at close)."""
+        if self._draining and (self._cuda is None or not self._cuda.engine.hung):
+            self._draining = ()
+
+    def _release_at_close(self, drained: bool) -> None:
+        """close(): the engine is stopped; ``drained``: no copy can still read the state."""
+        held = [lay for lay in (*self._draining, self._job_layout) if lay is not None]
+        self._draining = ()
+        self._job_layout = None
+        if held and not drained:
+            _ABANDONED.extend(held)
+            log.error("close(): a snapshot copy may still be reading the state (GPU hung); "
+                      "its %d tensor(s) are kept allocated for the life of the process",
+                      sum(len(lay.tensors) for lay in held))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the running snapshot is COMPLETE (True) or the timeout passes."""

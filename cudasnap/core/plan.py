@@ -32,6 +32,10 @@ class Layout:
         self.objects = [lt.tensor for lt in tensors]
         # Every planned storage stays allocated while this layout lives, so a copy
         # of a plan not yet found stale (see layout_watch) never reads freed memory.
+        # Aliases, not the objects: `p.data = x` / `p.set_(x)` replace the storage of
+        # the Parameter object itself, the alias keeps the old one (the storage a
+        # running copy reads). A running copy's layout is held until the engine is done
+        # with it (cudasnap.core.fences); tests: test_storage_hold*.
         self.keep = [t.detach() for t in self.objects]
         self.guard = native().LayoutGuard(self.objects)
         self.watch = watch

@@ -55,7 +55,8 @@ class Fields:
     _inherited: Any
     _prep: ArenaPreparer
     _layout: Layout | None
-    _job_layout: Layout | None
+    _job_layout: Layout | None  # the running copy's layout: it holds the planned storages
+    _draining: tuple[Layout, ...]  # failed copies' layouts until the engine drained them
     _hooks: list[Any]
     _stats: dict[str, Any]
     # copy / fence bookkeeping
@@ -79,6 +80,9 @@ class Fields:
     def _wait_job(self, timeout: float | None = None) -> bool: raise NotImplementedError
     def wait(self, timeout: float | None = None) -> bool: raise NotImplementedError
     def _fence(self, phase: int) -> None: raise NotImplementedError
+    def _hold_draining(self, lay: Layout | None) -> None: raise NotImplementedError
+    def _release_drained(self) -> None: raise NotImplementedError
+    def _release_at_close(self, drained: bool) -> None: raise NotImplementedError
     def _current_layout(self) -> Layout: raise NotImplementedError
     def _ensure_engine(self, tensors: list[Any]) -> None: raise NotImplementedError
     def _ensure_arena(self, plan: Any, meta_len: int) -> Any: raise NotImplementedError

@@ -55,12 +55,17 @@ class SubmitMixin(Fields):
         return int(self._cuda.engine.copy_stream) if self._cuda is not None else None
 
     def _stop_engine(self) -> None:
-        """close(): stops the copy engine (bounded by ``wait_timeout_s``)."""
+        """close(): stops the copy engine (bounded by ``wait_timeout_s``), then lets the
+        copies' layouts go unless a DMA may still read them (a hung GPU)."""
+        drained = True
         if self._cuda is not None:
             self._cuda.close(self.wait_timeout_s)
+            drained = not self._cuda.engine.hung
         elif self._engine is not None and not self._engine.shutdown(self.wait_timeout_s):
+            # The workers are joined either way: an abandoned copy reads nothing more.
             log.error("close(): the running snapshot copy was abandoned after %.0f s",
                       self.wait_timeout_s)
+        self._release_at_close(drained)
 
     def boundary(self, step: int, **values: Any) -> None:
         """Snapshot the state after ``step``'s optimizer step; returns at once.
@@ -161,14 +166,27 @@ class SubmitMixin(Fields):
         except StagingError as e:
             self._stats["skipped"] += 1
             log.warning("step %d not snapshotted: %s", step, e)
+            self._hold_if_hung(lay)
             return None
+        except BaseException:
+            self._hold_if_hung(lay)
+            raise
         with self._slot_lock:
             self._fenced = [False, False]
             self._job = job
+            # Holds every planned storage until the job is COMPLETE, or, failed, until
+            # the engine has drained it (cudasnap.core.fences): one reference, O(1).
             self._job_layout = lay
+            self._release_drained()  # accepted: earlier copies are over
         self._stats["snapshots"] += 1
         self._stats["bytes"] = lay.total_bytes
         return job
+
+    def _hold_if_hung(self, lay: Layout) -> None:
+        """A refused CUDA submit drains what it issued, unless that wait timed out (the
+        GPU hung): then its DMA may still read ``lay``'s storages."""
+        if self._cuda is not None and self._cuda.engine.hung:
+            self._hold_draining(lay)
 
     def _record_ns(self, t0: int) -> None:
         ns = self._stats["boundary_ns"]
