@@ -36,7 +36,8 @@ COPY_DELAY_US = 20_000
 def make_snap(model: Any, opt: Any, directory: Path, job: str, **kw: Any) -> Any:
     import cudasnap
 
-    return cudasnap.Snapshotter(model, opt, directory=directory, job=job, health=False, **kw)
+    kw.setdefault("health", False)
+    return cudasnap.Snapshotter(model, opt, directory=directory, job=job, **kw)
 
 
 def read_slot(arena: Any, slot: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -284,9 +285,21 @@ def test_sticky_error_fails_the_copy_and_keeps_the_previous_slot(snap_env: Any, 
     assert diff(torch.load(out2), torch.load(out)) == []
 
 
+def test_expandable_segments(snap_env: Any, emu: Any) -> None:
+    """The same fenced snapshots with torch's expandable segments (the driver's virtual
+    memory calls, emulated), tracked as expandable segments."""
+    child = run_child("expandable", "--dir", snap_env.dir, "--job", snap_env.job, "--out", "-",
+                      env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-3000:]
+    res = last_json(child)
+    assert res["checked"] == 2 and res["tracking"], res
+    assert res["expandable_segments"] >= 1, res
+
+
 # ------------------------------------------------------------------ children
-def run_child(mode: str, *args: Any, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def run_child(mode: str, *args: Any, timeout: float = 240,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("CUDASNAP_HEALTH", None)
     return subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, *map(str, args)],
@@ -370,16 +383,50 @@ def child_sticky(a: argparse.Namespace) -> None:
     os._exit(0)  # the CUDA context is gone: no orderly teardown
 
 
+def child_xid(a: argparse.Namespace) -> None:
+    """Trains with the guard on (CUDASNAP_HEALTH=1, NVML through cudaemu); an Xid 79 after
+    step ``steps - 1``'s snapshot: the guard flushes it and exits 76."""
+    import ctypes
+    import time
+
+    model, opt = build(seed=0)
+    snap = make_snap(model, opt, Path(a.dir), a.job, health=True)
+    for i in range(a.steps):
+        train_step(model, opt, i)
+        snap.boundary(i)
+        assert snap.wait(timeout=60)
+    torch.save(state_bytes(snap), a.out)
+    ctypes.CDLL(None).cudaemu_fault(b"nvml_xid:79")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the next step's work would run here
+        time.sleep(0.05)
+    print(json.dumps({"error": "no exit after the Xid"}), flush=True)
+    sys.exit(1)
+
+
+def child_expandable(a: argparse.Namespace) -> None:
+    model, opt = build(seed=0)
+    snap = make_snap(model, opt, Path(a.dir), a.job)
+    checked = run_steps_checked(snap, model, opt, steps=3)
+    reg = snap._cuda.registry
+    segs = list(reg.segments(0)) if reg is not None else []
+    print(json.dumps({"checked": checked, "tracking": reg is not None,
+                      "expandable_segments": sum(1 for s in segs if s[2]),
+                      "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}), flush=True)
+    snap.close(flush=False)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["crash", "resume", "sticky"])
+    ap.add_argument("mode", choices=["crash", "resume", "sticky", "xid", "expandable"])
     ap.add_argument("--dir", required=True)
     ap.add_argument("--job", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args(argv)
     os.environ["CUDASNAP_JOB"] = a.job
-    {"crash": child_crash, "resume": child_resume, "sticky": child_sticky}[a.mode](a)
+    {"crash": child_crash, "resume": child_resume, "sticky": child_sticky, "xid": child_xid,
+     "expandable": child_expandable}[a.mode](a)
 
 
 if __name__ == "__main__":
