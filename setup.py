@@ -55,6 +55,8 @@ class CMakeBuild(build_ext):
             f"-DTORCH_LIB_DIR={torch_dir / 'lib'}",
             f"-DTORCH_CUDA_VERSION={cuda_version}",
             f"-DTORCH_VERSION_STRING={torch.__version__}",
+            # torch's libstdc++ ABI (2.6's wheels: the old one): every source is built with it
+            f"-DCUDASNAP_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-DCUDASNAP_VERSION={VERSION}",
             f"-DCUDASNAP_CUDA_ARCHS={os.environ.get('CUDASNAP_CUDA_ARCHS', '90')}",
             f"-DCUDASNAP_EXTRA_RPATH={';'.join(rpath)}",

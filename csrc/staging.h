@@ -216,6 +216,15 @@ class Arena {
 
   // cudaHostRegister bookkeeping (set by the CUDA backend).
   bool cuda_registered = false;
+  // Set by the CUDA backend when it registers the mapping (register_arena):
+  // undoes the registration. ~Arena calls it before unmapping, so a range is
+  // never left registered after its mapping is gone (a later mapping at the
+  // same address could not be registered). Must not throw.
+  using ReleaseFn = void (*)(Arena& arena) noexcept;
+  ReleaseFn release_registration = nullptr;
+  // Unique in this process, never reused (unlike base(): a new mapping may get
+  // the address of an unmapped one).
+  uint64_t serial() const { return serial_; }
 
  private:
   Arena() = default;
@@ -230,6 +239,8 @@ class Arena {
   void populate(const CancelFlag* cancel);
   std::string huge_pages_ = "not advised";
 
+  uint64_t serial_ = next_serial();
+  static uint64_t next_serial();
   std::string path_;
   int fd_ = -1;
   uint8_t* base_ = nullptr;

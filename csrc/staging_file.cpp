@@ -231,7 +231,18 @@ std::shared_ptr<Arena> Arena::open(const std::string& path, bool writable, bool 
   return a;
 }
 
+uint64_t Arena::next_serial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
 Arena::~Arena() {
+  // A registration outliving its mapping would pin pages nobody can reach
+  // and refuse any later registration of a mapping at the same address.
+  if (ReleaseFn fn = release_registration) {
+    release_registration = nullptr;
+    fn(*this);
+  }
   if (base_ && free_fn_) {
     free_fn_(base_);
   } else if (base_) {

@@ -5,12 +5,15 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <sstream>
 #include <thread>
 
 #include "../error.h"
 #include "../flusher.h"
 #include "../thread_pool.h"
+#include "capture_mode.h"
+#include "cuda_backend.h"
 
 namespace cudasnap {
 
@@ -45,6 +48,22 @@ void CUDART_CB sleep_host_fn(void* us) {
   std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<uintptr_t>(us)));
 }
 
+// Whether `s` (0: the legacy default stream of the current device) is capturing
+// a CUDA graph. The legacy stream answers cudaErrorStreamCaptureImplicit while
+// a blocking stream of its device captures (work on it would join that
+// capture): that counts as capturing too; `*implicit` says which.
+bool stream_capturing(cudaStream_t s, bool* implicit) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  cudaError_t st = cudaStreamIsCapturing(s, &cap);
+  *implicit = st == cudaErrorStreamCaptureImplicit;
+  if (*implicit) {
+    (void)cudaGetLastError();  // not sticky: clear it, torch would report it later
+    return true;
+  }
+  CUDASNAP_CUDA_CHECK(st);
+  return cap != cudaStreamCaptureStatusNone;  // Active, or Invalidated (not yet ended)
+}
+
 }  // namespace
 
 // ------------------------------------------------------------ lifecycle
@@ -64,6 +83,7 @@ CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
                                                 << " CUDA devices visible)");
   try {
     DeviceGuard g(device_);
+    CaptureModeGuard relaxed;  // the trainer may build the engine while another thread captures
     CUDASNAP_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     for (int r = 0; r < kRing; ++r) {
       CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_[r][0], cudaEventDisableTiming));
@@ -73,7 +93,23 @@ CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
       for (int k = 0; k < kMarks; ++k)
         CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_mark_[r][k], cudaEventDisableTiming));
     }
-    completion_ = std::thread([this] { completion_loop(); });
+    // The completion thread polls events (cudaEventQuery) while the trainer may
+    // capture a CUDA graph: it runs in relaxed capture mode, or every poll
+    // during a Global-mode capture would invalidate that capture.
+    std::promise<cudaError_t> mode_set;
+    std::future<cudaError_t> mode_status = mode_set.get_future();
+    completion_ = std::thread([this, &mode_set] {
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaError_t st = cudaThreadExchangeStreamCaptureMode(&mode);
+      if (st != cudaSuccess) (void)cudaGetLastError();
+      mode_set.set_value(st);
+      if (st == cudaSuccess) completion_loop();
+    });
+    cudaError_t st = mode_status.get();
+    if (st != cudaSuccess) {
+      completion_.join();
+      CUDASNAP_CUDA_CHECK(st);
+    }
   } catch (...) {
     release_cuda();
     throw;
@@ -89,6 +125,7 @@ CudaCopyEngine::~CudaCopyEngine() {
 
 void CudaCopyEngine::release_cuda() noexcept {
   // At interpreter exit the runtime may already be unloading: ignore errors.
+  CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});  // cudaFreeHost: see capture_mode.h
   int prev = -1;
   (void)cudaGetDevice(&prev);
   (void)cudaSetDevice(device_);
@@ -226,6 +263,31 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
   for (const PlanRange& r : plan->ranges)
     if (!r.host && r.nbytes && gather_small_ && r.nbytes < gather_max_) ++ngather;
 
+  cudaStream_t compute = reinterpret_cast<cudaStream_t>(stream);
+  {
+    DeviceGuard g(device_);  // stream 0: this device's legacy default stream
+    if (stream != 0) {
+      int sdev = -1;
+      CUDASNAP_CUDA_CHECK(cudaStreamGetDevice(compute, &sdev));
+      CUDASNAP_CHECK_KIND(ErrorKind::Cuda, sdev == device_,
+                          "compute stream 0x" << std::hex << stream << std::dec
+                                              << " belongs to cuda:" << sdev
+                                              << ", the copy engine to cuda:" << device_);
+    }
+    // Work recorded on a capturing stream would go into the trainer's graph
+    // (and an event wait from outside would invalidate it): no snapshot now.
+    // Staging kind: Snapshotter.boundary() skips the step and counts it.
+    bool implicit = false;
+    CUDASNAP_CHECK_KIND(
+        ErrorKind::Staging, !stream_capturing(compute, &implicit),
+        "snapshot skipped: "
+            << (implicit ? "another (blocking) stream of cuda:" + std::to_string(device_) +
+                               " is capturing a CUDA graph, which the legacy default stream "
+                               "(the compute stream) joins"
+                         : std::string("the compute stream is capturing a CUDA graph"))
+            << "; call boundary() outside graph capture");
+  }
+
   int ring;
   {
     std::unique_lock<std::mutex> lk(mu_);
@@ -251,21 +313,8 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
   bool began = false, issued = false;
   try {
     DeviceGuard g(device_);
-    cudaStream_t compute = reinterpret_cast<cudaStream_t>(stream);
-    if (stream != 0) {
-      int sdev = -1;
-      CUDASNAP_CUDA_CHECK(cudaStreamGetDevice(compute, &sdev));
-      CUDASNAP_CHECK_KIND(ErrorKind::Cuda, sdev == device_,
-                          "compute stream 0x" << std::hex << stream << std::dec
-                                              << " belongs to cuda:" << sdev
-                                              << ", the copy engine to cuda:" << device_);
-    }
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    CUDASNAP_CUDA_CHECK(cudaStreamIsCapturing(compute, &cap));
-    CUDASNAP_CHECK_KIND(ErrorKind::Cuda, cap == cudaStreamCaptureStatusNone,
-                        "snapshot submitted while the compute stream is capturing a CUDA graph; "
-                        "call boundary() outside graph capture");
     if (ngather > desc_cap_[ring]) {
+      CaptureModeGuard relaxed;  // another thread may be capturing a graph
       if (desc_[ring]) CUDASNAP_CUDA_CHECK(cudaFreeHost(desc_[ring]));
       desc_[ring] = nullptr;
       desc_cap_[ring] = 0;
@@ -336,16 +385,20 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
   } catch (...) {
     if (issued) {
       // Never leave a DMA running into a slot we give up on (bounded wait).
+      CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});  // cudaEventQuery
       cudaEvent_t drain = nullptr;
+      bool drained = false;
       if (cudaEventCreateWithFlags(&drain, cudaEventDisableTiming) == cudaSuccess) {
         if (cudaEventRecord(drain, copy_stream_) == cudaSuccess) {
           try {
             wait_event(drain, deadline_after(wait_timeout_s()), "the aborted copy");
+            drained = true;
           } catch (...) {
           }
         }
         (void)cudaEventDestroy(drain);
       }
+      if (!drained) note_dma_abandoned(*arena);  // see finish()
       (void)cudaGetLastError();
     }
     if (began) {
@@ -368,9 +421,8 @@ bool CudaCopyEngine::fence(CopyJob& job, int phase, uint64_t stream) {
   CUDASNAP_CHECK(ev != nullptr, "fence: the job was not submitted by a CUDA copy engine");
   DeviceGuard g(device_);  // stream 0 means this device's legacy default stream
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  CUDASNAP_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
-  if (cap != cudaStreamCaptureStatusNone) {
+  bool implicit = false;  // the legacy stream while a blocking stream captures: capturing too
+  if (stream_capturing(s, &implicit)) {
     // A wait on an event recorded outside the capture would invalidate it; no
     // kernel runs while capturing, so a host wait here orders nothing away.
     double wait_s = wait_timeout_s();
@@ -461,12 +513,16 @@ void CudaCopyEngine::finish(Work& w) {
     w.arena->commit(w.slot, job.step(), plan.total_bytes);
     job.mark(1);
   } catch (const std::exception& e) {
+    bool drained = false;
     if (!hung_.load() && !abandon_.load()) {
       try {  // no DMA may still run into the slot (bounded: a hung GPU gives up)
         wait_event(ev_[w.ring][2], deadline_after(wait_timeout_s()), "the failed copy");
+        drained = true;
       } catch (...) {
       }
     }
+    // A DMA may still write into the arena: ~Arena must not unlock its pages.
+    if (!drained) note_dma_abandoned(*w.arena);
     (void)cudaGetLastError();
     try {
       w.arena->invalidate(w.slot);

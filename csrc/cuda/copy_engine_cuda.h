@@ -13,7 +13,16 @@
 // fence(job, phase, stream): cudaStreamWaitEvent(stream, phase0 or done); no
 // host block; a no-op once that phase is done. While `stream` is capturing a
 // CUDA graph the fence is a host wait instead (an event wait from outside the
-// capture would invalidate it); submit() refuses a capturing compute stream.
+// capture would invalidate it); submit() refuses a capturing compute stream
+// with a StagingError (the Snapshotter skips that step and counts it). The
+// legacy default stream counts as capturing while a blocking stream of its
+// device captures (cudaStreamIsCapturing: cudaErrorStreamCaptureImplicit).
+//
+// Stream capture: the completion thread runs in relaxed capture mode, and the
+// engine's other potentially unsafe calls (cudaHostAlloc/cudaFreeHost of the
+// gather descriptors, event queries on an aborted submit) are made in relaxed
+// mode too (capture_mode.h): none of them invalidates a graph capture the
+// trainer runs meanwhile.
 //
 // Every host wait is bounded by wait_timeout_s(): the completion thread polls
 // its events (cudaEventQuery) against a deadline instead of blocking in

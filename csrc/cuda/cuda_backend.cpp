@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "../error.h"
+#include "capture_mode.h"
 
 namespace cudasnap {
 
@@ -24,7 +25,34 @@ int cuda_device_count() {
 namespace {
 
 std::mutex g_reg_mu;
-std::set<const uint8_t*> g_registered;  // arena bases cudaHostRegister'ed by us
+// Arenas cudaHostRegister'ed by us, by Arena::serial(): never by address, which
+// a later mapping may reuse once the arena is unmapped.
+std::set<uint64_t> g_registered;
+std::set<uint64_t> g_abandoned;  // registered arenas a DMA may still write (note_dma_abandoned)
+
+// Forgets `arena`'s registration; true when it was ours (then the caller
+// unregisters the range).
+bool forget_registration(Arena& arena, bool* abandoned = nullptr) {
+  std::lock_guard<std::mutex> g(g_reg_mu);
+  if (!g_registered.erase(arena.serial())) return false;
+  bool a = g_abandoned.erase(arena.serial()) > 0;
+  if (abandoned) *abandoned = a;
+  arena.cuda_registered = false;
+  arena.release_registration = nullptr;
+  return true;
+}
+
+// Arena::release_registration: ~Arena, right before the unmap. It may run on
+// any thread (the completion thread drops its arena reference, Python drops
+// the last one) and at interpreter exit, when the runtime may be unloading:
+// nothing to report to, the mapping goes anyway.
+void release_on_unmap(Arena& arena) noexcept {
+  bool abandoned = false;
+  if (!forget_registration(arena, &abandoned)) return;
+  if (abandoned) return;  // see note_dma_abandoned()
+  CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});
+  if (cudaHostUnregister(arena.base()) != cudaSuccess) (void)cudaGetLastError();
+}
 
 std::string cuda_err(cudaError_t st) {
   std::ostringstream os;
@@ -34,8 +62,12 @@ std::string cuda_err(cudaError_t st) {
 
 thread_local std::string t_alloc_error;
 
+// Both run on the arena preparer thread as well as the trainer's: relaxed
+// capture mode, so a graph capture running meanwhile is not invalidated.
 void* pinned_alloc(uint64_t bytes) {
   void* p = nullptr;
+  // Not throwing: an unusable runtime is reported by cudaHostAlloc's own error below.
+  CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});
   cudaError_t st = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
   if (st != cudaSuccess) {
     (void)cudaGetLastError();
@@ -48,7 +80,10 @@ void* pinned_alloc(uint64_t bytes) {
 }
 
 void pinned_free(void* p) {
-  if (p) (void)cudaFreeHost(p);  // at exit the runtime may be gone: nothing to report to
+  if (!p) return;
+  CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});
+  // At exit the runtime may be gone: nothing to report to.
+  if (cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
 }
 
 }  // namespace
@@ -74,6 +109,9 @@ RegisterResult register_arena(Arena& arena, int device) {
     return r;
   }
   unsigned flags = cudaHostRegisterPortable | (can_map ? cudaHostRegisterMapped : 0u);
+  // The arena preparer registers on its own thread while the trainer may be
+  // capturing a CUDA graph: in Global mode this call would invalidate it.
+  CaptureModeGuard relaxed;
   int prev = -1;
   CUDASNAP_CUDA_CHECK(cudaGetDevice(&prev));
   if (prev != device) CUDASNAP_CUDA_CHECK(cudaSetDevice(device));
@@ -91,19 +129,22 @@ RegisterResult register_arena(Arena& arena, int device) {
   }
   {
     std::lock_guard<std::mutex> g(g_reg_mu);
-    g_registered.insert(arena.base());
+    g_registered.insert(arena.serial());
+    arena.release_registration = &release_on_unmap;  // ~Arena unregisters first
+    arena.cuda_registered = true;
   }
-  arena.cuda_registered = true;
   r.ok = true;
   return r;
 }
 
+void note_dma_abandoned(Arena& arena) noexcept {
+  std::lock_guard<std::mutex> g(g_reg_mu);
+  if (g_registered.count(arena.serial())) g_abandoned.insert(arena.serial());
+}
+
 void unregister_arena(Arena& arena) {
-  {
-    std::lock_guard<std::mutex> g(g_reg_mu);
-    if (!g_registered.erase(arena.base())) return;  // not ours (e.g. a private pinned arena)
-  }
-  arena.cuda_registered = false;
+  if (!forget_registration(arena)) return;  // not ours (e.g. a private pinned arena)
+  CaptureModeGuard relaxed;
   CUDASNAP_CUDA_CHECK(cudaHostUnregister(arena.base()));
 }
 

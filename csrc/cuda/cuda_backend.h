@@ -24,16 +24,26 @@ struct RegisterResult {
 };
 
 // Page-locks the whole arena with one cudaHostRegister(Portable | Mapped) on
-// `device` (< 0: the current device) and sets arena.cuda_registered. Returns
+// `device` (< 0: the current device) and sets arena.cuda_registered and
+// arena.release_registration (~Arena unregisters before it unmaps). Returns
 // false and a reason when the device or the system refuses (no
 // cudaDevAttrHostRegisterSupported, memlock limit, read-only arena); throws
-// CudaError when the CUDA runtime itself is unusable.
+// CudaError when the CUDA runtime itself is unusable. Registrations are kept
+// by Arena::serial(), never by address. Relaxed capture mode (capture_mode.h):
+// safe on any thread while another captures a CUDA graph.
 RegisterResult register_arena(Arena& arena, int device);
-// Undoes register_arena (a no-op for arenas it did not register). Call before
-// the arena is unmapped.
+// Undoes register_arena now (a no-op for arenas it did not register); without
+// it ~Arena does. Relaxed capture mode, as register_arena.
 void unregister_arena(Arena& arena);
+// A copy engine gave up on a DMA into `arena` that may still run (hung or
+// lost GPU, abandoned at shutdown): ~Arena then leaves the registration in
+// place instead of unregistering, so the pages the DMA may still write stay
+// locked (and cudaHostUnregister cannot block on the device). An explicit
+// unregister_arena() still unregisters: the caller decided.
+void note_dma_abandoned(Arena& arena) noexcept;
 // A process-private staging arena in cudaHostAlloc'd pinned memory (the
 // fallback when register_arena fails). It does not outlive the process.
+// cudaHostAlloc / cudaFreeHost run in relaxed capture mode.
 std::shared_ptr<Arena> create_private_pinned_arena(int num_slots, uint64_t data_capacity,
                                                    uint64_t meta_capacity, uint64_t chunk_bytes,
                                                    const std::string& job);

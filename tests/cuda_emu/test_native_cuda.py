@@ -1,0 +1,314 @@
+"""The CUDA bindings of cudasnap._C under the emulated CUDA runtime (issue 21 items 1, 6, 7, 9).
+
+* item 1: every CUDA binding runs (most release the GIL: a Python object made or
+  dropped there crashed the first registration);
+* item 6: a CUDA graph capture on the trainer's thread stays valid while a
+  snapshot copy is in flight (the completion thread polls events) and while the
+  arena is registered / pinned memory allocated on another thread;
+* item 7: a boundary while the compute stream captures, or while a blocking
+  stream captures (the legacy stream reports cudaErrorStreamCaptureImplicit),
+  is skipped and counted, never raised;
+* item 9: an arena dropped while registered is unregistered before it is
+  unmapped, so a new arena mapped at the same address registers.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cudasnap import _C
+
+CHUNK = 1 << 16
+COPY_DELAY_US = 300_000  # the snapshot copy stays in flight this long
+
+
+def make_arena(path: Path, data: int = 1 << 20, prefault: bool = True) -> Any:
+    return _C.Arena.create(str(path), 2, data, 1 << 16, CHUNK, "native-cuda", prefault)
+
+
+def device_bytes(n: int, key: int) -> torch.Tensor:
+    """A CUDA uint8 tensor with a known pattern (set by a host-to-device copy)."""
+    t = torch.empty(n, dtype=torch.uint8, device="cuda")
+    t.copy_((torch.arange(n, dtype=torch.int64) * 7 + key) % 251)
+    return t
+
+
+def make_snap(env: Any, **kw: Any) -> tuple[Any, torch.nn.Module]:
+    import cudasnap
+
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snap = cudasnap.Snapshotter(model, opt, directory=env.dir, job=env.job, health=False, **kw)
+    snap.boundary(0)
+    assert snap.wait(timeout=60), "the first snapshot did not complete"
+    assert snap._cuda is not None and snap._arena is not None
+    return snap, model
+
+
+def capture_copy(body: Any = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """Captures ``static.copy_(src)`` on a side stream in torch's default (global)
+    capture mode, running ``body()`` inside the capture; returns (graph, static, src).
+    Raises when the capture was invalidated."""
+    static = torch.empty(256, device="cuda")
+    src = torch.empty(256, device="cuda")
+    src.copy_(torch.arange(256, dtype=torch.float32))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    # capture_begin/capture_end directly: torch.cuda.graph's __enter__ synchronizes
+    # the device, which would wait for the snapshot copy this test keeps in flight.
+    with torch.cuda.stream(side):
+        g.capture_begin()
+        try:
+            static.copy_(src)
+            if body is not None:
+                body()
+        finally:
+            g.capture_end()
+    return g, static, src
+
+
+def replay_checks(g: torch.cuda.CUDAGraph, static: torch.Tensor, src: torch.Tensor) -> None:
+    static.copy_(torch.zeros(256))
+    src.copy_(torch.arange(256, dtype=torch.float32) * 3)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.cpu(), torch.arange(256, dtype=torch.float32) * 3)
+
+
+# ------------------------------------------------------------------- item 1
+def test_every_cuda_binding_runs(emu: Any, snap_env: Any) -> None:
+    assert _C.cuda_device_count() == 1
+    torch.cuda.init()
+    eng = _C.CudaCopyEngine(0, 2)
+    try:
+        assert (eng.device, eng.crc_threads, eng.gather_small, eng.gather_max_bytes) == (
+            0, 2, False, 64 * 1024)
+        assert eng.busy is False and eng.hung is False and eng.copy_stream != 0
+        eng.set_test_copy_delay_us(2000)
+
+        path = snap_env.scratch_arena("bind")
+        arena = make_arena(path)
+        pinned_before = emu.counter("pinned_ranges")
+        assert _C.register_arena(arena, 0) == (True, "")
+        assert arena.cuda_registered and emu.is_pinned(arena.data_ptr(0), 1)
+        assert _C.register_arena(arena) == (True, "already registered")
+
+        # a copy through the engine: submit, fence, wait (each releases the GIL)
+        x = device_bytes(3 * CHUNK + 123, 5)
+        plan = _C.build_plan([x.data_ptr()], [x.numel()], [1], [False], CHUNK)
+        job = eng.submit(arena, 0, plan, 7, b'{"m":1}', 0, None)
+        assert eng.fence(job, 1, 0) is True
+        assert job.wait(1, 60) and not job.failed, job.error
+        assert eng.last_memcpy_calls == 1 and eng.last_gathered == 0
+        info = arena.slot_info(0)
+        assert info["valid"] and info["step"] == 7
+        assert bytes(arena.data_view(0, x.numel())) == bytes(x.cpu().numpy().tobytes())
+        deadline = time.monotonic() + 30  # busy turns false just after the job completes
+        while eng.busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert eng.busy is False
+
+        _C.unregister_arena(arena)
+        assert not arena.cuda_registered and not emu.is_pinned(arena.data_ptr(0), 1)
+        assert emu.counter("pinned_ranges") == pinned_before
+        _C.unregister_arena(arena)  # not registered (any more): a no-op
+
+        # item 1's reproduction: a read-only arena is refused with a reason, no crash
+        ro = _C.Arena.open(str(path), False)
+        ok, reason = _C.register_arena(ro, 0)
+        assert ok is False and "read-only" in reason
+
+        priv = _C.create_private_pinned_arena(2, 1 << 20, 1 << 16, CHUNK, "native-cuda")
+        assert priv.cuda_registered and not priv.shared and emu.is_pinned(priv.data_ptr(0), 1)
+        _C.unregister_arena(priv)  # not registered by register_arena: a no-op
+        assert priv.cuda_registered and emu.is_pinned(priv.data_ptr(0), 1)
+        addr = priv.data_ptr(0)
+        del priv  # cudaFreeHost
+        assert not emu.is_pinned(addr, 1)
+
+        reg = _C.attach_allocator_tracker(16384)
+        assert _C.attached_allocator_registry() is reg
+        assert reg.healthy
+    finally:
+        assert eng.shutdown(60)
+
+
+# ------------------------------------------------------------------- item 6
+def test_capture_while_a_snapshot_copy_is_in_flight(emu: Any, snap_env: Any) -> None:
+    snap, _ = make_snap(snap_env)
+    try:
+        snapshots = snap.stats()["snapshots"]
+        snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
+        snap.boundary(1)
+        assert snap._cuda.engine.busy, "the snapshot copy should be in flight"
+        # The completion thread polls the copy's events all through this capture.
+        g, static, src = capture_copy(lambda: time.sleep(0.1))
+        assert snap._cuda.engine.busy, "the copy should have been in flight during the capture"
+        replay_checks(g, static, src)
+        assert snap.wait(timeout=60), "the snapshot copy did not complete"
+        assert snap.stats()["snapshots"] == snapshots + 1
+        assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 1
+    finally:
+        snap._cuda.engine.set_test_copy_delay_us(0)
+        snap.close()
+
+
+def test_capture_while_another_thread_registers_and_pins(emu: Any, snap_env: Any) -> None:
+    arena = make_arena(snap_env.scratch_arena("prep"))
+    dropped = make_arena(snap_env.scratch_arena("drop"))
+    results: dict[str, Any] = {}
+
+    def preparer() -> None:  # what the background arena preparer does, on its own thread
+        nonlocal dropped
+        try:
+            results["register"] = _C.register_arena(arena, 0)
+            priv = _C.create_private_pinned_arena(2, 1 << 20, 1 << 16, CHUNK, "native-cuda")
+            results["private"] = priv.cuda_registered
+            del priv  # cudaFreeHost
+            results["register_dropped"] = _C.register_arena(dropped, 0)
+            dropped = None  # ~Arena: cudaHostUnregister
+            _C.unregister_arena(arena)
+            results["done"] = True
+        except Exception as e:  # reported below
+            results["error"] = repr(e)
+
+    def body() -> None:
+        t = threading.Thread(target=preparer)
+        t.start()
+        t.join(60)
+
+    g, static, src = capture_copy(body)
+    assert results.get("done"), results
+    assert results["register"] == (True, "") and results["register_dropped"] == (True, "")
+    assert results["private"] is True
+    replay_checks(g, static, src)
+
+
+# ------------------------------------------------------------------- item 7
+class BlockingCapture:
+    """A blocking (flags 0) stream capturing in ``mode`` (0 global, 1 thread-local),
+    made through the runtime's C API: torch's streams are all non-blocking."""
+
+    def __init__(self, lib: Any, mode: int) -> None:
+        self.lib, self.mode = lib, mode
+        self.stream = ctypes.c_void_p()
+        self.graph = ctypes.c_void_p()
+        self.end_rc: int | None = None
+
+    def __enter__(self) -> BlockingCapture:
+        assert self.lib.cudaStreamCreate(ctypes.byref(self.stream)) == 0
+        assert self.lib.cudaStreamBeginCapture(self.stream, ctypes.c_int(self.mode)) == 0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.end_rc = int(self.lib.cudaStreamEndCapture(self.stream, ctypes.byref(self.graph)))
+        self.lib.cudaStreamDestroy(self.stream)
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["global", "thread_local"])
+def test_engine_while_a_blocking_stream_captures(emu: Any, snap_env: Any, mode: int) -> None:
+    """submit on the legacy stream (cudaErrorStreamCaptureImplicit) is refused with a
+    StagingError, never a CudaError; a fence there waits on the host."""
+    from cudasnap.errors import StagingError
+
+    torch.cuda.init()
+    eng = _C.CudaCopyEngine(0, 1)
+    arena = make_arena(snap_env.scratch_arena("implicit"))
+    try:
+        assert _C.register_arena(arena, 0)[0]
+        x = device_bytes(2 * CHUNK, 9)
+        plan = _C.build_plan([x.data_ptr()], [x.numel()], [1], [False], CHUNK)
+        eng.set_test_copy_delay_us(50_000)
+        job = eng.submit(arena, 0, plan, 1, b"{}", 0, None)
+        with BlockingCapture(emu.lib, mode) as cap:
+            assert eng.fence(job, 1, 0) is True  # a host wait: nothing joins the capture
+            assert job.done(1) and not job.failed
+            with pytest.raises(StagingError, match="another \\(blocking\\) stream"):
+                eng.submit(arena, 1, plan, 2, b"{}", 0, None)
+        assert cap.end_rc == 0, f"the capture was invalidated (cudaStreamEndCapture: {cap.end_rc})"
+        assert arena.slot_info(1)["state"] == "EMPTY"  # never begun
+        eng.set_test_copy_delay_us(0)
+        job = eng.submit(arena, 1, plan, 2, b"{}", 0, None)  # capture over: copies again
+        assert job.wait(1, 60) and not job.failed
+    finally:
+        assert eng.shutdown(60)
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["global", "thread_local"])
+def test_boundary_while_a_blocking_stream_captures_is_skipped(
+        emu: Any, snap_env: Any, mode: int, caplog: Any) -> None:
+    lib = emu.lib
+    # Without the "cuda" RNG source: torch.cuda.get_rng_state_all() itself raises
+    # cudaErrorStreamCaptureImplicit while a blocking stream captures (cudasnap/core
+    # reads it in boundary(); not this test's subject).
+    snap, _ = make_snap(snap_env, rng_sources=("torch", "numpy", "python"))
+    stream = ctypes.c_void_p()
+    graph = ctypes.c_void_p()
+    try:
+        assert lib.cudaStreamCreate(ctypes.byref(stream)) == 0  # blocking (flags 0)
+        st = snap.stats()
+        assert lib.cudaStreamBeginCapture(stream, ctypes.c_int(mode)) == 0
+        try:
+            # the compute stream is the legacy stream: it reports
+            # cudaErrorStreamCaptureImplicit while `stream` captures
+            snap.boundary(1)
+        finally:
+            rc = lib.cudaStreamEndCapture(stream, ctypes.byref(graph))
+        assert rc == 0, f"the capture was invalidated (cudaStreamEndCapture: {rc})"
+        after = snap.stats()
+        assert after["skipped"] == st["skipped"] + 1
+        assert after["snapshots"] == st["snapshots"]
+        assert "capturing a CUDA graph" in caplog.text
+        snap.boundary(2)  # capture over: snapshots again
+        assert snap.wait(timeout=60)
+        assert snap.stats()["snapshots"] == st["snapshots"] + 1
+    finally:
+        snap.close()
+        if stream.value:
+            lib.cudaStreamDestroy(stream)
+
+
+def test_boundary_inside_a_capture_is_skipped(emu: Any, snap_env: Any, caplog: Any) -> None:
+    snap, _ = make_snap(snap_env)
+    try:
+        st = snap.stats()
+        g, static, src = capture_copy(lambda: snap.boundary(1))
+        after = snap.stats()
+        assert after["skipped"] == st["skipped"] + 1
+        assert after["snapshots"] == st["snapshots"]
+        assert "the compute stream is capturing a CUDA graph" in caplog.text
+        replay_checks(g, static, src)
+        snap.boundary(2)
+        assert snap.wait(timeout=60)
+        assert snap.stats()["snapshots"] == st["snapshots"] + 1
+    finally:
+        snap.close()
+
+
+# ------------------------------------------------------------------- item 9
+def test_arena_dropped_while_registered_is_unregistered(emu: Any, snap_env: Any) -> None:
+    base = emu.counter("pinned_ranges")
+    seen: set[int] = set()
+    repeats = 0
+    for i in range(32):
+        path = snap_env.scratch_arena(f"reuse{i}")
+        a = make_arena(path, data=4 << 20)
+        addr = a.data_ptr(0)
+        ok, reason = _C.register_arena(a, 0)
+        # a range left registered by a dropped arena: cudaErrorHostMemoryAlreadyRegistered
+        assert ok, f"arena {i} at 0x{addr:x} (an address used before: {addr in seen}): {reason}"
+        repeats += addr in seen
+        seen.add(addr)
+        a.unlink()
+        del a  # the last reference: ~Arena unregisters, then unmaps
+        if repeats >= 2:
+            break
+    assert repeats >= 2, "no arena was mapped at a reused address: the test proves nothing"
+    assert emu.counter("pinned_ranges") == base, "a dropped arena is still registered"
