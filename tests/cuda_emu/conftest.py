@@ -40,6 +40,21 @@ class Emu:
         captures, or the call count of an API (``cudaMemcpyAsync``)."""
         return int(self._counter(name.encode()))
 
+    def stream_id(self, stream: int) -> int:
+        """cudaStreamGetId of a raw stream handle (``torch.cuda.Stream.cuda_stream``)."""
+        sid = ctypes.c_ulonglong()
+        fn = self.lib.cudaStreamGetId
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+        assert fn(stream, ctypes.byref(sid)) == 0
+        return int(sid.value)
+
+    def hold(self, stream: int) -> None:
+        """The stream runs nothing more until :meth:`release` (deterministic "in flight")."""
+        self.fault(f"hold:{self.stream_id(stream)}")
+
+    def release(self) -> None:
+        self.fault("release")
+
     def is_pinned(self, addr: int, nbytes: int) -> bool:
         return bool(self._pinned(addr, nbytes))
 

@@ -95,13 +95,18 @@ def test_event_orders_one_stream_behind_another(emu: Any) -> None:
     dst, dst_buf = halloc(n)
     dev = dmalloc(n)
     ctypes.memset(src, 0x5A, n)
-    emu.fault("copy_delay_us:50000")
     ev = event()
-    assert rt.cudaMemcpyAsync(dev, src, n, H2D, a) == SUCCESS  # slow, on stream a
-    assert rt.cudaEventRecord(ev, a) == SUCCESS
-    assert rt.cudaEventQuery(ev) == NOT_READY  # pinned: the call returned before the copy
-    assert rt.cudaStreamWaitEvent(b, ev, 0) == SUCCESS
-    assert rt.cudaMemcpyAsync(dst, dev, n, D2H, b) == SUCCESS  # must wait for a's copy
+    emu.hold(a.value)  # a's copy stays queued until released: deterministically in flight
+    try:
+        assert rt.cudaMemcpyAsync(dev, src, n, H2D, a) == SUCCESS
+        assert rt.cudaEventRecord(ev, a) == SUCCESS
+        assert rt.cudaEventQuery(ev) == NOT_READY  # pinned: the call returned before the copy
+        assert rt.cudaStreamWaitEvent(b, ev, 0) == SUCCESS
+        assert rt.cudaMemcpyAsync(dst, dev, n, D2H, b) == SUCCESS  # must wait for a's copy
+        time.sleep(0.05)
+        assert dst_buf[0] == 0  # b is waiting, not copying
+    finally:
+        emu.release()
     assert rt.cudaStreamSynchronize(b) == SUCCESS
     assert rt.cudaEventQuery(ev) == SUCCESS
     assert bytes(dst_buf[:4]) == b"\x5a" * 4 and dst_buf[n - 1] == 0x5A
@@ -117,12 +122,14 @@ def test_without_the_wait_the_second_stream_runs_ahead(emu: Any) -> None:
     dev = dmalloc(n)
     ctypes.memset(dev, 0, n)  # emulated device memory is host memory
     ctypes.memset(src, 0x5A, n)
-    emu.fault("copy_delay_us:50000")
-    assert rt.cudaMemcpyAsync(dev, src, n, H2D, a) == SUCCESS
-    emu.fault("copy_delay_us:0")
-    assert rt.cudaMemcpyAsync(dst, dev, n, D2H, b) == SUCCESS
-    assert rt.cudaStreamSynchronize(b) == SUCCESS
-    assert dst_buf[0] == 0  # b did not wait for a
+    emu.hold(a.value)
+    try:
+        assert rt.cudaMemcpyAsync(dev, src, n, H2D, a) == SUCCESS
+        assert rt.cudaMemcpyAsync(dst, dev, n, D2H, b) == SUCCESS
+        assert rt.cudaStreamSynchronize(b) == SUCCESS
+        assert dst_buf[0] == 0  # b did not wait for a
+    finally:
+        emu.release()
     assert rt.cudaStreamSynchronize(a) == SUCCESS
 
 

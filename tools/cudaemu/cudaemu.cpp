@@ -37,6 +37,8 @@
 //     host_alloc:ERR         cudaHostAlloc/cudaMallocHost fail with ERR
 //     copy_delay_us:N        each copy issued from now on sleeps N microseconds on
 //                            its stream before it copies
+//     hold:ID / release      the stream with id ID (cudaStreamGetId) runs nothing
+//                            more until released (deterministic "still copying")
 //     mem_mb:N               device memory size (also CUDAEMU_MEM_MB)
 //     nvml_*                 NVML faults (Xid, ECC, GPU lost, ...): see nvml.cpp
 // CUDAEMU_DEVICES sets the device count (default 1); CUDAEMU_TRACE=1 logs
@@ -133,6 +135,7 @@ struct Fault {
   int host_register_err = 0;
   int host_alloc_err = 0;
   uint64_t copy_delay_us = 0;
+  unsigned long long hold = 0;  // stream id whose queue does not advance (0: none)
 };
 
 struct Emu {
@@ -204,11 +207,18 @@ void apply_fault(Emu& e, const std::string& specs) {
       e.fault.host_alloc_err = atoi(val.c_str());
     } else if (key == "copy_delay_us") {
       e.fault.copy_delay_us = strtoull(val.c_str(), nullptr, 10);
+    } else if (key == "hold") {
+      e.fault.hold = strtoull(val.c_str(), nullptr, 0);
+      e.cv.notify_all();
+    } else if (key == "release") {
+      e.fault.hold = 0;
+      e.cv.notify_all();
     } else if (key == "mem_mb") {
       e.mem_total = strtoull(val.c_str(), nullptr, 10) << 20;
     } else if (key == "clear") {
       e.fault = Fault{};
       e.sticky.store(0);
+      e.cv.notify_all();
       cudaemu_nvml_fault("nvml_clear", "");
     } else if (key.rfind("nvml_", 0) == 0 && cudaemu_nvml_fault(key, val)) {
     } else {
@@ -279,7 +289,7 @@ void worker_loop(Stream* s) {
   Emu& e = emu();
   std::unique_lock<std::mutex> lk(e.mu);
   for (;;) {
-    e.cv.wait(lk, [&] { return !s->q.empty(); });
+    e.cv.wait(lk, [&] { return !s->q.empty() && e.fault.hold != s->id; });
     Op op = std::move(s->q.front());
     s->q.pop_front();
     if (op.wait_on) {
