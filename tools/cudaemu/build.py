@@ -20,6 +20,7 @@ runtime (the torch wheel's nvidia/cu13/lib, else $CUDA_HOME/lib64), read with nm
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import re
@@ -114,6 +115,9 @@ def main() -> int:
     # cudaemu_* (the test control API) shares the runtime's version node.
     vscript = f"{version} {{\n  global:\n    cu*;\n    __cuda*;\n    nvml*;\n  local:\n    *;\n}};\n"
     key = hashlib.sha256((src.read_text() + nvml_src.read_text() + stubs + vscript + home).encode()).hexdigest()[:16]
+    # One build at a time per folder (two `make test` side by side share it).
+    lock = open(out / ".build.lock", "w")  # noqa: SIM115 - held until the process exits
+    fcntl.flock(lock, fcntl.LOCK_EX)
     so = out / "libcudaemu.so"
     stamp = out / "libcudaemu.key"
     if so.exists() and stamp.exists() and stamp.read_text() == key:
