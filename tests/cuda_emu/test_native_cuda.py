@@ -25,7 +25,7 @@ import torch
 from cudasnap import _C
 
 CHUNK = 1 << 16
-COPY_DELAY_US = 300_000  # the snapshot copy stays in flight this long
+COPY_DELAY_US = 1_000_000  # the snapshot copy stays in flight this long
 
 
 def make_arena(path: Path, data: int = 1 << 20, prefault: bool = True) -> Any:
