@@ -144,6 +144,19 @@ def train_step(model: nn.Module, opt: Any, i: int, device: str = "cuda") -> None
     opt.zero_grad(set_to_none=True)
 
 
+def accept_fallback(reason: str | None) -> bool:
+    """True when the shared-memory arena could not be page-locked (gVisor and some VMs
+    refuse cudaHostRegister of a MAP_SHARED /dev/shm mapping; issue 21 item 10): cudasnap
+    then uses a process-private pinned arena. Allowed, and reported as a warning (in
+    pytest's summary) with the reason; the caller skips what needs the shared arena."""
+    if not reason:
+        return False
+    msg = f"staging arena is process-private (cudaHostRegister refused): {reason}"
+    print(msg)
+    warnings.warn(msg, stacklevel=2)
+    return True
+
+
 def make_snap(model: nn.Module, opt: Any, directory: Path, job: str, **kw: Any) -> Any:
     """A Snapshotter whose staging arena is ready: the state is over
     CUDASNAP_ARENA_SYNC_MAX_BYTES, so the arena is made in the background and a boundary
@@ -398,8 +411,8 @@ def test_snapshot_equals_sync_clone_while_training_writes(cuda_snap, fused):
     st = snap.stats()
     assert st["backend"] == "cuda" and st["snapshots"] == 6 and st["skipped"] == 0, st
     assert st["last_copy_gbps"] and st["last_copy_gbps"] > 0, st
-    assert snap._cuda.fallback_reason is None, snap._cuda.fallback_reason  # shm arena pinned
-    assert snap._arena.cuda_registered
+    assert st["staging"]["page_locked"], st["staging"]  # shared + registered, or private pinned
+    assert snap._arena.shared or accept_fallback(snap._cuda.fallback_reason), st["staging"]
 
 
 @gpu
@@ -421,8 +434,11 @@ def test_kill9_child_leaves_complete_slot_a_new_process_restores(snap_env):
                   "--out", ref)
     assert p.returncode == -signal.SIGKILL, (p.returncode, p.stdout, p.stderr)
     info = last_json(p)
-    assert info["backend"] == "cuda" and info["private_arena_reason"] is None, info
+    assert info["backend"] == "cuda", info
     arena_path = snap_env.arena_path()
+    if accept_fallback(info["private_arena_reason"]):  # a private arena dies with its process
+        assert not arena_path.exists(), info
+        return
     assert arena_path.exists() and str(arena_path) == info["arena"], info
     arena = _C.Arena.open(str(arena_path), False)
     slot = arena.newest_complete()
@@ -456,7 +472,7 @@ def test_snapshot_rollback_coverage_with_expandable_segments(snap_env, expandabl
     assert p.returncode == 0, (p.stdout, p.stderr)
     r = last_json(p)
     assert r["ok"] and r["expandable"] == expandable and r["checked"] == 4, r
-    assert r["private_arena_reason"] is None, r
+    accept_fallback(r["private_arena_reason"])
     assert r["tracking"], f"allocator tracking unavailable: {r['tracker_error']}"
     assert r["any_expandable_segment"] == expandable, r
     assert r["uncovered_bytes"] >= r["ema_bytes"] and r["ema_listed"], r
@@ -568,8 +584,7 @@ def check_regrowth(snap: Any, model: nn.Module, opt: Any, directory: Path, devic
         assert snap._cuda.stats()["registered_arenas"] == 1
         stg = st["staging"]
         assert stg["page_locked"], stg
-        if stg["fallback_reason"]:  # gVisor & co. may refuse to register /dev/shm: allowed
-            print(f"staging arena is process-private: {stg['fallback_reason']}")
+        accept_fallback(stg["fallback_reason"])
 
 
 @gpu

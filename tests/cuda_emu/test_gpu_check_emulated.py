@@ -77,6 +77,26 @@ def test_preflight_accepts_a_refused_register_and_prints_why(emu: Any) -> None:
     assert "restored bit for bit" in facts(out)["snapshot"], out
 
 
+def test_preflight_fails_when_its_snapshot_is_skipped(emu: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control (issue 21 item 5: the old preflight passed with boundary(1)
+    skipped and flush() returning None): with the arena held back and arena_ready()
+    lying, the preflight must fail, saying why."""
+    import cudasnap
+    from cudasnap.core import arena_prep
+
+    gate = threading.Event()
+    monkeypatch.setattr(arena_prep, "test_gate", gate)
+    monkeypatch.setattr(cudasnap.Snapshotter, "arena_ready", lambda self, timeout=None: True)
+    try:
+        rc, out = run_preflight()
+    finally:
+        gate.set()
+    assert rc == 1, out
+    assert "preflight FAILED: boundary(1) made no snapshot" in out, out
+    assert "skipped_not_ready 1" in out, out
+
+
 def params_module(n: int, numel: int) -> torch.nn.Module:
     m = torch.nn.Module()
     m.p = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(numel, device="cuda"))
