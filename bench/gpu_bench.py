@@ -990,7 +990,9 @@ def preflight(device: str = "cuda", timeout: float = 60.0) -> int:
         print(f"fact {k}: {v}", flush=True)
 
     du = shutil.disk_usage("/dev/shm")
-    fact("/dev/shm", f"{du.total / GiB:.1f} GiB, {du.free / GiB:.1f} GiB free")
+    small = (" (SMALL: arenas need 2-3x the state; bench sections that do not fit are "
+             "skipped)" if du.free < 2 * GiB else "")
+    fact("/dev/shm", f"{du.total / GiB:.1f} GiB, {du.free / GiB:.1f} GiB free{small}")
     try:
         fact("MADV_POPULATE_WRITE", madv_populate_write())
     except OSError as e:

@@ -282,10 +282,16 @@ def test_bench_compiles_and_helps_without_gpu(tmp_path):
     py_compile.compile(str(BENCH), cfile=str(tmp_path / "gpu_bench.pyc"), doraise=True)
     p = run([sys.executable, str(BENCH), "--help"])
     assert p.returncode == 0, p.stderr
-    for flag in ("--budget", "--sections", "--quick", "--out", "--cpu-smoke"):
+    for flag in ("--budget", "--sections", "--quick", "--out", "--cpu-smoke", "--emulated",
+                 "--preflight"):
         assert flag in p.stdout, flag
     p = run([sys.executable, str(BENCH), "--sections", "a,x"])
     assert p.returncode == 2 and "unknown section" in p.stderr, p.stderr
+    p = run([sys.executable, str(BENCH), "--emulated", "--cpu-smoke"])
+    assert p.returncode == 2 and "exclude each other" in p.stderr, p.stderr
+    # --emulated without the emulator loaded (here: no device at all) is an error, not a skip
+    p = run([sys.executable, str(BENCH), "--emulated", "--out", str(tmp_path)], timeout=120)
+    assert p.returncode == 1 and "tools/cudaemu/run.sh" in p.stdout, (p.stdout, p.stderr)
 
 
 def test_bench_without_gpu_exits_0_with_skip_message(tmp_path):

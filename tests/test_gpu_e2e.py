@@ -599,6 +599,7 @@ def test_arena_regrowth_unregisters_the_old_arena_and_keeps_its_snapshot(snap_en
         snap.close()
 
 
+@pytest.mark.slow
 def test_arena_regrowth_on_the_cpu_equivalent(snap_env):
     """The same on the CPU backend (no GPU needed): exactly one regrowth."""
     model, opt = build(device="cpu", lazy=True)
