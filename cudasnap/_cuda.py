@@ -236,6 +236,22 @@ class CudaBackend:
 
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
+    def capturing(self) -> bool:
+        """Whether this device's current stream is capturing a CUDA graph, counting the
+        legacy default stream while a blocking stream captures: its work would join that
+        capture, and torch calls that touch it raise cudaErrorStreamCaptureImplicit then
+        (``torch.cuda.get_rng_state_all()`` among them). A boundary that sees True skips
+        the snapshot; ``engine.submit`` refuses such a stream too (StagingError)."""
+        import torch
+
+        with torch.cuda.device(self.index):
+            try:
+                return bool(torch.cuda.is_current_stream_capturing())
+            except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
+                if "cudaErrorStreamCaptureImplicit" in str(e) or "capturing blocking stream" in str(e):
+                    return True  # torch's check cleared the (non-sticky) error
+                raise
+
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = {"device": self.index, "tracking": self.registry is not None,
                              "registered_arenas": len(self._arenas),

@@ -213,6 +213,29 @@ class BlockingCapture:
 
 
 @pytest.mark.parametrize("mode", [0, 1], ids=["global", "thread_local"])
+def test_backend_capturing_counts_the_implicit_case(emu: Any, snap_env: Any, mode: int) -> None:
+    """CudaBackend.capturing(): what a boundary can ask before it reads host state
+    (torch.cuda.get_rng_state_all() raises in the implicit case)."""
+    from cudasnap._cuda import CudaBackend
+
+    torch.cuda.init()
+    backend = CudaBackend(0, 1, track=False)
+    try:
+        assert backend.capturing() is False
+        with BlockingCapture(emu.lib, mode) as cap:
+            assert backend.capturing() is True  # legacy stream: cudaErrorStreamCaptureImplicit
+            assert backend.capturing() is True  # the error was cleared, the answer stays
+        assert cap.end_rc == 0, "asking invalidated the capture"
+        assert backend.capturing() is False
+        seen: list[bool] = []
+        capture_copy(lambda: seen.append(backend.capturing()))  # the current stream captures
+        assert seen == [True]
+        assert backend.capturing() is False
+    finally:
+        backend.close(30)
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["global", "thread_local"])
 def test_engine_while_a_blocking_stream_captures(emu: Any, snap_env: Any, mode: int) -> None:
     """submit on the legacy stream (cudaErrorStreamCaptureImplicit) is refused with a
     StagingError, never a CudaError; a fence there waits on the host."""
