@@ -112,7 +112,20 @@ class SubmitMixin(Fields):
                         "%.0f s", step, self.wait_timeout_s)
             return
         lay = self._current_layout()
-        if self._submit_copy(lay, step, self._host_suffix(step)) is not None:
+        try:
+            suffix = self._host_suffix(step)
+        except RuntimeError:
+            # While a blocking stream captures a CUDA graph, torch's reads of the CUDA
+            # RNG state raise cudaErrorStreamCaptureImplicit (the legacy stream would
+            # join the capture): skip this step, as submit does for a capturing stream.
+            if self._cuda is None or not self._cuda.capturing():
+                raise
+            self._stats["skipped"] += 1
+            log.warning("step %d not snapshotted: a stream is capturing a CUDA graph (the "
+                        "CUDA RNG state cannot be read meanwhile); call boundary() outside "
+                        "graph capture", step)
+            return
+        if self._submit_copy(lay, step, suffix) is not None:
             self._record_ns(t0)
 
     def _host_suffix(self, step: int) -> list[bytes]:

@@ -145,18 +145,21 @@ def test_capture_while_a_snapshot_copy_is_in_flight(emu: Any, snap_env: Any) -> 
     snap, _ = make_snap(snap_env)
     try:
         snapshots = snap.stats()["snapshots"]
-        snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
-        snap.boundary(1)
-        assert snap._cuda.engine.busy, "the snapshot copy should be in flight"
-        # The completion thread polls the copy's events all through this capture.
-        g, static, src = capture_copy(lambda: time.sleep(0.1))
-        assert snap._cuda.engine.busy, "the copy should have been in flight during the capture"
+        # The copy stream runs nothing until released: the copy is in flight, and the
+        # completion thread polls its events all through the capture, whatever the load.
+        emu.hold(snap._cuda.engine.copy_stream)
+        try:
+            snap.boundary(1)
+            assert snap._cuda.engine.busy, "the snapshot copy should be in flight"
+            g, static, src = capture_copy(lambda: time.sleep(0.1))
+            assert snap._cuda.engine.busy, "the copy should have been in flight during the capture"
+        finally:
+            emu.release()
         replay_checks(g, static, src)
         assert snap.wait(timeout=60), "the snapshot copy did not complete"
         assert snap.stats()["snapshots"] == snapshots + 1
         assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 1
     finally:
-        snap._cuda.engine.set_test_copy_delay_us(0)
         snap.close()
 
 
@@ -268,10 +271,10 @@ def test_engine_while_a_blocking_stream_captures(emu: Any, snap_env: Any, mode: 
 def test_boundary_while_a_blocking_stream_captures_is_skipped(
         emu: Any, snap_env: Any, mode: int, caplog: Any) -> None:
     lib = emu.lib
-    # Without the "cuda" RNG source: torch.cuda.get_rng_state_all() itself raises
-    # cudaErrorStreamCaptureImplicit while a blocking stream captures (cudasnap/core
-    # reads it in boundary(); not this test's subject).
-    snap, _ = make_snap(snap_env, rng_sources=("torch", "numpy", "python"))
+    # With the default RNG sources: torch.cuda.get_rng_state_all() itself raises
+    # cudaErrorStreamCaptureImplicit while a blocking stream captures; boundary() skips
+    # that step too (submit.py _snapshot), never raises.
+    snap, _ = make_snap(snap_env)
     stream = ctypes.c_void_p()
     graph = ctypes.c_void_p()
     try:
@@ -289,6 +292,7 @@ def test_boundary_while_a_blocking_stream_captures_is_skipped(
         assert after["skipped"] == st["skipped"] + 1
         assert after["snapshots"] == st["snapshots"]
         assert "capturing a CUDA graph" in caplog.text
+        assert snap.state.rng_sources and "cuda" in snap.state.rng_sources
         snap.boundary(2)  # capture over: snapshots again
         assert snap.wait(timeout=60)
         assert snap.stats()["snapshots"] == st["snapshots"] + 1
