@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 import warnings
 from typing import Any
 
@@ -110,20 +109,21 @@ def test_swapped_storage_stays_held_until_complete(emu, snap_env, how):
         olds = {lt.name: (StorageWeakRef(lt.tensor.untyped_storage()),
                           lt.tensor.untyped_storage().data_ptr())
                 for lt in snap.state.live_tensors()}
-        emu.fault("copy_delay_us:20000")
-        snap._cuda.engine.set_test_copy_delay_us(1_000_000)  # the copy starts 1 s late
-        snap.boundary(2)
-        assert snap._job is not None and not snap._job.done(1), "the copy is not in flight"
-        junk = _swap(model, opt, how)
-        assert not snap._job.done(1), "the copy finished before the swap: nothing checked"
-        now = {lt.name: lt.tensor.untyped_storage().data_ptr()
-               for lt in snap.state.live_tensors()}
-        swapped = [n for n in olds if now[n] != olds[n][1]]
-        assert len(swapped) == 2, swapped
-        freed = [n for n in swapped if olds[n][0].expired()]
-        reused = {x.data_ptr() for x in junk} & {olds[n][1] for n in swapped}
+        emu.hold(snap._cuda.engine.copy_stream)  # the copy waits until released
+        try:
+            snap.boundary(2)
+            assert snap._job is not None and not snap._job.done(1), "the copy is not in flight"
+            junk = _swap(model, opt, how)
+            assert not snap._job.done(1), "the copy finished before the swap: nothing checked"
+            now = {lt.name: lt.tensor.untyped_storage().data_ptr()
+                   for lt in snap.state.live_tensors()}
+            swapped = [n for n in olds if now[n] != olds[n][1]]
+            assert len(swapped) == 2, swapped
+            freed = [n for n in swapped if olds[n][0].expired()]
+            reused = {x.data_ptr() for x in junk} & {olds[n][1] for n in swapped}
+        finally:
+            emu.release()
         assert snap.wait(30)
-        emu.fault("clear")
         step, got = _slot_bytes(snap._arena, snap._arena.newest_complete())
         assert step == 2
         bad = sorted(n for n in want if got[n] != want[n])
@@ -131,7 +131,6 @@ def test_swapped_storage_stays_held_until_complete(emu, snap_env, how):
         # Held: nothing freed while the copy ran, so no new tensor took a planned block.
         assert freed == [] and not reused, (freed, reused)
         # COMPLETE: the old storages go once the layout that planned them is gone too.
-        snap._cuda.engine.set_test_copy_delay_us(0)
         snap.boundary(3)  # the swap is found: a new plan
         assert snap.wait(30)
         gc.collect()
@@ -148,24 +147,24 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
         assert snap.wait(30) and snap.arena_ready()
         eng = snap._cuda.engine
         eng.wait_timeout_s = 0.3
-        eng.set_test_copy_delay_us(2_500_000)  # longer than the completion wait: "hung"
-        snap.boundary(2)
-        w = model.weight
-        ref = StorageWeakRef(w.untyped_storage())
-        t0 = time.monotonic()
-        with pytest.raises(SnapshotError, match="did not complete"):
-            snap._job.wait(1, 30)
-        assert eng.hung, "the completion wait did not time out"
-        w.data = torch.empty_like(w)
-        snap.invalidate_layout()
-        assert snap.wait(30)  # retires the failed job
-        gc.collect()
-        assert time.monotonic() - t0 < 2.0, "the DMA already ran: the check proves nothing"
-        # Its DMA is still queued on the copy stream: the old storage must stay allocated.
-        assert not ref.expired(), "a failed job's storages were freed while its DMA is queued"
-        assert snap._draining
+        emu.hold(eng.copy_stream)  # the DMA stays queued past the completion wait: "hung"
+        try:
+            snap.boundary(2)
+            w = model.weight
+            ref = StorageWeakRef(w.untyped_storage())
+            with pytest.raises(SnapshotError, match="did not complete"):
+                snap._job.wait(1, 30)
+            assert eng.hung, "the completion wait did not time out"
+            w.data = torch.empty_like(w)
+            snap.invalidate_layout()
+            assert snap.wait(30)  # retires the failed job
+            gc.collect()
+            # Its DMA is still queued on the copy stream: the old storage must stay allocated.
+            assert not ref.expired(), "a failed job's storages were freed while its DMA is queued"
+            assert snap._draining
+        finally:
+            emu.release()
         # A later COMPLETE job runs after that DMA on the copy stream: then it may go.
-        eng.set_test_copy_delay_us(0)
         eng.wait_timeout_s = 30.0
         snap.boundary(3)
         assert snap.wait(30)
@@ -191,24 +190,26 @@ def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
         assert snap.wait(30) and snap.arena_ready()
         eng = snap._cuda.engine
         eng.wait_timeout_s = 0.3
-        eng.set_test_copy_delay_us(2_500_000)
-        snap.boundary(2)
-        w = model.weight
-        ref = StorageWeakRef(w.untyped_storage())
-        w.data = torch.empty_like(w)
-        snap.invalidate_layout()
-        before = len(fences._ABANDONED)
-        # The queued DMA still writes into the arena: keep it mapped (the emulator writes
-        # through the virtual address; a real GPU's registration keeps the pages pinned).
-        arena = snap._arena
-        snap.close(keep_arena=True)  # the job fails (hung), then the engine stops
-        closed = True
-        gc.collect()
-        assert eng.hung
-        assert len(fences._ABANDONED) == before + 1 and not ref.expired()
-        assert snap._draining == () and snap._job_layout is None
-        time.sleep(3.0)  # the DMA has run: let this test's layout and arena go
-        torch.cuda.synchronize()
+        emu.hold(eng.copy_stream)  # the DMA stays queued: the GPU is "hung"
+        try:
+            snap.boundary(2)
+            w = model.weight
+            ref = StorageWeakRef(w.untyped_storage())
+            w.data = torch.empty_like(w)
+            snap.invalidate_layout()
+            before = len(fences._ABANDONED)
+            # The queued DMA still writes into the arena: keep it mapped (the emulator writes
+            # through the virtual address; a real GPU's registration keeps the pages pinned).
+            arena = snap._arena
+            snap.close(keep_arena=True)  # the job fails (hung), then the engine stops
+            closed = True
+            gc.collect()
+            assert eng.hung
+            assert len(fences._ABANDONED) == before + 1 and not ref.expired()
+            assert snap._draining == () and snap._job_layout is None
+        finally:
+            emu.release()
+        torch.cuda.synchronize()  # the DMA has run: let this test's layout and arena go
         del fences._ABANDONED[before:]
         from cudasnap import _C
 
