@@ -42,6 +42,7 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers.slots import read_slot  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -180,27 +181,6 @@ def state_ptrs(snap: Any) -> dict[str, int]:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def read_slot(arena: Any, slot: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(slot info, name -> raw bytes) straight from the shared-memory slot (CRC-checked)."""
-    from cudasnap import _C
-
-    info = arena.slot_info(slot)
-    assert info["valid"] and info["state"] == "COMPLETE", info
-    n = int(info["data_bytes"])
-    assert _C.verify_buffer(arena.data_ptr(slot), n, arena.chunk_bytes, arena.read_table(slot),
-                            4) == -1, "a chunk of the slot fails its CRC32C"
-    meta = json.loads(arena.read_meta(slot))
-    with warnings.catch_warnings():  # a read-only arena gives a read-only buffer: we only read
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.frombuffer(arena.data_view(slot, n), dtype=torch.uint8) if n else None
-    out = {}
-    for e in meta["tensors"]:
-        off, nb = int(e["offset"]), int(e["nbytes"])
-        out[e["name"]] = data[off:off + nb].clone() if nb else torch.empty(0, dtype=torch.uint8)
-    info["meta_step"] = meta.get("step")
-    return info, out
 
 
 def diff_names(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:

@@ -22,12 +22,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for p in (str(REPO), str(HERE)):
+for p in (str(REPO), str(REPO / "tests"), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
 import torch  # noqa: E402
 from emu_train import build, diff, state_bytes, train_step  # noqa: E402
+from helpers.slots import read_slot  # noqa: E402
 
 COPY_DELAY_US = 20_000
 
@@ -37,22 +38,6 @@ def make_snap(model: Any, opt: Any, directory: Path, job: str, **kw: Any) -> Any
 
     kw.setdefault("health", False)
     return cudasnap.Snapshotter(model, opt, directory=directory, job=job, **kw)
-
-
-def read_slot(arena: Any, slot: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(slot info, name -> raw bytes) straight from the shared-memory slot, CRC-checked."""
-    from cudasnap import _C
-
-    info = arena.slot_info(slot)
-    assert info["valid"] and info["state"] == "COMPLETE", info
-    n = int(info["data_bytes"])
-    assert _C.verify_buffer(arena.data_ptr(slot), n, arena.chunk_bytes, arena.read_table(slot),
-                            2) == -1, "a chunk of the slot fails its CRC32C"
-    meta = json.loads(arena.read_meta(slot))
-    data = torch.frombuffer(bytearray(arena.data_view(slot, n)), dtype=torch.uint8)
-    out = {e["name"]: data[int(e["offset"]):int(e["offset"]) + int(e["nbytes"])].clone()
-           for e in meta["tensors"]}
-    return info, out
 
 
 def run_steps_checked(snap: Any, model: Any, opt: Any, steps: int, start: int = 0) -> int:

@@ -16,12 +16,11 @@ emulator's per-copy delay) so it certainly overlaps what follows ``boundary()``.
 from __future__ import annotations
 
 import gc
-import json
-import warnings
 from typing import Any
 
 import pytest
 import torch
+from helpers.slots import read_slot
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from cudasnap import Snapshotter
@@ -52,20 +51,9 @@ def _snap(env: Any, model: torch.nn.Module, opt: Any) -> Snapshotter:
 
 
 def _slot_bytes(arena: Any, slot: int) -> tuple[int, dict[str, bytes]]:
-    """(step, name -> bytes) of a COMPLETE slot, CRC-checked (as test_gpu_e2e.read_slot)."""
-    from cudasnap import _C
-
-    info = arena.slot_info(slot)
-    assert info["valid"] and info["state"] == "COMPLETE", info
-    n = int(info["data_bytes"])
-    assert _C.verify_buffer(arena.data_ptr(slot), n, arena.chunk_bytes, arena.read_table(slot),
-                            4) == -1, "a chunk of the slot fails its CRC32C"
-    meta = json.loads(arena.read_meta(slot))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        data = bytes(torch.frombuffer(arena.data_view(slot, n), dtype=torch.uint8).numpy())
-    return meta["step"], {e["name"]: data[int(e["offset"]):int(e["offset"]) + int(e["nbytes"])]
-                          for e in meta["tensors"]}
+    """(step, name -> bytes) of a COMPLETE slot, CRC-checked."""
+    info, raw = read_slot(arena, slot)
+    return info["meta_step"], {k: bytes(v.numpy()) for k, v in raw.items()}
 
 
 def _live_bytes(snap: Snapshotter) -> dict[str, bytes]:
