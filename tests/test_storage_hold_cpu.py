@@ -11,30 +11,22 @@ every planned storage stays allocated until no worker can read it any more.
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.slots import read_slot
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from cudasnap import Snapshotter
 
 
 def _slot_bytes(arena, slot: int) -> tuple[int, dict[str, bytes]]:
-    info = arena.slot_info(slot)
-    assert info["valid"] and info["state"] == "COMPLETE", info
-    n = int(info["data_bytes"])
-    meta = json.loads(arena.read_meta(slot))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        data = bytes(torch.frombuffer(arena.data_view(slot, n), dtype=torch.uint8).numpy())
-    return meta["step"], {e["name"]: data[int(e["offset"]):int(e["offset"]) + int(e["nbytes"])]
-                          for e in meta["tensors"]}
+    info, raw = read_slot(arena, slot)  # CRC-checked
+    return info["meta_step"], {k: bytes(v.numpy()) for k, v in raw.items()}
 
 
 def _bytes(t: torch.Tensor) -> bytes:
