@@ -100,12 +100,15 @@ def test_export_safetensors_consolidates_the_shards(spawned, tmp_path: Path) -> 
 
     base, _ = spawned
     out = tmp_path / "full.safetensors"
-    assert main(["export", str(base / "fsdp_save"), "--to", "safetensors", str(out)]) == 0
+    assert main(["export", str(base / "fsdp_save"), "--to", "safetensors", "--optimizer",
+                 str(out)]) == 0
     got = load_file(str(out))
     ref = _npz(base, "fsdp", "step3", 0)  # gathered with full_tensor() by the job itself
+    assert sorted(got) == ["0.bias", "0.weight", "2.bias", "2.weight", "seen"]  # weights only
     for k in ("0.weight", "0.bias", "2.weight", "2.bias", "seen"):
         assert np.array_equal(got[k].numpy(), ref[f"m.{k}"]), k
-    assert np.array_equal(got["optim.state.0.exp_avg_sq"].numpy(), ref["o.0.weight.exp_avg_sq"])
+    optim = load_file(str(tmp_path / "optimizer.safetensors"))  # --optimizer: beside them
+    assert np.array_equal(optim["state.0.exp_avg_sq"].numpy(), ref["o.0.weight.exp_avg_sq"])
 
 
 def test_export_dcp_loads_resharded_into_one_process(spawned, tmp_path: Path) -> None:

@@ -193,12 +193,26 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_export(a: argparse.Namespace) -> int:
     from ..storage import posix
-    from .export import check_export_target, export_dcp, export_safetensors, export_torch
+    from .export import (
+        check_export_target,
+        export_dcp,
+        export_safetensors,
+        export_torch,
+        safetensors_paths,
+    )
 
+    if a.optimizer and a.fmt != "safetensors":
+        raise ConfigError(f"--optimizer is for --to safetensors (a {a.fmt} export always "
+                          "carries the optimizer state)")
+    if a.fmt == "safetensors":  # sharded snapshots too: every rank's files, CRC-verified
+        _, optim_file = safetensors_paths(a.directory, a.to_file, a.optimizer)
+        print(f"wrote {export_safetensors(a.directory, a.to_file, a.step, a.optimizer)}")
+        if optim_file is not None:
+            print(f"wrote {optim_file}")
+        return 0
     check_export_target(a.directory, a.to_file)
-    if a.fmt != "torch":  # sharded snapshots too: every rank's files, CRC-verified on read
-        fn = export_dcp if a.fmt == "dcp" else export_safetensors
-        print(f"wrote {fn(a.directory, a.to_file, step=a.step)}")
+    if a.fmt == "dcp":
+        print(f"wrote {export_dcp(a.directory, a.to_file, step=a.step)}")
         return 0
     snaps = [s for s in posix.list_snapshots(a.directory) if a.step is None or s.step == a.step]
     if snaps:  # the checksums first, for a message with the file, chunk and hex CRCs
@@ -301,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                        "checkpoint (sharded: loads on any mesh) or consolidated safetensors")
     q.add_argument("directory", type=Path)
     q.add_argument("--to", dest="fmt", choices=["torch", "dcp", "safetensors"], default="torch")
-    q.add_argument("to_file", type=Path)
+    q.add_argument("to_file", type=Path, help="a file; for safetensors a directory (gets "
+                   "model.safetensors, as from_pretrained reads it) or a .safetensors file")
     q.add_argument("--step", type=int, default=None)
+    q.add_argument("--optimizer", action="store_true", help="safetensors: also write the "
+                   "optimizer state to optimizer.safetensors beside the weights")
     q.set_defaults(fn=cmd_export)
     q = sub.add_parser("gc", help="remove staging arenas of dead jobs from /dev/shm")
     q.add_argument("--dry-run", action="store_true")

@@ -163,42 +163,138 @@ def _chunks(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def full_tensors(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
-    """(step, {name: full tensor}) assembled offline from every rank's local shards."""
+def _assemble(name: str, ent: dict[str, Any]) -> Any:
+    """The full tensor of one ``_chunks`` entry (its chunks laid into place)."""
     import torch
 
+    full = torch.zeros(ent["shape"], dtype=torch_dtype(ent["dtype"]))
+    covered = 0
+    for off, (_, t) in ent["chunks"].items():
+        full[tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
+        covered += t.numel()
+    if covered != full.numel():
+        raise SnapshotError(f"{name}: the ranks' shards cover {covered} of {full.numel()} "
+                            "elements (files of a rank missing?)")
+    return full
+
+
+def full_tensors(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """(step, {name: full tensor}) assembled offline from every rank's local shards."""
     step_, ranks = load_shards(directory, step)
     out = {}
     for name, ent in _chunks(ranks).items():
-        full = torch.zeros(ent["shape"], dtype=torch_dtype(ent["dtype"]))
-        covered = 0
-        for off, (_, t) in ent["chunks"].items():
-            full[tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
-            covered += t.numel()
-        if covered != full.numel():
-            raise SnapshotError(f"{name}: the ranks' shards cover {covered} of {full.numel()} "
-                                "elements (files of a rank missing?)")
+        full = _assemble(name, ent)
         out[name] = full
         for a in ent["aliases"]:
             out[a] = full.clone()
     return step_, out
 
 
-def _model_key(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+SAFETENSORS_MODEL = "model.safetensors"  # the name from_pretrained(dir) reads
+SAFETENSORS_OPTIM = "optimizer.safetensors"
 
 
-def export_safetensors(directory: Path, to_file: Path, step: int | None = None) -> Path:
-    """Consolidated full tensors (shards of every rank gathered offline) in a safetensors
-    file: model tensors under their ``state_dict`` keys, optimizer state under its
-    snapshot names (``optim.state.<param index>.<key>``)."""
+def safetensors_paths(directory: Path, to: Path, optimizer: bool = False
+                      ) -> tuple[Path, Path | None]:
+    """(weights file, optimizer file or None) of ``export --to safetensors TO``.
+
+    A ``TO`` ending in ``.safetensors`` is the weights file; anything else is a directory
+    (created if needed) that gets ``model.safetensors``, as ``from_pretrained(TO)`` reads
+    it. The optimizer file is ``optimizer.safetensors`` beside the weights."""
+    to = Path(to)
+    if to.suffix == ".safetensors" and not to.is_dir():
+        model_file = to
+    else:
+        if to.resolve() == Path(directory).resolve():
+            raise ConfigError(f"export target {to} is the snapshot directory itself; "
+                              "write it elsewhere")
+        model_file = to / SAFETENSORS_MODEL
+    optim_file = model_file.with_name(SAFETENSORS_OPTIM) if optimizer else None
+    if optim_file is not None and optim_file.resolve() == model_file.resolve():
+        raise ConfigError(f"export target {to}: the weights file would be the optimizer "
+                          f"file {SAFETENSORS_OPTIM}; name it otherwise")
+    for f in (model_file, optim_file):
+        if f is not None:
+            check_export_target(directory, f)
+    return model_file, optim_file
+
+
+def _json_value(v: Any) -> Any:  # json.dumps default for param groups and scalar state
+    tolist = getattr(v, "tolist", None)
+    return tolist() if callable(tolist) else str(v)
+
+
+def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
+                       optimizer: bool = False) -> Path:
+    """Consolidated full tensors (shards of every rank gathered offline) as Hugging Face
+    reads them; returns the weights file (see ``safetensors_paths`` for where it goes).
+
+    The weights file holds the model's tensors only, under the model's own ``state_dict``
+    keys (cudasnap's ``model.`` prefix stripped; kept as ``<key>.`` only when the snapshot
+    holds several models). A tied weight (one tensor, several names: GPT-2's
+    ``lm_head.weight`` and ``transformer.wte.weight``) is stored once, under its first
+    ``state_dict`` name, the one ``save_pretrained`` keeps; ``from_pretrained`` re-ties the
+    others. Metadata: ``format: pt``, ``cudasnap_step``, ``cudasnap_source`` (the snapshot's
+    step directory), ``cudasnap_format_version``, ``cudasnap_dtypes`` (JSON list) and
+    ``cudasnap_tied`` (JSON ``{dropped name: stored name}``: a strict ``load_state_dict``
+    needs those keys put back).
+
+    ``optimizer=True`` also writes ``optimizer.safetensors`` beside it: tensors
+    ``state.<param index>.<key>`` (as ``Optimizer.state_dict()`` flattens them; prefixed
+    ``<key>.`` when there are several optimizers) and metadata ``param_groups``,
+    ``scalar_state`` (``[[index, key, value], ...]``) and ``optimizer_class`` as JSON
+    (objects keyed by optimizer name when there are several)."""
     from safetensors.torch import save_file
 
-    check_export_target(directory, to_file)
-    step_, full = full_tensors(directory, step)
-    tensors = {_model_key(k): v.contiguous() for k, v in full.items()}
-    save_file(tensors, str(to_file), metadata={"format": "pt", "cudasnap_step": str(step_)})
-    return Path(to_file)
+    from ..core.state import _expand_params
+
+    model_file, optim_file = safetensors_paths(directory, to_file, optimizer)
+    snap = _step_dir(directory, step)
+    step_, ranks = load_shards(directory, snap.step)
+    chunks = _chunks(ranks)
+    m0 = ranks[0]["manifest"]
+
+    def groups(kind: str) -> list[str]:
+        return sorted({ent["group"].partition(":")[2] for ent in chunks.values()
+                       if ent["group"].partition(":")[0] == kind})
+
+    def key_of(name: str, group_key: str, strip: bool) -> str:
+        return name[len(group_key) + 1:] if strip and name.startswith(group_key + ".") else name
+
+    models = groups("model")
+    host = codec.decode(m0["host"], "host").get("optim", {}) if optim_file is not None else {}
+    optims = sorted(set(groups("optim")) | set(host))
+    weights: dict[str, Any] = {}
+    tied: dict[str, str] = {}
+    moptim: dict[str, Any] = {}
+    for name, ent in chunks.items():
+        kind, _, gkey = ent["group"].partition(":")
+        if kind == "model":
+            k = key_of(name, gkey, len(models) == 1)
+            weights[k] = _assemble(name, ent)
+            for a in ent["aliases"]:  # stored once: safetensors refuses shared storage
+                tied[key_of(a, gkey, len(models) == 1)] = k
+        elif kind == "optim" and optim_file is not None:
+            moptim[key_of(name, gkey, len(optims) == 1)] = _assemble(name, ent)
+    common = {"format": "pt", "cudasnap_step": str(step_),
+              "cudasnap_source": str(snap.path.resolve()),
+              "cudasnap_format_version": str(m0.get("format_version", ""))}
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
+    model_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(model_file), metadata={
+        **common, "cudasnap_dtypes": json.dumps(dtypes),
+        "cudasnap_tied": json.dumps(tied, sort_keys=True)})
+    if optim_file is not None:
+        info = {k: {"param_groups": [_expand_params(g) for g in h.get("param_groups", [])],
+                    "scalar_state": h.get("scalars", []), "optimizer_class": h.get("class")}
+                for k, h in host.items()}
+        meta = {f: json.dumps(next(iter(info.values()))[f] if len(optims) == 1 else
+                              {k: v[f] for k, v in info.items()}, default=_json_value)
+                for f in ("param_groups", "scalar_state", "optimizer_class")} if info else {}
+        save_file(moptim, str(optim_file), metadata={
+            **common, "cudasnap_dtypes": json.dumps(sorted(
+                {str(t.dtype).removeprefix("torch.") for t in moptim.values()})), **meta})
+    return model_file
 
 
 HOST_SIDECAR = "cudasnap_host.json"
