@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SnapshotError
+from ..errors import ConfigError, SnapshotError
 from ..format import manifest as fmt
 from ..format.manifest import tensor_entry, validate_tensors
 from . import layout_watch
@@ -60,6 +60,11 @@ class LayoutMixin(Fields):
 
     def _build_layout(self) -> Layout:
         tensors = self.state.live_tensors()
+        if self._backend_name == "cpu":  # its copy workers read host memory only
+            on_gpu = next((lt.name for lt in tensors if lt.tensor.is_cuda), None)
+            if on_gpu is not None:
+                raise ConfigError(f"backend='cpu' but {on_gpu} lives on a CUDA device: move "
+                                  "it to the CPU, or use backend='cuda' (or 'auto')")
         self._ensure_engine(tensors)
         if self._cuda is not None:
             single_cuda_device(tensors, self._cuda.index)

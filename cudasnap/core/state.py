@@ -20,11 +20,13 @@ import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_key, dtype_name, span_bytes
+from ..format.manifest import dtype_key, dtype_name, dtype_names, span_bytes
 from . import copy_back, sharded, values
 
 log = logging.getLogger("cudasnap.state")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Lazy modules' parameters and buffers before their first forward (no shape yet).
+_UNINITIALIZED = (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer)
 
 
 @dataclass
@@ -155,6 +157,29 @@ def check_classes(state: "TrainingState", hd: Any, where: str) -> None:
                 f"{type(obj).__qualname__} here; restore it into a {was}")
 
 
+def check_tensor(name: str, t: torch.Tensor) -> None:
+    """ConfigError naming state tensor ``name`` when the copy engine cannot snapshot it:
+    a NestedTensor, a tensor without data (meta device: copying its null pointer
+    crashed the copy workers) or on a device other than CPU/CUDA, a sparse layout, a
+    wrapper subclass (``check_plain_tensor``) or a dtype snapshots do not hold.
+    Metadata only: run where the layout is built (construction, plan rebuild), never
+    per boundary."""
+    plain = type(t) in _PLAIN
+    if not plain and isinstance(t, _UNINITIALIZED):
+        raise ConfigError(f"{name} is an uninitialized lazy parameter or buffer (it has no "
+                          "shape yet): run one forward pass before creating the Snapshotter")
+    if t.is_nested or not (t.is_cpu or t.is_cuda) or t.layout != torch.strided:  # fast path
+        why = codec.odd_tensor(t)
+        if why is not None:
+            raise ConfigError(f"{name} {why}")
+    if not plain:
+        check_plain_tensor(name, t)
+    if dtype_key(t.dtype) is None:
+        raise ConfigError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, which "
+                          f"snapshots do not hold (supported: {', '.join(dtype_names())}); "
+                          "convert it, or keep it out of the snapshotted state")
+
+
 def check_plain_tensor(name: str, t: torch.Tensor) -> None:
     """ConfigError for a tensor whose bytes cudasnap cannot read as raw memory.
 
@@ -166,7 +191,7 @@ def check_plain_tensor(name: str, t: torch.Tensor) -> None:
     if cls is torch.Tensor or cls is torch.nn.Parameter:
         return
     if sharded.is_dtensor(t):  # its local shard is copied instead (cudasnap.core.sharded)
-        check_plain_tensor(f"{name} (local shard)", sharded.local_shard(t))
+        check_tensor(f"{name} (local shard)", sharded.local_shard(t))
         return
     if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
             hasattr(t, "__tensor_flatten__"):
@@ -176,6 +201,24 @@ def check_plain_tensor(name: str, t: torch.Tensor) -> None:
             "or another __torch_dispatch__ wrapper); cudasnap cannot snapshot it yet: snapshot "
             "plain tensors only (e.g. the unsharded model), or use torch.distributed.checkpoint "
             "for sharded state")
+
+
+def _unexpanded(t: torch.Tensor, e: dict[str, Any]) -> tuple[Any, Any]:
+    """(``t``, ``e``) as a restore can write them: an ``expand()``ed tensor (a stride-0 dim
+    of size > 1: its elements overlap, which ``copy_`` refuses to write) is written through
+    index 0 of each such dim, in ``t`` and in the snapshot entry ``e`` alike (same bytes:
+    a stride-0 dim adds none to the span)."""
+    stride = t.stride() if t.layout == torch.strided else ()
+    if 0 not in stride:
+        return t, e
+    shape = list(t.shape)
+    dims = [d for d, (n, st) in enumerate(zip(shape, stride)) if st == 0 and n > 1]
+    if not dims or list(e.get("stride", ())) != list(stride) or e.get("shape") != shape:
+        return t, e  # nothing overlaps, or not this layout: copy_back decides
+    for d in dims:
+        shape[d] = 1
+        t = t.narrow(d, 0, 1)
+    return t, {**e, "shape": shape}
 
 
 class TrainingState:
@@ -211,7 +254,7 @@ class TrainingState:
         for mkey, mod in self.models.items():
             for name, t in mod.state_dict(keep_vars=True).items():
                 if isinstance(t, torch.Tensor):
-                    check_plain_tensor(f"{mkey}.{name}", t)
+                    check_tensor(f"{mkey}.{name}", t)
 
     # ----------------------------------------------------------- layout
     def live_tensors(self) -> list[LiveTensor]:
@@ -243,17 +286,12 @@ class TrainingState:
                     else:
                         scalars.append((idx, k))
             self._scalar_keys[okey] = scalars
-        for lt in out:
-            if type(lt.tensor) not in _PLAIN:  # a plain one passes both checks
-                check_plain_tensor(lt.name, lt.tensor)
-                if sharded.is_dtensor(lt.tensor):  # sharded state: its local shard is copied
-                    lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
-                    lt.tensor = sharded.local_shard(lt.tensor)
-            t = lt.tensor
-            if t.layout != torch.strided or t.is_sparse:
-                raise ConfigError(f"{lt.name}: only dense strided tensors can be snapshotted")
-            if dtype_key(t.dtype) is None:
-                dtype_name(t.dtype)  # raises, naming the dtype
+        for lt in out:  # at layout build (and construction), never per boundary
+            check_tensor(lt.name, lt.tensor)
+            if type(lt.tensor) not in _PLAIN and sharded.is_dtensor(lt.tensor):
+                # sharded state: its local shard is copied (checked by check_tensor too)
+                lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
+                lt.tensor = sharded.local_shard(lt.tensor)
         return out
 
     # ------------------------------------------------------- host state
@@ -352,7 +390,8 @@ class TrainingState:
         for e in tensors:
             by_group.setdefault(e["group"], []).append(e)
         # Model tensors by entry: copy_back builds a view only where torch must copy.
-        pairs: list[tuple[Any, Any]] = [(live[e["name"]].tensor, e) for g, es in by_group.items()
+        pairs: list[tuple[Any, Any]] = [_unexpanded(live[e["name"]].tensor, e)
+                                        for g, es in by_group.items()
                                         if g.startswith("model:") for e in es]
         finish = []
         for okey, opt in self.optimizers.items():

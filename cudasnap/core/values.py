@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, IncompatibleSnapshot
+from ..format import codec
 
 
 def accepts(key: str, obj: Any) -> bool:
@@ -26,7 +27,12 @@ def accepts(key: str, obj: Any) -> bool:
     an immutable plain value, which a restore could not give back to the caller."""
     import torch
 
-    if isinstance(obj, (torch.Tensor, dict, list)):
+    if isinstance(obj, torch.Tensor):
+        why = codec.host_tensor_refusal(obj)  # refused now, not at the first boundary
+        if why is not None:
+            raise ConfigError(f"extra[{key!r}] {why}")
+        return True
+    if isinstance(obj, (dict, list)):
         return True
     if obj is None or isinstance(obj, (int, float, str, bool, tuple)):
         raise ConfigError(

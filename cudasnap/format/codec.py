@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import sys
 from typing import Any
 
 from ..errors import ConfigError, CorruptSnapshot
@@ -37,19 +38,79 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+_DEVICES = ("cpu", "cuda")
+
+
+def odd_tensor(t: Any, raw: bool = True) -> str | None:
+    """Why the bytes of tensor ``t`` cannot be snapshotted (a phrase to follow its name), or
+    None: a NestedTensor, a tensor without data (meta device), a sparse or other non-strided
+    layout, and with ``raw`` (state the copy engine reads as raw memory) a device it does
+    not copy from (host state goes through ``Tensor.to("cpu")``: any device with data).
+    Reads only metadata (no dispatch, no sizes: a strided NestedTensor raises on
+    ``.shape``)."""
+    import torch
+
+    if t.is_nested:
+        return (f"is a NestedTensor (layout {t.layout}), whose bytes are not one strided "
+                "span: cudasnap cannot snapshot it; keep it out of the snapshotted state "
+                "(e.g. register_buffer(..., persistent=False)) or store its components "
+                "(t.unbind()) as plain tensors")
+    dev = t.device.type
+    if dev == "meta":
+        return ("is on the meta device: it has no data (deferred initialization leaves "
+                "tensors there); materialize it before snapshotting (module.to_empty(device=...) "
+                "and initialize or load it), or keep it out of the snapshotted state (e.g. "
+                "register_buffer(..., persistent=False))")
+    if raw and dev not in _DEVICES:
+        return (f"is on device {t.device}: cudasnap copies CPU and CUDA tensors only; move it "
+                "to the CPU or the training GPU")
+    if t.is_sparse or t.layout != torch.strided:
+        return f"has layout {t.layout}: sparse/non-strided tensors are not supported"
+    return None
+
+
+def wrapper_subclass(t: Any) -> bool:
+    """True for a tensor subclass whose bytes do not live in its own storage (a
+    ``__torch_dispatch__`` wrapper such as DTensor or a torchao quantized tensor, or a
+    ``__tensor_flatten__`` one): its ``data_ptr`` is not its data."""
+    import torch
+
+    cls = type(t)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return False
+    return getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
+        hasattr(t, "__tensor_flatten__")
+
+
+def host_tensor_refusal(t: Any) -> str | None:
+    """``odd_tensor`` for a tensor in host state (``extra``, ``boundary(**values)``), which
+    the codec reads through torch: also a wrapper subclass other than DTensor (whose
+    ``to("cpu")`` gives no plain bytes)."""
+    why = odd_tensor(t, raw=False)
+    if why is None and wrapper_subclass(t) and type(t).__name__ != "DTensor":
+        why = (f"is a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass whose "
+               "bytes do not live in its own storage; store its plain inner tensors instead")
+    return why
+
+
 def _encode_tensor(t: Any, path: str) -> dict[str, Any]:
     import torch
 
-    if t.is_sparse or t.layout != torch.strided:
-        raise ConfigError(f"cannot snapshot {path}: sparse/non-strided tensors are not supported")
+    why = host_tensor_refusal(t)
+    if why is not None:
+        raise ConfigError(f"cannot snapshot {path}: the tensor {why}")
     nbytes = t.numel() * t.element_size()
     if nbytes > MAX_INLINE_TENSOR_BYTES:
         raise ConfigError(
             f"cannot snapshot {path}: a {nbytes}-byte tensor inside host state is too large to "
             f"inline (limit {MAX_INLINE_TENSOR_BYTES}); register it as a module buffer instead")
-    c = t.detach().to("cpu").contiguous()
-    # reshape(-1): view(uint8) refuses 0-d tensors of wider dtypes (an optimizer's step).
-    raw = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    try:
+        c = t.detach().to("cpu").contiguous()
+        # reshape(-1): view(uint8) refuses 0-d tensors of wider dtypes (an optimizer's step).
+        raw = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    except (RuntimeError, NotImplementedError, TypeError) as e:  # a subclass torch refuses
+        raise ConfigError(f"cannot snapshot {path}: its {type(t).__qualname__} cannot be read "
+                          f"as plain bytes: {e}") from e
     return {"__tensor__": {"dtype": str(c.dtype).removeprefix("torch."),
                            "shape": list(c.shape), "data": _b64(raw)}}
 
@@ -78,11 +139,9 @@ def encode(obj: Any, path: str = "state") -> Any:
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return {"__bytes__": _b64(bytes(obj))}
     mod = type(obj).__module__
-    if mod.startswith("torch"):
-        import torch
-
-        if isinstance(obj, torch.Tensor):
-            return _encode_tensor(obj, path)
+    torch = sys.modules.get("torch")  # a tensor subclass may be defined anywhere
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _encode_tensor(obj, path)
     if mod == "numpy":
         import numpy as np
 

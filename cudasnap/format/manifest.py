@@ -99,6 +99,11 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+def dtype_names() -> list[str]:
+    """The dtypes snapshots hold, by name."""
+    return list(_ITEMSIZE)
+
+
 _NAMES: dict[Any, str | None] = {}
 
 
