@@ -7,6 +7,14 @@ forward pre-hook of every module owning buffers (phase 0: buffers), and the
 explicit ``Snapshotter.fence()``. A wait longer than ``wait_timeout_s``
 abandons that snapshot (logged), so a stalled copier never hangs training.
 
+Under ``torch.compile`` (Dynamo traces the hooks into the graph) a hook emits the
+custom op ``cudasnap::fence(key, phase, state)`` instead of calling ``_fence``:
+Dynamo keeps it in the graph (no graph break, ``fullgraph=True`` works), and since
+it is declared to mutate ``state`` (the module's own buffers, or the optimizer's
+parameters) every later write of those tensors depends on it, so neither dead-code
+elimination nor Inductor's scheduling can drop it or move a write ahead of it.
+It never writes them. See docs/design.md §3.2.1.
+
 Storage lifetime: the copy reads the planned tensors' memory by address, so the
 job's ``Layout`` (``cudasnap.core.plan``: it holds every planned storage) is kept
 until the copy can no longer read it: until the job is COMPLETE, and for a failed
@@ -15,8 +23,10 @@ or cancelled job until the engine has drained (``_hold_draining``). Only then ma
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SnapshotError
@@ -31,14 +41,84 @@ log = logging.getLogger("cudasnap")
 # still read their storages, so they are never freed (process lifetime, logged).
 _ABANDONED: list[Layout] = []
 
+# Snapshotters by the key their compiled fences carry (a graph holds an int, not the object).
+_BY_KEY: weakref.WeakValueDictionary[int, FencesMixin] = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+_FENCE_OP: Any = None
+
+
+def fence_op() -> Any:
+    """``torch.ops.cudasnap.fence.default``, registered on first use.
+
+    ``fence(key, phase, state)`` runs ``_fence(phase)`` of the Snapshotter ``key``
+    names (a no-op once it is gone). ``state`` is declared mutated and is never
+    written: the declaration orders every later write of ``state`` in a compiled
+    graph after the fence and keeps the op from dead-code elimination (Inductor
+    re-inplaces it: no copy of ``state``)."""
+    global _FENCE_OP
+    if _FENCE_OP is None:
+        import torch
+
+        # (explicit schema: this module's annotations are strings)
+        @torch.library.custom_op("cudasnap::fence", mutates_args=("state",),
+                                 schema="(int key, int phase, Tensor(a!)[] state) -> ()")
+        def _fence_impl(key: int, phase: int, state: list[torch.Tensor]) -> None:
+            snap = _BY_KEY.get(key)
+            if snap is not None:
+                snap._fence(phase)
+
+        @_fence_impl.register_fake
+        def _fence_fake(key: int, phase: int, state: list[torch.Tensor]) -> None:
+            return None
+
+        _FENCE_OP = torch.ops.cudasnap.fence.default
+    return _FENCE_OP
+
 
 class FencesMixin(Fields):
     # Layouts of failed or cancelled copies that may still read them (see _hold_draining).
     _draining: tuple[Layout, ...] = ()
 
     def _install_fences(self) -> None:
+        import torch
+
+        key = next(_KEYS)
+        _BY_KEY[key] = self
+        op = fence_op()
+        # False when called (24 ns, a constant function), True while Dynamo traces (it
+        # folds the call): the eager hot path pays no more than a call.
+        compiling = torch.compiler.is_dynamo_compiling
+        plain = (torch.Tensor, torch.nn.Parameter)
+        token = [torch.empty(0)]  # for a call with no plain tensor (never dead code)
+
+        def _state(ts: Any) -> list[Any]:
+            # Plain tensors only: a wrapper subclass (DTensor, FSDP2/TP) would need a
+            # rule for the op; its writes stay ordered by program order / torch.optim's
+            # graph break (docs/design.md §3.2.1).
+            return [t for t in ts if type(t) in plain] or token
+
+        def step_pre(o: Any, *_: Any) -> None:
+            if compiling():  # traced (torch.compile(opt.step)): the op joins the graph
+                with torch.no_grad():
+                    op(key, 1, _state(p for g in o.param_groups for p in g["params"]))
+                return
+            self._fence(1)
+
+        def forward_pre(module: Any, _: Any) -> None:
+            if compiling():  # traced: fence before this module's own buffers are written
+                bufs = list(module.buffers(False))
+                if bufs:
+                    op(key, 0, _state(bufs))
+                return
+            # Eager: _fence's no-op case inline (the common one), in _fence's order:
+            # mark dirty first, then look for a flush's live copy.
+            self._live_dirty = True
+            if self._live_copy is None and (self._job is None or self._fenced[0]):
+                return
+            self._fence(0)
+
         for opt in self.state.optimizers.values():
-            self._hooks.append(opt.register_step_pre_hook(lambda *_: self._fence(1)))
+            self._hooks.append(opt.register_step_pre_hook(step_pre))
             self._hooks.append(opt.register_load_state_dict_pre_hook(self._before_load))
             self._hooks.append(opt.register_load_state_dict_post_hook(
                 lambda *_: self.invalidate_layout()))
@@ -47,7 +127,7 @@ class FencesMixin(Fields):
             for sub in [mod, *[m for m in mod.modules() if any(True for _ in m.buffers(False))]]:
                 if id(sub) not in seen:
                     seen.add(id(sub))
-                    self._hooks.append(sub.register_forward_pre_hook(lambda *_: self._fence(0)))
+                    self._hooks.append(sub.register_forward_pre_hook(forward_pre))
 
     def _before_load(self, *_: Any) -> None:
         self._fence(1)  # never let load_state_dict race a running copy
