@@ -42,6 +42,7 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers.children import last_json, run_script  # noqa: E402
 from helpers.slots import read_slot  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -277,20 +278,7 @@ def block_listed(cov: dict[str, Any], t: torch.Tensor) -> bool:
 # ------------------------------------------------------------------ child processes
 def run_child(mode: str, *args: Any, env: dict[str, str] | None = None,
               timeout: float = 240) -> subprocess.CompletedProcess:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("CUDASNAP_HEALTH", None)
-    if env:
-        e.update(env)
-    return subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, *map(str, args)],
-                          cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
-
-
-def last_json(p: subprocess.CompletedProcess) -> dict[str, Any]:
-    for line in reversed(p.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError(f"no JSON line from the child (rc {p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return run_script(__file__, mode, *args, env=env, timeout=timeout)
 
 
 def save_npz(path: str, state: dict[str, torch.Tensor]) -> None:

@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers.children import last_json, run_script  # noqa: E402
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -165,18 +166,7 @@ def child_resume(a: argparse.Namespace) -> None:
 
 
 def run_child(mode: str, *args: Any, timeout: float = 180) -> subprocess.CompletedProcess:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("CUDASNAP_HEALTH", None)
-    return subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, *map(str, args)],
-                          cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
-
-
-def last_json(p: subprocess.CompletedProcess) -> dict[str, Any]:
-    for line in reversed(p.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError(f"no JSON line from the child (rc {p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return run_script(__file__, mode, *args, timeout=timeout)
 
 
 # ------------------------------------------------------------------ tests

@@ -28,6 +28,7 @@ for p in (str(REPO), str(REPO / "tests"), str(HERE)):
 
 import torch  # noqa: E402
 from emu_train import build, diff, state_bytes, train_step  # noqa: E402
+from helpers.children import last_json, run_script  # noqa: E402
 from helpers.slots import read_slot  # noqa: E402
 
 COPY_DELAY_US = 20_000
@@ -295,18 +296,7 @@ def test_expandable_segments(snap_env: Any, emu: Any) -> None:
 # ------------------------------------------------------------------ children
 def run_child(mode: str, *args: Any, timeout: float = 240,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **(env or {}))
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("CUDASNAP_HEALTH", None)
-    return subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, *map(str, args)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def last_json(p: subprocess.CompletedProcess) -> dict[str, Any]:
-    for line in reversed(p.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError(f"no JSON line from the child (rc {p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return run_script(__file__, mode, *args, env=env, timeout=timeout)
 
 
 def child_crash(a: argparse.Namespace) -> None:
