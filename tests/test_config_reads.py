@@ -345,3 +345,26 @@ def test_every_variable_the_package_names_is_documented_in_config():
     assert named - documented == UNDOCUMENTED_PENDING, (
         f"undocumented: {sorted(named - documented - UNDOCUMENTED_PENDING)}; "
         f"documented now, remove from UNDOCUMENTED_PENDING: {sorted(UNDOCUMENTED_PENDING & documented)}")
+
+
+def test_auto_mode_scan_skips_dead_weak_proxies() -> None:
+    """The transparent mode finds a model's modules among every object the GC tracks; a
+    dead weakref.proxy there (torch.compile leaves some) raised ReferenceError on the
+    isinstance check and took the training step down with it."""
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    from cudasnap.tools import auto
+
+    gone = torch.nn.Linear(1, 1)
+    holder = [weakref.proxy(gone)]  # a GC-tracked container keeps the proxy visible
+    del gone
+    gc.collect()
+    with pytest.raises(ReferenceError):
+        isinstance(holder[0], torch.nn.Module)  # what the old scan did
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    live_proxy = [weakref.proxy(model)]  # a live proxy is not a second owner
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert auto._owning_modules(opt) == {"model": model}
+    assert live_proxy and holder

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import weakref
 from typing import Any
 
 from ..config import Settings
@@ -29,12 +30,21 @@ _handle: Any = None
 _health = True
 
 
-def _owning_modules(opt: Any) -> dict[str, Any]:
+def _live_modules() -> list[Any]:
+    """Every nn.Module the garbage collector tracks. Weak proxies are skipped: a dead
+    one raises ReferenceError on the isinstance check (torch.compile leaves some), and
+    a live one stands for a module that is in the list itself."""
     import torch
 
+    proxies = (weakref.ProxyType, weakref.CallableProxyType)
+    return [m for m in gc.get_objects()
+            if type(m) not in proxies and isinstance(m, torch.nn.Module)]
+
+
+def _owning_modules(opt: Any) -> dict[str, Any]:
     params = {id(p) for g in opt.param_groups for p in g["params"]}
-    owners = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module)
-              and any(id(p) in params for p in m.parameters(recurse=True))]
+    owners = [m for m in _live_modules()
+              if any(id(p) in params for p in m.parameters(recurse=True))]
     children = {id(c) for m in owners for c in m.modules() if c is not m}
     roots = [m for m in owners if id(m) not in children]
     roots.sort(key=lambda m: -sum(1 for _ in m.parameters()))
