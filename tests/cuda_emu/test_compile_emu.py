@@ -9,20 +9,12 @@ the compiled optimizer step's writes stay behind the running snapshot copy.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-for p in (str(REPO), str(REPO / "tests"), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-import torch  # noqa: E402
-from emu_train import build, diff, state_bytes  # noqa: E402
-from helpers.slots import read_slot  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+import torch
+from emu_train import build, diff, state_bytes
+from helpers.slots import read_slot
+from torch._dynamo.utils import counters
 
 COPY_DELAY_US = 20_000
 

@@ -9,18 +9,11 @@ source that each iteration refills (kernels do not run under the emulator).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from emu_train import build, diff, pattern, state_bytes  # noqa: E402
-from helpers.slots import read_slot  # noqa: E402
+from emu_train import build, diff, pattern, state_bytes
+from helpers.slots import read_slot
 
 
 class GraphStep:
