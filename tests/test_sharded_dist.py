@@ -104,3 +104,11 @@ def test_hsdp_lost_rank_restores_from_its_replicate_group_and_exports(tmp_path: 
     for rank in range(2):  # 4 ranks (2x2 HSDP) -> 2 ranks (FSDP2): the same full state
         assert _equal(r3.restored(rank), full), f"rank {rank}: resharded state differs"
         assert not _equal(r3.state(rank), full)  # and two more steps trained from it
+    # The same export loaded as torchtitan loads (get_state_dict -> dcp.load -> set_state_dict
+    # by parameter FQN, on 3 ranks: uneven shards): the same state, the same two steps.
+    r4 = launch.run(tmp_path, nproc=3, max_restarts=0, script=SCRIPT, out="out4", ckpt="none",
+                    env={"MODE": "fsdp", "STEPS": "8", "NO_SNAP": "1", "LOAD_DCP": str(out),
+                         "LOAD_API": "dsd"})
+    assert r4.rc == 0 and len(r4.ranks) == 3, _ok(r4)
+    for rank in range(3):
+        assert _equal(r4.restored(rank), full), f"rank {rank}: DSD-loaded state differs"

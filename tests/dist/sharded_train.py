@@ -14,7 +14,9 @@ state after every step instead of a snapshot (bench/distributed.py --fsdp).
 Per rank OUT/rank-R.json also holds block_ms (median time the loop was blocked
 per step by boundary() or async_save) and t_start / t_restored.
 LOAD_DCP=D: start from ``cudasnap.load_resharded(D, ...)`` (a ``cudasnap export --to dcp``
-checkpoint of any mesh) instead of a snapshot; with NO_SNAP=1.
+checkpoint of any mesh) instead of a snapshot; with NO_SNAP=1. LOAD_API=dsd: load it as
+torchtitan does instead (``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``; the step
+from ``train_state.step``).
 
 Determinism: FSDP2's reduce-scatter and all-gather on gloo are bitwise stable for
 a fixed world size and module layout; nothing needed setting (unlike DDP's buckets).
@@ -109,7 +111,17 @@ def main() -> int:
     snap = None
     start = 0
     if os.environ.get("LOAD_DCP"):
-        start = cudasnap.load_resharded(os.environ["LOAD_DCP"], model, opt)
+        if os.environ.get("LOAD_API") == "dsd":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd, "train_state": {"step": torch.tensor(0, dtype=torch.int32)}}
+            dcp.load(sd, checkpoint_id=os.environ["LOAD_DCP"])
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            start = int(sd["train_state"]["step"]) + 1
+        else:
+            start = cudasnap.load_resharded(os.environ["LOAD_DCP"], model, opt)
         data.position = start  # the data position is per rank: not carried over
         np.savez(os.path.join(out, f"restored-rank-{rank}.npz"), **full_state(model, opt))
     if os.environ.get("NO_SNAP") != "1":

@@ -1,0 +1,199 @@
+"""The keys of ``cudasnap export --to dcp``: a snapshot's tensors and host state named as
+``torch.distributed.checkpoint`` loaders ask for them.
+
+Three readers, one checkpoint. Every name below points at the same stored bytes (the DCP
+metadata lists each key with the storage of the first: no tensor is written twice):
+
+- ``get_state_dict`` (``torch.distributed.checkpoint.state_dict``, default options) then
+  ``dcp.load({"model": msd, "optim": osd})`` then ``set_state_dict``:
+  ``model.<fqn>``; ``optim.state.<param fqn>.<key>``; ``optim.param_groups.<i>.<key>``
+  (``params``: the group's parameter FQNs). FQNs are the ones ``get_state_dict`` gives:
+  wrapper prefixes (DDP ``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``) dropped.
+- torchtitan's ``CheckpointManager`` (``flatten_optimizer_state_dict=True``, model keys at the
+  top level): ``<fqn>``; ``optimizer.state.<param fqn>.<key>``;
+  ``optimizer.param_groups.<param fqn>.<key>``; ``train_state.step`` (int32 tensor: the
+  step the snapshot was taken after, as torchtitan's ``TrainState.step``); ``lr_scheduler.*``
+  (the state of the one LR scheduler registered in ``extra``, or of ``extra["lr_scheduler"]``).
+- cudasnap's own ``load_resharded`` and exports before the FQN names:
+  ``optim.state.<param index>.<key>``.
+
+Every ``extra`` object's state goes under its own name (``extra={"dataloader": dl}`` ->
+``dataloader.*``), rank 0's copy (extra state is per rank). Only the first form exists for a
+snapshot without recorded FQNs (taken before this export learnt them) or with several models
+or optimizers (keys then prefixed by their ``Snapshotter`` names).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptSnapshot
+
+log = logging.getLogger("cudasnap.export")
+
+TORCHTITAN_OPTIM = "optimizer"
+TORCHTITAN_SCHEDULER = "lr_scheduler"
+TORCHTITAN_TRAIN_STATE = "train_state"
+
+
+@dataclass
+class DcpKeys:
+    """What ``export_dcp`` writes: ``tensors`` maps a snapshot tensor (a ``_chunks`` entry)
+    to its DCP keys (its bytes stored once, under the first); ``objects`` are values written
+    from rank 0 (non-tensors pickled by DCP's own ``torch.save`` rule, small tensors as one
+    chunk); ``same_as`` maps a key to an ``objects`` key whose stored bytes it shares."""
+
+    tensors: dict[str, list[str]] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    same_as: dict[str, str] = field(default_factory=dict)
+    fqn_keys: bool = False  # the get_state_dict names were written
+
+    def all_keys(self) -> list[str]:
+        return [k for ks in self.tensors.values() for k in ks] + [*self.objects, *self.same_as]
+
+
+def _names(manifest: dict[str, Any]) -> tuple[dict[str, str], dict[str, list[str | None]]]:
+    """(renamed model tensors, parameter FQNs per optimizer) recorded in the manifest."""
+    raw = manifest.get("dcp_names")
+    if raw is None:
+        return {}, {}
+    ok = (isinstance(raw, dict) and isinstance(raw.get("model"), dict)
+          and isinstance(raw.get("optim"), dict)
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in raw["model"].items())
+          and all(isinstance(v, list) and all(x is None or isinstance(x, str) for x in v)
+                  for v in raw["optim"].values()))
+    if not ok:
+        raise CorruptSnapshot("manifest field 'dcp_names' is malformed (expected "
+                              "{'model': {name: name}, 'optim': {key: [fqn or null]}})")
+    return raw["model"], raw["optim"]
+
+
+def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
+    """DCP's own flattening of nested dicts and lists (the keys ``dcp.load`` looks up)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(tree)[0]
+
+
+def _scheduler_extra(extra: dict[str, Any]) -> str | None:
+    """The name of the one LR scheduler in ``extra`` (by its recorded class)."""
+    if TORCHTITAN_SCHEDULER in extra:
+        return TORCHTITAN_SCHEDULER
+    import torch
+
+    found = [k for k, v in extra.items() if isinstance(v, dict) and v.get("kind") == "state_dict"
+             and isinstance(getattr(torch.optim.lr_scheduler, str(v.get("class")), None), type)
+             and issubclass(getattr(torch.optim.lr_scheduler, str(v.get("class"))),
+                            torch.optim.lr_scheduler.LRScheduler)]
+    return found[0] if len(found) == 1 else None
+
+
+def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict[str, Any],
+         step: int) -> DcpKeys:
+    """The keys of every tensor chunk entry and host value (see the module doc)."""
+    import torch
+
+    from ..core.state import _expand_params
+
+    renamed, param_fqns = _names(manifest)
+    out = DcpKeys(fqn_keys="dcp_names" in manifest)
+    models = sorted({e["group"].partition(":")[2] for e in chunks.values()
+                     if e["group"].startswith("model:")})
+    optims = host.get("optim") or {}
+    titan = models == ["model"] and len(optims) <= 1 and "dcp_names" in manifest
+    taken: set[str] = set()
+
+    def claim(keys: list[str], what: str, strict: bool = False) -> list[str]:
+        kept = []
+        for k in keys:
+            if k in taken:
+                if strict and k == keys[0]:
+                    raise CorruptSnapshot(f"{what}: DCP key {k!r} is used twice")
+                log.warning("export --to dcp: key %r of %s is taken; that name is left out",
+                            k, what)
+                continue
+            taken.add(k)
+            kept.append(k)
+        return kept
+
+    # Tensors: model first (their names win a clash with the top-level torchtitan names).
+    order = sorted(chunks, key=lambda n: not chunks[n]["group"].startswith("model:"))
+    for name in order:
+        ent = chunks[name]
+        kind, _, gkey = ent["group"].partition(":")
+        keys: list[str] = []
+        if kind == "model":
+            for n in (name, *ent["aliases"]):
+                keys.append(renamed.get(n, n))
+            keys += [n for n in (name, *ent["aliases"]) if n not in keys]  # the raw names too
+            if titan:
+                keys += [renamed.get(n, n)[len("model."):] for n in (name, *ent["aliases"])]
+        elif kind == "optim" and ent.get("param_index") is not None:
+            idx, key = int(ent["param_index"]), str(ent["state_key"])
+            fqns = param_fqns.get(gkey) or []
+            fqn = fqns[idx] if idx < len(fqns) else None
+            if fqn is not None:
+                keys.append(f"{gkey}.state.{fqn}.{key}")
+                if titan:
+                    keys.append(f"{TORCHTITAN_OPTIM}.state.{fqn}.{key}")
+            keys.append(name)  # optim.state.<index>.<key>: load_resharded, old exports
+        else:
+            keys.append(name)
+        out.tensors[name] = claim(list(dict.fromkeys(keys)), name, strict=True)
+
+    def put(tree: dict[str, Any], what: str) -> None:
+        for k, v in _flatten(tree).items():
+            if claim([k], what):
+                out.objects[k] = v
+
+    for okey, h in optims.items():
+        fqns = param_fqns.get(okey) or []
+        groups = [_expand_params(g) for g in h.get("param_groups", [])]
+        n_params = sum(len(g["params"]) for g in groups)
+        named = len(fqns) == n_params and all(f is not None for f in fqns)
+        if param_fqns and not named:
+            log.warning("export --to dcp: optimizer %r has parameters outside the registered "
+                        "model(s); its param groups keep parameter indices", okey)
+        if named:
+            for g in groups:
+                g["params"] = [fqns[i] for i in g["params"]]
+        # get_state_dict's default (nested) form: <okey>.param_groups.<i>.<key>
+        put({okey: {"param_groups": groups}}, f"optimizer {okey!r} param groups")
+        scalars = [(int(i), str(k), v) for i, k, v in h.get("scalars", [])]
+        if not named:
+            if scalars:
+                put({okey: {"state": {str(i): {k: v} for i, k, v in scalars}}},
+                    f"optimizer {okey!r} scalar state")
+            continue
+        for prefix in (okey, TORCHTITAN_OPTIM) if titan else (okey,):
+            # flatten_optimizer_state_dict=True: <prefix>.param_groups.<fqn>.<key>, one
+            # stored value per group and key, the other parameters' names point at it
+            for gi, g in enumerate(groups):
+                for k, v in g.items():
+                    if k == "params" or not g["params"]:
+                        continue
+                    first: str | None = None
+                    for fqn in g["params"]:
+                        tk = f"{prefix}.param_groups.{fqn}.{k}"
+                        if not claim([tk], f"param group {gi} of {okey!r}"):
+                            continue
+                        if first is None:
+                            out.objects[first := tk] = v
+                        else:
+                            out.same_as[tk] = first
+            for i, k, v in scalars:  # state that is no tensor: <prefix>.state.<fqn>.<key>
+                put({f"{prefix}.state.{fqns[i]}.{k}": v}, f"optimizer {okey!r} scalar state")
+
+    extra = host.get("extra") or {}
+    for name, ent in extra.items():
+        if isinstance(ent, dict) and "state" in ent:
+            put({name: ent["state"]}, f"extra[{name!r}]")
+    if titan:
+        sched = _scheduler_extra(extra)
+        if sched is not None and sched != TORCHTITAN_SCHEDULER:
+            put({TORCHTITAN_SCHEDULER: extra[sched]["state"]}, f"extra[{sched!r}]")
+        if TORCHTITAN_TRAIN_STATE not in extra:
+            put({TORCHTITAN_TRAIN_STATE: {"step": torch.tensor(step, dtype=torch.int32)}},
+                "train_state")
+    return out
