@@ -218,3 +218,33 @@ def test_export_dcp_target_checks_and_no_partial_output(tmp_path: Path) -> None:
     assert ".metadata" in files and "cudasnap_host.json" in files
     assert all(((tmp_path / "cli" / f).stat().st_mode & 0o777) == 0o600 for f in files)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nothing left beside it
+
+
+def test_readme_dcp_snippet_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """README's DCP snippet (after the quick start's ckpt and `cudasnap export ckpt --to dcp
+    ckpt-dcp`) loads the snapshot's bytes."""
+    import re
+    import textwrap
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"<!-- dcp-snippet -->\s*```python\n(.*?)```", text, re.S)
+    assert code, "README lost its dcp-snippet block"
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.AdamW(model.parameters())
+    snap = cudasnap.Snapshotter(model, opt, directory="ckpt", backend="cpu")
+    for step in range(2):
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snap.boundary(step)
+    snap.close()
+    assert main(["export", "ckpt", "--to", "dcp", "ckpt-dcp"]) == 0
+    ns: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(textwrap.dedent(code.group(1)), "README.md", "exec"), ns)
+    _same({k: v for k, v in model.state_dict().items()}, ns["model"].state_dict(), "model")
+    _same(get_state_dict(model, opt)[1], get_state_dict(ns["model"], ns["opt"])[1], "optim")
