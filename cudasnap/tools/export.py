@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +38,54 @@ def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, An
     return out, m
 
 
-def check_export_target(directory: Path, to_file: Path) -> None:
-    """Refuses an export target that is one of the snapshot directory's own files.
-
-    (``cudasnap export D --to torch D/latest`` overwrote the ``latest`` pointer.)
-    """
+def check_export_target(directory: Path, to_file: Path, need_parent: bool = True) -> None:
+    """Refuses an export target inside the snapshot directory (``cudasnap export D --to torch
+    D/latest`` overwrote the ``latest`` pointer, ``D/flush-log.jsonl`` the log), a directory,
+    and a target whose parent directory does not exist."""
     d = Path(directory).resolve()
     t = Path(to_file).resolve()
-    if t == d or t.is_dir():
+    if t == d or d in t.parents:
+        raise ConfigError(f"export target {to_file} is inside the snapshot directory "
+                          f"{directory}; write it elsewhere")
+    if t.is_dir():
         raise ConfigError(f"export target {to_file} is a directory; give a file name")
-    if t.parent == d and (t.name == paths.LATEST or t.name.startswith(".")
-                          or t.name.startswith("step-")) or d in t.parents and any(
-            p.name.startswith("step-") for p in t.relative_to(d).parents if p != Path(".")):
-        raise ConfigError(f"export target {to_file} is inside the snapshot directory's own "
-                          f"files (it would overwrite {t.relative_to(d)}); write it elsewhere")
+    if need_parent and not t.parent.is_dir():
+        raise ConfigError(f"export target {to_file}: its directory {t.parent} does not exist")
+
+
+def atomic_output(target: Path, write: Callable[[Path], None]) -> Path:
+    """Runs ``write(tmp)`` on a temporary name beside ``target``, fsyncs it, makes it 0600
+    and renames it over ``target``: a kill mid-export leaves the previous file whole (the
+    exports used to write in place and tore it). Errors become ``SnapshotError`` naming the
+    target; the temporary file is removed."""
+    from .._proc import pid_alive
+
+    target = Path(target)
+    for old in target.parent.glob(f".{target.name}.tmp-*"):  # of a killed export
+        pid = old.name.rpartition("-")[2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            old.unlink(missing_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o600)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, (SnapshotError, KeyboardInterrupt, SystemExit)):
+            raise
+        raise SnapshotError(f"export to {target} failed: {type(e).__name__}: {e}") from e
+    return target
 
 
 def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Path:
@@ -89,9 +125,7 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
            "optimizer": optims.get("optim", optims),
            "extra": {k: v.get("state") for k, v in host.get("extra", {}).items()},
            "cudasnap_manifest": json.loads(json.dumps({k: m[k] for k in ("step", "format_version")}))}
-    to_file = Path(to_file)
-    torch.save(out, to_file)
-    return to_file
+    return atomic_output(Path(to_file), lambda tmp: torch.save(out, tmp))
 
 
 # ------------------------------------------------------------ sharded (multi-rank) snapshots
@@ -156,7 +190,9 @@ def _chunks(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             else:
                 gshape, off = e["shape"], tuple(0 for _ in e["shape"])
             ent = out.setdefault(e["name"], {"dtype": e["dtype"], "shape": gshape, "chunks": {},
-                                             "group": e["group"], "aliases": e.get("aliases", [])})
+                                             "group": e["group"], "aliases": e.get("aliases", []),
+                                             "param_index": e.get("param_index"),
+                                             "state_key": e.get("state_key")})
             if ent["shape"] != gshape or ent["dtype"] != e["dtype"]:
                 raise SnapshotError(f"{e['name']}: ranks disagree on its global shape or dtype")
             ent["chunks"].setdefault(off, (r["rank"], r["tensors"][e["name"]]))
@@ -204,18 +240,26 @@ def safetensors_paths(directory: Path, to: Path, optimizer: bool = False
     to = Path(to)
     if to.suffix == ".safetensors" and not to.is_dir():
         model_file = to
+        if not to.parent.is_dir() and not to.parent.parent.is_dir():  # one level is made
+            raise ConfigError(f"export target {to}: its directory {to.parent.parent} "
+                              "does not exist")
     else:
         if to.resolve() == Path(directory).resolve():
             raise ConfigError(f"export target {to} is the snapshot directory itself; "
                               "write it elsewhere")
+        if to.exists() and not to.is_dir():
+            raise ConfigError(f"export target {to} is a file; give a directory or a name "
+                              "ending in .safetensors")
+        if not to.is_dir() and not to.parent.is_dir():
+            raise ConfigError(f"export target {to}: its directory {to.parent} does not exist")
         model_file = to / SAFETENSORS_MODEL
     optim_file = model_file.with_name(SAFETENSORS_OPTIM) if optimizer else None
     if optim_file is not None and optim_file.resolve() == model_file.resolve():
         raise ConfigError(f"export target {to}: the weights file would be the optimizer "
                           f"file {SAFETENSORS_OPTIM}; name it otherwise")
     for f in (model_file, optim_file):
-        if f is not None:
-            check_export_target(directory, f)
+        if f is not None:  # the export makes the file's directory (its parent exists)
+            check_export_target(directory, f, need_parent=False)
     return model_file, optim_file
 
 
@@ -280,10 +324,10 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
               "cudasnap_source": str(snap.path.resolve()),
               "cudasnap_format_version": str(m0.get("format_version", ""))}
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
-    model_file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(model_file), metadata={
+    model_file.parent.mkdir(mode=0o700, exist_ok=True)  # the parent exists (checked)
+    atomic_output(model_file, lambda tmp: save_file(weights, str(tmp), metadata={
         **common, "cudasnap_dtypes": json.dumps(dtypes),
-        "cudasnap_tied": json.dumps(tied, sort_keys=True)})
+        "cudasnap_tied": json.dumps(tied, sort_keys=True)}))
     if optim_file is not None:
         info = {k: {"param_groups": [_expand_params(g) for g in h.get("param_groups", [])],
                     "scalar_state": h.get("scalars", []), "optimizer_class": h.get("class")}
@@ -291,9 +335,9 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
         meta = {f: json.dumps(next(iter(info.values()))[f] if len(optims) == 1 else
                               {k: v[f] for k, v in info.items()}, default=_json_value)
                 for f in ("param_groups", "scalar_state", "optimizer_class")} if info else {}
-        save_file(moptim, str(optim_file), metadata={
-            **common, "cudasnap_dtypes": json.dumps(sorted(
-                {str(t.dtype).removeprefix("torch.") for t in moptim.values()})), **meta})
+        optim_meta = {**common, "cudasnap_dtypes": json.dumps(sorted(
+            {str(t.dtype).removeprefix("torch.") for t in moptim.values()})), **meta}
+        atomic_output(optim_file, lambda tmp: save_file(moptim, str(tmp), metadata=optim_meta))
     return model_file
 
 
@@ -304,13 +348,22 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
     """A torch.distributed.checkpoint checkpoint of a (sharded) snapshot, written by DCP's
     own FileSystemWriter with per-chunk metadata, so ``dcp.load`` reshards it onto any mesh.
 
-    Keys: ``model.<state_dict key>`` (as ``dcp.load({"model": model.state_dict()}, ...)``
-    flattens them) and ``optim.state.<param index>.<key>``; the optimizer's param groups
-    and the step go to ``cudasnap_host.json`` beside it (read by ``load_resharded``).
+    Keys (``cudasnap.tools.dcp_keys``): what ``get_state_dict`` + ``dcp.load({"model": ...,
+    "optim": ...})`` asks for (``model.<fqn>``, ``optim.state.<fqn>.<key>``,
+    ``optim.param_groups.<i | fqn>.<key>``), what torchtitan's ``CheckpointManager`` asks for
+    (``<fqn>``, ``optimizer.*``, ``train_state.step``, ``lr_scheduler.*``) and the index keys
+    ``load_resharded`` reads; each tensor's bytes are stored once. The step, world size
+    and param groups also go to ``cudasnap_host.json`` beside it. Written into a temporary
+    directory beside ``out_dir`` and renamed into place: a kill mid-export leaves no
+    ``out_dir`` (and an earlier export elsewhere untouched).
     """
+    import io
+    import shutil
+
     import torch
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
@@ -318,51 +371,108 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
         TensorStorageMetadata,
     )
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from . import dcp_keys
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"export target {out_dir} exists and is not empty")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"export target {out_dir} exists and is not an empty directory")
+    d = Path(directory).resolve()
+    if out_dir.resolve() == d or d in out_dir.resolve().parents:
+        raise ConfigError(f"export target {out_dir} is inside the snapshot directory {directory}; "
+                          "write it elsewhere")
+    if not out_dir.parent.is_dir():
+        raise ConfigError(f"export target {out_dir}: its parent directory {out_dir.parent} "
+                          "does not exist")
     step_, ranks = load_shards(directory, step)
     chunks = _chunks(ranks)
+    m0 = ranks[0]["manifest"]
+    host = codec.decode(m0["host"], "host")
+    keys = dcp_keys.plan(chunks, m0, host, step_)
     order = sorted({r["rank"] for r in ranks})
     items: dict[int, list[Any]] = {r: [] for r in order}
     data: dict[MetadataIndex, Any] = {}
     md: dict[str, Any] = {}
+    aliases: dict[MetadataIndex, list[MetadataIndex]] = {}
+
+    def add_tensor(fqns: list[str], shape: Any, dtype: Any, parts: list[tuple[Any, int, Any]]
+                   ) -> None:
+        """``parts``: (offset, rank, local tensor); written under fqns[0], the rest alias it."""
+        props = TensorProperties(dtype=dtype)
+        cks = []
+        for off, rank, t in parts:
+            idx = MetadataIndex(fqns[0], torch.Size(off))
+            ck = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(t.shape))
+            cks.append(ck)
+            items[rank].append(WriteItem(index=idx, type=WriteItemType.SHARD,
+                                         tensor_data=TensorWriteData(
+                                             chunk=ck, properties=props, size=torch.Size(shape))))
+            data[idx] = t.contiguous()
+            aliases[idx] = [MetadataIndex(f, torch.Size(off)) for f in fqns[1:]]
+        for f in fqns:
+            md[f] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=cks)
+
     for name, ent in chunks.items():
-        names = [name, *ent["aliases"]]
-        props = TensorProperties(dtype=torch_dtype(ent["dtype"]))
-        for fqn in names:
-            cks = []
-            for off, (rank, t) in ent["chunks"].items():
-                idx = MetadataIndex(fqn, torch.Size(off))
-                ck = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(t.shape))
-                cks.append(ck)
-                items[rank].append(WriteItem(index=idx, type=WriteItemType.SHARD,
-                                             tensor_data=TensorWriteData(
-                                                 chunk=ck, properties=props,
-                                                 size=torch.Size(ent["shape"]))))
-                data[idx] = t.contiguous()
-            md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(ent["shape"]),
-                                            chunks=cks)
+        if keys.tensors.get(name):
+            add_tensor(keys.tensors[name], ent["shape"], torch_dtype(ent["dtype"]),
+                       [(off, rank, t) for off, (rank, t) in ent["chunks"].items()])
+    for k, v in keys.objects.items():
+        if isinstance(v, torch.Tensor):
+            add_tensor([k], list(v.shape), v.dtype, [((0,) * v.dim(), order[0], v)])
+            continue
+        idx = MetadataIndex(k)
+        buf = io.BytesIO()
+        torch.save(v, buf)  # DCP's own rule for a non-tensor value (DefaultSavePlanner)
+        buf.seek(0)
+        data[idx] = buf
+        items[order[0]].append(WriteItem(index=idx, type=WriteItemType.BYTE_IO))
+        md[k] = BytesStorageMetadata()
+    for k, first in keys.same_as.items():
+        aliases.setdefault(MetadataIndex(first), []).append(MetadataIndex(k))
+        md[k] = md[first]
 
     class _Source:  # what FileSystemWriter.write_data asks of a planner
         @staticmethod
         def resolve_data(item: Any) -> Any:
             return data[item.index]
 
-    writer = FileSystemWriter(str(out_dir), single_file_per_rank=True, sync_files=True)
-    writer.reset(str(out_dir))
-    writer.set_up_storage_writer(True)
-    plans = writer.prepare_global_plan(
-        [writer.prepare_local_plan(SavePlan(items[r])) for r in order])
-    results = [writer.write_data(p, _Source()).wait() for p in plans]  # type: ignore[arg-type]
-    writer.finish(Metadata(state_dict_metadata=md), results)
-    m0 = ranks[0]["manifest"]
-    host = codec.decode(m0["host"], "host")
-    side = {"step": step_, "world_size": m0.get("world_size", 1),
-            "optim": {k: {"param_groups": v.get("param_groups"), "class": v.get("class")}
-                      for k, v in host.get("optim", {}).items()}}
-    (out_dir / HOST_SIDECAR).write_text(codec.dumps(side, "export"))
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+        writer.reset(str(tmp))
+        writer.set_up_storage_writer(True)
+        plans = writer.prepare_global_plan(
+            [writer.prepare_local_plan(SavePlan(items[r])) for r in order])
+        results = [writer.write_data(p, _Source()).wait() for p in plans]  # type: ignore[arg-type]
+        for res in results:  # every other name of a stored value points at its bytes
+            res.extend(WriteResult(index=a, size_in_bytes=wr.size_in_bytes,
+                                   storage_data=wr.storage_data)
+                       for wr in list(res) for a in aliases.get(wr.index, ()))
+        writer.finish(Metadata(state_dict_metadata=md), results)
+        side = {"step": step_, "world_size": m0.get("world_size", 1),
+                "keys": "fqn" if keys.fqn_keys else "index",
+                "optim": {k: {"param_groups": v.get("param_groups"), "class": v.get("class")}
+                          for k, v in host.get("optim", {}).items()}}
+        (tmp / HOST_SIDECAR).write_text(codec.dumps(side, "export"))
+        for f in tmp.iterdir():
+            f.chmod(0o600)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (checked above)
+        os.rename(tmp, out_dir)
+        fd = os.open(out_dir.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported step %d to %s (%d keys)", step_, out_dir, len(md))
     return out_dir
 
 
