@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 from helpers import faultlib as F  # noqa: E402
 from helpers.supervisor_faults import supervisor_cases  # noqa: E402
 
-FAMILIES = ("disk", "shm", "kill", "diskfull", "shmfull", "lock", "dist", "supervisor")
+FAMILIES = ("disk", "shm", "kill", "diskfull", "shmfull", "lock", "dist", "export",
+            "supervisor")
 
 
 def main() -> int:

@@ -19,7 +19,8 @@ the arena header), dist (rank directories and COMMIT markers of a 2-rank
 layout, restored by two gloo processes), diskfull (a small tmpfs: data,
 manifest or ``latest`` does not fit), shmfull (a tiny or full staging tmpfs),
 kill (SIGKILL at every phase of copy and flush through the test-only hook
-CUDASNAP_TEST_KILL_AT), lock (two jobs on one directory, a dead job's lock).
+CUDASNAP_TEST_KILL_AT), lock (two jobs on one directory, a dead job's lock), export
+(SIGKILL of `cudasnap export` at a random moment: the target holds a whole export).
 """
 from __future__ import annotations
 
@@ -959,6 +960,99 @@ def _dist_rank_main(rank: int, init: str, spec: str, shm: str) -> None:
 
 # --------------------------------------------------------------- the matrix
 
+# ---------------------------------------------------------- family: export
+
+EXPORT_DIM = 1800  # ~39 MB of model + AdamW state: a write long enough to be hit
+
+
+def export_cases(ctx: Ctx, n: int = 4, seed: int = 5) -> list[Case]:
+    """SIGKILL ``cudasnap export`` (a real one, no stub) at a random moment of its run, over
+    an earlier export of another step (torch, safetensors) or into a fresh target (dcp): the
+    target must hold a whole export afterwards, the earlier one or the new one, never a torn
+    file or a partial DCP directory (issue 23 item 4: it was torn 3 of 3 times)."""
+    from safetensors.torch import load_file
+
+    rng = random.Random(seed)
+    d = ctx.dir("export")
+    j = Job(dim=EXPORT_DIM)
+    snap = Snapshotter(j.model, j.opt, directory=d, job=ctx.job("x"), keep=0, shm_dir=ctx.shm)
+    try:  # two steps on disk (boundaries before the arena is ready may be skipped)
+        for k in range(50):
+            j.step()
+            snap.boundary(k)
+            snap.wait()
+            snap.flush()
+            if len(posix.list_snapshots(d)) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        snap.close()
+    s0, s1 = sorted(s.step for s in posix.list_snapshots(d))[-2:]
+    out: list[Case] = []
+    cmd = [sys.executable, "-m", "cudasnap", "export", str(d)]
+
+    def whole(fmt: str, target: Path) -> int | None:
+        """The step of the whole export at ``target`` (None: no export there)."""
+        if fmt == "torch":
+            return int(torch.load(target, weights_only=True)["step"]) if target.exists() else None
+        if fmt == "safetensors":
+            if not target.exists():
+                return None
+            from safetensors import safe_open
+
+            load_file(str(target))  # every tensor reads back
+            with safe_open(str(target), "pt") as f:
+                return int(f.metadata()["cudasnap_step"])
+        if not target.exists():
+            return None
+        from torch.distributed.checkpoint import FileSystemReader
+
+        FileSystemReader(str(target)).read_metadata()
+        return int(json.loads((target / "cudasnap_host.json").read_text())["step"])
+
+    for fmt in ("torch", "safetensors", "dcp"):
+        ext = {"torch": ".pt", "safetensors": ".safetensors", "dcp": ""}[fmt]
+        base = ctx.dir(f"export-{fmt}")
+        base.mkdir(parents=True)
+        t0 = time.perf_counter()
+        first = base / f"first{ext}"
+        subprocess.run(cmd + ["--to", fmt, "--step", str(s0), str(first)], check=True,
+                       capture_output=True, timeout=600)
+        took = time.perf_counter() - t0
+        for i in range(n):
+            case = Case("export", f"{fmt} kill {i}", s0 if fmt != "dcp" else None)
+
+            def one(fmt: str = fmt, case: Case = case, i: int = i, base: Path = base,
+                    took: float = took) -> Case:
+                target = base / (f"t{i}{ext}" if fmt == "dcp" else f"first{ext}")
+                if fmt != "dcp":  # start each case from the step-0 export
+                    shutil.copyfile(base / f"first{ext}", base / f"keep{ext}")
+                    os.replace(base / f"keep{ext}", target)
+                delay = rng.uniform(0.3, 1.1) * took
+                p = subprocess.Popen(cmd + ["--to", fmt, "--step", str(s1), str(target)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                try:
+                    p.wait(delay)
+                except subprocess.TimeoutExpired:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                case.detail = f"killed at {delay:.2f} s of {took:.2f} s (rc {p.returncode})"
+                try:
+                    case.got = whole(fmt, target)
+                except Exception as e:  # noqa: BLE001 - a torn export is the failure here
+                    case.torn = True
+                    case.detail += f"; unreadable: {type(e).__name__}: {e}"
+                    return case
+                if fmt == "dcp":  # nothing, or the whole newer export
+                    case.expected = case.got
+                    case.torn = case.got not in (None, s1)
+                else:  # the older export, or the whole newer one
+                    case.expected = case.got if case.got in (s0, s1) else s0
+                return case
+            out.append(guarded(case, one))
+    return out
+
+
 def run_matrix(ctx: Ctx, *, seed: int = 1, n_trunc: int = 60, n_flip: int = 40, n_shm: int = 24,
                families: tuple[str, ...] = ("disk", "shm", "kill", "diskfull", "shmfull", "lock",
                                             "dist"),
@@ -988,6 +1082,9 @@ def run_matrix(ctx: Ctx, *, seed: int = 1, n_trunc: int = 60, n_flip: int = 40, 
     if "dist" in families:
         cases += dist_cases(ctx)
         progress("dist done")
+    if "export" in families:
+        cases += export_cases(ctx)
+        progress("export done")
     return cases
 
 
