@@ -81,7 +81,8 @@ class LayoutMixin(Fields):
             entries.append(e)
         validate_tensors(entries, plan.total_bytes, "layout")
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
-                        backend=self.backend, torch=torch.__version__)
+                        backend=self.backend, torch=torch.__version__,
+                        dcp_names=self.state.dcp_names())
         prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
                   json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
         self._stats["layout_rebuilds"] += 1

@@ -139,6 +139,27 @@ def _param_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+# Wrapper modules whose attribute name get_state_dict leaves out of a key (torch.compile,
+# activation checkpointing, FSDP1); DDP's ``module`` only under a DistributedDataParallel.
+_WRAPPER_ATOMS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def dcp_fqn(module: torch.nn.Module, key: str) -> str:
+    """The key ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives the
+    ``state_dict`` entry ``key`` of ``module``: the wrappers' attribute names dropped (DDP's
+    ``module.``, torch.compile's ``_orig_mod.``, ``_checkpoint_wrapped_module.``,
+    ``_fsdp_wrapped_module.``), as its ``_get_fqns`` does."""
+    out: list[str] = []
+    cur: Any = module
+    ddp = torch.nn.parallel.DistributedDataParallel
+    for atom in key.split("."):
+        nxt = cur._modules.get(atom) if isinstance(cur, torch.nn.Module) else None
+        if atom not in _WRAPPER_ATOMS and not (atom == "module" and isinstance(cur, ddp)):
+            out.append(atom)
+        cur = nxt
+    return ".".join(out)
+
+
 def check_classes(state: "TrainingState", hd: Any, where: str) -> None:
     """IncompatibleSnapshot when an optimizer (or LR scheduler) is of another class than the
     one snapshotted; snapshots without the recorded class (older format) pass."""
@@ -293,6 +314,28 @@ class TrainingState:
                 lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
                 lt.tensor = sharded.local_shard(lt.tensor)
         return out
+
+    def dcp_names(self) -> dict[str, Any]:
+        """The names ``get_state_dict`` would use, for ``cudasnap export --to dcp``:
+        ``{"model": {tensor name: DCP name}}`` for the names that differ (wrappers' prefixes;
+        DCP name = ``<model key>.<fqn>``) and ``{"optim": {optimizer key: [parameter FQN or
+        None, in the optimizer's parameter order]}}`` (the model key prefixed when there are
+        several models; None for a parameter of no registered model). Built with the
+        layout, never per boundary."""
+        renamed: dict[str, str] = {}
+        fqn_of: dict[int, str] = {}
+        multi = len(self.models) > 1
+        for mkey, mod in self.models.items():
+            for key in mod.state_dict(keep_vars=True):
+                fqn = dcp_fqn(mod, key)
+                if fqn != key:
+                    renamed[f"{mkey}.{key}"] = f"{mkey}.{fqn}"
+            for key, p in mod.named_parameters():  # first name of a tied one, as DCP
+                fqn_of.setdefault(id(p), f"{mkey}.{dcp_fqn(mod, key)}" if multi
+                                  else dcp_fqn(mod, key))
+        optim = {okey: [fqn_of.get(id(p)) for p in _param_order(opt)]
+                 for okey, opt in self.optimizers.items()}
+        return {"model": renamed, "optim": optim}
 
     # ------------------------------------------------------- host state
     def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, Any]:

@@ -84,6 +84,10 @@ class Manifest(TypedDict, total=False):
     created_unix: float
     slot_seq: int
     manifest_crc32c: int
+    # The names torch.distributed.checkpoint's get_state_dict gives (core.state.dcp_names):
+    # {"model": {tensor name: DCP name}, "optim": {optimizer key: [param FQN | None]}}.
+    # Optional (older snapshots lack it); read by ``cudasnap export --to dcp``.
+    dcp_names: dict[str, Any]
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
