@@ -99,7 +99,9 @@ class LayoutMixin(Fields):
             # pointers (cudasnap.core.layout_watch); 2: fresh, but the periodic full
             # re-scan is due.
             fresh = lay.guard.boundary_check(layout_watch.WINDOW)
-            if fresh == 0 or fresh == 2 and lay.same_objects(self.state.live_tensors()):
-                return lay
+            if fresh != 1:  # the re-scan (due: 2) runs a bounded piece per boundary
+                if lay.rescan(self.state.identity_pieces(lay.tied) if fresh == 2 else None
+                              ) is not False:
+                    return lay
         self._layout = self._build_layout()
         return self._layout
