@@ -357,7 +357,9 @@ def test_nvml_absent_logged_once_and_everything_else_works(server, snap_env):
     assert rc == 0, text
     lines = [ln for ln in text.splitlines() if "NVML unavailable" in ln]
     assert len(lines) == 1, lines  # two Snapshotters with health on, one process
-    assert "WARNING" in lines[0] and "signal/watchdog/exception triggers remain active" in lines[0]
+    # INFO: no CUDA device is in use in this CPU-only trainer (a WARNING where one is)
+    assert ("WARNING" if _nvml._cuda_in_use() else "INFO") in lines[0]
+    assert "signal/watchdog/exception triggers remain active" in lines[0]
     evs = events(stats)
     assert evs[0]["guard"]
     final = [e for e in evs if e["ev"] == "final"][0]

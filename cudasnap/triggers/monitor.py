@@ -42,7 +42,7 @@ class HealthMonitor:
                 return
             self._started = True
         self.source.start()
-        if self.available:  # an unavailable NVML was already reported once per process
+        if self.available:  # an unavailable NVML was already reported (once per job)
             logger.info("%s", self.describe())
 
     def stop(self) -> None:

@@ -10,7 +10,8 @@ NVML is used from Python only (the C++ engine never links it).
 handles resolved; :data:`QUERIES` is the one table of per-device reads shared by
 the health watcher (:mod:`cudasnap.triggers.nvml_source`) and
 :func:`read_gpu_status` (``cudasnap health``).  "NVML unavailable" is logged
-once per process (:func:`warn_unavailable_once`).
+once per job (:func:`warn_unavailable_once`): a WARNING when CUDA devices are in
+use, INFO on a CPU-only machine, DEBUG in restarts and ranks other than 0.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
+
+from ..config import Settings
 
 logger = logging.getLogger("cudasnap.health")
 
@@ -95,18 +99,47 @@ def is_timeout(exc: BaseException) -> bool:
     return _err_is(exc, "NVMLError_Timeout", "NVML_ERROR_TIMEOUT")
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process uses (or can use) CUDA devices: CUDA initialised by torch, or an
+    NVIDIA driver's device node present. Neither on a CPU-only machine."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return True
+    except Exception:  # a torch without CUDA support, or half-imported
+        pass
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _first_process_of_job() -> bool:
+    """False in a restarted attempt (``cudasnap run``'s CUDASNAP_RESTART, torchrun's
+    TORCHELASTIC_RESTART_COUNT) and in ranks other than 0: the job's first process said it."""
+    try:
+        cfg = Settings.from_env()
+    except Exception:  # a bad variable is reported where it matters, not here
+        return True
+    elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()  # (Settings.restart omits it)
+    return cfg.restart == 0 and cfg.rank == 0 and elastic in ("", "0")
+
+
 def warn_unavailable_once(reason: str) -> None:
-    """Log the 'NVML unavailable' warning once per process (debug afterwards)."""
+    """Log 'NVML unavailable' once per job: in the first process of a job (rank 0 of
+    the first attempt), once per process; everywhere else at DEBUG.
+
+    A WARNING when CUDA devices are in use (GPU faults then go unseen); at INFO on a
+    CPU-only machine, where there is nothing for NVML to watch.
+    """
     global _warned_unavailable
     with _warned_lock:
         first = not _warned_unavailable
         _warned_unavailable = True
     msg = ("NVML unavailable: %s; GPU health triggers disabled, "
            "signal/watchdog/exception triggers remain active")
-    if first:
-        logger.warning(msg, reason)
+    if not first or not _first_process_of_job():
+        level = logging.DEBUG
     else:
-        logger.debug(msg, reason)
+        level = logging.WARNING if _cuda_in_use() else logging.INFO
+    logger.log(level, msg, reason)
 
 
 def init() -> str | None:
@@ -248,7 +281,7 @@ class NvmlSession:
 
     ``devices`` are NVML indices; None means the GPUs in ``CUDA_VISIBLE_DEVICES``
     (all GPUs when unset). When NVML cannot be used, :attr:`reason` says why and
-    the warning is logged once per process.
+    "NVML unavailable" is logged once per job (:func:`warn_unavailable_once`).
     """
 
     def __init__(self, devices: list[int] | None = None) -> None:
