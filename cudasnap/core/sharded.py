@@ -122,31 +122,6 @@ def like_param(value: Any, entry: dict[str, Any], param: Any, where: str) -> Any
                               shape=param.shape, stride=param.stride())
 
 
-def validate(info: Any, local_shape: list[int], check: Any) -> None:
-    """Manifest validation of a ``shard`` entry; ``check(cond, what)`` reports a problem."""
-    check(isinstance(info, dict), "shard must be an object")
-
-    def ints(v: Any) -> bool:
-        return isinstance(v, list) and all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**48 for x in v)
-
-    gshape, mshape, off = info.get("global_shape"), info.get("mesh_shape"), info.get("offset")
-    check(ints(gshape) and ints(mshape) and ints(off) and len(mshape) >= 1,
-          "shard global_shape/mesh_shape/offset must be lists of non-negative integers")
-    check(len(gshape) == len(local_shape) == len(off), "shard offset/global_shape rank "
-          "disagrees with the tensor's shape")
-    check(all(o + n <= g for o, n, g in zip(off, local_shape, gshape)),
-          "shard lies outside its global shape")
-    pl = info.get("placements")
-    check(isinstance(pl, list) and len(pl) == len(mshape) and all(isinstance(p, str) for p in pl),
-          "shard placements must be one string per mesh dimension")
-    dims = info.get("mesh_dims")
-    check(dims is None or (isinstance(dims, list) and len(dims) == len(mshape)
-                           and all(isinstance(d, str) for d in dims)), "bad shard mesh_dims")
-    coord = info.get("coord")
-    check(coord is None or (ints(coord) and len(coord) == len(mshape)), "bad shard coord")
-
-
 def replica_groups(tensors: list[Any], world: int) -> list[list[int]] | None:
     """Ranks holding identical state, from the DTensors' meshes (HSDP: the replicate dim).
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_key, dtype_name, dtype_names, span_bytes
+from ..format.manifest import dtype_key, dtype_name, dtype_names, expand_params, span_bytes
 from . import copy_back, sharded, values
 
 log = logging.getLogger("cudasnap.state")
@@ -126,13 +126,6 @@ def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, Any]:
     if "cuda" in sources and torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     return rng
-
-
-def _expand_params(group: dict[str, Any]) -> dict[str, Any]:
-    g = dict(group)
-    first, count = g["params"]
-    g["params"] = list(range(int(first), int(first) + int(count)))
-    return g
 
 
 def _param_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -563,7 +556,7 @@ class TrainingState:
                             g[k] = v
 
             return pairs, set_host
-        expanded = [_expand_params(g) for g in host["param_groups"]]
+        expanded = [expand_params(g) for g in host["param_groups"]]
         clones: list[tuple[Any, Any]] = []  # (new tensor, snapshot value): one native copy
         sd_state: dict[int, dict[str, Any]] = {}
         for i, s in state.items():

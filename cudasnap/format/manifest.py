@@ -134,6 +134,16 @@ def span_bytes(shape: list[int], stride: list[int], itemsize: int) -> int:
     return itemsize * (1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)))
 
 
+def expand_params(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group as the host state stores it (``"params": [first index, count]`` in
+    the optimizer's parameter order) with ``params`` as the index list
+    ``Optimizer.state_dict()`` has."""
+    g = dict(group)
+    first, count = g["params"]
+    g["params"] = list(range(int(first), int(first) + int(count)))
+    return g
+
+
 def tensor_entry(name: str, group: str, t: Any, offset: int, phase: int) -> dict[str, Any]:
     return {"name": name, "group": group, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
             "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
@@ -161,6 +171,33 @@ class _Refused(Exception):
 def _refuse(cond: bool, what: str = "") -> None:
     if not cond:
         raise _Refused
+
+
+def validate_shard(info: Any, local_shape: list[int], check: Any) -> None:
+    """Manifest validation of a ``shard`` entry (a DTensor's local shard: mesh, placements,
+    offset; written by ``cudasnap.core.sharded.shard_info``); ``check(cond, what)`` reports a
+    problem."""
+    check(isinstance(info, dict), "shard must be an object")
+
+    def ints(v: Any) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**48 for x in v)
+
+    gshape, mshape, off = info.get("global_shape"), info.get("mesh_shape"), info.get("offset")
+    check(ints(gshape) and ints(mshape) and ints(off) and len(mshape) >= 1,
+          "shard global_shape/mesh_shape/offset must be lists of non-negative integers")
+    check(len(gshape) == len(local_shape) == len(off), "shard offset/global_shape rank "
+          "disagrees with the tensor's shape")
+    check(all(o + n <= g for o, n, g in zip(off, local_shape, gshape)),
+          "shard lies outside its global shape")
+    pl = info.get("placements")
+    check(isinstance(pl, list) and len(pl) == len(mshape) and all(isinstance(p, str) for p in pl),
+          "shard placements must be one string per mesh dimension")
+    dims = info.get("mesh_dims")
+    check(dims is None or (isinstance(dims, list) and len(dims) == len(mshape)
+                           and all(isinstance(d, str) for d in dims)), "bad shard mesh_dims")
+    coord = info.get("coord")
+    check(coord is None or (ints(coord) and len(coord) == len(mshape)), "bad shard coord")
 
 
 def _tensors_sound(tensors: list[Any], data_bytes: int) -> bool:
@@ -201,8 +238,6 @@ def _tensors_sound(tensors: list[Any], data_bytes: int) -> bool:
         if type(phase) is not int or not (phase == 0 or phase == 1):
             return False
         if "shard" in e:
-            from ..core.sharded import validate as validate_shard
-
             try:
                 validate_shard(e["shard"], shape, _refuse)
             except _Refused:
@@ -251,8 +286,6 @@ def _check_tensors(tensors: list[Any], data_bytes: int, where: str) -> None:
         # Required: restore dispatches on it (a missing one was a KeyError, not a fallback).
         _need(isinstance(e.get("group"), str), w, "group must be a string")
         if "shard" in e:
-            from ..core.sharded import validate as validate_shard
-
             validate_shard(e["shard"], shape, lambda c, what, w=w: _need(c, w, what))
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptSnapshot
+from ..format.manifest import expand_params
 
 log = logging.getLogger("cudasnap.export")
 
@@ -94,8 +95,6 @@ def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict
     """The keys of every tensor chunk entry and host value (see the module doc)."""
     import torch
 
-    from ..core.state import _expand_params
-
     renamed, param_fqns = _names(manifest)
     out = DcpKeys(fqn_keys="dcp_names" in manifest)
     models = sorted({e["group"].partition(":")[2] for e in chunks.values()
@@ -149,7 +148,7 @@ def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict
 
     for okey, h in optims.items():
         fqns = param_fqns.get(okey) or []
-        groups = [_expand_params(g) for g in h.get("param_groups", [])]
+        groups = [expand_params(g) for g in h.get("param_groups", [])]
         n_params = sum(len(g["params"]) for g in groups)
         named = len(fqns) == n_params and all(f is not None for f in fqns)
         if param_fqns and not named:

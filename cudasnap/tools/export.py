@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError, IncompatibleSnapshot, SnapshotError
 from ..format import codec, paths
-from ..format.manifest import Manifest, torch_dtype
+from ..format.manifest import Manifest, expand_params, torch_dtype
 from ..storage import posix
 
 log = logging.getLogger("cudasnap.export")
@@ -116,9 +116,7 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
             st.setdefault(e["param_index"], {})[e["state_key"]] = tensors[e["name"]]
     for key, h in host.get("optim", {}).items():
         o = optims.setdefault(key, {"state": {}, "param_groups": []})
-        from ..core.state import _expand_params
-
-        o["param_groups"] = [_expand_params(g) for g in h["param_groups"]]
+        o["param_groups"] = [expand_params(g) for g in h["param_groups"]]
         for idx, k, v in h.get("scalars", []):
             o["state"].setdefault(int(idx), {})[k] = v
     out = {"step": m["step"], "model": models.get("model", models),
@@ -290,8 +288,6 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
     (objects keyed by optimizer name when there are several)."""
     from safetensors.torch import save_file
 
-    from ..core.state import _expand_params
-
     model_file, optim_file = safetensors_paths(directory, to_file, optimizer)
     snap = _step_dir(directory, step)
     step_, ranks = load_shards(directory, snap.step)
@@ -329,7 +325,7 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
         **common, "cudasnap_dtypes": json.dumps(dtypes),
         "cudasnap_tied": json.dumps(tied, sort_keys=True)}))
     if optim_file is not None:
-        info = {k: {"param_groups": [_expand_params(g) for g in h.get("param_groups", [])],
+        info = {k: {"param_groups": [expand_params(g) for g in h.get("param_groups", [])],
                     "scalar_state": h.get("scalars", []), "optimizer_class": h.get("class")}
                 for k, h in host.items()}
         meta = {f: json.dumps(next(iter(info.values()))[f] if len(optims) == 1 else
