@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings
-from .core import arena_prep
+from .core import arena_prep, early
 from .core.fences import FencesMixin
 from .core.flush import FlushMixin
 from .core.layout import LayoutMixin
@@ -35,6 +35,7 @@ from .core.staging import StagingMixin, supervisor_job
 from .core.state import TrainingState
 from .core.submit import SubmitMixin
 from .core.timeline import final_flush
+from .errors import SnapshotError
 from .format import paths
 from .storage import open_storage, posix
 
@@ -169,6 +170,10 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         self._fenced = [True, True]
         # Re-entrant: a signal handler may flush while the main thread is in boundary().
         self._slot_lock, self._flush_lock = threading.RLock(), threading.RLock()
+        self._arena_lock = threading.RLock()  # arena adoption (cudasnap.core.early)
+        self._boundary_event = self._early_thread = None
+        self._early_saving = False
+        self._supervised = env.supervised
         self._closed, self._boundaries = False, 0
         self._stats = new_stats()
         # Bound of every wait on a copy (fences, the next submit, close()).
@@ -183,6 +188,22 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         self._open_inherited_arena()
         if fresh:
             self._start_fresh()
+        # As early as the state is known (issue 23 item 2): the set-up overlaps the rest of
+        # the construction and whatever the program does before its first boundary.
+        arena_prep.start_at_construction(self)  # large arenas: off the training thread
+        try:
+            self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
+                                watchdog_s)
+        except BaseException:
+            arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))
+            self._lock.release()
+            raise
+
+    def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
+                       health: bool | None, policy: Any, inject: str | None,
+                       watchdog_s: float | None) -> None:
+        """The distributed coordinator and the guard (health monitor, signals, watchdog)."""
+        env = Settings.from_env()
         self.dist = None
         if distributed if distributed is not None else dist_on and self.world_size > 1:
             from .dist.coordinator import Coordinator
@@ -194,7 +215,6 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
                 replicas = replica_groups([lt.owner for lt in self.state.live_tensors()
                                            if lt.owner is not None], self.world_size) or replicas
             self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas)
-        arena_prep.start_at_construction(self)  # large arenas: off the training thread
         self.guard = None
         if health if health is not None else env.health:
             from .triggers.guard import Guard
@@ -212,16 +232,36 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         s.update(self._staging_stats())
         return s
 
+    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | None:
+        """Writes the newest COMPLETE snapshot to disk now; returns its directory.
+
+        With ``wait`` the running copy (if any) is given ``timeout`` seconds to
+        complete first, so the flushed step is the newest one. Returns None when
+        no snapshot exists yet. Before the staging arena is ready, the newest
+        boundary is snapshotted synchronously first (cudasnap.core.early).
+        """
+        if self._closed:
+            raise SnapshotError("flush() on a closed Snapshotter")
+        early.before_flush(self, timeout)
+        return super().flush(wait, timeout)
+
     def close(self, keep_arena: bool = False, flush: bool | None = None) -> None:
         """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
-        and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed)."""
+        and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed).
+
+        Before the staging arena is ready, the newest boundary is snapshotted first into
+        an arena made now (cudasnap.core.early); a close() with none of the run's
+        boundaries saved logs a WARNING."""
         if self._closed:
             return
-        arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))  # a set-up in progress
         if flush is None:
             flush = self.flush_on_close and not keep_arena and self.dist is None
+        if flush or keep_arena:
+            early.at_close(self, keep_arena)
+        arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))  # a set-up in progress
         if flush and not final_flush(self):
             keep_arena = True  # the arena holds the only copy of the final state
+        early.warn_if_nothing_saved(self)
         self._closed = True
         try:
             self._wait_job(min(60.0, self.wait_timeout_s))

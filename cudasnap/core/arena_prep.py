@@ -187,7 +187,15 @@ def _stop_at_exit(timeout: float = 30.0) -> None:
 
 class ArenaPreparer:
     """Runs one arena set-up at a time on a daemon thread; the training thread
-    polls it (:attr:`busy`, :meth:`take`) and never waits for it."""
+    polls it (:attr:`pending`, :meth:`take`) and never waits for it.
+
+    A set-up has up to two parts: the job, which makes the arena usable (reserve its
+    pages; on CUDA also page-lock it), and an optional follow-up run after the job's
+    arena was handed over (:meth:`take` returns it at once): the pre-fault of an arena
+    that snapshots may already use (content-safe: ``MADV_POPULATE_WRITE`` or reads).
+    The job runs at the training thread's priority (until it is done the process is
+    unprotected: issue 23 item 2), the follow-up at nice 10 (spare cycles only).
+    """
 
     def __init__(self, sync_max_bytes: int, device: int | None) -> None:
         self.sync_max_bytes = int(sync_max_bytes)
@@ -199,31 +207,54 @@ class ArenaPreparer:
         self._cancel: Any = None
         self._result: Prepared | None = None
         self._error: BaseException | None = None
+        self._handed = threading.Event()  # the job's result is ready (a follow-up may run)
+        self._started = False  # past the test gate: the job does real work
         self._logged = False
         self._what = ""
         self._speculative = False
 
     @property
     def busy(self) -> bool:
+        """A set-up (job or follow-up) still runs."""
         t = self._thread
         return t is not None and t.is_alive()
 
-    def start(self, what: str, job: Callable[[Any], tuple[Any, str | None, bool]],
-              speculative: bool = False) -> None:
-        """Runs ``job(cancel_flag) -> (arena, fallback_reason, created)`` in the background.
+    @property
+    def pending(self) -> bool:
+        """The running set-up's arena is not usable yet (its job still runs)."""
+        return self.busy and not self._handed.is_set()
+
+    @property
+    def started(self) -> bool:
+        """The running job began its work (it is not held before it)."""
+        return self._started
+
+    def start(self, what: str, job: Callable[[Any], tuple[Any, str | None, bool]] | None,
+              speculative: bool = False,
+              then: Callable[[Any, Any], None] | None = None) -> None:
+        """Runs ``job(cancel_flag) -> (arena, fallback_reason, created)`` in the background,
+        then ``then(arena, cancel_flag)`` once the arena was handed over (``job`` None:
+        nothing to hand over, only ``then(None, cancel_flag)``).
 
         ``speculative`` (sized before the first boundary): a failure is logged, not
-        raised; the first boundary then sizes the arena from its copy plan.
+        raised; the first boundary then sizes the arena from its copy plan. A
+        follow-up still running is stopped first (it is only a pre-fault).
         """
         if self.busy:
-            raise StagingError("an arena set-up is already running")
+            if not self._handed.is_set():
+                raise StagingError("an arena set-up is already running")
+            self.cancel(60.0)  # a follow-up: stops within one 4 MiB piece
         self._speculative = speculative
         self._cancel = native().CancelFlag()
         self._result = self._error = None
+        self._handed.clear()
+        if job is None:
+            self._handed.set()  # nothing to wait for: the arena is usable already
+        self._started = False
         self._logged = False
         self._what = what
         self.skipped = 0
-        self._thread = threading.Thread(target=self._run, args=(job, self._cancel),
+        self._thread = threading.Thread(target=self._run, args=(job, then, self._cancel),
                                         name="cudasnap-arena-prep", daemon=True)
         self._thread.start()
         _running.add(self)
@@ -237,25 +268,53 @@ class ArenaPreparer:
             self.fallback_reason = reason
         return Prepared(arena, time.perf_counter() - t0, reason, created)
 
-    def _run(self, job: Callable[[Any], tuple[Any, str | None, bool]], cancel: Any) -> None:
-        try:  # like the copy workers: spare cycles only, never ahead of the training thread
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    @staticmethod
+    def _hold(cancel: Any) -> None:
+        gate = test_gate
+        while gate is not None and not gate.wait(0.05):
+            if cancel.is_set:
+                raise StagingError("arena set-up cancelled before it started")
+
+    @staticmethod
+    def _nice(n: int) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), n)
         except OSError:
             pass
+
+    def _run(self, job: Callable[[Any], tuple[Any, str | None, bool]] | None,
+             then: Callable[[Any, Any], None] | None, cancel: Any) -> None:
+        arena = None
         try:
-            gate = test_gate
-            while gate is not None and not gate.wait(0.05):
-                if cancel.is_set:
-                    raise StagingError("arena set-up cancelled before it started")
-            if self.device is not None:
-                torch.cuda.set_device(self.device)  # registration and cudaHostAlloc target it
-            t0 = time.perf_counter()
-            arena, reason, created = job(cancel)
-            if reason:
-                self.fallback_reason = reason
-            self._result = Prepared(arena, time.perf_counter() - t0, reason, created)
+            if job is not None:
+                self._hold(cancel)
+                self._started = True
+                if self.device is not None:
+                    torch.cuda.set_device(self.device)  # registration and cudaHostAlloc
+                t0 = time.perf_counter()
+                arena, reason, created = job(cancel)
+                if reason:
+                    self.fallback_reason = reason
+                self._result = Prepared(arena, time.perf_counter() - t0, reason, created)
         except BaseException as e:  # handed to the training thread by take()
             self._error = e
+            return
+        finally:
+            self._handed.set()
+        if then is None:
+            return
+        # The follow-up: like the copy workers, spare cycles only.
+        self._nice(10)
+        try:
+            self._hold(cancel)
+            self._started = True
+            then(arena, cancel)
+        except BaseException as e:  # a pre-fault: the arena works without it
+            if cancel.is_set:
+                log.debug("cudasnap: pre-fault of %s stopped on request (%s)", self._what, e)
+            else:
+                log.warning("cudasnap: pre-faulting %s failed (%s); copies fault its pages in "
+                            "themselves", self._what, e)
 
     def note_skip(self, step: int) -> None:
         """Counts a boundary skipped for want of an arena; logs the first one only."""
@@ -264,11 +323,12 @@ class ArenaPreparer:
             self._logged = True
             log.warning("cudasnap: step %d not snapshotted: %s is being prepared in the "
                         "background; boundaries are skipped until it is ready (counted in "
-                        "stats()['skipped_not_ready'])", step, self._what)
+                        "stats()['skipped_not_ready']; a flush, close() or a trigger meanwhile "
+                        "snapshots the live state synchronously)", step, self._what)
 
     def take(self) -> Prepared | None:
         """The finished set-up (once), or None. Raises the set-up's error (once)."""
-        if self.busy:
+        if self.pending:
             return None
         err, res = self._error, self._result
         self._error = self._result = None
@@ -312,6 +372,10 @@ class ArenaPreparer:
             t.join(timeout)
         return not self.busy
 
+    def wait_handed(self, timeout: float | None = None) -> bool:
+        """Blocks until the running job's arena is usable (True) or ``timeout`` passes."""
+        return not self.busy or self._handed.wait(timeout)
+
     def cancel(self, timeout: float) -> bool:
         """Asks the running set-up to stop (it stops within one 64 MiB piece of work;
         a regrowth's flush to disk runs to its end) and waits up to ``timeout`` s."""
@@ -328,6 +392,22 @@ class ArenaPreparer:
 def _fits(arena: Any, snap: Any, nbytes: int, meta_len: int) -> bool:
     return (arena.data_capacity >= nbytes and arena.meta_capacity >= meta_len
             and arena.chunk_bytes == snap.chunk_bytes and arena.num_slots == snap.num_slots)
+
+
+def fully_reserved(arena: Any) -> bool:
+    """Every page of ``arena``'s file is allocated (a set-up that crashed half-way
+    leaves holes: a copy into one could SIGBUS when /dev/shm is full)."""
+    try:
+        st = os.stat(arena.path)
+    except OSError:
+        return False
+    return st.st_blocks * 512 >= arena.total_bytes
+
+
+def _prefault_then(arena: Any, cancel: Any) -> None:
+    """Follow-up of a CPU arena already in use: maps its pages (content untouched)."""
+    if arena is not None:
+        arena.prefault(cancel)
 
 
 def _warm_job(arena: Any, device: int | None) -> Callable[[Any], tuple[Any, str | None, bool]]:
@@ -351,7 +431,9 @@ def _create_job(snap: Any, capacity: int, meta_cap: int, device: int | None, *,
                 drop(inh)
                 del inh
         snap.arena_path.unlink(missing_ok=True)
-        arena = snap._create_arena(capacity, meta_cap, cancel)
+        # CPU: usable once reserved; its pages are mapped by the follow-up (_prefault_then)
+        # while snapshots already use it. CUDA: page-locked before any copy.
+        arena = snap._create_arena(capacity, meta_cap, cancel, device is not None)
         try:
             got, reason = pin(arena, device)
         except BaseException:
@@ -361,28 +443,42 @@ def _create_job(snap: Any, capacity: int, meta_cap: int, device: int | None, *,
     return job
 
 
+def _start_create(prep: ArenaPreparer, snap: Any, what: str, capacity: int, meta_cap: int,
+                  device: int | None, *, speculative: bool = False, retire: bool = False,
+                  drop_inherited: bool = False, discard: Any = None) -> None:
+    prep.start(what, _create_job(snap, capacity, meta_cap, device, retire=retire,
+                                 drop_inherited=drop_inherited, discard=discard),
+               speculative=speculative, then=_prefault_then if device is None else None)
+
+
 def start_at_construction(snap: Any) -> None:
     """Starts preparing the arena now when it is too large to make at a boundary:
-    the inherited one (pre-fault, register) or a new one sized from the state."""
+    the inherited one (pre-fault, register) or a new one sized from the state.
+
+    An inherited arena on the CPU backend whose pages are all reserved is usable at
+    once (issue 23 item 2: snapshots from the first boundary after a restart); only
+    its pre-fault runs in the background, beside the copies into it."""
     prep: ArenaPreparer = snap._prep
     inh = snap._inherited
     if inh is not None:
+        desc = (f"the staging arena left by the previous process ({inh.path}, "
+                f"{inh.total_bytes / 2**30:.2f} GiB)")
         if inh.num_slots * inh.data_capacity <= prep.sync_max_bytes:
             inh.prefault()  # small: as before, here (CUDA registration at adoption)
             prep.warmed = inh
+        elif prep.device is None and fully_reserved(inh):
+            prep.warmed = inh  # adopted by the first boundary that fits
+            prep.start(desc, None, speculative=True, then=lambda _a, cancel: inh.prefault(cancel))
         else:
-            prep.start(f"the staging arena left by the previous process ({inh.path}, "
-                       f"{inh.total_bytes / 2**30:.2f} GiB)", _warm_job(inh, prep.device),
-                       speculative=True)
+            prep.start(desc, _warm_job(inh, prep.device), speculative=True)
         return
     nbytes, ntensors = estimate_state_bytes(snap.state)
     cap = slot_capacity(nbytes, snap.chunk_bytes)
     meta_cap = meta_capacity(estimate_meta_len(ntensors))
     total = native().Arena.required_bytes(snap.num_slots, cap, meta_cap, snap.chunk_bytes)
     if snap.num_slots * nbytes > prep.sync_max_bytes:
-        prep.start(_what(snap, total), _create_job(snap, cap, meta_cap, prep.device,
-                                                    retire=False, drop_inherited=False,
-                                                    discard=None), speculative=True)
+        _start_create(prep, snap, _what(snap, total), cap, meta_cap, prep.device,
+                      speculative=True)
 
 
 def _what(snap: Any, total: int) -> str:
@@ -407,16 +503,53 @@ def _adopt_prepared(snap: Any, got: Prepared) -> Any:
     return a
 
 
-def ensure(snap: Any, plan: Any, meta_len: int, step: int) -> Any:
+def _settle(snap: Any) -> None:
+    """``ensure(sync=True)`` while a set-up's job runs: a job at work is waited for (it
+    is further along than a new start here would be); one not started yet (held) is
+    cancelled, and the caller makes the arena itself."""
+    prep: ArenaPreparer = snap._prep
+    if prep.started:
+        log.warning("cudasnap: waiting for %s (the synchronous snapshot needs it)", prep._what)
+        if not prep.wait_handed(snap.wait_timeout_s):
+            log.error("cudasnap: %s was not ready after %.0f s", prep._what, snap.wait_timeout_s)
+        return
+    prep.cancel(min(60.0, snap.wait_timeout_s))
+
+
+def ensure(snap: Any, plan: Any, meta_len: int, step: int, sync: bool = False) -> Any:
     """The arena for a snapshot of ``plan``, or None (boundary skipped: not ready yet).
 
     Small arenas are made here, synchronously; large ones (and the pre-fault and
-    registration of an inherited one) by the background preparer.
+    registration of an inherited one) by the background preparer. ``sync`` (a flush,
+    trigger or close() before the arena is ready: cudasnap.core.early): whatever the
+    size, the arena is made or adopted here, now (a running set-up is waited for or
+    cancelled first). Holds ``snap._arena_lock``: a boundary that finds it taken (a
+    synchronous set-up on another thread) is skipped, never blocked.
     """
-    prep: ArenaPreparer = snap._prep
-    if prep.busy:
-        _not_ready(snap, step)
+    if threading.current_thread() is snap._prep._thread:
+        return None  # a regrowth's own flush (its live copy): never into the arena it replaces
+    lock = snap._arena_lock
+    if not lock.acquire(timeout=snap.wait_timeout_s if sync else 0):
+        if sync:
+            log.error("cudasnap: the staging arena stayed busy for %.0f s", snap.wait_timeout_s)
+        else:
+            _not_ready(snap, step)
         return None
+    try:
+        return _ensure(snap, plan, meta_len, step, sync)
+    finally:
+        lock.release()
+
+
+def _ensure(snap: Any, plan: Any, meta_len: int, step: int, sync: bool) -> Any:
+    prep: ArenaPreparer = snap._prep
+    if prep.pending:
+        if not sync:
+            _not_ready(snap, step)
+            return None
+        _settle(snap)
+        if prep.pending:
+            return None
     got = prep.take()  # raises the background set-up's error (once)
     nbytes = plan.total_bytes
     a = snap._arena
@@ -436,11 +569,12 @@ def ensure(snap: Any, plan: Any, meta_len: int, step: int) -> Any:
     need_meta = meta_capacity(meta_len)
     inh = snap._inherited
     if a is None and inh is not None and _fits(inh, snap, nbytes, need_meta):
-        if prep.warmed is inh or inh.num_slots * inh.data_capacity <= prep.sync_max_bytes:
-            if prep.warmed is not inh:
-                inh.prefault()
+        if prep.warmed is inh or inh.num_slots * inh.data_capacity <= prep.sync_max_bytes \
+                or sync:
+            if prep.warmed is not inh and not (sync and fully_reserved(inh)):
+                inh.prefault()  # (sync: only its holes are reserved and mapped)
             snap._inherited = None
-            snap._arena = snap._adopt(inh)
+            snap._arena = snap._adopt(inh)  # CUDA: page-locked here when not yet
             return snap._arena
         prep.start(f"the staging arena left by the previous process ({inh.path})",
                    _warm_job(inh, _device(snap)))
@@ -450,16 +584,18 @@ def ensure(snap: Any, plan: Any, meta_len: int, step: int) -> Any:
     total = native().Arena.required_bytes(snap.num_slots, cap, need_meta, snap.chunk_bytes)
     regrow = a is not None
     del a, inh  # the old mapping must go before the new arena's free-space check
-    if snap.num_slots * nbytes > prep.sync_max_bytes or discard is not None:
+    if not sync and (snap.num_slots * nbytes > prep.sync_max_bytes or discard is not None):
         if regrow:
             log.warning("state grew to %d bytes; re-creating the staging arena in the "
                         "background", nbytes)
-        prep.start(_what(snap, total), _create_job(
-            snap, cap, need_meta, _device(snap), retire=regrow,
-            drop_inherited=snap._inherited is not None, discard=discard))
+        _start_create(prep, snap, _what(snap, total), cap, need_meta, _device(snap),
+                      retire=regrow, drop_inherited=snap._inherited is not None,
+                      discard=discard)
         _not_ready(snap, step)
         return None
-    return snap._make_arena_here(regrow, cap, need_meta)
+    drop(discard)
+    # sync (large): reserved only, not pre-faulted (the copy maps the pages it writes)
+    return snap._make_arena_here(regrow, cap, need_meta, prefault=not sync)
 
 
 def _device(snap: Any) -> int | None:
@@ -477,5 +613,5 @@ def shutdown(snap: Any, timeout: float) -> None:
     except Exception as e:  # cancelled (or failed): a cancelled create removes its file
         log.info("cudasnap: arena set-up stopped by close(): %s", e)
         got = None
-    if got is not None and got.created and got.arena is not None:
+    if got is not None and got.created and got.arena is not None and got.arena is not snap._arena:
         drop(got.arena)

@@ -67,6 +67,12 @@ class Fields:
     _live: tuple[int, bytes] | None
     _live_dirty: bool
     _live_copy: threading.Event | None
+    # before the arena is ready (cudasnap.core.early)
+    _arena_lock: threading.RLock  # arena adoption/creation: ensure(), a synchronous snapshot
+    _boundary_event: threading.Event | None  # set by the next boundary (a flush waits)
+    _early_thread: int | None  # the thread of the last boundary skipped for want of an arena
+    _early_saving: bool
+    _supervised: bool  # under `cudasnap run` (its supervisor takes care of a left arena)
     # timeline
     last_step: int | None
     _restored: int | None
@@ -131,7 +137,8 @@ def new_stats() -> dict[str, Any]:
         "last_copy_seconds": None, "last_copy_gbps": None, "flushes": 0,
         "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
         "health_events": 0, "restore": None, "layout_rebuilds": 0, "abandoned": 0,
-        "arena_regrowths": 0, "skipped_not_ready": 0, "skipped_every": 0, "live_saves": 0}
+        "arena_regrowths": 0, "skipped_not_ready": 0, "skipped_every": 0, "live_saves": 0,
+        "early_saves": 0}
 
 
 def summarize_stats(raw: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from .._proc import pid_alive
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage import posix
-from . import arena_prep
+from . import arena_prep, early
 from .shared import Fields
 from .state import single_cuda_device
 from .timeline import arena_slots, move_aside
@@ -65,7 +65,7 @@ class StagingMixin(Fields):
             # Why the arena is process-private (cudaHostRegister of the shared file refused).
             "fallback_reason": self._prep.fallback_reason or (
                 self._cuda.fallback_reason if self._cuda is not None else None)}}
-        s["arena_preparing"] = self._prep.busy
+        s["arena_preparing"] = self._prep.pending
         s.update(arena_slots(a, self.num_slots, self.spare_slot))
         return s
 
@@ -106,6 +106,8 @@ class StagingMixin(Fields):
         if owner != os.getpid() and pid_alive(owner):
             raise ConfigError(f"staging arena {self.arena_path} belongs to running process {owner}")
         arena.claim_owner()  # from now on `cudasnap gc` sees this process as the user
+        if not self._supervised:
+            early.left_at_exit(arena.path)  # named at exit if still there (issue 23 item 6)
         self._inherited = arena
         slot = arena.newest_complete()
         if slot >= 0:
@@ -117,8 +119,11 @@ class StagingMixin(Fields):
         """The arena for ``plan``, or None (this boundary is skipped; see arena_prep)."""
         return arena_prep.ensure(self, plan, meta_len, int(self.last_step or 0))
 
-    def _make_arena_here(self, regrow: bool, capacity: int, meta_capacity: int) -> Any:
-        """A small arena, made on the calling (training) thread."""
+    def _make_arena_here(self, regrow: bool, capacity: int, meta_capacity: int,
+                         prefault: bool = True) -> Any:
+        """An arena made on the calling thread: a small one at a boundary, or any size for
+        a synchronous snapshot before the background one was ready (cudasnap.core.early;
+        ``prefault`` False: reserved, its pages mapped by the copies that write them)."""
         if regrow:
             log.warning("state grew; re-creating the staging arena")
             if not self._retire_arena():
@@ -128,16 +133,18 @@ class StagingMixin(Fields):
             self._inherited = None
         t0 = time.perf_counter()
         self.arena_path.unlink(missing_ok=True)
-        arena = self._create_arena(capacity, meta_capacity)
+        arena = self._create_arena(capacity, meta_capacity) if prefault else \
+            self._create_arena(capacity, meta_capacity, None, False)
         self._arena = self._adopt(arena)
         self._stats["arena_setup_seconds"] = time.perf_counter() - t0
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
                  self.num_slots, capacity / 1e6, self._stats["arena_setup_seconds"])
         return self._arena
 
-    def _create_arena(self, capacity: int, meta_capacity: int, cancel: Any = None) -> Any:
+    def _create_arena(self, capacity: int, meta_capacity: int, cancel: Any = None,
+                      prefault: bool = True) -> Any:
         return native().Arena.create(str(self.arena_path), self.num_slots, capacity,
-                                     meta_capacity, self.chunk_bytes, self.job, True, cancel)
+                                     meta_capacity, self.chunk_bytes, self.job, prefault, cancel)
 
     def _retire_arena(self) -> bool:
         """Frees the current arena before a bigger one is made, keeping its snapshot.
@@ -174,6 +181,8 @@ class StagingMixin(Fields):
     def _adopt(self, arena: Any) -> Any:
         if arena.writable:
             arena.claim_owner()  # `cudasnap gc` must see this process as the live user
+        if arena.shared and not self._supervised:
+            early.left_at_exit(arena.path)  # named at exit if still there (issue 23 item 6)
         if self._cuda is not None:
             return self._cuda.prepare_arena(arena, self, self._prep.fallback_reason)
         return arena

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._native import native
 from ..errors import ConfigError, SnapshotError, StagingError
+from . import early
 from .host_capture import HostText
 from .plan import Layout
 from .shared import Fields
@@ -91,6 +92,9 @@ class SubmitMixin(Fields):
         try:
             self._snapshot(step, t0)
         finally:
+            ev = self._boundary_event  # a flush waiting for this boundary (cudasnap.core.early)
+            if ev is not None:
+                ev.set()
             # After the submit: a SIGTERM flush raised here waits for this very step.
             if self.guard is not None:
                 self.guard.on_boundary(step)
@@ -125,8 +129,13 @@ class SubmitMixin(Fields):
                         "CUDA RNG state cannot be read meanwhile); call boundary() outside "
                         "graph capture", step)
             return
+        not_ready = self._stats["skipped_not_ready"]
         if self._submit_copy(lay, step, suffix) is not None:
             self._record_ns(t0)
+        elif self._stats["skipped_not_ready"] != not_ready:
+            # No arena yet: until the next optimizer step the live state IS this step,
+            # which a flush, trigger or close() meanwhile copies (cudasnap.core.early).
+            early.note_unprotected(self, step, suffix)
 
     def _host_suffix(self, step: int) -> list[bytes]:
         """The per-boundary end of the slot manifest, host state + step, in pieces that
