@@ -99,8 +99,13 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             pre-fault / page-locking of an arena left by a previous process, are
             prepared on a background thread from construction on (see
             cudasnap.core.arena_prep): boundaries before it is ready are skipped and
-            counted in ``stats()["skipped_not_ready"]``. Default 16 MiB or
-            $CUDASNAP_ARENA_SYNC_MAX_BYTES.
+            counted in ``stats()["skipped_not_ready"]`` (CPU backend: an arena left by
+            a previous process takes snapshots from the first boundary, its pre-fault
+            runs beside them). A ``flush()``, trigger or ``close()`` before it is ready
+            makes it right then and snapshots the live state of the last boundary
+            (``stats()["early_saves"]``; cudasnap.core.early). Default 16 MiB or
+            $CUDASNAP_ARENA_SYNC_MAX_BYTES. ``bench/start_window.py`` measures the
+            window (construction -> first protected step) by state size.
     """
 
     def __init__(self, model: Any, optimizer: Any = None,

@@ -15,7 +15,13 @@ background thread instead:
   ``Snapshotter._retire_arena``) and the new one made, in the background.
 
 Boundaries that arrive while the work runs are skipped and counted
-(``stats()["skipped_not_ready"]``) with one log line per set-up. Arenas whose
+(``stats()["skipped_not_ready"]``) with one log line per set-up; a flush, trigger
+or ``close()`` meanwhile makes the arena at once (``ensure(sync=True)``, see
+cudasnap.core.early). The window is short (issue 23 item 2, bench/start_window.py):
+the job runs at the training thread's priority from construction on, a CPU arena is
+handed over once reserved (its pre-fault follows, at nice 10, while snapshots use
+it), and an inherited CPU arena whose pages are all reserved is adopted by the first
+boundary (only its pre-fault runs in the background). Arenas whose
 slots hold at most ``arena_sync_max_bytes`` of snapshot data in all (default
 16 MiB) are still made synchronously at the first boundary, as before: short
 runs and small models snapshot from step 0 on. (Each slot also has a fixed

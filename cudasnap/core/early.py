@@ -146,7 +146,8 @@ def at_close(snap: Any, keep: bool) -> None:
 def warn_if_nothing_saved(snap: Any) -> None:
     """``close()``: boundaries ran but none of them was saved anywhere: say so."""
     st = snap._stats
-    if snap._boundaries and not st["snapshots"] and not st["live_saves"]:
+    if snap._boundaries and st["skipped_not_ready"] and not st["snapshots"] \
+            and not st["live_saves"]:
         log.warning("cudasnap: close(): none of this run's %d boundaries (last step %s) was "
                     "saved: the staging arena was not ready yet (%d skipped) and the state had "
                     "moved past the last boundary; a restart resumes from the previous "
