@@ -16,6 +16,10 @@ from ..errors import ConfigError, CorruptSnapshot, SnapshotError
 
 log = logging.getLogger("cudasnap.cli")
 
+EXIT_STATUS = ("exit status: 0 success; 1 verify found a damaged snapshot; 2 an error, printed "
+               "as one line (bad arguments or paths, an unreadable snapshot, an unreachable "
+               "object store); --debug prints the traceback instead")
+
 
 def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
     """One row; its data is "unverified" (manifest read only) unless ``verify``."""
@@ -296,7 +300,8 @@ def _directory_arg(text: str) -> Path | str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing")
+    p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing",
+                                epilog=EXIT_STATUS)
     p.add_argument("--debug", action="store_true", help="tracebacks for errors")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="train, inject a failure, resume bit for bit", add_help=False)

@@ -14,18 +14,41 @@ read (the supervisor closed the pipe or died) ends the process quietly.
 
 Only plain ``python SCRIPT args`` and ``python -m MODULE args`` commands are
 run this way (:func:`warm_command`); anything else restarts cold.
+
+The standby is in the supervisor's process group (a scheduler's ``kill -- -PGID``
+ends it and, once started, the training it runs) and gets SIGTERM when the
+supervisor dies (``PR_SET_PDEATHSIG``): it never outlives its supervisor. While it
+waits it ignores SIGINT (a terminal's Ctrl-C reaches the whole foreground group;
+the supervisor forwards it to the running attempt); ``go`` restores Python's
+KeyboardInterrupt handler before the script runs.
+
+``python -m cudasnap.tools.standby --now -- ARGS`` runs the script at once (no
+preload): ``cudasnap run``'s cold attempts of python commands. In both modes a
+configuration error escaping the script (:data:`CONFIG_ERRORS`: ConfigError,
+StagingError, e.g. a /dev/shm too small for the arena) is written to the file named
+by ``CUDASNAP_RUN_VERDICT`` before Python reports it as usual (traceback, exit 1):
+the supervisor then stops with that error instead of restarting a run that cannot work.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .._proc import parent_death_signal
+from ..errors import ConfigError, StagingError
+
 log = logging.getLogger("cudasnap.standby")
+
+#: errors that a restart cannot fix: the supervisor stops on them (CUDASNAP_RUN_VERDICT)
+CONFIG_ERRORS: tuple[type[BaseException], ...] = (ConfigError, StagingError)
+VERDICT_ENV = "CUDASNAP_RUN_VERDICT"
 
 # Set in the standby process when "go" arrives (the resumed script reads it through
 # sys.modules["cudasnap.tools.standby"] to report its recovery time honestly).
@@ -60,6 +83,35 @@ def preload() -> None:
     import cudasnap.snapshotter  # noqa: F401
 
 
+def write_verdict(exc: BaseException) -> None:
+    """Records a configuration error for the supervisor (CUDASNAP_RUN_VERDICT; 0600)."""
+    path = os.environ.get(VERDICT_ENV)
+    if not path:
+        return
+    body = json.dumps({"kind": "config", "error": f"{type(exc).__name__}: {exc}",
+                       "pid": os.getpid()}).encode()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:  # the supervisor then restarts as for any failure
+        log.warning("could not record the configuration error for cudasnap run: %s", e)
+
+
+def run_reporting(args: list[str]) -> None:
+    """:func:`run`, recording a configuration error (:data:`CONFIG_ERRORS`) that escapes
+    the script before it propagates unchanged (Python prints it and exits 1)."""
+    try:
+        run(args)
+    except CONFIG_ERRORS as e:
+        write_verdict(e)
+        raise
+
+
 def run(args: list[str]) -> None:
     """Runs ``args`` (from :func:`warm_command`) as ``python`` would."""
     if args[0] == "-m":
@@ -90,10 +142,12 @@ class Standby:
             return None
         r, w = os.pipe()
         try:
-            # Own process group: a terminal's Ctrl-C must not kill a standby that has
-            # not started (the supervisor forwards signals to the running attempt).
+            # The supervisor's process group (a group kill ends it too), SIGTERM when the
+            # supervisor dies, SIGINT ignored until "go" (see the module docstring).
             proc = subprocess.Popen([cmd[0], "-m", "cudasnap.tools.standby", str(r), "--", *args],
-                                    env=env, pass_fds=(r,), start_new_session=True)
+                                    env=env, pass_fds=(r,),
+                                    preexec_fn=parent_death_signal(signal.SIGTERM, os.getpid(),
+                                                                   ignore=(signal.SIGINT,)))
         except OSError as e:
             os.close(w)
             log.warning("no warm standby (%s): the next restart starts cold", e)
@@ -130,10 +184,13 @@ class Standby:
 
 
 def main() -> int:
-    fd = int(sys.argv[1])
     args = sys.argv[2:]
     if args[:1] == ["--"]:
         args = args[1:]
+    if sys.argv[1] == "--now":  # a cold attempt: run at once, configuration errors recorded
+        run_reporting(args)
+        return 0
+    fd = int(sys.argv[1])
     t0 = time.monotonic()
     preload()
     log.debug("standby ready in %.2f s", time.monotonic() - t0)
@@ -146,7 +203,8 @@ def main() -> int:
     import cudasnap.tools.standby as named
 
     named.ready_time, named.go_time = ready, time.time()
-    run(args)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any python process
+    run_reporting(args)
     return 0
 
 
