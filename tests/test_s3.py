@@ -65,7 +65,7 @@ def s3_server(tmp_path_factory):
 
 @pytest.fixture
 def s3(s3_server, snap_env, monkeypatch, tmp_path):
-    """A fresh bucket URL on the local server; AWS settings that can reach nothing else."""
+    """A URL in a fresh (created) bucket on the local server; AWS settings that can reach nothing else."""
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "CUDASNAP_S3_ENDPOINT": s3_server,
@@ -75,6 +75,7 @@ def s3(s3_server, snap_env, monkeypatch, tmp_path):
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(k, raising=False)
     url = f"s3://cs-{uuid.uuid4().hex[:12]}/run1"
+    _fs().mkdir(url.removeprefix("s3://").split("/")[0])  # cudasnap never creates buckets
     return url
 
 

@@ -26,6 +26,12 @@ hash), which excludes writers on this host only. Two hosts flushing to the same
 URL at once are NOT detected: run one job per URL (the same assumption as
 DCP's fsspec writer). Multi-rank jobs need a local or shared file system.
 
+Buckets are never created: a URL whose bucket (``s3://BUCKET/...``, also gs, az) does
+not exist is refused with a ConfigError naming it (a typo must not create a bucket in
+the user's account); the prefix below it needs no creation (objects stores have no
+directories). An unreachable store is a SnapshotError with one line naming the URL
+and the cause (``cudasnap inspect/verify URL``: that line, exit 2).
+
 Options: ``CUDASNAP_S3_ENDPOINT`` (e.g. ``http://127.0.0.1:9000``) sets the S3
 endpoint; credentials come from the usual AWS variables or files (botocore).
 """
@@ -58,6 +64,32 @@ if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
 log = logging.getLogger("cudasnap.storage.fsspec")
 
 UPLOAD_BLOCK = 16 << 20
+
+#: protocols whose first path component is a bucket/container, never created here
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
+
+
+def _one_line(e: BaseException) -> str:
+    """A backend error as one line: its type and first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class _Unreachable:
+    """``with _Unreachable(url, what):`` a backend error (connection refused, DNS, auth)
+    becomes a SnapshotError of one line naming the URL; cudasnap errors pass."""
+
+    def __init__(self, url: str, what: str) -> None:
+        self.url, self.what = url, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: object) -> None:
+        if e is None or isinstance(e, SnapshotError) or not isinstance(e, Exception):
+            return
+        raise SnapshotError(f"cannot {self.what} {self.url}: {_one_line(e)}") from e
 
 
 def state_dir(url: str) -> Path:
@@ -127,16 +159,33 @@ class FsspecStorage:
             raise ConfigError(f"{ref.path} is not a snapshot of {self.url}")
         return ref.path[len(prefix):]
 
+    def bucket(self) -> str | None:
+        """The bucket (container) of a bucketed store's URL, else None."""
+        if self.protocol.lower() in _BUCKETED:
+            return self.root.split("/", 1)[0] or None
+        return None
+
     def check(self) -> None:
-        """Creates the bucket/prefix if needed and proves it is writable now."""
+        """Proves the URL writable now; never creates a bucket (see the module docstring)."""
+        bucket = self.bucket()
+        if bucket is not None:
+            try:
+                self.fs.info(bucket)
+            except FileNotFoundError:
+                raise ConfigError(f"snapshot URL {self.url}: bucket {bucket!r} does not exist; "
+                                  "cudasnap never creates buckets: create it, or fix the "
+                                  "name") from None
+            except Exception as e:  # noqa: BLE001 - botocore errors are not OSError
+                raise ConfigError(f"snapshot URL {self.url} is not reachable: "
+                                  f"{_one_line(e)}") from e
         probe = self._key(f".probe-{os.getpid()}")
         try:
-            if not self.fs.exists(self.root):
-                self.fs.makedirs(self.root, exist_ok=True)
+            if bucket is None and not self.fs.exists(self.root):
+                self.fs.makedirs(self.root, exist_ok=True)  # a file system's directory
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
         except Exception as e:  # noqa: BLE001 - any backend error means: not usable
-            raise ConfigError(f"snapshot URL {self.url} is not writable: {e}") from e
+            raise ConfigError(f"snapshot URL {self.url} is not writable: {_one_line(e)}") from e
 
     # ------------------------------------------------------------ listing
     def _step_dirs(self) -> dict[int, str]:
@@ -327,7 +376,14 @@ class FsspecStorage:
 
 
 def inspect_rows(url: str, verify: bool = False) -> list[dict[str, Any]]:
-    """``cudasnap inspect URL``: one row per committed snapshot (the CLI's row format)."""
+    """``cudasnap inspect URL``: one row per committed snapshot (the CLI's row format).
+
+    An unreachable store: one-line SnapshotError (the CLI prints it, exit 2)."""
+    with _Unreachable(url, "list"):
+        return _inspect_rows(url, verify)
+
+
+def _inspect_rows(url: str, verify: bool) -> list[dict[str, Any]]:
     st = FsspecStorage(url)
     latest = st.read_latest()
     rows: list[dict[str, Any]] = []
@@ -349,7 +405,14 @@ def inspect_rows(url: str, verify: bool = False) -> list[dict[str, Any]]:
 
 
 def verify_lines(url: str, step: int | None = None) -> tuple[int, list[str]]:
-    """``cudasnap verify URL``: (exit code, report lines); 2 when nothing was verified."""
+    """``cudasnap verify URL``: (exit code, report lines); 2 when nothing was verified.
+
+    An unreachable store: one-line SnapshotError (the CLI prints it, exit 2)."""
+    with _Unreachable(url, "verify"):
+        return _verify_lines(url, step)
+
+
+def _verify_lines(url: str, step: int | None) -> tuple[int, list[str]]:
     st = FsspecStorage(url)
     snaps = [s for s in st.list_snapshots() if step is None or s.step == step]
     if not snaps:
