@@ -5,6 +5,7 @@ The S3 server is test_s3.py's (moto's standalone server on 127.0.0.1, dummy
 credentials, nothing reaches AWS); ``cudasnap run --dir s3://`` is in
 test_supervisor_edges.py (no server needed).
 """
+# ruff: noqa: F811  (the fixtures imported from test_s3 are parameters here)
 from __future__ import annotations
 
 import socket
@@ -16,9 +17,10 @@ import pytest
 s3fs = pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cudasnap[s3]')")
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
 
+from test_s3 import REPO, _fs, s3, s3_server, small_job  # noqa: E402,F401 - fixtures
+
 import cudasnap  # noqa: E402
 from cudasnap.errors import ConfigError  # noqa: E402
-from test_s3 import REPO, _fs, s3, s3_server, small_job  # noqa: E402,F401 - fixtures
 
 
 def test_a_missing_bucket_is_refused_and_never_created(s3):

@@ -5,21 +5,33 @@ from its own shared-memory slot, its own files, or (replicated state, e.g.
 DDP) a replica's files of the same step. Sharded state with a missing shard
 is an error naming the rank and step (raised on every rank), never a partial
 restore. The shared filesystem must show every rank the same ``DIR``.
+
+Every rank must also run the same job (``Snapshotter(job=...)``/``CUDASNAP_JOB``):
+the store keys are namespaced by it, so ranks of different jobs never see each
+other. Each rank therefore also publishes its job under a job-independent key
+(``cudasnap/restore-job/e<epoch>/<rank>``); a rank that finds a peer of another job
+fails at once with a ConfigError naming both, and a rank still waiting for a peer
+after :data:`WAIT_WARN_S` says so (which ranks, how long, the likely causes).
 """
 from __future__ import annotations
 
 import logging
+import time
 
+from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from ..format.manifest import parse_slot_meta
 from ..format.paths import MANIFEST, rank_dirname
 from ..storage.posix import StoredSnapshot, committed_steps, read_commit
-from ..errors import CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from .events import EventLog
 from .flush_round import complete_steps
 from .kv import KV, csv, parse_csv
 from .local import LocalSnapshots
 
 log = logging.getLogger("cudasnap.dist")
+
+#: a rank waiting this long for its peers' restore entries logs which ones and why
+WAIT_WARN_S = 10.0
+_POLL_S = 0.02
 
 
 class RestoreVote:
@@ -34,6 +46,74 @@ class RestoreVote:
     def replicas_of(self, rank: int) -> list[int]:
         return next(g for g in self.replica_groups if rank in g)
 
+    # ------------------------------------------------------------ job check
+    def _job(self) -> str:
+        return str(getattr(self.local, "job", "") or "")
+
+    def _job_key(self, rank: int) -> str:
+        """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<rank>``."""
+        epoch = self.kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
+        return f"cudasnap/restore-job/{epoch}/{rank}"
+
+    def _raw(self, key: str, value: str | None = None) -> str | None:
+        """get/set of a key without the job prefix, on the KV's shared client."""
+        with self.kv._lock:
+            st = self.kv.store
+            if value is not None:
+                st.set(key, value)
+                return value
+            if not st.check([key]):
+                return None
+            return str(st.get(key).decode())
+
+    def _publish_job(self) -> None:
+        try:
+            self._raw(self._job_key(self.rank), self._job())
+        except Exception as e:  # noqa: BLE001 - the check is a diagnosis, never a failure
+            log.debug("rank %d: job key not published: %s", self.rank, e)
+
+    def _peer_job(self, rank: int) -> str | None:
+        try:
+            return self._raw(self._job_key(rank))
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _gather(self, n: int) -> list[str]:
+        """Every rank's restore entry; ConfigError at once for a peer of another job."""
+        got: dict[int, str] = {}
+        start = time.monotonic()
+        warned = False
+        job = self._job()
+        while True:
+            for r in range(self.world):
+                if r in got:
+                    continue
+                v = self.kv.get(f"restore/{n}/{r}")
+                if v is not None:
+                    got[r] = v
+                    continue
+                theirs = self._peer_job(r)
+                if theirs is not None and theirs != job:
+                    raise ConfigError(
+                        f"rank {self.rank} runs job {job!r} but rank {r} runs job {theirs!r}: "
+                        "every rank of a job must use the same job= (Snapshotter(job=...) or "
+                        "CUDASNAP_JOB), or none (it is then derived from the directory)")
+            if len(got) == self.world:
+                return [got[r] for r in range(self.world)]
+            waited = time.monotonic() - start
+            if waited >= self.timeout_s:
+                missing = [r for r in range(self.world) if r not in got]
+                raise SnapshotError(f"rank {self.rank}: rank(s) {missing} did not take part in "
+                                    f"the restore within {self.timeout_s:.0f} s (job {job!r})")
+            if not warned and waited >= min(WAIT_WARN_S, self.timeout_s / 2):
+                warned = True
+                missing = [r for r in range(self.world) if r not in got]
+                log.warning("rank %d: waiting %.0f s (of %.0f s) for rank(s) %s to join the "
+                            "restore of job %r in %s; a rank with another job= or CUDASNAP_JOB, "
+                            "another directory, or still starting never joins", self.rank,
+                            waited, self.timeout_s, missing, job, self.local.directory)
+            time.sleep(_POLL_S)
+
     def restore(self) -> int:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
         self.events("restore_start")
@@ -41,14 +121,9 @@ class RestoreVote:
         self._n += 1
         committed = {s.step: s for s in committed_steps(self.local.directory)}
         mine = set(complete_steps(self.local.arenas()))
+        self._publish_job()
         self.kv.set(f"restore/{n}/{self.rank}", csv(mine))
-        peers: list[set[int]] = []
-        for r in range(self.world):
-            v = self.kv.wait(f"restore/{n}/{r}", self.timeout_s)
-            if v is None:
-                raise SnapshotError(f"rank {self.rank}: rank {r} did not take part in the restore "
-                                    f"within {self.timeout_s:.0f} s")
-            peers.append(parse_csv(v))
+        peers = [parse_csv(v) for v in self._gather(n)]
         shm_common = set.intersection(*peers)
         candidates = sorted(set(committed) | shm_common, reverse=True)
         errors: list[str] = []
