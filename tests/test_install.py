@@ -137,3 +137,84 @@ def test_wheel_installs_into_a_venv_with_torch_and_every_verb_runs(tmp_path):
         p = _run([cli, verb, "--help"], cwd=work, env=outside)
         assert "usage" in p.stdout.lower(), (verb, p.stdout)
     assert sysconfig.get_paths()["purelib"] != str(purelib)
+
+
+# ----------------------------------------------------------------------------- a fresh venv, README only
+
+FRESH = ROOT / "build" / "install-test-fresh"  # a fixed place: the CMake build there stays incremental
+
+
+def _fresh_venv(shadow: Path) -> tuple[Path, dict[str, str]]:
+    """A new ``python -m venv`` (pip and the setuptools ensurepip bundles, no ``wheel``) that
+    sees the project's torch (and its dependencies, setuptools excepted) through a .pth file."""
+    venv = FRESH / "venv"
+    if venv.exists():
+        subprocess.run(["rm", "-rf", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
+    env["PYTHONNOUSERSITE"] = "1"
+    _run([sys.executable, "-m", "venv", venv], cwd=FRESH, env=env)
+    shadow.mkdir()
+    _link_dists(_closure(["torch"]), Path(torch.__file__).resolve().parent.parent, shadow)
+    for p in shadow.iterdir():  # the venv's own setuptools is the one under test
+        if p.name.startswith(("setuptools", "_distutils_hack", "pkg_resources", "wheel")):
+            p.unlink()
+    purelib = Path(subprocess.check_output(
+        [venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        env=env, text=True).strip())
+    (purelib / "_project_torch.pth").write_text(f"{shadow}\n")
+    return venv, env
+
+
+def _readme_install_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Use it in your own environment")
+    m = re.search(r"```bash\n(.*?)```", text[start:text.index("\n## ", start + 1)], re.S)
+    assert m is not None, "README: no bash block under '## Use it in your own environment'"
+    return m.group(1)
+
+
+def test_fresh_venv_readme_install_works_and_a_missing_wheel_fails_early(tmp_path):
+    """The README's install section, verbatim, in a fresh venv (torch present, as the README
+    asks): first without its build-tools line, which must fail before any compiling and name
+    the fix; then whole, which must build and import; then with an extra, which must compile
+    and link nothing."""
+    FRESH.mkdir(parents=True, exist_ok=True)
+    with open(FRESH.parent / ".install-test-fresh.lock", "w") as lock:  # one at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        venv, env = _fresh_venv(tmp_path / "deps")
+        py = venv / "bin" / "python"
+        probe = ("import importlib.util as u; print(u.find_spec('wheel') is None, "
+                 "u.find_spec('setuptools.command.bdist_wheel') is None)")
+        no_wheel, no_builtin = _run([py, "-c", probe], cwd=tmp_path, env=env).stdout.split()
+        assert no_wheel == "True", "a fresh venv has no wheel"
+        env["CUDASNAP_BUILD_DIR"] = str(FRESH / "cmake")
+        env["CUDASNAP_WITH_CUDA"] = "0"  # the CPU backend: the same build steps, minutes less
+        block = _readme_install_block().replace("/path/to/cudasnap", str(ROOT))
+        tools, install = block.split("\n", 1)
+        assert tools.startswith("pip install ") and " wheel " in tools, tools
+
+        if no_builtin == "True":  # setuptools < 70.1 (3.11's bundled 65.5): the issue's failure
+            p = subprocess.run(["bash", "-c", install], cwd=tmp_path, env=env, text=True,
+                               capture_output=True, timeout=600)
+            out = p.stdout + p.stderr
+            assert p.returncode != 0, out[-3000:]
+            assert "invalid command 'bdist_wheel'" not in out, out[-3000:]
+            assert "wheel: setuptools" in out and "pip install setuptools wheel pybind11 cmake ninja" in out, \
+                out[-3000:]
+            assert "Building CXX" not in out and "configuring the build" not in out, "compiled before failing"
+
+        p = _run(["bash", "-c", block], cwd=tmp_path, env=env, timeout=1800)
+        out = p.stdout + p.stderr
+        assert re.search(r"cudasnap: (building the CPU backend only|the extension in .* is up to date)", out), \
+            out[-3000:]
+        info = _run([py, "-c", "import cudasnap, json; print(json.dumps(cudasnap.build_info()))"],
+                    cwd=tmp_path, env=env).stdout.strip().splitlines()[-1]
+        assert json.loads(info)["backends"] == ["cpu"], info
+
+        # An extra afterwards: the build is reused, nothing compiled or linked (--no-deps:
+        # the extra's own packages are the README's other way and need the index).
+        p = _run([venv / "bin" / "pip", "install", "-v", "--no-build-isolation", "--no-deps", f"{ROOT}[s3]"],
+                 cwd=tmp_path, env=env)
+        out = p.stdout + p.stderr
+        assert "nothing to compile" in out and "Linking" not in out, out[-3000:]
