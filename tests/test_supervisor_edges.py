@@ -385,3 +385,44 @@ def test_verdict_file_is_private_and_names_the_error(tmp_path, monkeypatch):
     assert rec["kind"] == "config" and rec["error"] == "ConfigError: bad CUDASNAP_NUM_SLOTS"
     assert run_mod._read_verdict(path) == "ConfigError: bad CUDASNAP_NUM_SLOTS"
     assert not path.exists()
+
+
+SMALL_SHM_TRAINER = r"""
+import torch, cudasnap, json, os, sys
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"restart": os.environ["CUDASNAP_RESTART"]}) + "\n")
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+snap = cudasnap.Snapshotter(model, opt, copy_threads=1)  # directory, job, shm from cudasnap run
+snap.restore_latest()
+for step in range(1000):
+    snap.boundary(step)  # raises the arena set-up's StagingError
+snap.close()
+"""
+
+
+@pytest.fixture
+def tiny_shm(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    yield d
+    if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_a_real_too_small_shm_stops_the_run_without_a_restart(snap_env, tiny_shm, caplog):
+    """Item 6, end to end: a real Snapshotter under ``cudasnap run`` whose /dev/shm (a
+    64 KiB tmpfs) cannot hold the arena: one attempt, the StagingError logged, exit 1."""
+    script, rec = snap_env.tmp / "train.py", snap_env.tmp / "attempts.jsonl"
+    script.write_text(SMALL_SHM_TRAINER)
+    caplog.set_level(logging.WARNING, logger="cudasnap.run")
+    report: list[dict] = []
+    rc = supervise([sys.executable, str(script), str(rec)], snap_env.dir, max_restarts=3,
+                   shm_dir=tiny_shm, report=report, extra_env={"OMP_NUM_THREADS": "1"})
+    assert rc == 1 and len(report) == 1, report
+    assert len(rec.read_text().splitlines()) == 1
+    assert "StagingError" in report[0]["config_error"] and "free" in report[0]["config_error"]
