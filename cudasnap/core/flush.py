@@ -26,6 +26,12 @@ class FlushMixin(Fields):
         With ``wait`` the running copy (if any) is given ``timeout`` seconds to
         complete first, so the flushed step is the newest one. Returns None when
         no snapshot exists yet.
+
+        Multi-rank: called by the program itself with ``wait`` (e.g. at the end of the
+        job, on every rank), the coordinated round waits, bounded, for every live rank's
+        copy of this rank's newest step, so all agree on the last step every rank
+        reached. A trigger's flush (the guard's: signals, health, peer failure) or one
+        without ``wait`` waits for no rank's boundary.
         """
         if self._closed:
             raise SnapshotError("flush() on a closed Snapshotter")
@@ -35,7 +41,8 @@ class FlushMixin(Fields):
             if self._live is not None:
                 self._copy_live(timeout)
             if self.dist is not None:
-                path = self.dist.flush()
+                triggered = self.guard is not None and self.guard.dispatcher.flushing
+                path = self.dist.flush(explicit=wait and not triggered)
                 if path is not None:
                     self._stats["flushes"] += 1
                     self._stats["last_flush_path"] = str(path)
@@ -65,6 +72,14 @@ class FlushMixin(Fields):
             self._stats["last_flush_seconds"] = st["seconds"]
             self._stats["last_flush_path"] = str(path)
             return path
+
+    def settle_newest(self, timeout: float | None) -> None:
+        """Zero-overhead mode: copies the newest boundary's live state now when that
+        boundary was not copied and no optimizer step ran since (a no-op otherwise).
+        The coordinator calls it while an explicit flush round waits for this rank's
+        newest step (cudasnap.dist.flush_round)."""
+        if self._live is not None:
+            self._copy_live(timeout)
 
     def flush_if_new(self, wait_s: float = 60.0) -> Path | None:
         """Flushes the newest COMPLETE snapshot unless that step is already on disk

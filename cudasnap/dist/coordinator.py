@@ -13,6 +13,7 @@ import logging
 import operator
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -126,20 +127,43 @@ class Coordinator:
         return self.rounds.agree_step(g, deadline)
 
     # ------------------------------------------------------------ verbs
-    def flush(self) -> Path | None:
-        """The agreed, committed flush; this rank's directory for the step, or None."""
-        return self.rounds.flush()
+    def flush(self, explicit: bool = False) -> Path | None:
+        """The agreed, committed flush; this rank's directory for the step, or None.
+
+        ``explicit``: the program's own flush (e.g. at the end of the job), not a
+        trigger's: the round waits, bounded, for every live rank's newest boundary."""
+        return self.rounds.flush(explicit=explicit)
 
     def restore(self) -> int:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
         return self.vote.restore()
 
     def stop(self) -> None:
+        """Stops the threads (``close()``). A clean close (not while an exception
+        propagates) with this rank's final snapshot committed ends its heartbeat with
+        the closed marker: its peers do not take its end for a failure."""
         self._stop.set()
         self._actions.put(("stop", None))
         for t in (self._thread, self._worker):
             if t is not threading.current_thread():
                 t.join(timeout=5)
+        exc = sys.exc_info()[1]  # close() from __exit__, an except or a finally block
+        if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            log.warning("rank %d closes during %s: its peers take its end for a failure",
+                        self.rank, type(exc).__name__)
+            return
+        try:
+            step = self.rounds.final_step()
+            if step is not None:
+                self.live.close(step)
+                self.events("closed", step=step)
+            else:
+                log.warning("rank %d closes with its newest step %s not committed: peers "
+                            "still running take its end for a failure (flush() on every rank "
+                            "before close() ends a multi-rank job)", self.rank,
+                            max(self.complete_steps(), default=None))
+        except Exception as e:  # noqa: BLE001 - the store may be gone when the job dies
+            log.warning("rank %d: could not publish its close: %s", self.rank, e)
 
     # ---------------------------------------------------------- threads
     def _run(self) -> None:

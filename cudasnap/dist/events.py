@@ -1,6 +1,8 @@
 """The coordinator's event log: one JSON line per event in ``DIR/dist-log.jsonl``.
 
-Events: flush_start, agreed, agree_failed, written, committed, commit_failed,
+Events: flush_start (with ``target`` when an explicit flush opened the round), agreed,
+agree_failed, written, committed, commit_failed, closed_peers (a flush that opened no
+round: peers had closed), closed (this rank's clean close, its final committed step),
 restore_start, restored; each with wall-clock time, rank, epoch and thread.
 """
 from __future__ import annotations

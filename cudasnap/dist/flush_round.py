@@ -21,6 +21,21 @@ Round ``g`` (any trigger on any rank; the others join when they see
 A trigger that finds the last round of this epoch finished and no newer step
 COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
 ``peer_failure`` flush): a second round would wait for ranks that have exited.
+
+Explicit rounds (the end of a job). A ``flush()`` the program calls itself, not a
+trigger's, proposes its newest step as the round's target (``flush/<g>/target``): in
+step 1 every rank then waits, within the agreement deadline, until each live rank's
+COMPLETE steps hold the target (a rank republishes ``have/<rank>`` as its copies
+complete), rather than settling on the older step that is COMPLETE everywhere while a
+rank's last boundary is still on its way. Dead ranks are never waited for; the round of
+a trigger (a signal, a health event, a peer failure) has no target and waits for no
+boundary at all.
+
+Closed ranks. A rank that closed with its final snapshot committed (its heartbeat says
+``closed:<step>``, see liveness) ended the job; it is not dead. A round already open
+does not wait for it (it counts with that step, or not at all when a live replica
+covers it); a new round is not opened when it cannot include the closed rank's state:
+the flush returns at once, logging that its newer steps cannot be committed.
 """
 from __future__ import annotations
 
@@ -31,11 +46,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from ..format.paths import COMMIT, MANIFEST, rank_dirname, step_dirname
-from ..storage import posix
 from .._native import native
 from .._testing.dist_hooks import DieInFlush
 from ..errors import SnapshotError
+from ..format.paths import COMMIT, MANIFEST, rank_dirname, step_dirname
+from ..storage import posix
 from .events import EventLog
 from .kv import KV, csv, parse_csv
 from .liveness import Liveness
@@ -107,7 +122,9 @@ class FlushRounds:
         """(step, dead set D) of round ``g``; the first proposal stored wins.
 
         Each rank keeps two slots, so the previous step is still there when the
-        newest one was being written at the failure.
+        newest one was being written at the failure. In an explicit round (one with a
+        target, see the module docstring) the proposal waits, within the same deadline,
+        for every live rank to hold the target step.
         """
         live, kv = self.live, self.kv
         mine = self.complete_steps()
@@ -118,6 +135,9 @@ class FlushRounds:
         if deadline is not None:
             end = min(end, deadline)
         checked = 0.0
+        target: int | None = None
+        behind: list[int] = []
+        settled: int | None = None
         while True:
             won = kv.get(f"{g}/step")
             if won is not None:
@@ -125,8 +145,21 @@ class FlushRounds:
             if time.monotonic() - checked > 0.1:
                 live.check()
                 checked = time.monotonic()
+            if target is not None and target not in sets[self.rank]:
+                reached = self.local.last_step()
+                if reached is not None and reached >= target and reached != settled:
+                    settled = reached  # zero-overhead mode: the boundary was not copied
+                    self.local.settle_newest(max(0.0, end - time.monotonic()))
+                now_mine = self.complete_steps()  # this rank's last copy may complete now
+                if set(now_mine) != sets[self.rank]:
+                    sets[self.rank] = set(now_mine)
+                    kv.set(f"{g}/have/{self.rank}", csv(now_mine))
             for r in range(self.world):
                 if r in sets:
+                    if r in behind:  # republished as its copies complete
+                        v = kv.get(f"{g}/have/{r}")
+                        if v is not None:
+                            sets[r] = parse_csv(v)
                     continue
                 v = kv.get(f"{g}/have/{r}")
                 if v is not None:
@@ -134,23 +167,41 @@ class FlushRounds:
                 elif r in live.dead and r not in left and live.host_of(r) == live.host:
                     left[r] = self._arena_steps(r)
                     kv.set(f"{g}/left/{r}", "?" if left[r] is None else csv(left[r] or ()))
-            waiting = [r for r in range(self.world) if r not in sets and r not in live.dead]
+            waiting = [r for r in range(self.world) if r not in sets and r not in live.dead
+                       and r not in live.closed]
             # A dead rank elsewhere: give a live rank on its host time to read its arena.
             waiting += [r for r in live.dead if r not in sets and r not in left
                         and kv.get(f"{g}/left/{r}") is None
                         and live.live_host_mate(r, set()) is not None]
-            if not waiting or time.monotonic() > end:
+            if not waiting and target is None:
+                v = kv.get(f"{g}/target")  # proposed before the requester's have/
+                target = int(v) if v is not None else None
+            behind = [] if target is None else \
+                [r for r, v in sets.items() if target not in v and r not in live.dead
+                 and r not in live.closed]
+            if not waiting and not behind:
+                break
+            if time.monotonic() > end:
+                if behind and not waiting:
+                    log.warning("rank %d: rank(s) %s did not complete step %d (the explicit "
+                                "flush's) within %.1f s; agreeing on an older step", self.rank,
+                                behind, target, live.peer_timeout_s + 4 * self.heartbeat_s)
                 break
             time.sleep(0.02)
         dead = {r for r in range(self.world) if r not in sets}
         use = dict(sets)
         fallback: dict[int, set[int]] = {}
+        closed = dict(live.closed)
         for r in sorted(dead):
+            covered = any(q not in dead for q in self.replicas_of(r) if q != r)
+            if r in closed:  # ended the job: its files hold its final step, nothing newer
+                if not covered:
+                    use[r] = {closed[r]} if closed[r] >= 0 else set()
+                continue
             got = left.get(r)
             if got is None:
                 v = kv.get(f"{g}/left/{r}")
                 got = parse_csv(v) if v is not None and v != "?" else None
-            covered = any(q not in dead for q in self.replicas_of(r) if q != r)
             if got is not None:
                 use[r] = got
                 if covered:
@@ -167,23 +218,42 @@ class FlushRounds:
         proposal = f"{max(common) if common else -1};{csv(dead)}"
         return self._parse_agreed(kv.propose(f"{g}/step", proposal))
 
+    def final_step(self) -> int | None:
+        """This rank's newest COMPLETE step if it is committed with this rank's files (-1:
+        no snapshot at all); None while it is not (a close then loses it)."""
+        newest = max(self.complete_steps(), default=None)
+        if newest is None:
+            return -1
+        last = self.last
+        if last is not None and last["committed"] and last["step"] is not None \
+                and newest <= last["step"]:
+            return last["step"]
+        step_dir = self.local.directory / step_dirname(newest)
+        if (step_dir / COMMIT).is_file() and \
+                (step_dir / rank_dirname(self.rank) / MANIFEST).is_file():
+            return newest
+        return None
+
     @staticmethod
     def _parse_agreed(v: str) -> tuple[int, set[int]] | None:
         step, _, dead = v.partition(";")
         return None if int(step) < 0 else (int(step), parse_csv(dead))
 
     # ------------------------------------------------------------ round
-    def flush(self) -> Path | None:
+    def flush(self, explicit: bool = False) -> Path | None:
         """The agreed, committed flush; returns this rank's directory for the step.
 
-        None when no step could be agreed on or the round did not commit.
+        None when no step could be agreed on or the round did not commit. ``explicit``:
+        the program's own ``flush()`` (not a trigger's): a round it opens waits, bounded,
+        for every live rank's copy of this rank's newest step (see the module docstring).
         """
         with self.lock:
             g = f"flush/{self.gen}"
             self.live.check()
             last = self.last
             newest = max(self.complete_steps(), default=None)
-            if last is not None and self.kv.get(f"{g}/request") is None and (
+            requested = self.kv.get(f"{g}/request") is not None
+            if last is not None and not requested and (
                     newest is None or (last["step"] is not None and newest <= last["step"])
                     or last["step"] is None and newest == last.get("newest")):
                 log.warning("rank %d: flush round %d of this epoch already ended (step %s, %s); "
@@ -191,10 +261,28 @@ class FlushRounds:
                             "committed" if last["committed"] else "NOT committed")
                 path: Path | None = last["path"] if last["committed"] else None
                 return path
+            closed = dict(self.live.closed)
+            lost = [r for r in closed if not any(q not in closed and q not in self.live.dead
+                                                 for q in self.replicas_of(r))]
+            if lost and not requested:
+                # Ranks that ended the job took their newer state with them: no round.
+                done = last is not None and last["committed"]
+                log.warning("rank %d: rank(s) %s closed (the end of the job) with step(s) %s "
+                            "committed; step %s here cannot be committed without them (the "
+                            "newest committed step stays %s)", self.rank, sorted(lost),
+                            sorted({closed[r] for r in lost}), newest,
+                            last["step"] if done and last is not None else
+                            max(closed[r] for r in lost))
+                self.events("closed_peers", gen=self.gen, ranks=sorted(lost), newest=newest)
+                return last["path"] if done and last is not None else None
             t0 = time.perf_counter()
             deadline = time.monotonic() + self.flush_timeout_s
-            self.kv.propose(f"{g}/request", str(self.rank))
-            self.events("flush_start", gen=self.gen, newest=newest)
+            opened = self.kv.propose(f"{g}/request", str(self.rank)) == str(self.rank)
+            if explicit and opened and newest is not None:
+                # Before this rank's have/: a rank that sees it sees the target too.
+                self.kv.propose(f"{g}/target", str(newest))
+            self.events("flush_start", gen=self.gen, newest=newest,
+                        **({"target": newest} if explicit and opened else {}))
             agreed = self.agree_step(g, deadline)
             if agreed is None:
                 self.events("agree_failed", gen=self.gen)
@@ -269,7 +357,7 @@ class FlushRounds:
         """Flush the arenas that ranks of D left on this host (lowest live local rank only)."""
         live = self.live
         for r in sorted(dead):
-            if r == self.rank or live.host_of(r) != live.host \
+            if r == self.rank or r in live.closed or live.host_of(r) != live.host \
                     or live.live_host_mate(r, dead) != self.rank \
                     or self.kv.propose(f"{g}/writer/{r}", str(self.rank)) != str(self.rank):
                 continue
@@ -314,8 +402,8 @@ class FlushRounds:
             pending = [r for r in range(self.world) if r not in status]
             live.check()
             failed = [r for r in pending if r not in dead and r in live.dead]
-            waiting = [r for r in pending if r not in dead or live.live_host_mate(r, dead)
-                       is not None]
+            waiting = [r for r in pending if r not in dead or r not in live.closed
+                       and live.live_host_mate(r, dead) is not None]
             if failed or not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -6,6 +6,11 @@ and reads the others'. A peer is dead when its heartbeat stops for
 in this pid namespace of this boot, at once when its process is gone or a
 zombie. A peer that never sent a heartbeat is not timed out (it may still be
 starting).
+
+A rank that ends cleanly (``close()`` with its final snapshot committed) replaces its
+heartbeat by ``hb/<rank> = closed:<step>`` before it stops: its peers then count it as
+closed, not dead. Its silence, and its process exiting, trigger nothing (the end of a
+job is not a peer failure); a flush round does not wait for it (see flush_round).
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from pathlib import Path
 from .kv import KV
 
 log = logging.getLogger("cudasnap.dist")
+
+CLOSED = "closed:"  # prefix of the heartbeat of a rank that closed cleanly
 
 
 def proc_ident() -> str:
@@ -67,15 +74,30 @@ class Liveness:
         self._hosts: dict[int, str] = {rank: self.host}
         self._procs: dict[int, tuple[str, int]] = {}
         self.dead: set[int] = set()
+        # Peers that closed cleanly: rank -> its final committed step (-1: it had none).
+        self.closed: dict[int, int] = {}
         self.lock = threading.Lock()
+        self._beat_lock = threading.Lock()  # a beat never overwrites the closed marker
+        self._closing = False
         kv.set(f"host/{rank}", self.host)
         kv.set(f"proc/{rank}", f"{self._ident}:{os.getpid()}")
 
     def beat(self) -> None:
-        self._seq += 1
-        steps = ",".join(str(s) for s in self._complete_steps())
-        last = self._last_step()
-        self.kv.set(f"hb/{self.rank}", f"{self._seq}:{last if last is not None else -1}:{steps}")
+        with self._beat_lock:
+            if self._closing:
+                return
+            self._seq += 1
+            steps = ",".join(str(s) for s in self._complete_steps())
+            last = self._last_step()
+            self.kv.set(f"hb/{self.rank}",
+                        f"{self._seq}:{last if last is not None else -1}:{steps}")
+
+    def close(self, step: int) -> None:
+        """This rank ends cleanly, its final snapshot (``step``; -1: none) committed: the
+        last heartbeat says so, and no later beat overwrites it."""
+        with self._beat_lock:
+            self._closing = True
+            self.kv.set(f"hb/{self.rank}", f"{CLOSED}{step}")
 
     def host_of(self, rank: int) -> str | None:
         h = self._hosts.get(rank)
@@ -111,9 +133,11 @@ class Liveness:
         now = time.monotonic()
         newly_dead = []
         for r in range(self.world):
-            if r == self.rank or r in self.dead:
+            if r == self.rank or r in self.dead or r in self.closed:
                 continue
             val = self.kv.get(f"hb/{r}")
+            if self._closed_beat(r, val):
+                continue
             if val is not None:
                 prev = self._seen.get(r)
                 if prev is None or prev[0] != val:
@@ -124,9 +148,21 @@ class Liveness:
             seen = self._seen.get(r)
             silent = seen is not None and now - seen[1] > self.peer_timeout_s
             if silent or self._proc_dead(r):
+                # It may have closed (and exited) since its heartbeat was read above.
+                if self._closed_beat(r, self.kv.get(f"hb/{r}")):
+                    continue
                 self.dead.add(r)
                 newly_dead.append(r)
                 log.error("rank %d: peer rank %d is %s", self.rank, r,
                           f"silent for more than {self.peer_timeout_s:.1f} s" if silent
                           else "gone (its process exited)")
         return newly_dead
+
+    def _closed_beat(self, r: int, val: str | None) -> bool:
+        """True (and ``r`` counted as closed) when ``val``, its heartbeat, is the closed marker."""
+        if val is None or not val.startswith(CLOSED):
+            return False
+        self.closed[r] = int(val[len(CLOSED):])
+        log.info("rank %d: peer rank %d closed (final committed step %d)", self.rank, r,
+                 self.closed[r])
+        return True

@@ -48,6 +48,10 @@ class LocalSnapshots(Protocol):
     def peer_failure(self, detail: str) -> None:
         """Peers died: route through the trigger policy, or flush."""
 
+    def settle_newest(self, timeout: float) -> None:
+        """Make the newest boundary COMPLETE in the arena when it was not copied
+        (zero-overhead mode, ``snapshot_every`` > 1) and the state has not moved since."""
+
     def restore_from_slot(self, arena: Arena, slot: int, where: str) -> int:
         """Apply a slot; returns the restored step."""
 
@@ -119,6 +123,9 @@ class SnapshotterLocal:
             self._s.guard.trigger("peer_failure", detail)
         else:
             self._s.flush(wait=False)
+
+    def settle_newest(self, timeout: float) -> None:
+        self._s.settle_newest(timeout)
 
     def restore_from_slot(self, arena: Arena, slot: int, where: str) -> int:
         step: int = self._s.restore_slot(arena, slot, where)
