@@ -77,3 +77,19 @@ def test_missing_tools_stop_before_compiling_naming_each_and_the_fix(setup_py, m
     assert "--no-build-isolation" in msg
     # the README's build-tools line is the one named
     assert setup_py["BUILD_TOOLS"] in (ROOT / "README.md").read_text()
+
+
+def test_readme_extras_table_lists_setup_py_extras() -> None:
+    """'Adding an extra later': the packages the README names are setup.py's extras_require."""
+    import ast
+    import re
+
+    call = next(n for n in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("**Adding an extra later**"):text.index("## Quick start")]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", table, re.M))
+    assert rows.keys() == extras.keys(), (rows, extras)
+    for name, reqs in extras.items():
+        assert re.findall(r'"([^"]+)"', rows[name]) == reqs, (name, rows[name], reqs)
