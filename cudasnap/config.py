@@ -30,6 +30,10 @@ CUDASNAP_FLUSH_TIMEOUT_S        float>0  25         every wait of a distributed 
 CUDASNAP_RESTART                int>=0   0          restart attempt (``cudasnap run``; torchrun's
                                                     TORCHELASTIC_RESTART_COUNT wins)
 CUDASNAP_SUPERVISED             bool     0          set by ``cudasnap run`` in its child
+CUDASNAP_SUPERVISOR_PID         int>=0   unset      set by ``cudasnap run`` in each attempt: its pid (a
+                                                    later run finds a dead supervisor's orphan by it)
+CUDASNAP_RUN_VERDICT            path     unset      set by ``cudasnap run``: where an attempt records a
+                                                    configuration error (the supervisor stops on it)
 CUDASNAP_AUTO                   bool     0          transparent mode (``cudasnap._autoload``)
 CUDASNAP_STATE_DIR              path     see right  this host's lock, directory id and flush log of an
                                                     object-store URL (default
@@ -133,6 +137,8 @@ class Settings:
     flush_timeout_s: float = 25.0
     restart: int = 0
     supervised: bool = False
+    supervisor_pid: int | None = None
+    run_verdict: str | None = None
     auto: bool = False
     # helper C: object-store directories (cudasnap.storage.fsspec)
     state_dir: Path | None = None
@@ -165,6 +171,8 @@ class Settings:
             flush_timeout_s=env_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", 25.0) or 25.0,
             restart=env_int(e, "CUDASNAP_RESTART", 0),
             supervised=bool(env_bool(e, "CUDASNAP_SUPERVISED")),
+            supervisor_pid=_opt_int(e, "CUDASNAP_SUPERVISOR_PID"),
+            run_verdict=run_verdict_path(e),
             auto=bool(env_bool(e, "CUDASNAP_AUTO")),
             # helper C
             state_dir=_path(_raw(e, "CUDASNAP_STATE_DIR")),
@@ -174,6 +182,12 @@ class Settings:
             world_size=env_int(e, "WORLD_SIZE", 1),
             arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
         )
+
+
+def run_verdict_path(env: Mapping[str, str] | None = None) -> str | None:
+    """CUDASNAP_RUN_VERDICT alone: read where the rest of the environment may be the
+    configuration error being reported (cudasnap.tools.standby.write_verdict)."""
+    return _raw(os.environ if env is None else env, "CUDASNAP_RUN_VERDICT")
 
 
 def _opt_int(env: Mapping[str, str], name: str) -> int | None:  # core

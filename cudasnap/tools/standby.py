@@ -85,7 +85,9 @@ def preload() -> None:
 
 def write_verdict(exc: BaseException) -> None:
     """Records a configuration error for the supervisor (CUDASNAP_RUN_VERDICT; 0600)."""
-    path = os.environ.get(VERDICT_ENV)
+    from ..config import run_verdict_path
+
+    path = run_verdict_path()  # alone: another variable may be the error reported
     if not path:
         return
     body = json.dumps({"kind": "config", "error": f"{type(exc).__name__}: {exc}",
