@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build emu demo test test-emulated lint compile-check bench-deps clean
+.PHONY: all venv build emu demo test test-fast test-emulated lint compile-check bench-deps clean
 
 all: build
 
@@ -16,7 +16,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-extras.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt \
 		-r requirements-extras.txt
-	$(BIN)/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	$(BIN)/pip install -v --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -47,6 +47,11 @@ compile-check: $(STAMP)
 test: build emu lint compile-check
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory test-emulated
+
+# The edit-test loop: the CPU tests not marked slow (a few minutes on 2 cores, against
+# 15-25 for `make test`); `make test` still runs everything before a change lands.
+test-fast: build
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 test-emulated: build emu
 	tools/cudaemu/run.sh $(BIN)/python -m pytest -q tests/cuda_emu

@@ -1,17 +1,16 @@
 #include "layout_check.h"
 
-#include <torch/csrc/autograd/python_variable.h>
-
 #include <algorithm>
 
 #include "error.h"
+#include "restore_spans.h"  // tensor_object_ptr: keeps torch's Python headers out of this file
 
 namespace cudasnap {
 
 namespace {
 uint64_t ptr_of(PyObject* obj, Py_ssize_t i) {
-  CUDASNAP_CHECK(THPVariable_Check(obj), "LayoutGuard: item " << i << " is not a tensor");
-  return reinterpret_cast<uint64_t>(THPVariable_Unpack(obj).data_ptr());
+  CUDASNAP_CHECK(is_tensor_object(obj), "LayoutGuard: item " << i << " is not a tensor");
+  return tensor_object_ptr(obj);
 }
 }  // namespace
 
@@ -141,7 +140,7 @@ int64_t LayoutGuard::check_next(int64_t count) {
     // The private list holds the objects checked to be tensors at construction (a
     // tensor's __class__ cannot become a non-tensor one): no isinstance check here.
     PyObject* t = PyList_GET_ITEM(list_, static_cast<Py_ssize_t>(i));
-    if (reinterpret_cast<uint64_t>(THPVariable_Unpack(t).data_ptr()) != ptrs_[i])
+    if (tensor_object_ptr(t) != ptrs_[i])
       return static_cast<int64_t>(i);
   }
   return -1;

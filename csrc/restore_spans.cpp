@@ -9,6 +9,12 @@
 #include "error.h"
 
 namespace cudasnap {
+
+bool is_tensor_object(PyObject* obj) { return THPVariable_Check(obj); }
+
+uint64_t tensor_object_ptr(PyObject* obj) {
+  return reinterpret_cast<uint64_t>(THPVariable_Unpack(obj).data_ptr());
+}
 namespace {
 
 // The entry keys, made once (interned: a dict lookup compares pointers first).
