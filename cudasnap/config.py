@@ -169,7 +169,7 @@ class Settings:
             allow_torch_mismatch=bool(env_bool(e, "CUDASNAP_ALLOW_TORCH_MISMATCH")),
             peer_timeout_s=env_float(e, "CUDASNAP_PEER_TIMEOUT_S", 10.0) or 10.0,
             flush_timeout_s=env_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", 25.0) or 25.0,
-            restart=env_int(e, "CUDASNAP_RESTART", 0),
+            restart=env_int(e, "TORCHELASTIC_RESTART_COUNT", env_int(e, "CUDASNAP_RESTART", 0)),
             supervised=bool(env_bool(e, "CUDASNAP_SUPERVISED")),
             supervisor_pid=_opt_int(e, "CUDASNAP_SUPERVISOR_PID"),
             run_verdict=run_verdict_path(e),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import queue
 import sys
 import threading
@@ -78,8 +77,7 @@ class Coordinator:
         self.peer_timeout_s = peer_timeout_s or cfg.peer_timeout_s
         # Every wait of a flush round ends within this (torchrun: SIGKILL 30 s after SIGTERM).
         self.flush_timeout_s = commit_timeout_s or cfg.flush_timeout_s
-        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        self.epoch = int(restarts) if restarts else cfg.restart
+        self.epoch = cfg.restart  # TORCHELASTIC_RESTART_COUNT wins (cudasnap.config)
         self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/")
         self.events = EventLog(local.directory, self.rank, self.epoch)
         self.live = Liveness(self.kv, self.rank, self.world, self.peer_timeout_s,

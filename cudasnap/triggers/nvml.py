@@ -118,8 +118,7 @@ def _first_process_of_job() -> bool:
         cfg = Settings.from_env()
     except Exception:  # a bad variable is reported where it matters, not here
         return True
-    elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()  # (Settings.restart omits it)
-    return cfg.restart == 0 and cfg.rank == 0 and elastic in ("", "0")
+    return cfg.restart == 0 and cfg.rank == 0  # restart: TORCHELASTIC_RESTART_COUNT wins
 
 
 def warn_unavailable_once(reason: str) -> None:
