@@ -14,7 +14,24 @@ directory, a deleted directory, a clean exit, a kill during / right after a long
 flush, a kill right after close(), a slow orphan flush beside the restart) counts
 steps resumed or, where a case says so, attempts or conditions met. Exit status 1
 when anything was lost, torn or crashed. Needs root for the tmpfs families
-(disk full falls back to RLIMIT_FSIZE without it).
+(disk full falls back to RLIMIT_FSIZE without it; config is skipped).
+
+Issue 23's families (each case a few real processes; minutes on 2 cores):
+  endjob       2 gloo ranks under torchrun (and once under `cudasnap run`) end the job
+               with flush() + close() while one rank is late (gated on the store, or an
+               ungated sleep drawn by --seed), stuck before or dead at its last
+               boundary: `latest` = the last step (the one before for stuck/dead), no
+               restart, no peer-failure line, every flush() quick.
+  escape       `cudasnap run` restarted once (warm standby), then its process group
+               SIGKILLed (nothing survives; the next run starts at the newest COMPLETE
+               step + 1) or the supervisor alone (its child flushes and exits; `latest` =
+               its last boundary); the next run finishes bitwise.
+  config       CUDASNAP_SHM_DIR a 64 KiB tmpfs: one attempt, exit 1, "configuration
+               error ... not restarting".
+  stop         the attempt SIGSTOPped under --watchdog 2: treated as a hang, restarted
+               at the step after its last boundary, final state bitwise.
+  jobmismatch  2 gloo ranks restoring with different CUDASNAP_JOB: both fail at once
+               with a ConfigError naming both jobs.
 
 --negative runs only the supervisor cases of issue 14 items 1, 2 and 7 set back to
 the behaviour before the fix (the trainer's Snapshotter without the spare slot or the
@@ -37,10 +54,16 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from helpers import faultlib as F  # noqa: E402
-from helpers.supervisor_faults import supervisor_cases  # noqa: E402
+from helpers.endjob_faults import endjob_cases, jobmismatch_cases  # noqa: E402
+from helpers.supervisor_faults import (  # noqa: E402
+    config_cases,
+    escape_cases,
+    stop_cases,
+    supervisor_cases,
+)
 
 FAMILIES = ("disk", "shm", "kill", "diskfull", "shmfull", "lock", "dist", "export",
-            "supervisor")
+            "supervisor", "endjob", "escape", "config", "stop", "jobmismatch")
 
 
 def main() -> int:
@@ -70,16 +93,28 @@ def main() -> int:
             if "supervisor" in fams:  # `cudasnap run` itself: kills, full disk, shared dirs
                 cases += supervisor_cases(ctx)
                 print("  supervisor done", flush=True)
+            # issue 23: the end of a multi-rank job, an escaped child, a configuration
+            # error, a SIGSTOPped child, ranks of different jobs
+            for fam, fn in (("endjob", lambda: endjob_cases(ctx, seed=a.seed)),
+                            ("escape", lambda: escape_cases(ctx)),
+                            ("config", lambda: config_cases(ctx)),
+                            ("stop", lambda: stop_cases(ctx)),
+                            ("jobmismatch", lambda: jobmismatch_cases(ctx))):
+                if fam in fams:
+                    t1 = time.perf_counter()
+                    cases += fn()
+                    print(f"  {fam} done ({time.perf_counter() - t1:.0f} s)", flush=True)
         finally:
             ctx.cleanup()
         secs = time.perf_counter() - t0
     print(f"\nfault matrix, seed {a.seed}, {secs:.0f} s (uid {os.geteuid()}):\n")
     print(F.table(cases))
-    sup = [c for c in cases if c.family == "supervisor"]
-    if sup:  # few, and their details carry the figures (steps resumed, latencies)
-        print("\nsupervisor cases:")
-        for c in sup:
-            print("  " + c.line())
+    for fam in ("supervisor", "endjob", "escape", "config", "stop", "jobmismatch"):
+        few = [c for c in cases if c.family == fam]
+        if few:  # few, and their details carry the figures (steps resumed, latencies)
+            print(f"\n{fam} cases:")
+            for c in few:
+                print("  " + c.line())
     failed = [c for c in cases if not c.recovered]
     if failed:
         print(f"\n{len(failed)} case(s) not fully recovered:")

@@ -5,7 +5,10 @@ bench/faults.py runs the whole matrix with more seeds and prints the table.
 Families: truncated/flipped/deleted snapshot files, flipped shared-memory slot
 headers, a 2-rank layout with missing rank directories and COMMIT markers, a
 full disk during flush (a small tmpfs, else RLIMIT_FSIZE), a staging tmpfs too
-small, SIGKILL at every phase of copy and flush, two jobs on one directory.
+small, SIGKILL at every phase of copy and flush, two jobs on one directory; and one
+case of each of issue 23's families (slow): ranks of different jobs, a too-small
+/dev/shm under `cudasnap run`, a SIGSTOPped attempt, a group kill after a warm
+restart, a late rank at the end of a 2-rank job.
 """
 from __future__ import annotations
 
@@ -237,3 +240,54 @@ def test_a_real_cpp_failure_names_file_line_and_call(tmp_path):
         C.fsync_dir(str(tmp_path / "missing-dir"))
     assert "flusher.cpp:" in str(ei.value) and "missing-dir" in str(ei.value)
     assert Path(tmp_path).exists()
+
+
+# ------------------------------------------- issue 23: one case of each new family
+
+@pytest.mark.slow
+def test_ranks_of_different_jobs_fail_with_a_config_error_naming_both(ctx):
+    """jobmismatch: 2 gloo ranks restoring with different CUDASNAP_JOB both exit non-zero
+    with a ConfigError naming both jobs (bound: a failure guard, not a timing)."""
+    from helpers.endjob_faults import jobmismatch_cases
+
+    _check(jobmismatch_cases(ctx, bound_s=120.0, names=("fresh directory",)), 1)
+
+
+@pytest.mark.slow
+def test_a_too_small_shm_under_cudasnap_run_is_one_attempt(ctx):
+    """config: CUDASNAP_SHM_DIR a 64 KiB tmpfs under `cudasnap run`: exit 1, one attempt."""
+    from helpers.supervisor_faults import config_cases
+
+    if not _can_mount(ctx):
+        pytest.skip("needs mount -t tmpfs (root)")
+    _check(config_cases(ctx), 1)
+
+
+@pytest.mark.slow
+def test_a_sigstopped_attempt_is_restarted_and_ends_bitwise(ctx):
+    """stop: SIGSTOP after boundary 3 under --watchdog 2: restarted at 4, bitwise."""
+    from helpers.supervisor_faults import stop_cases
+
+    _check(stop_cases(ctx), 1)
+
+
+@pytest.mark.slow
+def test_a_group_kill_after_a_warm_restart_leaves_nothing_and_the_next_run_resumes(ctx):
+    """escape: `kill -9 -- -PGID` of `cudasnap run` after a warm restart: no survivor; the
+    next run resumes at the newest COMPLETE step + 1 and ends bitwise."""
+    from helpers.supervisor_faults import escape_cases
+
+    _check(escape_cases(ctx, names=("group kill after a warm restart",)), 1)
+
+
+@pytest.mark.slow
+def test_a_gated_late_rank_ends_the_job_without_a_restart(ctx):
+    """endjob: rank 0 late to its last boundary (gated on the others' flush round), plain:
+    exit 0, no restart, `latest` = the last step (no bound on the flush's duration here:
+    tests/test_end_of_job.py has it)."""
+    from helpers.endjob_faults import STEPS, _endjob_torchrun
+
+    case = F.Case("endjob", "gated late rank 0, plain", STEPS - 1, need_named=False)
+    _check([F.guarded(case, lambda: _endjob_torchrun(
+        ctx, case, env={"MODE": "plain", "LATE_S": "0.5"}, late_rank=0, scenario="late",
+        gated=True, bound_s=float("inf")))], 1)

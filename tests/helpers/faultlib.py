@@ -21,6 +21,14 @@ manifest or ``latest`` does not fit), shmfull (a tiny or full staging tmpfs),
 kill (SIGKILL at every phase of copy and flush through the test-only hook
 CUDASNAP_TEST_KILL_AT), lock (two jobs on one directory, a dead job's lock), export
 (SIGKILL of `cudasnap export` at a random moment: the target holds a whole export).
+
+Families in other modules (bench/faults.py runs them too): supervisor (`cudasnap run`
+kills, full disk, shared directories: supervisor_faults.py), and issue 23's edges:
+endjob (the end of a 2-rank job with a late, stuck or dead rank) and jobmismatch (ranks
+restoring with different jobs) in endjob_faults.py; escape (the supervisor or its
+process group SIGKILLed after a warm restart), config (a /dev/shm too small under
+`cudasnap run`) and stop (a SIGSTOPped attempt under --watchdog) in supervisor_faults.py.
+``Case.ok`` is False when such a case's other condition failed (a wait over its bound).
 """
 from __future__ import annotations
 
@@ -83,6 +91,7 @@ class Case:
     need_named: bool = True
     detail: str = ""
     error: str = ""  # an unexpected exception: the case failed outright
+    ok: bool = True  # the case's other conditions (a bound on a wait, ...) held
 
     @property
     def lost(self) -> bool:
@@ -91,12 +100,13 @@ class Case:
     @property
     def recovered(self) -> bool:
         return (not self.error and not self.lost and not self.torn and self.got == self.expected
-                and (self.named or not self.need_named))
+                and (self.named or not self.need_named) and self.ok)
 
     def line(self) -> str:
         return (f"{self.family}/{self.name}: expected {self.expected} got {self.got}"
                 f"{' TORN' if self.torn else ''}{' LOST' if self.lost else ''}"
                 f"{'' if self.named or not self.need_named else ' (not named)'}"
+                f"{'' if self.ok else ' (condition not met)'}"
                 f"{' ERROR ' + self.error if self.error else ''} {self.detail}")
 
 
@@ -809,7 +819,8 @@ def build_dist_layout(ctx: Ctx, steps: tuple[int, ...] = (1, 2)) -> Path:
     for r in (0, 1):
         m = torch.nn.Linear(DIST_DIM, DIST_DIM)
         snap = Snapshotter(m, None, directory=d, job=ctx.job(f"db{r}"), rank=r, world_size=2,
-                           distributed=False, chunk_bytes=CHUNK, copy_threads=1, shm_dir=ctx.shm)
+                           distributed=False, chunk_bytes=CHUNK, copy_threads=1, shm_dir=ctx.shm,
+                           flush_on_close=False)  # (the layout is written by hand below)
         try:
             for s in steps:
                 _fill_rank(m, r, s)

@@ -308,3 +308,292 @@ def supervisor_cases(ctx: Ctx, negative: bool = False) -> list[Case]:
         case = Case("supervisor", name, expected, need_named=named)
         out.append(guarded(case, lambda c=case, f=fn: f(ctx, c)))  # type: ignore[misc]
     return out
+
+
+# ------------------------------------------------ issue 23: escape, config, stop
+
+def _reference(ctx: Ctx) -> dict[str, Any]:
+    """The final state of an uninterrupted run (``run_trainer.py --ref``), made once."""
+    import numpy as np
+
+    ref = ctx.root / "sup-reference.npz"
+    if not ref.exists():
+        p = subprocess.run([sys.executable, str(TRAINER), "--steps", str(STEPS), "--stats",
+                            str(ctx.root / "sup-reference.jsonl"), "--ref", "--out", str(ref)],
+                           env=_env(), capture_output=True, text=True, timeout=300)
+        if p.returncode != 0:
+            raise AssertionError(f"reference run failed: {p.stderr[-1000:]}")
+    with np.load(ref) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _bitwise(ctx: Ctx, out: Path) -> bool:
+    import numpy as np
+
+    ref = _reference(ctx)
+    if not out.exists():
+        return False
+    with np.load(out) as z:
+        got = {k: z[k] for k in z.files}
+    return got.keys() == ref.keys() and all(
+        got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+        and got[k].tobytes() == ref[k].tobytes() for k in ref)
+
+
+def _start_run(d: Path, stats: Path, log: Path, *trainer: str,
+               run_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+    """``cudasnap run`` in its own session (its own process group, as under a scheduler)."""
+    cmd = [sys.executable, "-m", "cudasnap", "run", "--dir", str(d), *run_args, "--",
+           sys.executable, str(TRAINER), "--steps", str(STEPS), "--stats", str(stats), *trainer]
+    with open(log, "wb") as f:  # (a file: the children hold it)
+        return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.DEVNULL, stderr=f,
+                                start_new_session=True)
+
+
+def _wait_event(stats: Path, pred: Any, proc: subprocess.Popen[bytes],
+                timeout: float = 180.0) -> dict[str, Any] | None:
+    """The first event of ``stats`` for which ``pred`` holds (polled every 10 ms)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for e in _events(stats):
+            if pred(e):
+                return e
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.01)
+    return None
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes whose process group or session is ``pgid``."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X") and pgid in (int(fields[2]), int(fields[3])):
+            out.append(int(p.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pids: Any, timeout: float) -> list[int]:
+    """The pids still alive after up to ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    left = [p for p in pids if not _gone(p)]
+    while left and time.monotonic() < end:
+        time.sleep(0.05)
+        left = [p for p in left if not _gone(p)]
+    return left
+
+
+def _kill_all(pids: Any) -> None:
+    for p in pids:
+        try:
+            os.kill(p, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _newest_complete(ctx: Ctx, d: Path) -> int | None:
+    """The step of the newest COMPLETE slot in the directory's arena(s), or None."""
+    from cudasnap._native import native
+    from cudasnap.format import paths
+
+    job = paths.job_for(d, create=False)
+    best = None
+    for p in ctx.shm.glob(f"cudasnap-{job}-r*.arena") if job else []:
+        a = native().Arena.open(str(p), False)
+        try:
+            s = a.newest_complete()
+            if s >= 0:
+                step = a.slot_info(s)["step"]
+                best = step if best is None else max(best, step)
+        finally:
+            del a
+    return best
+
+
+ESCAPE_K = 2  # the first attempt is SIGKILLed at step K; the restart runs K, K+1, K+2, ...
+
+
+def _escape(ctx: Ctx, case: Case, *, group: bool) -> Case:
+    """Item 3. A ``cudasnap run`` (--max-restarts 2: a warm standby beside each attempt)
+    whose first attempt is SIGKILLed at step K restarts in the warm standby; after that
+    attempt's boundary K+2, ``group``: ``kill -9 -- -PGID`` of the supervisor (a
+    scheduler's kill), else ``kill -9`` of the supervisor alone. Then a second ``cudasnap
+    run`` on the directory must start and finish bitwise.
+
+    group: nothing of the job survives; the second run starts at the newest COMPLETE
+    step in shared memory + 1. Alone: the training process gets SIGTERM
+    (PR_SET_PDEATHSIG), flushes and exits; ``latest`` = its last boundary; the second run
+    resumes at that step + 1. ``expected``: that step + 1; ``got``: the second run's
+    start (None: refused, or something survived)."""
+    import signal
+
+    from cudasnap.storage import posix
+
+    d, stats = ctx.dir("escape"), ctx.root / f"escape-{case.name}.jsonl"
+    log = ctx.root / f"escape-{case.name}.log"
+    sup = _start_run(d, stats, log, "--kill-at", str(ESCAPE_K), "--kill-phase", "post_opt",
+                     "--sleep-per-step", "0.6", run_args=("--max-restarts", "2"))
+    try:
+        e = _wait_event(stats, lambda e: e.get("ev") == "boundary" and e["step"] == ESCAPE_K + 2
+                        and len(_starts(stats)) >= 2, sup)
+        if e is None:
+            raise AssertionError(f"the restarted attempt never reached boundary {ESCAPE_K + 2}:"
+                                 f" {log.read_text()[-1500:]}")
+        s = _starts(stats)
+        child = s[-1]["pid"]
+        time.sleep(0.2)  # boundary K+2's copy is COMPLETE (the step sleeps 0.6 s after it)
+        if group:
+            os.killpg(sup.pid, signal.SIGKILL)
+        else:
+            os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(60)
+        survivors = _wait_gone([child, *_group(sup.pid)], 60.0 if not group else 10.0)
+        if not group and not survivors:
+            survivors = _wait_gone(_group(sup.pid), 10.0)
+    except BaseException:
+        _kill_all(_group(sup.pid))
+        raise
+    bounds = [x["step"] for x in _events(stats, "boundary") if x["t"] >= s[-1]["t"]]
+    warm = (s[-1].get("restore") or {}).get("source")
+    latest = posix.read_latest(d)
+    latest_step = int(latest.rsplit("-", 1)[-1]) if latest else None
+    if group:
+        newest = _newest_complete(ctx, d)
+        case.expected = None if newest is None else newest + 1
+        what = f"newest COMPLETE in shm: {newest}"
+    else:
+        case.expected = bounds[-1] + 1 if bounds else None
+        what = f"latest after the orphan's exit: {latest_step} (its last boundary {bounds[-1:]})"
+    if survivors:
+        _kill_all(survivors)
+        case.got = None
+        case.detail = f"SURVIVED the kill: pids {survivors} (training process {child}); {what}"
+        _cleanup_arenas(ctx, d)
+        return case
+    stats2, out = ctx.root / f"escape-{case.name}-2.jsonl", ctx.root / f"escape-{case.name}.npz"
+    p = _run(d, stats2, "--out", str(out), run_args=("--max-restarts", "0"))
+    _cleanup_arenas(ctx, d)
+    s2 = _starts(stats2)
+    case.got = s2[0]["start"] if p.returncode == 0 and s2 else None
+    if not group and latest_step is not None and case.got is not None:
+        case.got = min(case.got, latest_step + 1)  # `latest` must name the last boundary too
+    case.torn = case.got is not None and not _bitwise(ctx, out)
+    src = (s2[0].get("restore") or {}).get("source") if s2 else None
+    case.detail = (f"killed after boundary {e['step']} of attempt {s[-1]['attempt']} (pid {child}, "
+                   f"started from {warm}); {what}; no survivor; second run rc {p.returncode}, "
+                   f"started at {s2[0]['start'] if s2 else None} from {src}"
+                   f"{', final state bitwise' if case.got is not None and not case.torn else ''}")
+    if p.returncode != 0:
+        case.detail += f"; second run: {p.stderr[-600:]}"
+    return case
+
+
+ESCAPE = (("group kill after a warm restart", True),
+          ("supervisor killed alone after a warm restart", False))
+
+
+def escape_cases(ctx: Ctx, names: tuple[str, ...] | None = None) -> list[Case]:
+    out = []
+    for name, group in ESCAPE:
+        if names is not None and name not in names:
+            continue
+        case = Case("escape", name, None, need_named=False)
+        out.append(guarded(case, lambda c=case, g=group: _escape(ctx, c, group=g)))
+    return out
+
+
+def _config(ctx: Ctx, case: Case) -> Case:
+    """Item 6: CUDASNAP_SHM_DIR is a 64 KiB tmpfs that cannot hold the arena of a real
+    Snapshotter under ``cudasnap run --max-restarts 3``: one attempt, exit 1, the
+    StagingError logged as a configuration error, "not restarting". ``got``: attempts."""
+    fs = mount_tmpfs(ctx, "64k")
+    if fs is None:
+        case.expected, case.detail = None, "skipped: needs root (tmpfs)"
+        return case
+    try:
+        d, stats = ctx.dir("config"), ctx.root / "config.jsonl"
+        p = _run(d, stats, "--dim", "256", run_args=("--max-restarts", "3"),
+                 env=_env(CUDASNAP_SHM_DIR=str(fs)))
+        attempts = len(re.findall(r"training process .* \(attempt \d+\)", p.stderr))
+        restarted = "restarting (restart" in p.stderr
+        case.got = attempts if p.returncode == 1 and not restarted else None
+        case.named = ("configuration error" in p.stderr and "not restarting" in p.stderr
+                      and "StagingError" in p.stderr)
+        line = next((ln for ln in p.stderr.splitlines() if "configuration error" in ln), "")
+        case.detail = f"rc {p.returncode}, {attempts} attempt(s): {line[line.find('the '):][:220]}"
+        if "Traceback" in p.stderr and "configuration error" not in p.stderr:
+            case.detail += " TRACEBACK"
+    finally:
+        umount(fs)
+        ctx.mounts.remove(fs)
+    return case
+
+
+def config_cases(ctx: Ctx) -> list[Case]:
+    case = Case("config", "64 KiB CUDASNAP_SHM_DIR under cudasnap run", 1)
+    return [guarded(case, lambda: _config(ctx, case))]
+
+
+STOP_K = 3
+
+
+def _stop(ctx: Ctx, case: Case) -> Case:
+    """Item 6: ``cudasnap run --watchdog 2``; the first attempt is SIGSTOPped right after
+    boundary K (0.5 s a step, so before K+1): the supervisor notices the stop, treats it
+    as a hang after 2 s (kills it), restarts; the restart resumes at K+1 and the final
+    state is bitwise the uninterrupted run's. ``got``: the restart's start."""
+    import signal
+
+    d, stats = ctx.dir("stop"), ctx.root / "stop.jsonl"
+    log, out = ctx.root / "stop.log", ctx.root / "stop.npz"
+    sup = _start_run(d, stats, log, "--sleep-per-step", "0.5", "--out", str(out),
+                     run_args=("--watchdog", "2", "--max-restarts", "1"))
+    try:
+        e = _wait_event(stats, lambda e: e.get("ev") == "boundary" and e["step"] == STOP_K, sup)
+        if e is None:
+            raise AssertionError(f"no boundary {STOP_K}: {log.read_text()[-1500:]}")
+        pid = _starts(stats)[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = time.time()
+        rc = sup.wait(240)
+    except BaseException:
+        _kill_all(_group(sup.pid))
+        raise
+    _cleanup_arenas(ctx, d)
+    err = log.read_text()
+    s = _starts(stats)
+    seen = [x["step"] for x in _events(stats, "boundary") if x["t"] < t_stop and
+            (len(s) < 2 or x["t"] < s[1]["t"])]
+    if seen and seen[-1] != STOP_K:
+        raise AssertionError(f"stopped after boundary {seen[-1]}, not {STOP_K}")
+    case.got = s[1]["start"] if rc == 0 and len(s) == 2 else None
+    case.named = "stopped by SIGSTOP" in err and "treated as a hang" in err and \
+        "restarting (restart 1 of 1)" in err
+    case.torn = case.got is not None and not _bitwise(ctx, out)
+    hang = _log_time(err, "has been stopped for")
+    src = (s[1].get("restore") or {}).get("source") if len(s) == 2 else None
+    case.detail = (f"rc {rc}; stop -> killed as a hang {hang - t_stop:.1f} s" if hang else
+                   f"rc {rc}; no hang line") + \
+        (f"; restarted at step {s[1]['start']} from {src}" if len(s) == 2 else "") + \
+        (", final state bitwise" if case.got is not None and not case.torn else "")
+    return case
+
+
+def stop_cases(ctx: Ctx) -> list[Case]:
+    case = Case("stop", f"SIGSTOP after boundary {STOP_K}, --watchdog 2", STOP_K + 1)
+    return [guarded(case, lambda: _stop(ctx, case))]
