@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._native import native
 from ..errors import ConfigError, IncompatibleSnapshot, SnapshotError
 from ..format import codec, paths
 from ..format.manifest import Manifest, expand_params, torch_dtype
@@ -72,11 +73,7 @@ def atomic_output(target: Path, write: Callable[[Path], None]) -> Path:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, target)
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        native().fsync_dir(str(target.parent))
     except BaseException as e:
         try:
             os.unlink(tmp)
@@ -460,11 +457,7 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)
         os.rename(tmp, out_dir)
-        fd = os.open(out_dir.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        native().fsync_dir(str(out_dir.parent))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
