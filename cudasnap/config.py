@@ -41,11 +41,14 @@ CUDASNAP_STATE_DIR              path     see right  this host's lock, directory 
 CUDASNAP_S3_ENDPOINT            url      unset      S3 endpoint of ``s3://`` directories
                                                     (``http(s)://host:port``; default: AWS)
 CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are made on the training thread
+CUDASNAP_TEST_KILL_AT           str      unset      tests only: SIGKILL at a commit-path phase (``phase[@n]``)
+CUDASNAP_TEST_DIE_IN_FLUSH      str      unset      tests only: ``RANK[:MIN_STEP]`` dies inside a flush round
 =============================== ======== ========== ==================================================
 
 Build-time variables (read by setup.py only): CUDASNAP_CUDA_ARCHS, CUDASNAP_REQUIRE_CUDA,
 CUDASNAP_WITH_CUDA, CUDASNAP_BUILD_DIR, CUDASNAP_RECONFIGURE. Test-only fault hooks
-(``cudasnap._testing``): CUDASNAP_TEST_KILL_AT, CUDASNAP_TEST_DIE_IN_FLUSH.
+(``cudasnap._testing``, loaded through ``cudasnap._points`` when one is set):
+CUDASNAP_TEST_KILL_AT, CUDASNAP_TEST_DIE_IN_FLUSH.
 """
 from __future__ import annotations
 
@@ -150,6 +153,9 @@ class Settings:
     rank: int = 0
     world_size: int = 1
     arena_sync_max_bytes: int | None = None
+    # test-only: CUDASNAP_TEST_KILL_AT or CUDASNAP_TEST_DIE_IN_FLUSH is set, so the fault
+    # hooks of cudasnap._testing are loaded for this process (cudasnap._points)
+    test_hooks: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -181,7 +187,15 @@ class Settings:
             rank=env_int(e, "RANK", 0),
             world_size=env_int(e, "WORLD_SIZE", 1),
             arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
+            test_hooks=test_hooks_asked(e),
         )
+
+
+def test_hooks_asked(env: Mapping[str, str] | None = None) -> bool:
+    """CUDASNAP_TEST_KILL_AT or CUDASNAP_TEST_DIE_IN_FLUSH is set (alone: read at import by
+    cudasnap._points, where a malformed other variable must not fail the import)."""
+    e = os.environ if env is None else env
+    return any(_raw(e, v) is not None for v in ("CUDASNAP_TEST_KILL_AT", "CUDASNAP_TEST_DIE_IN_FLUSH"))
 
 
 def run_verdict_path(env: Mapping[str, str] | None = None) -> str | None:

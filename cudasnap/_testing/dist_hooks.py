@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 
+from .. import _points
+
 log = logging.getLogger("cudasnap.testing")
 ENV_DIE_IN_FLUSH = "CUDASNAP_TEST_DIE_IN_FLUSH"
 
@@ -25,3 +27,15 @@ class DieInFlush:
             log.error("%s: rank %d dies inside the flush of step %d", ENV_DIE_IN_FLUSH, self.rank,
                       step)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+_hooks: dict[int, DieInFlush] = {}
+
+
+def _at_point(point: str, info: dict[str, object]) -> None:  # cudasnap._points hook
+    if point == "dist.flush_written":
+        rank, step = int(info["rank"]), int(info["step"])  # type: ignore[call-overload]
+        (_hooks.get(rank) or _hooks.setdefault(rank, DieInFlush(rank))).after_write(step)
+
+
+_points.install("die_in_flush", _at_point)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import signal
 
+from .. import _points
+
 KILL_ENV = "CUDASNAP_TEST_KILL_AT"
 NATIVE_PHASES = ("copy", "header", "write", "fsync")
 
@@ -71,6 +73,12 @@ def kill_point(phase: str) -> None:
     if _kill_hits[phase] >= nth:
         os.kill(os.getpid(), signal.SIGKILL)
 
+
+def _at_point(point: str, info: dict[str, object]) -> None:  # cudasnap._points hook
+    kill_point(point)
+
+
+_points.install("kill", _at_point)
 
 if os.environ.get(KILL_ENV):  # a subprocess test started with the variable set
     arm_kill(os.environ[KILL_ENV])

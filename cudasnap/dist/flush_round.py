@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from .._native import native
-from .._testing.dist_hooks import DieInFlush
+from .._points import reach
 from ..errors import SnapshotError
 from ..format.paths import COMMIT, MANIFEST, rank_dirname, step_dirname
 from ..storage import posix
@@ -92,7 +92,6 @@ class FlushRounds:
         self.lock = threading.RLock()
         self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
         self.last: RoundResult | None = None
-        self._die = DieInFlush(self.rank)
 
     def replicas_of(self, rank: int) -> list[int]:
         return next(g for g in self.replica_groups if rank in g)
@@ -298,7 +297,7 @@ class FlushRounds:
             if self.kv.propose(f"{g}/writer/{self.rank}", str(self.rank)) == str(self.rank):
                 arenas = self.local.arenas()
                 path = self._flush_rank(self.rank, step, arenas[0] if arenas else None)
-                self._die.after_write(step)
+                reach("dist.flush_written", rank=self.rank, step=step)
                 self.kv.set(f"{g}/done/{self.rank}", "ok" if path else "missing")
             else:
                 log.warning("rank %d: a helper flushed this rank's arena for step %d", self.rank,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._native import native
-from .._testing.faults import kill_point
+from .._points import reach as kill_point  # test fault points (cudasnap._testing)
 from ..config import Settings
 from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
