@@ -83,3 +83,29 @@ def test_a_missing_peer_is_reported_early_then_named_at_the_timeout(tmp_path, mo
         vote.restore()
     assert any("waiting" in r.getMessage() and "[1]" in r.getMessage() and "job=" in
                r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_one_group_restoring_job_a_then_job_b_is_not_a_mismatch(tmp_path):
+    """Consecutive restores of two jobs in one process group (a script that trains two
+    models, or the fault matrix's cases): rank 0 starting B's restore while rank 1 is still
+    on A's must wait for rank 1, not read its job key of A and fail."""
+    store = dist.HashStore()
+    first = _run_ranks([_vote(store, r, 2, "job-a", tmp_path / "a") for r in range(2)])
+    assert first == [0, 0]
+    # rank 0 alone starts job B's restore; rank 1 joins it only after a pause
+    votes = [_vote(store, r, 2, "job-b", tmp_path / "b") for r in range(2)]
+    out: list[Any] = [None, None]
+
+    def go(i: int) -> None:
+        try:
+            out[i] = votes[i].restore()
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+
+    t0 = threading.Thread(target=go, args=(0,), daemon=True)
+    t0.start()
+    t0.join(0.5)
+    assert t0.is_alive(), out[0]  # waiting for rank 1, not failed on its stale job key
+    go(1)
+    t0.join(GUARD_S)
+    assert out == [0, 0]

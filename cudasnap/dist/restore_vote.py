@@ -9,13 +9,17 @@ restore. The shared filesystem must show every rank the same ``DIR``.
 Every rank must also run the same job (``Snapshotter(job=...)``/``CUDASNAP_JOB``):
 the store keys are namespaced by it, so ranks of different jobs never see each
 other. Each rank therefore also publishes its job under a job-independent key
-(``cudasnap/restore-job/e<epoch>/<rank>``); a rank that finds a peer of another job
+(``cudasnap/restore-job/e<epoch>/<k>/<rank>``, ``k`` counting this process's agreed
+restores in the epoch, so a process group that restores job A and then job B never
+compares B with a peer's stale A); a rank that finds a peer of another job
 fails at once with a ConfigError naming both, and a rank still waiting for a peer
 after :data:`WAIT_WARN_S` says so (which ranks, how long, the likely causes).
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 
 from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
@@ -33,6 +37,16 @@ log = logging.getLogger("cudasnap.dist")
 WAIT_WARN_S = 10.0
 _POLL_S = 0.02
 
+# Agreed restores started in this process, per (epoch, rank): the k-th restore of every
+# rank compares jobs under the same key (``restore-job/e<N>/<k>/``), whatever job each ran.
+_SEQ_LOCK = threading.Lock()
+_SEQ: dict[tuple[str, int], itertools.count[int]] = {}
+
+
+def _next_seq(epoch: str, rank: int) -> int:
+    with _SEQ_LOCK:
+        return next(_SEQ.setdefault((epoch, rank), itertools.count()))
+
 
 class RestoreVote:
     def __init__(self, kv: KV, local: LocalSnapshots, events: EventLog, *,
@@ -42,6 +56,7 @@ class RestoreVote:
         self.replica_groups = replica_groups
         self.timeout_s = timeout_s
         self._n = 0  # restore() calls this epoch (keys: restore/<n>/...)
+        self._seq = 0  # this process's agreed restores in the epoch, all jobs (job keys)
 
     def replicas_of(self, rank: int) -> list[int]:
         return next(g for g in self.replica_groups if rank in g)
@@ -50,10 +65,12 @@ class RestoreVote:
     def _job(self) -> str:
         return str(getattr(self.local, "job", "") or "")
 
+    def _epoch(self) -> str:
+        return self.kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
+
     def _job_key(self, rank: int) -> str:
-        """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<rank>``."""
-        epoch = self.kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
-        return f"cudasnap/restore-job/{epoch}/{rank}"
+        """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<k>/<rank>``."""
+        return f"cudasnap/restore-job/{self._epoch()}/{self._seq}/{rank}"
 
     def _raw(self, key: str, value: str | None = None) -> str | None:
         """get/set of a key without the job prefix, on the KV's shared client."""
@@ -119,6 +136,7 @@ class RestoreVote:
         self.events("restore_start")
         n = self._n
         self._n += 1
+        self._seq = _next_seq(self._epoch(), self.rank)
         committed = {s.step: s for s in committed_steps(self.local.directory)}
         mine = set(complete_steps(self.local.arenas()))
         self._publish_job()
