@@ -33,8 +33,13 @@ def _state() -> TrainingState:
     return TrainingState(model, opt, extra={"sched": sched, "gen": torch.Generator()})
 
 
+def _text(ht, st: TrainingState, step: int) -> bytes:
+    """The host value's bytes as the boundary writes them (in pieces)."""
+    return b"".join(ht.parts(st, step))
+
+
 def _same(ht, st: TrainingState, step: int) -> None:
-    got = json.loads(ht.dumps(st, step))
+    got = json.loads(_text(ht, st, step))
     want = json.loads(codec.dumps(st.capture_host(step), "host"))
     assert got == want
     assert codec.decode(got, "host")["rng"] == codec.decode(want, "host")["rng"]
@@ -69,17 +74,17 @@ def test_text_equals_the_codec_after_each_kind_of_draw(draw):
 def test_unchanged_sources_are_not_read():
     st = _state()
     ht = HostText(st.rng_sources)
-    ht.dumps(st, 0)
+    _text(ht, st, 0)
     assert ht.read == 3
     for step in range(1, 4):
-        ht.dumps(st, step)
+        _text(ht, st, step)
     assert ht.read == 3  # nothing drew: no source read again
     torch.rand(2)
-    ht.dumps(st, 4)
+    _text(ht, st, 4)
     assert ht.read == 4  # only torch
     random.random()
     np.random.rand()
-    ht.dumps(st, 5)
+    _text(ht, st, 5)
     assert ht.read == 6
 
 
@@ -93,6 +98,20 @@ def test_a_replaced_generator_is_read_every_time(monkeypatch):
     assert "python" not in ht._watch
     other.random()
     _same(ht, st, 2)
+
+
+def test_a_generator_swapped_out_and_back_is_not_stale(monkeypatch):
+    """The Python identity check unwatches a replaced generator for good: HostWatch only
+    flags it while replaced, and its byte watch still holds the original's bytes."""
+    st = _state()
+    ht = HostText(st.rng_sources)
+    _same(ht, st, 0)
+    other = random.Random(11)
+    with monkeypatch.context() as m:
+        m.setattr(random, "getstate", other.getstate)
+        _same(ht, st, 1)  # the other generator's state
+    _same(ht, st, 2)  # the original again, which did not draw meanwhile
+    assert "python" not in ht._watch
 
 
 def test_boundary_does_not_call_the_rng_getters_when_nothing_drew(snap_env):

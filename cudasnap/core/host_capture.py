@@ -5,16 +5,18 @@ at every boundary, and most of its bytes are RNG states (about 10 KB of
 base64) that often do not change between boundaries (NumPy and Python RNGs a
 loop never draws from). ``HostEncoder`` keeps the JSON text of each RNG source
 with an exact key of its raw value and encodes a source again only when its key
-changed; the rest of the host state goes through ``codec.dumps`` as before.
+changed; ``HostText`` reads an RNG source only when its bytes changed, and
+re-encodes the rest of the host state per top-level key when its value changed.
 
-The text decodes to the same value as ``codec.dumps(host)`` (tested); only the
-order of keys differs. Keys are exact: bytes as they are, floats by ``repr``
+The bytes are written by ``cudasnap.format.slot_manifest`` (separators, key order,
+where the step goes); this module only decides what to read and which text to
+reuse. The text decodes to the same value as ``codec.dumps(host)`` (tested); only
+the order of keys differs. Keys are exact: bytes as they are, floats by ``repr``
 (``-0.0`` and ``nan`` differ from ``0.0``), types included (``True`` is not
 ``1``); a part holding anything else is encoded afresh each time.
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sys
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from .._native import native
-from ..format import codec
+from ..format import slot_manifest as sm
 
 log = logging.getLogger("cudasnap")
 
@@ -50,10 +52,6 @@ def exact_key(v: Any) -> Any:
     raise _Unkeyable
 
 
-def _dumps(value: Any, path: str) -> str:
-    return json.dumps(codec.encode(value, path), separators=(",", ":"), allow_nan=False)
-
-
 class HostEncoder:
     """Per-RNG-source cache of encoded text; one per TrainingState (the training
     thread's boundary() is its only user)."""
@@ -68,25 +66,14 @@ class HostEncoder:
         except _Unkeyable:
             self._parts.pop(name, None)
             self.encoded += 1
-            return _dumps(value, path)
+            return sm.host_value(value, path)
         hit = self._parts.get(name)
         if hit is not None and hit[0] == key:
             return hit[1]
-        text = _dumps(value, path)
+        text = sm.host_value(value, path)
         self._parts[name] = (key, text)
         self.encoded += 1
         return text
-
-    def dumps(self, host: dict[str, Any]) -> str:
-        """``codec.dumps(host, "host")`` for ``TrainingState.capture_host``'s value."""
-        rng = host.get("rng")
-        if not isinstance(rng, dict) or not rng or not all(
-                isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in rng):
-            return codec.dumps(host, "host")
-        rest = {k: v for k, v in host.items() if k != "rng"}
-        text = ",".join(f'"{k}":{self.part(k, v, f"host.rng.{k}")}' for k, v in rng.items())
-        tail = codec.dumps(rest, "host")
-        return '{"rng":{' + text + "}" + ("," + tail[1:] if tail != "{}" else "}")
 
 
 # ------------------------------------------------------------------ boundary path
@@ -138,7 +125,13 @@ def _numpy_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, ..
 
 
 def _still_watched(src: str, held: tuple[Any, ...]) -> bool:
-    """The objects a watch reads are still the ones ``capture_rng`` reads."""
+    """The objects a watch reads are still the ones ``capture_rng`` reads.
+
+    ``HostWatch`` compares the same identities natively (its private ``still_same``)
+    but only flags the source as changed while they differ: its byte watch keeps the
+    old generator's bytes, so a generator swapped out and back again would compare
+    equal and reuse the other one's text. Once this is False the source is unwatched
+    (read at every boundary)."""
     if src == "python":
         return getattr(random.getstate, "__self__", None) is held[0]
     if src == "numpy":
@@ -181,7 +174,6 @@ class HostText:
         self._rng_mask = 0
         self._rest_text: dict[str, bytes] = {}
         self._values: dict[str, Any] = {}  # native ValueWatch per top-level key
-        self._heads: dict[str, str] = {}
         self._bound: Any = None  # the TrainingState whose optimizers _hw watches
         self._optim: bytes | None = None  # ',"optim":<text>' while the groups did not change
         self._optim_bit = int(self._hw.OPTIM_BIT)
@@ -204,7 +196,7 @@ class HostText:
             self._rng_mask |= 1 << self._bit[src]
 
     def _rng_parts(self, mask: int) -> list[bytes]:
-        out: list[bytes] = []
+        members: list[bytes] = []
         for src in self.sources:
             bit = self._bit[src]
             text = self._text.get(src)
@@ -216,15 +208,12 @@ class HostText:
                 # The bytes were compared BEFORE they are read: a draw in between shows
                 # as a change at the next boundary, never as a stale text.
                 text = self._read(src)
-            if text is _NO_TEXT:
-                continue
-            if out:
-                out.append(b",")  # a separate piece: ``b"," + text`` would copy the text
-            out.append(text)
-        return out
+            if text is not _NO_TEXT:
+                members.append(text)
+        return sm.rng_pieces(members)  # separate pieces: no copy of the texts
 
     def _read(self, src: str) -> bytes:
-        """``"src":<text>`` of one RNG source read now (_NO_TEXT: nothing to save)."""
+        """``"src":<text>`` (``slot_manifest.rng_member``) of one RNG source read now (_NO_TEXT: nothing to save)."""
         if src == "cuda" and not torch.cuda.is_initialized():
             got: dict[str, Any] = {}  # what capture_rng gives then, without its ~20 us check
         else:
@@ -233,7 +222,7 @@ class HostText:
             self._text[src] = _NO_TEXT
             return _NO_TEXT
         self.read += 1
-        text = f'"{src}":{self.enc.part(src, got[src], f"host.rng.{src}")}'.encode()
+        text = sm.rng_member(src, self.enc.part(src, got[src], f"host.rng.{src}"))
         self._text[src] = text
         return text
 
@@ -247,7 +236,7 @@ class HostText:
         rng = self._rng
         if rng is None or mask & self._rng_mask:
             rng = self._rng = self._rng_parts(mask)
-        out = [b'{"rng":{', *rng, b"}", b',"step":', str(int(step)).encode()]
+        out = sm.host_open(rng, sm.step_text(step))
         optim = self._optim
         if optim is None or mask & self._optim_bit:
             optim = None
@@ -262,18 +251,16 @@ class HostText:
                 out.append(optim)
         else:  # nothing but the step changed
             out.append(optim)
-            out.append(b',"extra":{}')
-        out.append(b"}")
+            out.append(sm.EMPTY_EXTRA)
+        out.append(sm.HOST_CLOSE)
         return out
 
     def _rest(self, key: str, value: Any) -> bytes:
-        """``,"key":<text>``, reused while ``value`` is exactly the same plain value
-        (compared natively: a ValueWatch per key; no Python objects, no allocation)."""
-        head = self._heads.get(key)
-        if head is None:
-            head = self._heads[key] = f",{json.dumps(key)}:"
-        if type(value) is int:  # the step: its text is its repr
-            return f"{head}{value}".encode()
+        """``,"key":<text>`` (``slot_manifest.host_member``), reused while ``value`` is
+        exactly the same plain value (compared natively: a ValueWatch per key; no Python
+        objects, no allocation)."""
+        if type(value) is int:  # its text is its repr
+            return sm.host_member(key, repr(value))
         w = self._values.get(key)
         if w is None:
             w = self._values[key] = native().ValueWatch()
@@ -281,12 +268,9 @@ class HostText:
             same = not w.changed(value)
         except ValueError:  # not a plain value (a tensor, an object): encoded every time
             self._rest_text.pop(key, None)
-            return (head + _dumps(value, "host." + key)).encode()
+            return sm.host_member(key, sm.host_value(value, "host." + key))
         text = self._rest_text.get(key)
         if same and text is not None:
             return text
-        text = self._rest_text[key] = (head + _dumps(value, "host." + key)).encode()
+        text = self._rest_text[key] = sm.host_member(key, sm.host_value(value, "host." + key))
         return text
-
-    def dumps(self, state: Any, step: int) -> str:
-        return b"".join(self.parts(state, step)).decode()

@@ -7,7 +7,6 @@ tensor.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from ..errors import ConfigError, SnapshotError
 from ..format import manifest as fmt
 from ..format.manifest import tensor_entry, validate_tensors
+from ..format.slot_manifest import encode_prefix
 from . import layout_watch
 from .layout_watch import Watch, identity_entries
 from .plan import Layout, make_plan
@@ -83,8 +83,7 @@ class LayoutMixin(Fields):
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
                         backend=self.backend, torch=torch.__version__,
                         dcp_names=self.state.dcp_names())
-        prefix = (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
-                  json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
+        prefix = encode_prefix(head, entries)  # the slot manifest up to its host value
         self._stats["layout_rebuilds"] += 1
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)

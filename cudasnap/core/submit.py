@@ -14,6 +14,7 @@ from typing import Any
 
 from .._native import native
 from ..errors import ConfigError, SnapshotError, StagingError
+from ..format.slot_manifest import slot_tail
 from . import early
 from .host_capture import HostText
 from .plan import Layout
@@ -139,7 +140,8 @@ class SubmitMixin(Fields):
 
     def _host_suffix(self, step: int) -> list[bytes]:
         """The per-boundary end of the slot manifest, host state + step, in pieces that
-        the copy engine writes one after the other (no joined copy: see HostText.parts).
+        the copy engine writes one after the other (no joined copy: see HostText.parts;
+        the bytes: cudasnap.format.slot_manifest).
 
         Reads only the RNG sources whose bytes changed since the last boundary
         (cudasnap.core.host_capture.HostText)."""
@@ -148,7 +150,7 @@ class SubmitMixin(Fields):
         if ht is None or ht.sources != st.rng_sources:
             ht = self._host_text = HostText(st.rng_sources, capture_rng)
         parts = ht.parts(st, step)
-        parts += (b',"step":', str(int(step)).encode(), b"}")
+        parts.append(slot_tail(step))
         return parts
 
     def _submit_copy(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> Any:

@@ -12,7 +12,8 @@ tensor's bytes lie in the snapshot's flat data area::
 
 One typed schema (``Manifest``, ``TensorEntry``, ``DataSection``) serves
 both places a manifest lives: a shared-memory slot holds the same JSON minus
-its ``data`` section (rebuilt from the slot by ``data_section``) and a file on
+its ``data`` section (rebuilt from the slot by ``data_section``; its bytes are
+written by ``cudasnap.format.slot_manifest`` only, read by ``parse_slot_meta``) and a file on
 disk or in an object store holds all of it plus its own CRC32C
 (``manifest_crc32c``). ``parse_manifest`` is the one reader of manifest bytes.
 
@@ -390,7 +391,8 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
 
 
 def parse_slot_meta(raw: bytes | str, where: str) -> dict[str, Any]:
-    """A slot's manifest JSON (no ``data`` section yet): a JSON object, else CorruptSnapshot."""
+    """A slot's manifest JSON (no ``data`` section yet; written by
+    ``cudasnap.format.slot_manifest``): a JSON object, else CorruptSnapshot."""
     try:
         meta = json.loads(raw)
     except (ValueError, RecursionError) as e:  # CRC-consistent, yet not JSON
