@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cudasnap._native import native
-from cudasnap.tools import progress
+from cudasnap.storage import progress
 
 tqdm = pytest.importorskip("tqdm")
 

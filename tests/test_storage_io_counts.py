@@ -20,9 +20,8 @@ pytest.importorskip("moto.server", reason="moto[server] not installed (requireme
 
 import cudasnap  # noqa: E402
 from cudasnap._native import native  # noqa: E402
-from cudasnap.storage import counters, open_storage  # noqa: E402
+from cudasnap.storage import counters, open_storage, progress  # noqa: E402
 from cudasnap.storage.fsspec import FsspecStorage  # noqa: E402
-from cudasnap.tools import progress  # noqa: E402
 
 tqdm = pytest.importorskip("tqdm")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import SnapshotError
 from ..format import paths
-from ..tools.progress import bytes_written, io_progress
+from ..storage.progress import bytes_written, io_progress
 from .shared import Fields
 
 log = logging.getLogger("cudasnap")

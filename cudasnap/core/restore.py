@@ -23,7 +23,7 @@ from ..format import manifest as fmt
 from ..format import paths
 from ..format.manifest import validate_manifest
 from ..storage import posix
-from ..tools.progress import bytes_read, io_progress
+from ..storage.progress import bytes_read, io_progress
 from .shared import Fields
 from .timeline import resume_message
 

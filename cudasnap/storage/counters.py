@@ -3,7 +3,7 @@
 The POSIX storage moves its data in C++: the flusher counts those bytes itself
 (``_C.io_bytes()``). The fsspec storage moves its data objects in Python
 (uploads and downloads through the filesystem object), so it counts them here,
-per block as it goes. ``cudasnap.tools.progress.bytes_written()`` /
+per block as it goes. ``cudasnap.storage.progress.bytes_written()`` /
 ``bytes_read()`` add both, so a progress bar advances for ``s3://`` flushes and
 restores too. Only data objects count (``data.bin``), as on disk: not the
 manifest, COMMIT or ``latest``. Monotonic, thread-safe; a leaf module.

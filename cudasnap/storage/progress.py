@@ -3,7 +3,8 @@
 On local disk the byte-moving work runs in C++ with the GIL released; its
 flusher counts the bytes it writes and reads back in atomic counters
 (``_C.io_bytes()``). The object-store storage (``s3://``, fsspec) moves its
-data objects in Python and counts them in ``cudasnap.storage.counters``.
+data objects in Python and counts them in ``cudasnap.storage.counters``
+(beside this module).
 ``bytes_written``/``bytes_read`` are the sum of both, and a small thread polls
 them into a tqdm bar. Unlike the kernel's per-process counters
 (``/proc/self/io``) these count only snapshot data, not every thread's I/O.
@@ -35,7 +36,7 @@ def bytes_written() -> int:
     """Snapshot data bytes written in this process (monotonic): by the native flusher
     to files, plus by the object-store storage to objects."""
     from .._native import native
-    from ..storage import counters
+    from . import counters
 
     return int(native().io_bytes()[0]) + counters.io_bytes()[0]
 
@@ -44,7 +45,7 @@ def bytes_read() -> int:
     """Snapshot data bytes read back in this process (monotonic): by the native flusher
     from files, plus by the object-store storage from objects."""
     from .._native import native
-    from ..storage import counters
+    from . import counters
 
     return int(native().io_bytes()[1]) + counters.io_bytes()[1]
 
