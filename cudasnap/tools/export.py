@@ -1,42 +1,32 @@
-"""Export a cudasnap snapshot to formats a script's own resume path can load."""
+"""Export a cudasnap snapshot to formats a script's own resume path can load.
+
+Owns: the export targets' checks (:func:`check_export_target`, :func:`safetensors_paths`),
+the atomic write of an output file (:func:`atomic_output`), ``--to torch``
+(:func:`export_torch`) and ``--to safetensors`` (:func:`export_safetensors`). ``--to dcp``
+and ``load_resharded`` live in cudasnap.tools.export_dcp, the offline reading of a snapshot
+in cudasnap.tools.shards; both are importable from here too.
+
+Call order: ``cudasnap export`` (cudasnap.tools.cli) -> a target check -> an export ->
+cudasnap.tools.shards (the tensors) -> :func:`atomic_output` (the file, renamed into place).
+"""
 from __future__ import annotations
 
 import json
-import logging
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._native import native
-from ..errors import ConfigError, IncompatibleSnapshot, SnapshotError
-from ..format import codec, paths
-from ..format.manifest import Manifest, expand_params, torch_dtype
-from ..storage import posix
+from ..errors import ConfigError, SnapshotError
+from ..format import codec
+from ..format.manifest import expand_params
+from .export_dcp import HOST_SIDECAR, export_dcp, load_resharded
+from .shards import _assemble, _chunks, _step_dir, full_tensors, load_shards, load_tensors
 
-log = logging.getLogger("cudasnap.export")
-
-
-def load_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], Manifest]:
-    """Returns ({tensor name: tensor}, manifest) of a verified snapshot."""
-    snaps = posix.list_snapshots(Path(directory))
-    if step is not None:
-        snaps = [s for s in snaps if s.step == step]
-    if not snaps:
-        raise SnapshotError(f"no snapshot{f' of step {step}' if step is not None else ''} "
-                            f"in {directory}")
-    s = snaps[0]
-    m = posix.load_manifest(s.manifest_path)
-    data = posix.read_data(s.path, m)
-    out = {}
-    for e in m["tensors"]:
-        dt = torch_dtype(e["dtype"])
-        n = e["nbytes"]
-        t = data[e["offset"]:e["offset"] + n].view(dt).as_strided(e["shape"], e["stride"]) \
-            if n else data[:0].view(dt).reshape(e["shape"])
-        out[e["name"]] = t.clone()
-    return out, m
+__all__ = ["HOST_SIDECAR", "SAFETENSORS_MODEL", "SAFETENSORS_OPTIM", "atomic_output",
+           "check_export_target", "export_dcp", "export_safetensors", "export_torch",
+           "full_tensors", "load_resharded", "load_shards", "load_tensors", "safetensors_paths"]
 
 
 def check_export_target(directory: Path, to_file: Path, need_parent: bool = True) -> None:
@@ -121,104 +111,6 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
            "extra": {k: v.get("state") for k, v in host.get("extra", {}).items()},
            "cudasnap_manifest": json.loads(json.dumps({k: m[k] for k in ("step", "format_version")}))}
     return atomic_output(Path(to_file), lambda tmp: torch.save(out, tmp))
-
-
-# ------------------------------------------------------------ sharded (multi-rank) snapshots
-def _step_dir(directory: Path, step: int | None) -> posix.StoredSnapshot:
-    snaps = posix.list_snapshots(Path(directory))
-    if step is not None:
-        snaps = [s for s in snaps if s.step == step]
-    # A multi-rank step counts only with its COMMIT marker (every rank's files durable).
-    snaps = [s for s in snaps if (s.path / paths.MANIFEST).is_file() or posix.is_committed(s.path)]
-    if not snaps:
-        raise SnapshotError(f"no committed snapshot{f' of step {step}' if step is not None else ''}"
-                            f" in {directory}")
-    return snaps[0]
-
-
-def load_shards(directory: Path, step: int | None = None) -> tuple[int, list[dict[str, Any]]]:
-    """(step, one record per rank: {"rank", "manifest", "tensors": {name: local tensor}}) of
-    the newest committed snapshot, every rank's files verified. Offline: no process group."""
-    s = _step_dir(directory, step)
-    if (s.path / paths.MANIFEST).is_file():
-        rank_dirs = [s.path]
-    else:
-        commit = posix.read_commit(s.path)
-        missing = [r for r in range(int(commit["world_size"]))
-                   if not (s.path / paths.rank_dirname(r) / paths.MANIFEST).is_file()]
-        if missing:  # replicated ranks may be absent; the assembly checks coverage
-            log.info("%s: no files of rank(s) %s", s.path, missing)
-        rank_dirs = [s.path / paths.rank_dirname(r) for r in range(int(commit["world_size"]))
-                     if r not in missing]
-    out = []
-    for d in rank_dirs:
-        m = posix.load_manifest(d / paths.MANIFEST)
-        tensors, _ = _views(posix.read_data(d, m), m)
-        out.append({"rank": int(m.get("rank", 0)), "manifest": m, "tensors": tensors})
-    return s.step, out
-
-
-def _views(data: Any, m: Manifest) -> tuple[dict[str, Any], None]:
-    out = {}
-    for e in m["tensors"]:
-        dt = torch_dtype(e["dtype"])
-        n = e["nbytes"]
-        out[e["name"]] = data[e["offset"]:e["offset"] + n].view(dt).as_strided(
-            e["shape"], e["stride"]) if n else data[:0].view(dt).reshape(e["shape"])
-    return out, None
-
-
-def _chunks(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per tensor name: dtype, global shape, and its distinct chunks {offset tuple: (rank,
-    local tensor)} (a replicated chunk once, from the lowest rank holding it)."""
-    out: dict[str, dict[str, Any]] = {}
-    for r in sorted(ranks, key=lambda x: x["rank"]):
-        for e in r["manifest"]["tensors"]:
-            sh = e.get("shard")
-            if sh is not None:
-                bad = [p for p in sh["placements"] if not (p.startswith("Shard(") or
-                                                          p == "Replicate()")]
-                if bad:
-                    raise ConfigError(f"{e['name']}: placement {bad[0]} cannot be exported "
-                                      "offline (only Shard(d) and Replicate())")
-                gshape, off = sh["global_shape"], tuple(sh["offset"])
-            else:
-                gshape, off = e["shape"], tuple(0 for _ in e["shape"])
-            ent = out.setdefault(e["name"], {"dtype": e["dtype"], "shape": gshape, "chunks": {},
-                                             "group": e["group"], "aliases": e.get("aliases", []),
-                                             "param_index": e.get("param_index"),
-                                             "state_key": e.get("state_key")})
-            if ent["shape"] != gshape or ent["dtype"] != e["dtype"]:
-                raise SnapshotError(f"{e['name']}: ranks disagree on its global shape or dtype")
-            ent["chunks"].setdefault(off, (r["rank"], r["tensors"][e["name"]]))
-    return out
-
-
-def _assemble(name: str, ent: dict[str, Any]) -> Any:
-    """The full tensor of one ``_chunks`` entry (its chunks laid into place)."""
-    import torch
-
-    full = torch.zeros(ent["shape"], dtype=torch_dtype(ent["dtype"]))
-    covered = 0
-    for off, (_, t) in ent["chunks"].items():
-        full[tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
-        covered += t.numel()
-    if covered != full.numel():
-        raise SnapshotError(f"{name}: the ranks' shards cover {covered} of {full.numel()} "
-                            "elements (files of a rank missing?)")
-    return full
-
-
-def full_tensors(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
-    """(step, {name: full tensor}) assembled offline from every rank's local shards."""
-    step_, ranks = load_shards(directory, step)
-    out = {}
-    for name, ent in _chunks(ranks).items():
-        full = _assemble(name, ent)
-        out[name] = full
-        for a in ent["aliases"]:
-            out[a] = full.clone()
-    return step_, out
 
 
 SAFETENSORS_MODEL = "model.safetensors"  # the name from_pretrained(dir) reads
@@ -332,170 +224,3 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
             {str(t.dtype).removeprefix("torch.") for t in moptim.values()})), **meta}
         atomic_output(optim_file, lambda tmp: save_file(moptim, str(tmp), metadata=optim_meta))
     return model_file
-
-
-HOST_SIDECAR = "cudasnap_host.json"
-
-
-def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
-    """A torch.distributed.checkpoint checkpoint of a (sharded) snapshot, written by DCP's
-    own FileSystemWriter with per-chunk metadata, so ``dcp.load`` reshards it onto any mesh.
-
-    Keys (``cudasnap.tools.dcp_keys``): what ``get_state_dict`` + ``dcp.load({"model": ...,
-    "optim": ...})`` asks for (``model.<fqn>``, ``optim.state.<fqn>.<key>``,
-    ``optim.param_groups.<i | fqn>.<key>``), what torchtitan's ``CheckpointManager`` asks for
-    (``<fqn>``, ``optimizer.*``, ``train_state.step``, ``lr_scheduler.*``) and the index keys
-    ``load_resharded`` reads; each tensor's bytes are stored once. The step, world size
-    and param groups also go to ``cudasnap_host.json`` beside it. Written into a temporary
-    directory beside ``out_dir`` and renamed into place: a kill mid-export leaves no
-    ``out_dir`` (and an earlier export elsewhere untouched).
-    """
-    import io
-    import shutil
-
-    import torch
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    from . import dcp_keys
-
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConfigError(f"export target {out_dir} exists and is not an empty directory")
-    d = Path(directory).resolve()
-    if out_dir.resolve() == d or d in out_dir.resolve().parents:
-        raise ConfigError(f"export target {out_dir} is inside the snapshot directory {directory}; "
-                          "write it elsewhere")
-    if not out_dir.parent.is_dir():
-        raise ConfigError(f"export target {out_dir}: its parent directory {out_dir.parent} "
-                          "does not exist")
-    step_, ranks = load_shards(directory, step)
-    chunks = _chunks(ranks)
-    m0 = ranks[0]["manifest"]
-    host = codec.decode(m0["host"], "host")
-    keys = dcp_keys.plan(chunks, m0, host, step_)
-    order = sorted({r["rank"] for r in ranks})
-    items: dict[int, list[Any]] = {r: [] for r in order}
-    data: dict[MetadataIndex, Any] = {}
-    md: dict[str, Any] = {}
-    aliases: dict[MetadataIndex, list[MetadataIndex]] = {}
-
-    def add_tensor(fqns: list[str], shape: Any, dtype: Any, parts: list[tuple[Any, int, Any]]
-                   ) -> None:
-        """``parts``: (offset, rank, local tensor); written under fqns[0], the rest alias it."""
-        props = TensorProperties(dtype=dtype)
-        cks = []
-        for off, rank, t in parts:
-            idx = MetadataIndex(fqns[0], torch.Size(off))
-            ck = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(t.shape))
-            cks.append(ck)
-            items[rank].append(WriteItem(index=idx, type=WriteItemType.SHARD,
-                                         tensor_data=TensorWriteData(
-                                             chunk=ck, properties=props, size=torch.Size(shape))))
-            data[idx] = t.contiguous()
-            aliases[idx] = [MetadataIndex(f, torch.Size(off)) for f in fqns[1:]]
-        for f in fqns:
-            md[f] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=cks)
-
-    for name, ent in chunks.items():
-        if keys.tensors.get(name):
-            add_tensor(keys.tensors[name], ent["shape"], torch_dtype(ent["dtype"]),
-                       [(off, rank, t) for off, (rank, t) in ent["chunks"].items()])
-    for k, v in keys.objects.items():
-        if isinstance(v, torch.Tensor):
-            add_tensor([k], list(v.shape), v.dtype, [((0,) * v.dim(), order[0], v)])
-            continue
-        idx = MetadataIndex(k)
-        buf = io.BytesIO()
-        torch.save(v, buf)  # DCP's own rule for a non-tensor value (DefaultSavePlanner)
-        buf.seek(0)
-        data[idx] = buf
-        items[order[0]].append(WriteItem(index=idx, type=WriteItemType.BYTE_IO))
-        md[k] = BytesStorageMetadata()
-    for k, first in keys.same_as.items():
-        aliases.setdefault(MetadataIndex(first), []).append(MetadataIndex(k))
-        md[k] = md[first]
-
-    class _Source:  # what FileSystemWriter.write_data asks of a planner
-        @staticmethod
-        def resolve_data(item: Any) -> Any:
-            return data[item.index]
-
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=0o700)
-    try:
-        writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-        writer.reset(str(tmp))
-        writer.set_up_storage_writer(True)
-        plans = writer.prepare_global_plan(
-            [writer.prepare_local_plan(SavePlan(items[r])) for r in order])
-        results = [writer.write_data(p, _Source()).wait() for p in plans]  # type: ignore[arg-type]
-        for res in results:  # every other name of a stored value points at its bytes
-            res.extend(WriteResult(index=a, size_in_bytes=wr.size_in_bytes,
-                                   storage_data=wr.storage_data)
-                       for wr in list(res) for a in aliases.get(wr.index, ()))
-        writer.finish(Metadata(state_dict_metadata=md), results)
-        side = {"step": step_, "world_size": m0.get("world_size", 1),
-                "keys": "fqn" if keys.fqn_keys else "index",
-                "optim": {k: {"param_groups": v.get("param_groups"), "class": v.get("class")}
-                          for k, v in host.get("optim", {}).items()}}
-        (tmp / HOST_SIDECAR).write_text(codec.dumps(side, "export"))
-        for f in tmp.iterdir():
-            f.chmod(0o600)
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out_dir.is_dir():
-            out_dir.rmdir()  # empty (checked above)
-        os.rename(tmp, out_dir)
-        native().fsync_dir(str(out_dir.parent))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("exported step %d to %s (%d keys)", step_, out_dir, len(md))
-    return out_dir
-
-
-def load_resharded(checkpoint: str | Path, model: Any, optimizer: Any = None) -> int:
-    """Loads a ``cudasnap export --to dcp`` checkpoint into ``model`` (and ``optimizer``) on
-    any mesh or world size (DCP reshards: call it on every rank); returns the step to
-    resume at. RNG and ``extra`` state are per rank and not carried over."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-    checkpoint = Path(checkpoint)
-    side = codec.loads((checkpoint / HOST_SIDECAR).read_text(), str(checkpoint / HOST_SIDECAR))
-    sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
-    params: list[Any] = []
-    if optimizer is not None:
-        _init_optim_state(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    sd[f"optim.state.{i}.{k}"] = v
-    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=str(checkpoint), no_dist=no_dist)
-    if optimizer is not None:
-        saved = (side.get("optim") or {}).get("optim") or next(iter(side.get("optim", {}).values()),
-                                                                None)
-        if saved and saved.get("param_groups"):
-            if len(saved["param_groups"]) != len(optimizer.param_groups):
-                raise IncompatibleSnapshot(
-                    f"{checkpoint}: {len(saved['param_groups'])} param groups saved, the "
-                    f"optimizer has {len(optimizer.param_groups)}")
-            for g, s in zip(optimizer.param_groups, saved["param_groups"]):
-                g.update({k: v for k, v in s.items() if k != "params"})
-    return int(side["step"]) + 1

@@ -1,0 +1,194 @@
+"""``cudasnap export --to dcp`` and its reader: a torch.distributed.checkpoint checkpoint of
+a snapshot that any mesh or world size loads.
+
+Owns: :func:`export_dcp` (written by DCP's own FileSystemWriter, with the host sidecar
+:data:`HOST_SIDECAR`, renamed into place whole) and :func:`load_resharded`
+(``cudasnap.load_resharded``: DCP's resharding load, then the optimizer's param groups).
+
+Call order: ``cudasnap export --to dcp`` (cudasnap.tools.cli) -> :func:`export_dcp` ->
+cudasnap.tools.shards (``load_shards`` -> ``_chunks``) -> cudasnap.tools.dcp_keys
+(``plan``: the keys) -> FileSystemWriter. A training script, on every rank:
+:func:`load_resharded`. Both are also importable from cudasnap.tools.export.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .._native import native
+from ..errors import ConfigError, IncompatibleSnapshot
+from ..format import codec
+from ..format.manifest import torch_dtype
+from .shards import _chunks, load_shards
+
+log = logging.getLogger("cudasnap.export")
+
+
+HOST_SIDECAR = "cudasnap_host.json"
+
+
+def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
+    """A torch.distributed.checkpoint checkpoint of a (sharded) snapshot, written by DCP's
+    own FileSystemWriter with per-chunk metadata, so ``dcp.load`` reshards it onto any mesh.
+
+    Keys (``cudasnap.tools.dcp_keys``): what ``get_state_dict`` + ``dcp.load({"model": ...,
+    "optim": ...})`` asks for (``model.<fqn>``, ``optim.state.<fqn>.<key>``,
+    ``optim.param_groups.<i | fqn>.<key>``), what torchtitan's ``CheckpointManager`` asks for
+    (``<fqn>``, ``optimizer.*``, ``train_state.step``, ``lr_scheduler.*``) and the index keys
+    ``load_resharded`` reads; each tensor's bytes are stored once. The step, world size
+    and param groups also go to ``cudasnap_host.json`` beside it. Written into a temporary
+    directory beside ``out_dir`` and renamed into place: a kill mid-export leaves no
+    ``out_dir`` (and an earlier export elsewhere untouched).
+    """
+    import io
+    import shutil
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from . import dcp_keys
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"export target {out_dir} exists and is not an empty directory")
+    d = Path(directory).resolve()
+    if out_dir.resolve() == d or d in out_dir.resolve().parents:
+        raise ConfigError(f"export target {out_dir} is inside the snapshot directory {directory}; "
+                          "write it elsewhere")
+    if not out_dir.parent.is_dir():
+        raise ConfigError(f"export target {out_dir}: its parent directory {out_dir.parent} "
+                          "does not exist")
+    step_, ranks = load_shards(directory, step)
+    chunks = _chunks(ranks)
+    m0 = ranks[0]["manifest"]
+    host = codec.decode(m0["host"], "host")
+    keys = dcp_keys.plan(chunks, m0, host, step_)
+    order = sorted({r["rank"] for r in ranks})
+    items: dict[int, list[Any]] = {r: [] for r in order}
+    data: dict[MetadataIndex, Any] = {}
+    md: dict[str, Any] = {}
+    aliases: dict[MetadataIndex, list[MetadataIndex]] = {}
+
+    def add_tensor(fqns: list[str], shape: Any, dtype: Any, parts: list[tuple[Any, int, Any]]
+                   ) -> None:
+        """``parts``: (offset, rank, local tensor); written under fqns[0], the rest alias it."""
+        props = TensorProperties(dtype=dtype)
+        cks = []
+        for off, rank, t in parts:
+            idx = MetadataIndex(fqns[0], torch.Size(off))
+            ck = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(t.shape))
+            cks.append(ck)
+            items[rank].append(WriteItem(index=idx, type=WriteItemType.SHARD,
+                                         tensor_data=TensorWriteData(
+                                             chunk=ck, properties=props, size=torch.Size(shape))))
+            data[idx] = t.contiguous()
+            aliases[idx] = [MetadataIndex(f, torch.Size(off)) for f in fqns[1:]]
+        for f in fqns:
+            md[f] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=cks)
+
+    for name, ent in chunks.items():
+        if keys.tensors.get(name):
+            add_tensor(keys.tensors[name], ent["shape"], torch_dtype(ent["dtype"]),
+                       [(off, rank, t) for off, (rank, t) in ent["chunks"].items()])
+    for k, v in keys.objects.items():
+        if isinstance(v, torch.Tensor):
+            add_tensor([k], list(v.shape), v.dtype, [((0,) * v.dim(), order[0], v)])
+            continue
+        idx = MetadataIndex(k)
+        buf = io.BytesIO()
+        torch.save(v, buf)  # DCP's own rule for a non-tensor value (DefaultSavePlanner)
+        buf.seek(0)
+        data[idx] = buf
+        items[order[0]].append(WriteItem(index=idx, type=WriteItemType.BYTE_IO))
+        md[k] = BytesStorageMetadata()
+    for k, first in keys.same_as.items():
+        aliases.setdefault(MetadataIndex(first), []).append(MetadataIndex(k))
+        md[k] = md[first]
+
+    class _Source:  # what FileSystemWriter.write_data asks of a planner
+        @staticmethod
+        def resolve_data(item: Any) -> Any:
+            return data[item.index]
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+        writer.reset(str(tmp))
+        writer.set_up_storage_writer(True)
+        plans = writer.prepare_global_plan(
+            [writer.prepare_local_plan(SavePlan(items[r])) for r in order])
+        results = [writer.write_data(p, _Source()).wait() for p in plans]  # type: ignore[arg-type]
+        for res in results:  # every other name of a stored value points at its bytes
+            res.extend(WriteResult(index=a, size_in_bytes=wr.size_in_bytes,
+                                   storage_data=wr.storage_data)
+                       for wr in list(res) for a in aliases.get(wr.index, ()))
+        writer.finish(Metadata(state_dict_metadata=md), results)
+        side = {"step": step_, "world_size": m0.get("world_size", 1),
+                "keys": "fqn" if keys.fqn_keys else "index",
+                "optim": {k: {"param_groups": v.get("param_groups"), "class": v.get("class")}
+                          for k, v in host.get("optim", {}).items()}}
+        (tmp / HOST_SIDECAR).write_text(codec.dumps(side, "export"))
+        for f in tmp.iterdir():
+            f.chmod(0o600)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (checked above)
+        os.rename(tmp, out_dir)
+        native().fsync_dir(str(out_dir.parent))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported step %d to %s (%d keys)", step_, out_dir, len(md))
+    return out_dir
+
+
+def load_resharded(checkpoint: str | Path, model: Any, optimizer: Any = None) -> int:
+    """Loads a ``cudasnap export --to dcp`` checkpoint into ``model`` (and ``optimizer``) on
+    any mesh or world size (DCP reshards: call it on every rank); returns the step to
+    resume at. RNG and ``extra`` state are per rank and not carried over."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    checkpoint = Path(checkpoint)
+    side = codec.loads((checkpoint / HOST_SIDECAR).read_text(), str(checkpoint / HOST_SIDECAR))
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
+    params: list[Any] = []
+    if optimizer is not None:
+        _init_optim_state(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    sd[f"optim.state.{i}.{k}"] = v
+    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=str(checkpoint), no_dist=no_dist)
+    if optimizer is not None:
+        saved = (side.get("optim") or {}).get("optim") or next(iter(side.get("optim", {}).values()),
+                                                                None)
+        if saved and saved.get("param_groups"):
+            if len(saved["param_groups"]) != len(optimizer.param_groups):
+                raise IncompatibleSnapshot(
+                    f"{checkpoint}: {len(saved['param_groups'])} param groups saved, the "
+                    f"optimizer has {len(optimizer.param_groups)}")
+            for g, s in zip(optimizer.param_groups, saved["param_groups"]):
+                g.update({k: v for k, v in s.items() if k != "params"})
+    return int(side["step"]) + 1
