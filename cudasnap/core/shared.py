@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..format.paths import is_url
+from .state import RNG_SOURCES
 
 if TYPE_CHECKING:
     from .arena_prep import ArenaPreparer
     from .plan import Layout
     from .state import TrainingState
-
-RNG_SOURCES = ("torch", "cuda", "numpy", "python")
 
 
 class Fields:
