@@ -5,15 +5,11 @@ this module never initialises CUDA (torch and the engine load lazily, inside
 the methods).
 
 The allocator registry (``cudasnap._C.AllocatorRegistry``) coalesces device
-ranges for the copy plan and reports coverage. :meth:`CudaBackend.plan_key` is
-one integer that changes only when a watched block (:meth:`CudaBackend.watch`)
-is freed or its segment unmapped, or the watch set is replaced; the boundary
-no longer uses it: its layout check is ``LayoutGuard.boundary_check``
-(cudasnap.core.layout), which runs on every backend.
+ranges for the copy plan and reports coverage. The boundary's layout check is
+``LayoutGuard.boundary_check`` (cudasnap.core.layout), which runs on every backend.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import time
@@ -22,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._native import native
 from .errors import ConfigError, SnapshotError
+from .format.manifest import span_bytes
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor the extension
     import torch
@@ -40,11 +37,9 @@ AUTO_DRAIN_EVENTS = 16384
 
 
 def tensor_span_bytes(t: torch.Tensor) -> int:
-    """Bytes a (possibly strided) tensor view spans in its storage."""
-    if t.numel() == 0:
-        return 0
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-    return int(extent) * t.element_size()
+    """Bytes a (possibly strided) tensor view spans in its storage (the manifest's rule,
+    ``cudasnap.format.manifest.span_bytes``)."""
+    return span_bytes(list(t.shape), list(t.stride()), t.element_size())
 
 
 def _spans(items: Iterable[Any], index: int | None = None) -> list[tuple[int, int]]:
@@ -114,7 +109,6 @@ class CudaBackend:
         self.tracker_error: str | None = None
         self.fallback_reason: str | None = None  # why the arena is process-private
         self._arenas: list[Arena] = []  # arenas we cudaHostRegister'ed (held until unregistered)
-        self._keys = itertools.count(1)
         self._closed = False
         if track:
             try:
@@ -182,20 +176,6 @@ class CudaBackend:
         return True
 
     # ---------------------------------------------------------- tracking
-    def plan_key(self) -> int:
-        """O(1): changes whenever a cached copy plan may have become invalid.
-
-        Without allocator tracking every call returns a new value (never cache).
-        """
-        if self.registry is None:
-            return -next(self._keys)
-        return int(self.registry.watched_generation(self.index))
-
-    def watch(self, spans: Iterable[Any]) -> None:
-        """Watches the device spans of the current plan (pairs, tensors or LiveTensors)."""
-        if self.registry is not None:
-            self.registry.watch(self.index, _spans(spans, self.index))
-
     def coverage(self, spans: Iterable[Any], top_n: int = 8) -> dict[str, Any]:
         """Live device bytes vs the bytes the spans cover (see AllocatorRegistry.coverage)."""
         if self.registry is None:
