@@ -1,6 +1,6 @@
 """Just-in-time flush and crash recovery, end to end in real processes (issue 4).
 
-For each state size it runs ONE supervised job (``cudasnap.tools.run.supervise``) whose
+For each state size it runs ONE supervised job (``cudasnap.supervisor.loop.supervise``) whose
 training child (this file with ``--child``: a model-like state of params + AdamW,
 ``Snapshotter`` with ``CUDASNAP_HEALTH=1``, a boundary every step) goes through:
 
@@ -331,7 +331,7 @@ class Job:
 
 def run_size(size_gb: float, a: Any, tmp_root: Path) -> dict[str, Any] | None:
     from cudasnap._native import native
-    from cudasnap.tools.run import supervise
+    from cudasnap.supervisor.loop import supervise
 
     native()  # torch + the engine loaded here, not in the controller thread
 
@@ -418,7 +418,7 @@ def report(results: list[dict[str, Any]]) -> str:
                          f(m([x["first_step"] for x in rs]), " s"), f(tot, " s"),
                          f(C.ratio(tot, bare), "x"), f(C.ratio(tot, ro), "x")])
     out.append(C.print_table(
-        "Recovery after kill -9 under cudasnap.tools.run.supervise (median)",
+        "Recovery after kill -9 under cudasnap.supervisor.loop.supervise (median)",
         ["size", "restored from", "n", "death -> supervisor sees it", "orphan flush",
          "respawn -> main()", "imports + state build (bare restart)", "Snapshotter()",
          "restore_latest()", "restore -> first step done", "death -> first resumed step",

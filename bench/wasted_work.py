@@ -1,7 +1,7 @@
 """Wasted GPU time of periodic (Young/Daly) vs JIT checkpointing as the job grows.
 
 Prints, for N = 8 ... 131,072 GPUs, the expected wasted fraction of both
-policies (exact-for-exponential closed form, see ``cudasnap.tools.analysis``), their
+policies (exact-for-exponential closed form, see ``cudasnap.modelling.analysis``), their
 ratio, wasted GPU-hours per day, and a seeded Monte-Carlo check (95% CI) for a
 few N; then a short reading, and saves ``bench/wasted_work.png``.
 
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cudasnap.tools.analysis import (  # noqa: E402
+from cudasnap.modelling.analysis import (  # noqa: E402
     DEFAULT_CHECKPOINT_GBPS,
     DEFAULT_DETECT_SECONDS,
     DEFAULT_FLUSH_GBPS,
@@ -37,7 +37,7 @@ from cudasnap.tools.analysis import (  # noqa: E402
     jit_waste,
     periodic_waste,
 )
-from cudasnap.tools.simulate import simulate_waste  # noqa: E402
+from cudasnap.modelling.simulate import simulate_waste  # noqa: E402
 
 DEFAULT_GPUS = (8, 64, 512, 4096, 16384, 131072)
 DEFAULT_MC_GPUS = (64, 4096, 131072)

@@ -1,4 +1,4 @@
-"""Tests of cudasnap.tools.analysis (intervals, closed forms), .simulate (Monte-Carlo) and .advice."""
+"""Tests of cudasnap.modelling.analysis (intervals, closed forms), .simulate (Monte-Carlo) and .advice."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from cudasnap.tools import analysis as an
-from cudasnap.tools.advice import advise, format_advice
-from cudasnap.tools.analysis import (
+from cudasnap.modelling import analysis as an
+from cudasnap.modelling.advice import advise, format_advice
+from cudasnap.modelling.analysis import (
     KOKOLIS_GPU_MTBF_HOURS,
     LLAMA3_GPU_MTBF_HOURS,
     Scenario,
@@ -20,7 +20,7 @@ from cudasnap.tools.analysis import (
     segment_waste,
     young_interval,
 )
-from cudasnap.tools.simulate import simulate_waste
+from cudasnap.modelling.simulate import simulate_waste
 
 HOUR = 3600.0
 

@@ -33,7 +33,8 @@ from helpers.run_fork import ForkServer
 from cudasnap._native import native
 from cudasnap.format import paths
 from cudasnap.storage import posix
-from cudasnap.tools.run import flush_orphans, supervise
+from cudasnap.supervisor.loop import supervise
+from cudasnap.supervisor.orphans import flush_orphans
 from cudasnap.triggers import nvml as _nvml
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -220,7 +221,7 @@ def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, 
 
 def test_sigterm_just_before_the_child_starts_still_reaches_it(snap_env, monkeypatch):
     """A stop signal in the gap before Popen returns is forwarded once the child exists."""
-    import cudasnap.tools.run as runmod
+    import cudasnap.supervisor.loop as runmod
 
     real = subprocess.Popen
 
@@ -237,7 +238,7 @@ def test_sigterm_just_before_the_child_starts_still_reaches_it(snap_env, monkeyp
 
 
 def test_cudasnap_run_without_a_command_says_how():
-    from cudasnap.tools.run import main
+    from cudasnap.supervisor.run import main
 
     with pytest.raises(SystemExit, match="no command given"):
         main(["--max-restarts", "0"])

@@ -1,4 +1,4 @@
-"""The warm standby of ``cudasnap run`` (cudasnap.tools.standby): which commands it takes,
+"""The warm standby of ``cudasnap run`` (cudasnap.supervisor.standby): which commands it takes,
 and that a standby runs the script only on ``go``, as ``python`` would, with its exit code."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cudasnap.tools.standby import warm_command
+from cudasnap.supervisor.standby import warm_command
 
 SCRIPT = """
 import json, os, sys
@@ -33,7 +33,7 @@ def test_warm_command_takes_plain_python_scripts_and_modules_only():
 def start(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, int]:
     r, w = os.pipe()
     env = dict(os.environ, CUDASNAP_RESTART="1")
-    p = subprocess.Popen([sys.executable, "-m", "cudasnap.tools.standby", str(r), "--", *args],
+    p = subprocess.Popen([sys.executable, "-m", "cudasnap.supervisor.standby", str(r), "--", *args],
                          env=env, pass_fds=(r,), cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     os.close(r)
@@ -82,7 +82,7 @@ def test_a_closed_pipe_ends_the_standby_without_running_anything(tmp_path):
 RECORDER = """
 import json, os, signal, sys
 pre = "torch" in sys.modules  # before this script imports anything heavy
-sb = sys.modules.get("cudasnap.tools.standby")
+sb = sys.modules.get("cudasnap.supervisor.standby")
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps({"restart": os.environ["CUDASNAP_RESTART"], "pid": os.getpid(),
                         "torch_preloaded": pre, "go": getattr(sb, "go_time", None)}) + "\\n")
@@ -94,7 +94,7 @@ if os.environ["CUDASNAP_RESTART"] == "0" and sys.argv[2] == "die":
 def _supervised(snap_env, mode: str, warm: bool, max_restarts: int = 1):
     import json
 
-    from cudasnap.tools.run import supervise
+    from cudasnap.supervisor.loop import supervise
 
     script, log = snap_env.tmp / "rec_train.py", snap_env.tmp / "rec.jsonl"
     script.write_text(RECORDER)
@@ -142,7 +142,7 @@ def test_an_unused_standby_is_reaped_when_the_job_finishes(snap_env):
 
 
 def test_a_standby_that_died_means_a_cold_start(tmp_path):
-    from cudasnap.tools.standby import Standby
+    from cudasnap.supervisor.standby import Standby
 
     (tmp_path / "t.py").write_text("pass\n")
     sb = Standby.spawn([sys.executable, str(tmp_path / "t.py")], dict(os.environ))

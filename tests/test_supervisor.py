@@ -19,7 +19,7 @@ import pytest
 from cudasnap.errors import ConfigError, FlushError
 from cudasnap.format import paths
 from cudasnap.storage import posix
-from cudasnap.tools.run import supervise
+from cudasnap.supervisor.loop import supervise
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"

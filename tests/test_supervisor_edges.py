@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from cudasnap.storage import posix
-from cudasnap.tools import run as run_mod
-from cudasnap.tools.run import supervise
+from cudasnap.supervisor import child
+from cudasnap.supervisor.loop import supervise
 
 REPO = Path(__file__).resolve().parents[1]
 GUARD_S = 120.0  # failure guard for every wait below (never reached when things work)
@@ -102,7 +102,7 @@ if len(sys.argv) > 2:
             f.readline()
         os._exit(0)
     signal.signal(signal.SIGTERM, on_term)
-warm = getattr(sys.modules.get("cudasnap.tools.standby"), "go_time", None) is not None
+warm = getattr(sys.modules.get("cudasnap.supervisor.standby"), "go_time", None) is not None
 with open(sys.argv[1], "w") as f:
     f.write(f"{os.getpid()} {int(warm)}\n")
 while True:
@@ -375,7 +375,7 @@ def test_cli_run_refuses_an_object_store_directory(snap_env):
 def test_verdict_file_is_private_and_names_the_error(tmp_path, monkeypatch):
     """The record a cold/warm attempt leaves for the supervisor: 0600, kind and error."""
     from cudasnap.errors import ConfigError
-    from cudasnap.tools.standby import VERDICT_ENV, write_verdict
+    from cudasnap.supervisor.standby import VERDICT_ENV, write_verdict
 
     path = tmp_path / "verdict.json"
     monkeypatch.setenv(VERDICT_ENV, str(path))
@@ -383,7 +383,7 @@ def test_verdict_file_is_private_and_names_the_error(tmp_path, monkeypatch):
     assert path.stat().st_mode & 0o777 == 0o600
     rec = json.loads(path.read_text())
     assert rec["kind"] == "config" and rec["error"] == "ConfigError: bad CUDASNAP_NUM_SLOTS"
-    assert run_mod._read_verdict(path) == "ConfigError: bad CUDASNAP_NUM_SLOTS"
+    assert child._read_verdict(path) == "ConfigError: bad CUDASNAP_NUM_SLOTS"
     assert not path.exists()
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..storage import posix
-from ..tools.run import supervise
+from ..supervisor.loop import supervise
 
 FAULTS = {
     "kill": None, "xid": "xid=79@step={f}", "ecc_dbe": "ecc_dbe@step={f}",

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                            "t_exec": process_start_time(), "t_script": T_SCRIPT,
                            "t_torch": T_TORCH, "t_cudasnap": T_CUDASNAP,
                            "t_start": t_start, "t_restored": t_restored, "t_first_step": t_first}
-    standby = sys.modules.get("cudasnap.tools.standby")  # started warm by `cudasnap run`
+    standby = sys.modules.get("cudasnap.supervisor.standby")  # started warm by `cudasnap run`
     if standby is not None and getattr(standby, "go_time", None) is not None:
         rec.update(warm=True, t_go=standby.go_time, t_ready=standby.ready_time)
     if snap is not None:

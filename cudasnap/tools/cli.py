@@ -275,7 +275,7 @@ def cmd_health(a: argparse.Namespace) -> int:
 
 def cmd_advise(a: argparse.Namespace) -> int:
     from ..core.host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
-    from .advice import advise, format_advice
+    from ..modelling.advice import advise, format_advice
 
     for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):
         v = getattr(a, name)
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     if argv[:1] == ["run"]:
-        from .run import main as run_main
+        from ..supervisor.run import main as run_main
 
         return run_main(argv[1:])
     a = p.parse_args(argv)

@@ -41,7 +41,7 @@ def _env(**extra: str) -> dict[str, str]:
 # negative control, a supervisor that finishes that flush before it restarts (pre-fix).
 _SLOW_FLUSH_RUN = """import sys, threading, time, types
 from cudasnap.storage import posix
-from cudasnap.tools import run
+from cudasnap.supervisor import loop, run
 real = posix.write_slot
 def slow(*a, **k):
     time.sleep(float(sys.argv[1]))
@@ -53,7 +53,7 @@ class FlushFirst(threading.Thread):
         if self.name == "cudasnap-orphan-flush":
             self.join()
 if sys.argv[2] == "sync":
-    run.threading = types.SimpleNamespace(**{**vars(threading), "Thread": FlushFirst})
+    loop.threading = types.SimpleNamespace(**{**vars(threading), "Thread": FlushFirst})
 sys.exit(run.main(sys.argv[3:]))
 """
 

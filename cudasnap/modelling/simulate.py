@@ -1,4 +1,4 @@
-"""Monte-Carlo check of the wasted-work model of :mod:`cudasnap.tools.analysis`.
+"""Monte-Carlo check of the wasted-work model of :mod:`cudasnap.modelling.analysis`.
 
 :func:`simulate_waste` draws failure times over a wall-clock horizon and runs
 the segment model of both policies on the *same* failure trace (common random

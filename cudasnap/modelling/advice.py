@@ -2,7 +2,7 @@
 
 :func:`advise` turns a job's size, failure rate, iteration time and state size
 into the two policies' expected waste (the exact-for-exponential closed form of
-:mod:`cudasnap.tools.analysis`) and a pick with its reasons; :func:`format_advice`
+:mod:`cudasnap.modelling.analysis`) and a pick with its reasons; :func:`format_advice`
 prints it. The command line adds the host-memory fit and a ``snapshot_every``
 pick (:mod:`cudasnap.core.host_fit`).
 """

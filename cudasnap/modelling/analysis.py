@@ -63,9 +63,9 @@ The periodic policy uses Daly's (2006) higher-order interval by default::
 
 Wasted GPU-hours per day = ``waste * N * 24``.
 
-Monte-Carlo simulation: :mod:`cudasnap.tools.simulate` checks these closed forms
+Monte-Carlo simulation: :mod:`cudasnap.modelling.simulate` checks these closed forms
 (and shows what a Weibull failure process changes). Advice for one job (the
-``cudasnap advise`` report): :mod:`cudasnap.tools.advice`.
+``cudasnap advise`` report): :mod:`cudasnap.modelling.advice`.
 
 Failure-rate presets (public numbers)
 -------------------------------------

@@ -4,7 +4,7 @@ After a death most of the time to the first resumed step is a new interpreter
 importing torch (and ``torch._dynamo``, which the first optimizer pulls in):
 seconds, against a fraction of a second for the restore itself. The supervisor
 therefore starts the NEXT attempt ahead of time, with that attempt's exact
-environment: ``python -m cudasnap.tools.standby FD -- ARGS`` (FD: the read end of the
+environment: ``python -m cudasnap.supervisor.standby FD -- ARGS`` (FD: the read end of the
 supervisor's pipe, inherited) imports torch and cudasnap
 (never CUDA: the process holds no device context while it waits), then blocks
 on a pipe. When the running attempt dies the supervisor writes one line
@@ -22,7 +22,7 @@ waits it ignores SIGINT (a terminal's Ctrl-C reaches the whole foreground group;
 the supervisor forwards it to the running attempt); ``go`` restores Python's
 KeyboardInterrupt handler before the script runs.
 
-``python -m cudasnap.tools.standby --now -- ARGS`` runs the script at once (no
+``python -m cudasnap.supervisor.standby --now -- ARGS`` runs the script at once (no
 preload): ``cudasnap run``'s cold attempts of python commands. In both modes a
 configuration error escaping the script (:data:`CONFIG_ERRORS`: ConfigError,
 StagingError, e.g. a /dev/shm too small for the arena) is written to the file named
@@ -51,7 +51,7 @@ CONFIG_ERRORS: tuple[type[BaseException], ...] = (ConfigError, StagingError)
 VERDICT_ENV = "CUDASNAP_RUN_VERDICT"
 
 # Set in the standby process when "go" arrives (the resumed script reads it through
-# sys.modules["cudasnap.tools.standby"] to report its recovery time honestly).
+# sys.modules["cudasnap.supervisor.standby"] to report its recovery time honestly).
 go_time: float | None = None
 ready_time: float | None = None
 
@@ -146,7 +146,7 @@ class Standby:
         try:
             # The supervisor's process group (a group kill ends it too), SIGTERM when the
             # supervisor dies, SIGINT ignored until "go" (see the module docstring).
-            proc = subprocess.Popen([cmd[0], "-m", "cudasnap.tools.standby", str(r), "--", *args],
+            proc = subprocess.Popen([cmd[0], "-m", "cudasnap.supervisor.standby", str(r), "--", *args],
                                     env=env, pass_fds=(r,),
                                     preexec_fn=parent_death_signal(signal.SIGTERM, os.getpid(),
                                                                    ignore=(signal.SIGINT,)))
@@ -202,7 +202,7 @@ def main() -> int:
     if line.strip() != b"go":
         return 0  # cancelled: the supervisor is done or gone
     # This file runs as __main__; the script finds the times under the module's name.
-    import cudasnap.tools.standby as named
+    import cudasnap.supervisor.standby as named
 
     named.ready_time, named.go_time = ready, time.time()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any python process

@@ -1,0 +1,215 @@
+"""The restart loop of ``cudasnap run``: :func:`supervise`.
+
+Owns: the checks before anything starts, each attempt's environment, the stop signals
+forwarded to the running attempt, the warm standby of the next attempt, and the verdict
+after each death (finished, stop requested, configuration error, restarts used up, or
+restart).
+
+Call order: :func:`supervise` checks its input (cudasnap.supervisor.child,
+cudasnap.supervisor.directory), takes the directory, then :func:`_supervise_locked` loops:
+start the attempt (warm from the standby, or cold) -> spawn the next standby ->
+``_wait_child`` -> ``_check_not_in_use`` -> lease the dead attempt's slots and flush them in
+a thread beside the restart (cudasnap.supervisor.orphans) -> verdict -> restart.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .._native import native
+from .._proc import parent_death_signal
+from ..config import Settings
+from ..errors import ConfigError
+from ..format import paths
+from ..storage import posix
+from .child import _cold_command, _command_exists, _read_verdict, _wait_child, describe_exit
+from .directory import SupervisorLock, _check_not_in_use, _refuse_url, _resume_point, start_over
+from .orphans import _flush_leased, _orphan_slots, _remove_own_partial
+from .standby import VERDICT_ENV, Standby
+
+log = logging.getLogger("cudasnap.run")
+
+
+def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
+              shm_dir: Path | None = None, inject_first: str | None = None,
+              watchdog_s: float | None = None, extra_env: dict[str, str] | None = None,
+              report: list[dict[str, Any]] | None = None, auto: bool = False,
+              fresh: bool = False, warm: bool = True) -> int:
+    """Runs ``cmd`` until it exits 0 or ``max_restarts`` restarts are used; returns its code.
+
+    ``warm``: keep the next attempt's interpreter started, torch imported, waiting
+    (``python SCRIPT``/``python -m MODULE`` commands; cudasnap.supervisor.standby), so a
+    restart skips the imports; ``--no-warm`` starts every attempt cold.
+
+    Bad input (no or unknown command, a directory that is a file or busy) raises
+    ConfigError before anything is started or touched.
+    """
+    if not cmd:
+        raise ConfigError("no command given (usage: cudasnap run [options] -- cmd ...)")
+    _refuse_url(directory)
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}")
+    _command_exists(cmd)
+    directory = posix.check_directory(directory)
+    cfg = Settings.from_env()
+    shm = Path(shm_dir) if shm_dir else cfg.shm_dir
+    lock = SupervisorLock(directory)
+    lock.acquire()
+    try:
+        _check_not_in_use(directory)
+        if fresh:
+            aside = start_over(directory)
+            log.warning("--fresh: starting over in %s%s", directory,
+                        f" (old snapshots moved to {aside})" if aside else "")
+        # (logs the arenas of an earlier directory at this path, which are not adopted)
+        job = cfg.job or paths.snapshotter_job(directory, shm)
+        if not fresh:
+            where = _resume_point(directory, job, shm)
+            if where is not None:
+                log.warning("resuming from %s in %s unless the training process finds it "
+                            "damaged (it verifies every checksum when it restores, and logs "
+                            "the step it resumes from); pass --fresh to start over", where,
+                            directory)
+        with tempfile.TemporaryDirectory(prefix="cudasnap-run-") as tmp:
+            return _supervise_locked(cmd, directory, job, shm, max_restarts=max_restarts,
+                                     inject_first=inject_first, watchdog_s=watchdog_s,
+                                     extra_env=extra_env, report=report, auto=auto,
+                                     warm_next=warm, verdict=Path(tmp) / "verdict.json")
+    finally:
+        lock.release()
+
+
+def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
+                      max_restarts: int, inject_first: str | None, watchdog_s: float | None,
+                      extra_env: dict[str, str] | None, report: list[dict[str, Any]] | None,
+                      auto: bool, warm_next: bool = True, verdict: Path | None = None) -> int:
+    # Load the extension (and torch) now, beside the first attempt: after a death the
+    # flush must start at once, not after a multi-second import.
+    preload = threading.Thread(target=native, name="cudasnap-preload", daemon=True)
+    preload.start()
+    flusher: threading.Thread | None = None
+    cfg_watchdog = Settings.from_env().watchdog_s
+    attempt = 0
+    child: subprocess.Popen[bytes] | None = None
+    stop_requested = False
+    stop_signal = signal.SIGTERM
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stop_requested, stop_signal
+        stop_requested = True
+        stop_signal = signal.Signals(signum)
+        if child is not None and child.poll() is None:
+            log.warning("forwarding %s to the training process", signal.Signals(signum).name)
+            child.send_signal(signum)
+
+    def finish(rc: int) -> int:
+        if flusher is not None:
+            flusher.join()
+        return rc if rc >= 0 else 128 - rc
+
+    def attempt_env(n: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": str(directory),
+                    "CUDASNAP_JOB": job, "CUDASNAP_SHM_DIR": str(shm),
+                    "CUDASNAP_RESTART": str(n), "CUDASNAP_SUPERVISED": "1",
+                    "CUDASNAP_SUPERVISOR_PID": str(os.getpid())})
+        if verdict is not None:
+            env[VERDICT_ENV] = str(verdict)
+        if watchdog_s:
+            env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
+        if auto:
+            env["CUDASNAP_AUTO"] = "1"
+            pkg = Path(__file__).resolve().parents[1]  # cudasnap/
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(pkg / "_autoload"), str(pkg.parent)] +
+                ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        if inject_first and n == 0:
+            env["CUDASNAP_INJECT"] = inject_first
+        elif n > 0:
+            env.pop("CUDASNAP_INJECT", None)
+        env.update(extra_env or {})
+        return env
+
+    standby: Standby | None = None
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        while True:
+            t_start = time.time()
+            warm = standby.go() if standby is not None else None
+            standby = None
+            if verdict is not None:
+                verdict.unlink(missing_ok=True)
+            # The supervisor's process group; SIGTERM (its guard flushes) if we die.
+            child = warm if warm is not None else subprocess.Popen(
+                _cold_command(cmd), env=attempt_env(attempt),
+                preexec_fn=parent_death_signal(signal.SIGTERM, os.getpid()))
+            if warm_next and attempt < max_restarts:
+                # The next attempt's interpreter, torch imported, waiting for this one's
+                # death (cudasnap.supervisor.standby): a restart then skips the imports.
+                standby = Standby.spawn(cmd, attempt_env(attempt + 1))
+            if stop_requested and child.poll() is None:
+                # The signal came before this child existed (or during the restart
+                # gap): it must not run on as if nothing had been asked.
+                log.warning("forwarding %s to the training process", stop_signal.name)
+                child.send_signal(stop_signal)
+            rc, how = _wait_child(child, watchdog_s or cfg_watchdog)
+            t_dead = time.time()
+            entry: dict[str, Any] = {"attempt": attempt, "rc": rc, "started": t_start,
+                                     "died": t_dead, "exit": how or describe_exit(rc),
+                                     "warm": warm is not None}
+            if report is not None:
+                report.append(entry)
+            if rc == 0:  # finished: never restarted
+                return finish(0)
+            log.warning("training process %s (attempt %d)", how or describe_exit(rc), attempt)
+            config_error = _read_verdict(verdict)
+            if flusher is not None:
+                flusher.join()  # the previous attempt's flush (one at a time)
+            try:
+                _check_not_in_use(directory, child.pid)
+            except ConfigError as e:
+                log.error("%s: not flushing, not restarting", e)
+                return 2
+            entry["flush_start"] = time.time()
+            leased: list[tuple[Path, Any, int, int]] = []
+            if any(shm.glob(paths.arena_glob(job))):  # else no need to wait for torch
+                preload.join()
+                leased = _orphan_slots(directory, job, shm)
+
+            def flush(entry: dict[str, Any] = entry,
+                      leased: list[tuple[Path, Any, int, int]] = leased) -> None:
+                entry["flushed"] = _flush_leased(directory, leased)
+                entry["flush_done"] = time.time()
+
+            # The flush runs beside the restart: the restarted process restores from
+            # shared memory anyway, and the leased slot is not reused until it is written.
+            flusher = threading.Thread(target=flush, name="cudasnap-orphan-flush", daemon=True)
+            flusher.start()
+            if stop_requested:
+                log.warning("stop requested: not restarting")
+                return finish(rc)
+            if config_error is not None:
+                entry["config_error"] = config_error
+                log.error("the training process failed with a configuration error (%s): a "
+                          "restart cannot fix it, not restarting", config_error)
+                return finish(rc)
+            if attempt >= max_restarts:
+                log.error("giving up after %d restart(s)", max_restarts)
+                return finish(rc)
+            attempt += 1
+            log.warning("restarting (restart %d of %d)", attempt, max_restarts)
+    finally:
+        if standby is not None:
+            standby.cancel()
+        for s, h in old.items():
+            signal.signal(s, h)
+        if flusher is not None:
+            flusher.join()  # (an exception on the way out: the flush still completes)
+        _remove_own_partial(directory)
