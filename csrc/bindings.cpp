@@ -93,20 +93,12 @@ void init_crc(py::module_& m) {
 void init_layout_check(py::module_& m) {
   py::class_<LayoutGuard>(m, "LayoutGuard")
       .def(py::init([](py::list tensors) { return new LayoutGuard(tensors.ptr()); }))
-      .def("first_moved", &LayoutGuard::first_moved)
-      .def("check_next", &LayoutGuard::check_next, py::arg("count"))
-      .def("__len__", &LayoutGuard::size)
       .def("set_entries", [](LayoutGuard& g, py::list entries) { g.set_entries(entries.ptr()); },
            py::arg("entries"))
-      .def("entries_changed", &LayoutGuard::entries_changed, py::arg("count"))
-      .def_property_readonly("num_entries", &LayoutGuard::num_entries)
-      .def("window_changed", &LayoutGuard::window_changed, py::arg("count"))
       .def("set_sizes", [](LayoutGuard& g, py::list owners, py::str attr) { g.set_sizes(owners.ptr(), attr.ptr()); },
            py::arg("owners"), py::arg("attr"))
-      .def("sizes_changed", &LayoutGuard::sizes_changed)
       .def("set_rescan_every", &LayoutGuard::set_rescan_every, py::arg("n"))
-      .def("boundary_check", &LayoutGuard::boundary_check, py::arg("count"))
-      .def_property_readonly("checks", &LayoutGuard::checks);
+      .def("boundary_check", &LayoutGuard::boundary_check, py::arg("count"));
   py::class_<StateWatch>(m, "StateWatch")
       .def(py::init<std::vector<std::pair<uint64_t, uint64_t>>, bool>(), py::arg("regions"),
            py::arg("torch_cpu_rng") = false)

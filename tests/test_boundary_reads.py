@@ -152,26 +152,26 @@ def test_boundary_does_not_call_the_rng_getters_when_nothing_drew(snap_env):
         snap.close()
 
 
-def test_native_identity_window_matches_the_python_loop(native_C):
+def test_native_identity_window(native_C):
+    """The identity entries a layout's Watch hands to its LayoutGuard, checked by the
+    boundary's one native call (``boundary_check``): a replaced or removed entry is
+    found within one full window, and a window of one within n calls."""
     a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
     d1, d2 = {"x": a, "y": b}, {"z": c}
     entries = [(d1, "x", a), (d1, "y", b), (d2, "z", c)]
     guard = native_C.LayoutGuard([a, b, c])
-    w_native, w_py = layout_watch.Watch(entries), layout_watch.Watch(list(entries))
-    w_native.attach(guard)
-    assert guard.num_entries == 3
-    for w in (w_native, w_py):
-        assert not w.check_next(3) and not w.check_next(10)
+    layout_watch.Watch(entries).attach(guard)
+    assert guard.boundary_check(3) == 0 and guard.boundary_check(10) == 0
     d1["y"] = torch.zeros(1)  # replaced: found within one full window
-    assert w_native.check_next(3) and w_py.check_next(3)
+    assert guard.boundary_check(3) == 1
     d1["y"] = b
     del d2["z"]  # removed key
-    assert w_native.check_next(3) and w_py.check_next(3)
+    assert guard.boundary_check(3) == 1
     d2["z"] = c
-    assert not w_native.check_next(3)
+    assert guard.boundary_check(3) == 0
     # one entry per call: found within n calls, whatever the cursor
     d1["x"] = torch.zeros(1)
-    assert any(w_native.check_next(1) for _ in range(3))
+    assert any(guard.boundary_check(1) == 1 for _ in range(3))
     with pytest.raises(Exception, match="tuple"):
         guard.set_entries([(d1, "x")])
 

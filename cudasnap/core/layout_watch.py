@@ -62,40 +62,16 @@ def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tu
 
 
 class Watch:
-    """Rotating identity check over ``identity_entries``.
+    """The identity entries (``identity_entries``) of one layout.
 
-    Once ``attach`` hands the entries to the layout's native ``LayoutGuard``, a
-    window is checked there (direct dict lookups, no Python loop: about 20x
-    less per entry); before that, in Python.
+    ``attach`` hands them to the layout's native ``LayoutGuard``, whose
+    ``boundary_check`` checks a rotating window of them per boundary (direct dict
+    lookups, no Python loop).
     """
 
     def __init__(self, entries: list[tuple[Any, Any, Any]]) -> None:
         self.entries = entries
-        self.cursor = 0
-        self._native: Any = None
 
     def attach(self, guard: Any) -> None:
         """Checks run in ``guard`` (a native LayoutGuard) from now on."""
         guard.set_entries(self.entries)
-        self._native = guard
-
-    def check_next(self, count: int = WINDOW) -> bool:
-        """True when an entry in the next ``count`` ones no longer holds its object."""
-        if self._native is not None:
-            return bool(self._native.entries_changed(count))
-        ent = self.entries
-        n = len(ent)
-        if n == 0:
-            return False
-        todo = min(n, count)
-        i = self.cursor
-        for _ in range(todo):
-            d, k, o = ent[i]
-            if d.get(k) is not o:
-                self.cursor = i
-                return True
-            i += 1
-            if i == n:
-                i = 0
-        self.cursor = i
-        return False
