@@ -1,5 +1,6 @@
 """Named points of the commit path where a test can inject a fault (a kill at a phase of a
-flush, a rank dying inside a distributed flush round).
+flush, a rank dying inside a distributed flush round) or hold a thread (the background
+arena set-up, ``arena_prep.hold``).
 
 Product code calls ``reach(point, **info)`` and knows nothing else. Hooks are test code
 (``cudasnap._testing``): importing it installs them here (``install``), so the dependency

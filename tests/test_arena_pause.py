@@ -17,6 +17,7 @@ from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._native import native
+from cudasnap._testing import arena_gate
 from cudasnap.core import arena_prep
 from cudasnap.errors import StagingError
 
@@ -113,7 +114,7 @@ def test_restore_from_a_slot_holds_the_preparer_then_lets_it_finish(snap_env, mo
         view[3] ^= 0xFF
         del view, a
     gate = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", gate)
+    monkeypatch.setattr(arena_gate, "gate", gate)
     model, opt = _adam(seed=1)
     snap = _snap(snap_env, model, opt)
     seen: list[bool] = []

@@ -3,7 +3,7 @@ is made, pre-faulted and (CUDA) page-locked off the training thread, and copies 
 to a running flush.
 
 Determinism: ``arena_sync_max_bytes=0`` sends every arena to the background
-preparer, and ``cudasnap.core.arena_prep.test_gate`` holds that preparer until the test
+preparer, and ``cudasnap._testing.arena_gate`` holds that preparer until the test
 releases it, so "boundary() did not wait for the arena" is shown by boundaries
 that return while the arena cannot exist yet -- never by a wall-clock bound.
 """
@@ -21,6 +21,7 @@ from torch import nn
 
 import cudasnap
 from cudasnap._native import native
+from cudasnap._testing import arena_gate
 from cudasnap.core import arena_prep
 from cudasnap.errors import StagingError
 from cudasnap.storage import posix as store
@@ -38,7 +39,7 @@ def _snap(env, model, opt, **kw):
 @pytest.fixture()
 def gate(monkeypatch):
     ev = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", ev)
+    monkeypatch.setattr(arena_gate, "gate", ev)
     yield ev
     ev.set()
 
@@ -136,7 +137,7 @@ def test_background_regrowth_keeps_the_old_snapshot_restorable(snap_env, monkeyp
         assert snap.wait(60) and snap.stats()["snapshots"] == 1
         _step(model, opt)  # momentum buffers appear: the plan doubles
         ev = threading.Event()
-        monkeypatch.setattr(arena_prep, "test_gate", ev)
+        monkeypatch.setattr(arena_gate, "gate", ev)
         snap.boundary(1)  # regrowth starts in the background, held by the gate
         st = snap.stats()
         assert st["skipped_not_ready"] == 1 and st["arena_regrowths"] == 0

@@ -10,7 +10,7 @@ from helpers.trainlib import adam_step as _step
 from helpers.trainlib import small_adam as _adam
 
 import cudasnap
-from cudasnap.core import arena_prep
+from cudasnap._testing import arena_gate
 
 CHUNK = 64 << 10
 
@@ -29,7 +29,7 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
     finally:
         snap.close(flush=False)  # the arena goes: the restore reads the disk
     gate = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", gate)
+    monkeypatch.setattr(arena_gate, "gate", gate)
     model, opt = _adam(seed=1)
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, copy_threads=1,
                                 chunk_bytes=CHUNK, arena_sync_max_bytes=0)

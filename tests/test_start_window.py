@@ -1,7 +1,7 @@
 """The start of an attempt, before the staging arena is ready (issue 23 item 2), and the
 arena a dying script leaves in /dev/shm (issue 23 item 6).
 
-"Not ready" is made deterministic with ``cudasnap.core.arena_prep.test_gate`` (the
+"Not ready" is made deterministic with ``cudasnap._testing.arena_gate`` (the
 background set-up is held before its work until the test releases it) and
 ``arena_sync_max_bytes=0`` (every arena goes to the background preparer): never timing.
 
@@ -31,7 +31,8 @@ from helpers.trainlib import adam_step as _step
 from helpers.trainlib import small_adam as _adam
 
 import cudasnap
-from cudasnap.core import arena_prep, early
+from cudasnap._testing import arena_gate
+from cudasnap.core import early
 from cudasnap.storage import posix as store
 
 CHUNK = 64 << 10
@@ -46,7 +47,7 @@ def _snap(directory, model, opt, **kw):
 @pytest.fixture()
 def gate(monkeypatch):
     ev = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", ev)
+    monkeypatch.setattr(arena_gate, "gate", ev)
     yield ev
     ev.set()
 
@@ -208,7 +209,7 @@ def _child_leave(directory: str) -> None:
 
 
 def _child_kill(directory: str) -> None:
-    arena_prep.test_gate = threading.Event()  # the inherited arena's pre-fault stays held
+    arena_gate.gate = threading.Event()  # the inherited arena's pre-fault stays held
     model, opt = _adam(seed=3)
     snap = _snap(directory, model, opt)
     start = snap.restore_latest()

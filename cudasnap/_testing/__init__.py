@@ -1,2 +1,3 @@
-"""Test-only fault hooks: inert unless a test arms them (``faults.arm_kill``) or starts
-the process with their environment variables set (read once, at import)."""
+"""Test-only fault hooks: inert unless a test arms them (``faults.arm_kill``,
+``arena_gate.gate``) or starts the process with their environment variables set (read
+once, at import)."""

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .. import _points
 from .._native import native
 from ..errors import SnapshotError, StagingError
 
@@ -51,10 +52,6 @@ log = logging.getLogger("cudasnap")
 SYNC_MAX_BYTES = 16 << 20
 MIN_META = 1 << 20
 PAGE = 4096
-
-# TEST-ONLY: when set, the preparer thread waits on this event before it starts
-# any work (tests release it to prove boundaries never wait for the arena).
-test_gate: threading.Event | None = None
 
 # Per-parameter state tensors that known optimizers create at their first step:
 # (full-size slots, scalar tensor slots) given the parameter group.
@@ -214,7 +211,7 @@ class ArenaPreparer:
         self._result: Prepared | None = None
         self._error: BaseException | None = None
         self._handed = threading.Event()  # the job's result is ready (a follow-up may run)
-        self._started = False  # past the test gate: the job does real work
+        self._started = False  # past the hold point: the job does real work
         self._logged = False
         self._what = ""
         self._speculative = False
@@ -276,10 +273,9 @@ class ArenaPreparer:
 
     @staticmethod
     def _hold(cancel: Any) -> None:
-        gate = test_gate
-        while gate is not None and not gate.wait(0.05):
-            if cancel.is_set:
-                raise StagingError("arena set-up cancelled before it started")
+        """A point where a test can hold the set-up before its work starts
+        (cudasnap._testing.arena_gate; a cancel meanwhile raises StagingError there)."""
+        _points.reach("arena_prep.hold", cancel=cancel)
 
     @staticmethod
     def _nice(n: int) -> None:

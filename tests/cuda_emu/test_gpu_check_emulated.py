@@ -83,10 +83,10 @@ def test_preflight_fails_when_its_snapshot_is_skipped(emu: Any,
     skipped and flush() returning None): with the arena held back and arena_ready()
     lying, the preflight must fail, saying why."""
     import cudasnap
-    from cudasnap.core import arena_prep
+    from cudasnap._testing import arena_gate
 
     gate = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", gate)
+    monkeypatch.setattr(arena_gate, "gate", gate)
     monkeypatch.setattr(cudasnap.Snapshotter, "arena_ready", lambda self, timeout=None: True)
     try:
         rc, out = run_preflight()
@@ -111,10 +111,10 @@ def test_a_boundary_before_the_background_arena_is_skipped(snap_env: Any, emu: A
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Why tests/test_gpu_e2e.py's make_snap waits for arena_ready() (issue 21 item 2)."""
     import cudasnap
-    from cudasnap.core import arena_prep
+    from cudasnap._testing import arena_gate
 
     gate = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", gate)  # holds the preparer until released
+    monkeypatch.setattr(arena_gate, "gate", gate)  # holds the preparer until released
     model = params_module(4, 2 * MiB)  # 32 MB x 3 slots: over the 16 MiB made at a boundary
     snap = cudasnap.Snapshotter(model, None, directory=snap_env.dir, job=snap_env.job,
                                 health=False)

@@ -1,6 +1,6 @@
 """The CUDA path of tests/test_start_window.py (issue 23 item 2) under the emulated runtime.
 
-Before the arena is ready (the background set-up held by ``arena_prep.test_gate``),
+Before the arena is ready (the background set-up held by ``cudasnap._testing.arena_gate``),
 a ``close()`` or a ``flush()`` makes the arena on the calling thread, page-locks it
 and copies the live device state into it (the CUDA copy engine): a fresh attempt's
 arena is created here, a restart's inherited one (its pre-fault and registration held
@@ -27,10 +27,10 @@ MiB = 1 << 20
 
 @pytest.fixture()
 def gate(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from cudasnap.core import arena_prep
+    from cudasnap._testing import arena_gate
 
     ev = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", ev)
+    monkeypatch.setattr(arena_gate, "gate", ev)
     yield ev
     ev.set()
 
@@ -86,7 +86,7 @@ def test_close_before_the_arena_is_ready_copies_the_device_state(snap_env: Any, 
 
 def test_flush_in_a_restart_window_registers_the_inherited_arena(snap_env: Any, emu: Any,
                                                                   monkeypatch: Any) -> None:
-    from cudasnap.core import arena_prep
+    from cudasnap._testing import arena_gate
 
     m = _model(0.0)
     snap = _snap(snap_env, m)
@@ -97,7 +97,7 @@ def test_flush_in_a_restart_window_registers_the_inherited_arena(snap_env: Any, 
     del snap
 
     gate = threading.Event()
-    monkeypatch.setattr(arena_prep, "test_gate", gate)
+    monkeypatch.setattr(arena_gate, "gate", gate)
     try:
         m2 = _model(-1.0)
         snap2 = _snap(snap_env, m2)
