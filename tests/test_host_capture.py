@@ -27,7 +27,7 @@ def _dumps(enc: HostEncoder, host: dict) -> bytes:
     """The host value with each RNG source's text from ``enc`` (as HostText writes it)."""
     rng = sm.rng_pieces([sm.rng_member(k, enc.part(k, v, f"host.rng.{k}"))
                          for k, v in host["rng"].items()])
-    out = sm.host_open(rng, sm.step_text(host["step"]))
+    out = sm.host_open(rng, host["step"])
     out += [sm.host_member(k, sm.host_value(v, "host." + k)) for k, v in host.items()
             if k not in ("rng", "step")]
     out.append(sm.HOST_CLOSE)

@@ -46,7 +46,7 @@ def test_host_pieces_equal_the_whole_text():
             "extra": {}, "values": {"loss": -0.0}}
     whole = sm.encode_host(host)
     rng = sm.rng_pieces([sm.rng_member(k, sm.host_value(v, "x")) for k, v in host["rng"].items()])
-    pieces = sm.host_open(rng, sm.step_text(7))
+    pieces = sm.host_open(rng, 7)
     pieces += [sm.host_member(k, sm.host_value(host[k], "x")) for k in ("optim", "values")]
     pieces += [sm.EMPTY_EXTRA, sm.HOST_CLOSE]
     assert json.loads(b"".join(pieces)) == json.loads(whole)

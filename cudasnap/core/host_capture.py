@@ -28,6 +28,7 @@ import torch
 
 from .._native import native
 from ..format import slot_manifest as sm
+from ..format.slot_manifest import EMPTY_EXTRA, HOST_CLOSE, host_open
 
 log = logging.getLogger("cudasnap")
 
@@ -236,7 +237,7 @@ class HostText:
         rng = self._rng
         if rng is None or mask & self._rng_mask:
             rng = self._rng = self._rng_parts(mask)
-        out = sm.host_open(rng, sm.step_text(step))
+        out = host_open(rng, step)
         optim = self._optim
         if optim is None or mask & self._optim_bit:
             optim = None
@@ -251,8 +252,8 @@ class HostText:
                 out.append(optim)
         else:  # nothing but the step changed
             out.append(optim)
-            out.append(sm.EMPTY_EXTRA)
-        out.append(sm.HOST_CLOSE)
+            out.append(EMPTY_EXTRA)
+        out.append(HOST_CLOSE)
         return out
 
     def _rest(self, key: str, value: Any) -> bytes:
