@@ -132,6 +132,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from test_s3 import small_job, train
     import cudasnap
+    import cudasnap._testing.faults  # the kill points; armed below through the variable
     model, opt = small_job()
     snap = cudasnap.Snapshotter(model, opt, directory=sys.argv[1], backend="cpu",
                                 flush_on_close=False)

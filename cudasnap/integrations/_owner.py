@@ -31,6 +31,17 @@ class SnapshotterOwner:
             self.last_stats = snap.stats()
             snap.close(keep_arena=keep_arena)
 
+    def _end_training(self, flush: bool) -> None:
+        """Training ended normally: flush the final snapshot when asked, then close."""
+        snap = self.snapshotter
+        if snap is None:
+            return
+        try:
+            if flush:
+                snap.flush(wait=True, timeout=60.0)
+        finally:
+            self._close()
+
     def stats(self) -> dict[str, Any] | None:
         """The live Snapshotter's stats(), or the last ones after training ended."""
         return self.snapshotter.stats() if self.snapshotter is not None else self.last_stats

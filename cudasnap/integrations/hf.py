@@ -303,11 +303,4 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
             self.snapshotter.boundary(int(state.global_step) - 1)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        snap = self.snapshotter
-        if snap is None:
-            return
-        try:
-            if self.flush_on_end:
-                snap.flush(wait=True, timeout=60.0)
-        finally:
-            self._close()
+        self._end_training(self.flush_on_end)

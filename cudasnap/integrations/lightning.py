@@ -321,14 +321,7 @@ class CudaSnapCallback(SnapshotterOwner, Callback):
         snap.boundary(gs - 1)  # step index of the optimizer step just taken
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        snap = self.snapshotter
-        if snap is None:
-            return
-        try:
-            if self.flush_on_end:
-                snap.flush(wait=True, timeout=60.0)
-        finally:
-            self._close()
+        self._end_training(self.flush_on_end)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         snap = self.snapshotter

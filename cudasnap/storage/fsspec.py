@@ -237,10 +237,7 @@ class FsspecStorage:
         """Uploads a leased COMPLETE slot: data, manifest, then COMMIT, then ``latest``."""
         C = native()
         t0 = time.perf_counter()
-        info = arena.slot_info(slot)
-        if not info["valid"]:
-            raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
-        meta = fmt.parse_slot_meta(arena.read_meta(slot), f"slot {slot} of {arena.path}")
+        info, meta = posix.complete_slot(arena, slot)
         step, nbytes, chunk = int(info["step"]), int(info["data_bytes"]), int(arena.chunk_bytes)
         key = self._key(step_dirname(step))
         if self._committed_same(key, meta.get("job"), int(info["seq"])):

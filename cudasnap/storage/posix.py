@@ -69,7 +69,7 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
 
-    from cudasnap._C import Arena
+    from cudasnap._C import Arena, SlotInfo
 
 log = logging.getLogger("cudasnap.storage.posix")
 
@@ -308,17 +308,22 @@ def committed_steps(directory: Path) -> list[StoredSnapshot]:
     return [s for s in list_snapshots(directory) if is_committed(s.path)]
 
 
+def complete_slot(arena: Arena, slot: int) -> tuple[SlotInfo, dict[str, Any]]:
+    """A leased slot's info and parsed manifest, for a writer: CorruptSnapshot when the slot
+    is not COMPLETE or its CRC-consistent manifest is not a JSON object (refuse, never crash)."""
+    info = arena.slot_info(slot)
+    if not info["valid"]:
+        raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
+    return info, fmt.parse_slot_meta(arena.read_meta(slot), f"slot {slot} of {arena.path}")
+
+
 def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
                io_bytes: int = 16 << 20, keep: int = 3, extra_manifest: dict[str, Any] | None = None,
                subdir: str | None = None, update_latest: bool = True) -> tuple[Path, FlushResult]:
     """Flushes a leased COMPLETE arena slot to ``directory``; returns (path, stats)."""
     C = native()
     t0 = time.perf_counter()
-    info = arena.slot_info(slot)
-    if not info["valid"]:
-        raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
-    # CRC-consistent but not a JSON object: refuse, don't crash
-    meta = fmt.parse_slot_meta(arena.read_meta(slot), f"slot {slot} of {arena.path}")
+    info, meta = complete_slot(arena, slot)
     step = int(info["step"])
     directory = Path(directory)
     final = directory / step_dirname(step)
