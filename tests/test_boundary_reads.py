@@ -21,7 +21,7 @@ from cudasnap.format import codec
 
 def HostText(sources):  # noqa: N802 (imported late: the test of the boundary runs without it)
     from cudasnap.core.host_capture import HostText as cls
-    from cudasnap.core.state import capture_rng
+    from cudasnap.core.rng import capture_rng
 
     return cls(sources, capture_rng)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import cudasnap
 from cudasnap._native import native
-from cudasnap.core.state import single_cuda_device
+from cudasnap.core.live_tensor import single_cuda_device
 from cudasnap.errors import ConfigError, StagingError
 from cudasnap.storage import posix
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cudasnap.core.state import TrainingState, check_plain_tensor
+from cudasnap.core.live_tensor import check_plain_tensor
+from cudasnap.core.state import TrainingState
 from cudasnap.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

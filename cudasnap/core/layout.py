@@ -18,9 +18,9 @@ from ..format.manifest import tensor_entry, validate_tensors
 from ..format.slot_manifest import encode_prefix
 from . import layout_watch
 from .layout_watch import Watch, identity_entries
+from .live_tensor import single_cuda_device
 from .plan import Layout, make_plan
 from .shared import Fields
-from .state import single_cuda_device
 
 log = logging.getLogger("cudasnap")
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .state import LiveTensor, TrainingState, _param_order
+from .live_tensor import LiveTensor, _param_order
+from .state import TrainingState
 
 WINDOW = 256
 

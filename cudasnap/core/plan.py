@@ -14,7 +14,7 @@ from .._native import native
 from ..errors import SnapshotError
 from . import layout_watch
 from .layout_watch import Watch
-from .state import LiveTensor
+from .live_tensor import LiveTensor
 
 log = logging.getLogger("cudasnap")
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..format.paths import is_url
-from .state import RNG_SOURCES
+from .rng import RNG_SOURCES
 
 if TYPE_CHECKING:
     from .arena_prep import ArenaPreparer

@@ -20,8 +20,8 @@ from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage import posix
 from . import arena_prep, early
+from .live_tensor import single_cuda_device
 from .shared import Fields
-from .state import single_cuda_device
 from .timeline import arena_slots, move_aside
 
 log = logging.getLogger("cudasnap")

@@ -5,81 +5,25 @@ optimizers (by name, without copying), captures the host-side state at each
 boundary (RNG states, optimizer hyper-parameters, ``extra`` objects) as typed
 JSON, and applies a snapshot back: by name into freshly built objects
 (new process) or byte-for-byte into the same live tensors (rollback).
+
+It owns the registered objects and what is done with them as a whole: the layout walk
+(``live_tensors``), the identity re-scan (``identity_pieces``), DCP names, the host capture
+and the restore (checks, then one copy, then the host state). A single tensor and its
+checks live in cudasnap.core.live_tensor; RNG capture and restore in cudasnap.core.rng.
 """
 from __future__ import annotations
 
-import array
-import logging
-import random
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_key, dtype_name, dtype_names, expand_params, span_bytes
+from ..format.manifest import dtype_key, dtype_name, expand_params
 from . import copy_back, sharded, values
-
-log = logging.getLogger("cudasnap.state")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-# Lazy modules' parameters and buffers before their first forward (no shape yet).
-_UNINITIALIZED = (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer)
-
-
-@dataclass
-class LiveTensor:
-    name: str
-    group: str  # "model:<key>" or "optim:<key>"
-    tensor: torch.Tensor
-    phase: int  # 0: module buffer (fenced at forward), 1: parameter / optimizer state
-    param_index: int | None = None  # optimizer state: index in the optimizer's param order
-    state_key: str | None = None
-    aliases: list[str] = field(default_factory=list)
-    # Sharded state (cudasnap.core.sharded): ``tensor`` is the local shard of ``owner``.
-    owner: Any = None
-    shard: dict[str, Any] | None = None
-
-    @property
-    def ident(self) -> Any:
-        """The object its container (module, optimizer state) holds."""
-        return self.tensor if self.owner is None else self.owner
-
-    @property
-    def nbytes(self) -> int:
-        t = self.tensor
-        return span_bytes(list(t.shape), list(t.stride()), t.element_size())
-
-
-def single_cuda_device(tensors: Any, expect: int | None = None) -> torch.device:
-    """The one CUDA device the state lives on; ConfigError naming the devices when
-    it spans several (one Snapshotter copies from one device: its plan offsets
-    would assume tensors the device's engine cannot read).
-
-    ``tensors``: LiveTensor-like objects (``.name``, ``.tensor``) or tensors.
-    ``expect``: the device index the engine was created for.
-    """
-    first: dict[int, str] = {}
-    for i, it in enumerate(tensors):
-        t = getattr(it, "tensor", it)
-        if not getattr(t, "is_cuda", False):
-            continue
-        idx = t.device.index if t.device.index is not None else -1
-        first.setdefault(idx, getattr(it, "name", f"tensor {i}"))
-    if expect is not None:
-        first.setdefault(expect, "the copy engine")
-    if not first:
-        raise ConfigError("the CUDA backend needs state on a CUDA device; none is")
-    if len(first) > 1:
-        where = ", ".join(f"cuda:{d} ({n})" for d, n in sorted(first.items()))
-        raise ConfigError(
-            f"state lives on more than one CUDA device: {where}; one Snapshotter snapshots "
-            "one device: move the state to one device, or use one process (and "
-            "Snapshotter) per device")
-    idx = next(iter(first))
-    return torch.device("cuda", idx) if idx >= 0 else torch.device("cuda")
+from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
+from .rng import RNG_SOURCES, apply_rng, capture_rng
 
 
 def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, Any]:
@@ -93,43 +37,6 @@ def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, 
                 raise ConfigError(f"{what}[{k!r}] must be a {kind.__name__}, got {type(v).__name__}")
         return dict(obj)
     raise ConfigError(f"{what} must be a {kind.__name__} or a dict of them, got {type(obj).__name__}")
-
-
-RNG_SOURCES = ("torch", "cuda", "numpy", "python")
-
-
-def _bytes_tensor(v: Any) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v
-    return torch.frombuffer(bytearray(v), dtype=torch.uint8)
-
-
-def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, Any]:
-    """RNG states as compact bytes (encoded once as base64 by the codec).
-
-    Per boundary cost matters here (~20 us with all four sources); drop
-    "numpy"/"python" from ``rng_sources`` if the training loop never draws
-    from them.
-    """
-    rng: dict[str, Any] = {}
-    if "torch" in sources:
-        rng["torch"] = torch.get_rng_state().numpy().tobytes()
-    if "python" in sources:
-        version, words, gauss = random.getstate()
-        rng["python"] = {"version": version, "state": array.array("I", words).tobytes(),
-                         "gauss": gauss}
-    if "numpy" in sources:
-        np_state: Any = np.random.get_state()
-        _, key, pos, has_gauss, gauss = np_state
-        rng["numpy"] = {"key": key.tobytes(), "pos": int(pos), "has_gauss": int(has_gauss),
-                        "gauss": float(gauss)}
-    if "cuda" in sources and torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
-    return rng
-
-
-def _param_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
 
 
 # Wrapper modules whose attribute name get_state_dict leaves out of a key (torch.compile,
@@ -170,51 +77,6 @@ def check_classes(state: "TrainingState", hd: Any, where: str) -> None:
                 f"{where}: {what} {key!r} is {was} in the snapshot but "
                 f"{type(obj).__qualname__} here; restore it into a {was}")
 
-
-def check_tensor(name: str, t: torch.Tensor) -> None:
-    """ConfigError naming state tensor ``name`` when the copy engine cannot snapshot it:
-    a NestedTensor, a tensor without data (meta device: copying its null pointer
-    crashed the copy workers) or on a device other than CPU/CUDA, a sparse layout, a
-    wrapper subclass (``check_plain_tensor``) or a dtype snapshots do not hold.
-    Metadata only: run where the layout is built (construction, plan rebuild), never
-    per boundary."""
-    plain = type(t) in _PLAIN
-    if not plain and isinstance(t, _UNINITIALIZED):
-        raise ConfigError(f"{name} is an uninitialized lazy parameter or buffer (it has no "
-                          "shape yet): run one forward pass before creating the Snapshotter")
-    if t.is_nested or not (t.is_cpu or t.is_cuda) or t.layout != torch.strided:  # fast path
-        why = codec.odd_tensor(t)
-        if why is not None:
-            raise ConfigError(f"{name} {why}")
-    if not plain:
-        check_plain_tensor(name, t)
-    if dtype_key(t.dtype) is None:
-        raise ConfigError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, which "
-                          f"snapshots do not hold (supported: {', '.join(dtype_names())}); "
-                          "convert it, or keep it out of the snapshotted state")
-
-
-def check_plain_tensor(name: str, t: torch.Tensor) -> None:
-    """ConfigError for a tensor whose bytes cudasnap cannot read as raw memory.
-
-    A wrapper subclass (DTensor from FSDP2 / tensor parallel, quantized or other
-    ``__torch_dispatch__`` tensors) has no storage of its own: its ``data_ptr``
-    is not its data, and copying from it would read unrelated memory.
-    """
-    cls = type(t)
-    if cls is torch.Tensor or cls is torch.nn.Parameter:
-        return
-    if sharded.is_dtensor(t):  # its local shard is copied instead (cudasnap.core.sharded)
-        check_tensor(f"{name} (local shard)", sharded.local_shard(t))
-        return
-    if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
-            hasattr(t, "__tensor_flatten__"):
-        raise ConfigError(
-            f"{name} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass whose bytes do "
-            "not live in its own storage (sharded DTensor state of FSDP2 / tensor parallelism, "
-            "or another __torch_dispatch__ wrapper); cudasnap cannot snapshot it yet: snapshot "
-            "plain tensors only (e.g. the unsharded model), or use torch.distributed.checkpoint "
-            "for sharded state")
 
 
 def _unexpanded(t: torch.Tensor, e: dict[str, Any]) -> tuple[Any, Any]:
@@ -500,7 +362,7 @@ class TrainingState:
             else:
                 obj.load_state_dict(ent["state"])
         self.values = dict(hd.get("values") or {})
-        self._apply_rng(hd.get("rng", {}))
+        apply_rng(hd.get("rng", {}))
         return int(hd.get("step", -1))
 
     def _prepare_optimizer(self, okey: str, opt: torch.optim.Optimizer,
@@ -579,28 +441,3 @@ class TrainingState:
                     f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
 
         return clones, load
-
-    @staticmethod
-    def _apply_rng(rng: dict[str, Any]) -> None:
-        if "torch" in rng:
-            torch.set_rng_state(_bytes_tensor(rng["torch"]))
-        if "python" in rng:
-            p = rng["python"]
-            if isinstance(p, dict):
-                words = array.array("I")
-                words.frombytes(p["state"])
-                p = (p["version"], tuple(words.tolist()), p["gauss"])
-            random.setstate(p)
-        if "numpy" in rng:
-            n = rng["numpy"]
-            if isinstance(n, dict):
-                key = np.frombuffer(n["key"], dtype=np.uint32).copy()
-                n = ("MT19937", key, n["pos"], n["has_gauss"], n["gauss"])
-            np.random.set_state(n)
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            states = [_bytes_tensor(c) for c in rng["cuda"]]
-            if len(states) == torch.cuda.device_count():
-                torch.cuda.set_rng_state_all(states)
-            else:
-                log.warning("snapshot holds %d CUDA RNG states, this process sees %d devices; "
-                            "CUDA RNG not restored", len(states), torch.cuda.device_count())

@@ -17,9 +17,10 @@ from ..errors import ConfigError, SnapshotError, StagingError
 from ..format.slot_manifest import slot_tail
 from . import early
 from .host_capture import HostText
+from .live_tensor import LiveTensor, single_cuda_device
 from .plan import Layout
+from .rng import capture_rng
 from .shared import Fields
-from .state import LiveTensor, capture_rng, single_cuda_device
 from .timeline import check_step
 
 log = logging.getLogger("cudasnap")
