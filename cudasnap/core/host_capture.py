@@ -164,7 +164,7 @@ class HostText:
     def __init__(self, sources: tuple[str, ...],
                  capture_rng: Callable[[tuple[str, ...]], dict[str, Any]]) -> None:
         self.sources = sources
-        self._capture_rng = capture_rng  # cudasnap.core.state.capture_rng (state imports us)
+        self._capture_rng = capture_rng  # cudasnap.core.rng.capture_rng
         self.enc = HostEncoder()
         self.read = 0  # RNG states read through their Python API
         self._hw = native().HostWatch()
