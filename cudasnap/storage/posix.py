@@ -23,47 +23,66 @@ and must belong to this process's user (else ConfigError, unless
 writable by group/others loads with a warning.
 
 Test-only crash points (``cudasnap._testing.faults.kill_point``): phases
-manifest/rename/replace/renamed/latest here.
+manifest/rename/replace/renamed here, latest in ``latest.replace_latest``.
+
+Split (issue 24): this module is the slot writer (``complete_slot``, ``write_slot``) and the
+reader of one snapshot (``load_manifest``, ``read_data``); the rest of the backend lives
+beside it and is re-exported here, so ``posix.<name>`` stays the one place to look up:
+``storage.latest`` (``check_directory``, ``DirectoryLock``, ``replace_latest``,
+``read_latest``), ``storage.listing`` (``StoredSnapshot``, ``list_snapshots``, the COMMIT
+marker, the flush log, ``prune``), ``storage.safe_io`` (``_read_regular``,
+``_write_file_durable``, ``_check_trust``) and ``storage.partial`` (``clean_partial``).
+``write_slot`` looks ``_write_file_durable`` up on this module too, so a test patching
+``posix._write_file_durable`` reaches a flush's manifest write.
+
+Call order: ``PosixStorage`` (cudasnap.storage), the supervisor's orphan flush, the
+distributed flush round and the timeline each call ``posix.write_slot`` (looked up on this
+module, so a test's patch of ``posix.write_slot`` reaches them all): ``complete_slot`` ->
+data and manifest into ``.tmp`` -> rename -> ``latest.replace_latest`` -> ``listing.prune``
+-> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
-from ..config import Settings
-from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
+from ..errors import CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
-from ..format.commit import (
-    MAX_COMMIT_BYTES,
-    MAX_LATEST_BYTES,
-    decode_commit,
-    decode_latest,
-    encode_commit,
-    encode_latest,
+from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, step_dirname
+from .latest import (  # noqa: F401  (re-exported: posix.check_directory, ...)
+    LATEST_LOCK,
+    DirectoryLock,
+    check_directory,
+    read_latest,
+    replace_latest,
 )
-from ..format.paths import (
-    COMMIT,
-    DATA,
-    FLUSH_LOG,
-    LATEST,
-    MANIFEST,
-    STEP_RE,
-    parse_step_dirname,
-    step_dirname,
+from .listing import (  # noqa: F401  (re-exported: posix.list_snapshots, ...)
+    StoredSnapshot,
+    append_flush_log,
+    committed_steps,
+    is_committed,
+    list_snapshots,
+    prune,
+    read_commit,
+    read_flush_log,
+    write_commit,
 )
 from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
+from .safe_io import (  # noqa: F401  (re-exported: posix._check_trust, posix.FOREIGN_ENV, ...)
+    FOREIGN_ENV,
+    _allow_foreign,
+    _check_trust,
+    _read_regular,
+    _write_file_durable,
+)
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
@@ -72,240 +91,6 @@ if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     from cudasnap._C import Arena, SlotInfo
 
 log = logging.getLogger("cudasnap.storage.posix")
-
-
-FOREIGN_ENV = "CUDASNAP_ALLOW_FOREIGN_OWNER"
-
-
-def _allow_foreign(allow: bool | None) -> bool:
-    if allow is not None:
-        return bool(allow)
-    return Settings.from_env().allow_foreign_owner
-
-
-def _check_trust(path: Path, st: os.stat_result, allow_foreign_owner: bool | None) -> None:
-    """Refuses files of another user (unless allowed); warns about group/other-writable ones."""
-    uid = os.geteuid()
-    if st.st_uid != uid and not _allow_foreign(allow_foreign_owner):
-        raise ConfigError(
-            f"{path} is owned by uid {st.st_uid}, not by this process (uid {uid}); refusing to "
-            f"restore a snapshot another user could have written. Check it, then chown it or "
-            f"pass allow_foreign_owner=True (or set {FOREIGN_ENV}=1)")
-    if st.st_mode & 0o022:
-        log.warning("%s has mode %o: writable by group/others, so its content may have been "
-                    "altered by another user (checksums catch damage, not forgery)", path,
-                    stat.S_IMODE(st.st_mode))
-
-
-def _read_regular(path: Path, limit: int, what: str) -> tuple[bytes, os.stat_result]:
-    """Reads a small regular file without following symlinks or blocking on a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
-            raise CorruptSnapshot(f"{path} is a symbolic link; a {what} never is") from e
-        raise CorruptSnapshot(f"cannot read {path}: {e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptSnapshot(f"{path} is not a regular file")
-        if st.st_size > limit:
-            raise CorruptSnapshot(f"{path} is {st.st_size} bytes, larger than any {what}")
-        chunks = []
-        left = limit + 1
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 20))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
-    except OSError as e:
-        raise CorruptSnapshot(f"cannot read {path}: {e}") from e
-    finally:
-        os.close(fd)
-    raw = b"".join(chunks)
-    if len(raw) > limit:
-        raise CorruptSnapshot(f"{path} grew past {limit} bytes while being read")
-    return raw, st
-
-
-@dataclass
-class StoredSnapshot:
-    """A committed snapshot directory found on disk."""
-
-    step: int
-    path: Path
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.path / MANIFEST
-
-
-def check_directory(directory: Path) -> Path:
-    """Creates ``directory`` (0700) if needed and proves it is writable now."""
-    directory = Path(directory)
-    try:
-        # Parents too are created 0700 (Path.mkdir gives them 0777 & ~umask: 0777 under umask 0).
-        missing = []
-        p = directory
-        while not p.exists() and p != p.parent:
-            missing.append(p)
-            p = p.parent
-        for p in reversed(missing):
-            p.mkdir(mode=0o700, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
-        probe = directory / f".probe-{os.getpid()}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, b"ok")
-        os.fsync(fd)
-        os.close(fd)
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"snapshot directory {directory} is not writable: {e}") from e
-    return directory
-
-
-class DirectoryLock:
-    """Exclusive lock of a snapshot directory: one job per directory.
-
-    The lock file holds the owner's pid and host. flock() is released by the
-    kernel when the owner dies, so a stale lock is taken over (with a warning
-    naming the dead owner) without any pid guessing.
-    """
-
-    def __init__(self, directory: Path, rank: int = 0) -> None:
-        self.path = Path(directory) / (".lock" if rank == 0 else f".lock-rank{rank}")
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise ConfigError(
-                f"snapshot directory {self.path.parent} is in use by another job ({owner}); "
-                "use another directory or stop that job") from None
-        previous = os.pread(fd, 256, 0).decode(errors="replace").strip()
-        if previous:
-            log.warning("taking over stale lock %s left by %s", self.path, previous)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-def _write_file_durable(path: Path, data: bytes) -> None:
-    """Creates ``path`` (0600, must not exist), writes and fsyncs it; errors name the file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    except OSError as e:  # os.write/fsync errors carry no file name (disk full: which file?)
-        raise OSError(e.errno, e.strerror, str(path)) from e
-    finally:
-        os.close(fd)
-
-
-LATEST_LOCK = ".latest-lock"
-
-
-def replace_latest(directory: Path, name: str) -> bool:
-    """Points ``latest`` at step directory ``name`` atomically (write, fsync, rename, fsync).
-
-    ``latest`` never moves back: when it names a step directory that still exists
-    with a higher step, it is left alone (False). Two writers can finish out of
-    order: ``cudasnap run``'s flush of the dead attempt's step N ends after the
-    restarted attempt flushed N+3. The read-compare-replace runs under an flock of
-    ``DIR/.latest-lock``, so neither writer can slip in between.
-    """
-    new_step = parse_step_dirname(name)
-    fd = os.open(directory / LATEST_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        cur = read_latest(directory)
-        cur_step = parse_step_dirname(cur) if cur else None
-        if (cur_step is not None and new_step is not None and cur_step > new_step
-                and (directory / step_dirname(cur_step)).is_dir()):
-            log.info("latest stays at %s (newer than %s, which was flushed after it)", cur, name)
-            return False
-        tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
-        try:
-            tmp.unlink(missing_ok=True)
-            _write_file_durable(tmp, encode_latest(name))
-            kill_point("latest")
-            os.replace(tmp, directory / LATEST)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-        native().fsync_dir(str(directory))
-        return True
-    finally:
-        os.close(fd)  # releases the flock
-
-
-def list_snapshots(directory: Path) -> list[StoredSnapshot]:
-    """Committed snapshot directories, newest first (no validation)."""
-    out: list[StoredSnapshot] = []
-    d = Path(directory)
-    if not d.is_dir():
-        return out
-    for p in d.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and p.is_dir() and not p.is_symlink():
-            out.append(StoredSnapshot(int(m.group(1)), p))
-    out.sort(key=lambda s: s.step, reverse=True)
-    return out
-
-
-def read_latest(directory: Path) -> str | None:
-    try:
-        raw, _ = _read_regular(Path(directory) / LATEST, MAX_LATEST_BYTES, "latest pointer")
-    except SnapshotError:
-        return None
-    return decode_latest(raw)
-
-
-def write_commit(step_dir: Path, record: dict[str, Any]) -> None:
-    """Writes ``step_dir/COMMIT`` durably (write, fsync, rename, fsync the directory)."""
-    tmp = step_dir / f".{COMMIT}.tmp-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    try:
-        _write_file_durable(tmp, encode_commit(record))
-        os.replace(tmp, step_dir / COMMIT)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    native().fsync_dir(str(step_dir))
-
-
-def read_commit(step_dir: Path) -> dict[str, Any]:
-    """The checked COMMIT record of ``step_dir``; CorruptSnapshot when absent or damaged."""
-    where = str(Path(step_dir) / COMMIT)
-    try:
-        raw, _ = _read_regular(Path(step_dir) / COMMIT, MAX_COMMIT_BYTES, "commit marker")
-    except (OSError, SnapshotError) as e:
-        raise CorruptSnapshot(f"{where}: unreadable commit marker: {e}") from e
-    return decode_commit(raw, where)
-
-
-def is_committed(step_dir: Path) -> bool:
-    return (Path(step_dir) / COMMIT).is_file()
-
-
-def committed_steps(directory: Path) -> list[StoredSnapshot]:
-    """Step directories holding a COMMIT marker, newest first."""
-    return [s for s in list_snapshots(directory) if is_committed(s.path)]
 
 
 def complete_slot(arena: Arena, slot: int) -> tuple[SlotInfo, dict[str, Any]]:
@@ -399,44 +184,6 @@ def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
     append_flush_log(directory, {**stats, "pid": os.getpid(), "time": time.time(),
                                   "path": str(target)})
     return target, stats
-
-
-def append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
-    """One JSON line per flush (step, bytes, seconds, pid): for operators and the demo."""
-    try:
-        fd = os.open(Path(directory) / FLUSH_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, (json.dumps(rec) + "\n").encode())
-        finally:
-            os.close(fd)
-    except OSError as e:
-        log.warning("could not append to the flush log in %s: %s", directory, e)
-
-
-def read_flush_log(directory: Path) -> list[dict[str, Any]]:
-    try:  # (not a FIFO, not a symlink; a damaged line is skipped, not a crash)
-        raw, _ = _read_regular(Path(directory) / FLUSH_LOG, fmt.MAX_MANIFEST_BYTES, "flush log")
-    except SnapshotError:
-        return []
-    out = []
-    for line in raw.decode("utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
-def prune(directory: Path, keep: int) -> None:
-    """Keeps the newest ``keep`` committed snapshots and the one ``latest`` names."""
-    if keep <= 0:
-        return
-    latest = read_latest(directory)
-    for s in list_snapshots(directory)[keep:]:
-        if s.path.name != latest:
-            shutil.rmtree(s.path, ignore_errors=True)
 
 
 def load_manifest(path: Path, *, allow_foreign_owner: bool | None = None) -> fmt.Manifest:
