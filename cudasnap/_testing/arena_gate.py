@@ -1,6 +1,6 @@
 """TEST-ONLY: holds the background arena set-up before it starts any work.
 
-``cudasnap.core.arena_prep`` reaches the point ``arena_prep.hold`` (cudasnap._points)
+``cudasnap.core.arena_preparer`` reaches the point ``arena_prep.hold`` (cudasnap._points)
 before a set-up's job and before its follow-up (the pre-fault). While ``gate`` is an
 unset ``threading.Event`` the preparer thread waits there (tests release it to prove
 that boundaries never wait for the arena); a cancel meanwhile ends the set-up with

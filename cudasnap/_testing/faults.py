@@ -2,7 +2,7 @@
 
 A kill point SIGKILLs this process the n-th time it reaches an armed phase. The
 native engine (csrc/test_hooks.h) has the phases copy/header/write/fsync; the
-storage layer has manifest/rename/replace/renamed/latest (posix) and
+storage layer has manifest/rename/replace/renamed (posix), latest (storage/latest) and
 upload/manifest/commit (fsspec). Tests arm them explicitly with
 ``arm_kill("<phase>")`` or ``arm_kill("<phase>@<n>")`` (``arm_kill(None)``
 disarms); the native hooks are only ever armed through this call.
