@@ -62,6 +62,10 @@ def _run_ranks(votes: list[RestoreVote]) -> list[Any]:
 
 def test_ranks_of_different_jobs_fail_at_once_naming_both(tmp_path):
     store = dist.HashStore()
+    # this process already ran a restore on rank 0 alone (its peer never came): the ranks
+    # now differ in how many restores they ran, which must not hide the mismatch
+    with pytest.raises(SnapshotError):
+        _vote(store, 0, 2, "job-0", tmp_path / "earlier", timeout_s=0.2).restore()
     out = _run_ranks([_vote(store, 0, 2, "job-a", tmp_path), _vote(store, 1, 2, "job-b", tmp_path)])
     for r, got in enumerate(out):
         assert isinstance(got, ConfigError), (r, got)

@@ -9,17 +9,17 @@ restore. The shared filesystem must show every rank the same ``DIR``.
 Every rank must also run the same job (``Snapshotter(job=...)``/``CUDASNAP_JOB``):
 the store keys are namespaced by it, so ranks of different jobs never see each
 other. Each rank therefore also publishes its job under a job-independent key
-(``cudasnap/restore-job/e<epoch>/<k>/<rank>``, ``k`` counting this process's agreed
-restores in the epoch, so a process group that restores job A and then job B never
-compares B with a peer's stale A); a rank that finds a peer of another job
+(``cudasnap/restore-job/e<epoch>/<directory hash>/<rank>``: ranks that share a
+directory but not a job meet there, while a process group that restores job A in one
+directory and then job B in another never compares B with a peer's stale A); a rank
+that finds a peer of another job
 fails at once with a ConfigError naming both, and a rank still waiting for a peer
 after :data:`WAIT_WARN_S` says so (which ranks, how long, the likely causes).
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 import logging
-import threading
 import time
 
 from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
@@ -37,16 +37,6 @@ log = logging.getLogger("cudasnap.dist")
 WAIT_WARN_S = 10.0
 _POLL_S = 0.02
 
-# Agreed restores started in this process, per (epoch, rank): the k-th restore of every
-# rank compares jobs under the same key (``restore-job/e<N>/<k>/``), whatever job each ran.
-_SEQ_LOCK = threading.Lock()
-_SEQ: dict[tuple[str, int], itertools.count[int]] = {}
-
-
-def _next_seq(epoch: str, rank: int) -> int:
-    with _SEQ_LOCK:
-        return next(_SEQ.setdefault((epoch, rank), itertools.count()))
-
 
 class RestoreVote:
     def __init__(self, kv: KV, local: LocalSnapshots, events: EventLog, *,
@@ -56,7 +46,6 @@ class RestoreVote:
         self.replica_groups = replica_groups
         self.timeout_s = timeout_s
         self._n = 0  # restore() calls this epoch (keys: restore/<n>/...)
-        self._seq = 0  # this process's agreed restores in the epoch, all jobs (job keys)
 
     def replicas_of(self, rank: int) -> list[int]:
         return next(g for g in self.replica_groups if rank in g)
@@ -69,8 +58,12 @@ class RestoreVote:
         return self.kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
 
     def _job_key(self, rank: int) -> str:
-        """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<k>/<rank>``."""
-        return f"cudasnap/restore-job/{self._epoch()}/{self._seq}/{rank}"
+        """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<dir hash>/<rank>``.
+        Keyed by the directory, not by a count of restores: the ranks of a job need not
+        have run the same number of restores in this process (threads as ranks in tests,
+        a restore that failed on one rank), but they share its directory."""
+        where = hashlib.sha1(str(self.local.directory).encode()).hexdigest()[:16]
+        return f"cudasnap/restore-job/{self._epoch()}/{where}/{rank}"
 
     def _raw(self, key: str, value: str | None = None) -> str | None:
         """get/set of a key without the job prefix, on the KV's shared client."""
@@ -136,7 +129,6 @@ class RestoreVote:
         self.events("restore_start")
         n = self._n
         self._n += 1
-        self._seq = _next_seq(self._epoch(), self.rank)
         committed = {s.step: s for s in committed_steps(self.local.directory)}
         mine = set(complete_steps(self.local.arenas()))
         self._publish_job()
