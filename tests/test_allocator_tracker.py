@@ -487,6 +487,7 @@ def test_auto_drain_bounds_the_queue():
     assert r.wait_auto_drained(0.0)  # auto drain off: nothing to wait for
 
 
+@pytest.mark.slow
 def test_queued_counts_a_batch_being_applied():
     """stats() never shows an event as neither queued nor applied (the race that made
     the auto-drain test see queued < 64 with applied == 0 under load)."""

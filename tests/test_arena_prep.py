@@ -263,6 +263,7 @@ if sys.argv[1] == "raise":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how,rc", [("end", 0), ("raise", 3)])
 def test_a_script_ending_without_close_during_the_set_up_exits_cleanly(snap_env, how, rc):
     """No close(), the background arena set-up still running at exit: the process exits

@@ -139,6 +139,7 @@ def test_verify_and_export_of_an_empty_directory_fail_cleanly(snap_env, capsys):
 
 # ----------------------------------------------------------------------------- gc
 
+@pytest.mark.slow
 def test_gc_removes_dead_owners_arena_and_keeps_a_live_one(snap_env, capsys, monkeypatch):
     shm = snap_env.tmp / "shm"  # private: never touch other jobs' arenas in /dev/shm
     shm.mkdir()

@@ -78,6 +78,7 @@ def _compile_counts(env, attach: bool, what: str) -> tuple[int, int, list[int]]:
     return breaks, len(graphs), fences
 
 
+@pytest.mark.slow
 def test_compiled_model_has_the_graph_breaks_and_graphs_it_has_without_cudasnap(snap_env):
     breaks0, graphs0, _ = _compile_counts(snap_env, attach=False, what="model")
     breaks1, graphs1, fences = _compile_counts(snap_env, attach=True, what="model")
@@ -88,6 +89,7 @@ def test_compiled_model_has_the_graph_breaks_and_graphs_it_has_without_cudasnap(
     assert fences.count(0) == 6, fences
 
 
+@pytest.mark.slow
 def test_compiled_optimizer_step_fences_with_no_new_graph_break(snap_env):
     breaks0, graphs0, _ = _compile_counts(snap_env, attach=False, what="step")
     breaks1, graphs1, fences = _compile_counts(snap_env, attach=True, what="step")

@@ -30,6 +30,7 @@ CORE_MODULES = sorted(f"cudasnap.core.{p.stem}" for p in (PKG / "core").glob("*.
                       if p.stem != "__init__")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mod", ["cudasnap.core", *CORE_MODULES])
 def test_core_module_imports_alone(mod: str) -> None:
     code = (f"import sys, {mod}\n"

@@ -111,6 +111,7 @@ def test_attach_tracker_without_device_raises():
     assert _C.attached_allocator_registry() is None
 
 
+@pytest.mark.slow
 def test_import_cuda_glue_does_not_initialise_cuda():
     out = run_py("""
         import torch

@@ -199,6 +199,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, l
     return base, res
 
 
+@pytest.mark.slow
 def test_spawn_agreed_step_commit_and_join(spawned) -> None:
     base, res = spawned
     r0, r1 = res["save_sharded"]
@@ -247,6 +248,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_first_heartbeat_is_published_before_the_coordinator_returns(tmp_path: Path) -> None:
     """A rank frozen right after start (before its monitor thread first ran) was never
     timed out: "a peer that never sent a heartbeat" is one still starting. Its first

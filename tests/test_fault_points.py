@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cudasnap import _points
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,6 +51,7 @@ print("survived", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_child_started_with_the_variable_gets_the_hooks(tmp_path: Path) -> None:
     """Nothing imports cudasnap._testing in the child: _points loads it because the
     environment asks, and the kill point of the flush fires."""

@@ -87,6 +87,7 @@ def test_flipped_shared_memory_slots_fall_back(ctx, shm_base):
 
 # ------------------------------------------------------------------- kill
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", list(F.KILL_PHASES))
 def test_sigkill_at_every_phase_of_copy_and_flush(ctx, zygote, phase):
     """A training process SIGKILLs itself (CUDASNAP_TEST_KILL_AT) while step 2 is being

@@ -115,6 +115,7 @@ def _views_stay_inside(m: dict, buf: torch.Tensor) -> None:
 
 # --------------------------------------------------------------- manifests
 
+@pytest.mark.slow
 @FUZZ
 @given(json_value)
 def test_validate_manifest_on_random_json(value):

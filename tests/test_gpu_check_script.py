@@ -94,6 +94,7 @@ def test_script_dry_run_and_arguments():
     assert "unknown argument" in run(["bash", str(SCRIPT), "--no-such-flag"]).stderr
 
 
+@pytest.mark.slow
 def test_emulated_dry_run_wiring():
     p = run(["bash", str(SCRIPT), "--dry-run", "--emulated"], timeout=60)
     out = p.stdout
@@ -220,6 +221,7 @@ def test_partial_bench_is_a_warning_and_facts_reach_the_table(tmp_path):
     assert any("--cpu-smoke" in c and "--quick" in c for c in calls), calls
 
 
+@pytest.mark.slow
 def test_failed_phase_makes_the_last_line_fail(tmp_path):
     p, _, _ = fake_run(tmp_path, CUDASNAP_GPU_CHECK_FAKE="1", FAKE_TESTS_RC="1")
     assert p.returncode == 1, p.stdout[-3000:]
@@ -278,6 +280,7 @@ def test_interrupted_run_still_ends_with_a_fail_line(tmp_path):
     assert last_line((out / "gpu_check.log").read_text()) == last
 
 
+@pytest.mark.slow
 def test_bench_compiles_and_helps_without_gpu(tmp_path):
     py_compile.compile(str(BENCH), cfile=str(tmp_path / "gpu_bench.pyc"), doraise=True)
     p = run([sys.executable, str(BENCH), "--help"])
@@ -294,6 +297,7 @@ def test_bench_compiles_and_helps_without_gpu(tmp_path):
     assert p.returncode == 1 and "tools/cudaemu/run.sh" in p.stdout, (p.stdout, p.stderr)
 
 
+@pytest.mark.slow
 def test_bench_without_gpu_exits_0_with_skip_message(tmp_path):
     p = run([sys.executable, str(BENCH)], timeout=120, OUT=str(tmp_path))
     assert p.returncode == 0, (p.stdout, p.stderr)
@@ -301,6 +305,7 @@ def test_bench_without_gpu_exits_0_with_skip_message(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+@pytest.mark.slow
 def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
     """The alarm must not raise inside an import (a C extension's init cannot carry the
     exception: CI saw torch's import abort the process); it fires once the import ends."""
@@ -321,6 +326,7 @@ def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
     assert p.stdout.strip() == "raised after import True", (p.stdout, p.stderr)
 
 
+@pytest.mark.slow
 def test_bench_watchdog_prints_partial_results_and_exits_3(tmp_path):
     p = run([sys.executable, str(BENCH), "--cpu-smoke", "--budget", "1", "--boundaries",
              "100000000", "--out", str(tmp_path)], timeout=120)

@@ -209,6 +209,7 @@ print(json.dumps(bad))
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
     """Each module imported first, in a process holding no other cudasnap module: a cycle at
     module level fails for some entry point (``partially initialized module``), whichever

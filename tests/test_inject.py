@@ -129,6 +129,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_injected_sigterm_child_flushes_then_exits_78(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(CHILD)

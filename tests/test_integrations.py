@@ -270,6 +270,7 @@ def _differing(a: dict, b: dict) -> list[str]:
     return [k for k in a if not np.array_equal(a[k], b[k])]
 
 
+@pytest.mark.slow
 def test_lightning_kill_resume_is_bitwise(snap_env) -> None:
     """SIGKILLed mid-epoch (step 13), resumed in a new process; that run fails with an
     exception at an epoch end (step 20) and is resumed by a fresh Trainer."""
@@ -292,6 +293,7 @@ def test_lightning_kill_resume_is_bitwise(snap_env) -> None:
     assert (tmp / "ckpt" / "step-00000019" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_hf_kill_resume_is_bitwise(snap_env) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed "
                         "(see requirements-extras.txt)")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
@@ -37,6 +39,7 @@ def _probe() -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_is_lean_and_build_info_is_complete():
     r = _probe()
     assert r["cuda_initialized"] is False

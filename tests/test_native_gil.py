@@ -32,6 +32,7 @@ def run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess[st
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_register_read_only_arena_returns_reason(native_C, snap_env) -> None:
     """Item 1's reproduction: exit 139 (the tuple was made without the GIL) before."""
     if not hasattr(native_C, "register_arena"):
@@ -58,6 +59,7 @@ def test_register_read_only_arena_returns_reason(native_C, snap_env) -> None:
         assert ok is False and "read-only" in reason and str(path) in reason
 
 
+@pytest.mark.slow
 def test_gil_released_bindings_run(native_C, snap_env, tmp_path) -> None:
     """Every CPU binding that releases the GIL, once, in a child process (the CUDA ones:
     tests/cuda_emu/test_native_cuda.py)."""

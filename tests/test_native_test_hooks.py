@@ -50,6 +50,7 @@ def run_child(how: str, path: Path, env_at_start: str | None = None) -> subproce
     ("none", "write", True),       # set at process start: _testing arms at import
     ("none", "fsync@2", False),    # armed for the 2nd fsync: one flush survives
 ])
+@pytest.mark.slow
 def test_native_kill_point(tmp_path, how, env_at_start, dies):
     p = run_child(how, tmp_path / "data.bin", env_at_start)
     if dies:

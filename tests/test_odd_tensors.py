@@ -129,6 +129,7 @@ except ConfigError as e:
     ("model", "model.weight", "construction"),
     ("optim", "optim.state.0.momentum_buffer", "boundary"),
 ])
+@pytest.mark.slow
 def test_meta_device_state_is_refused_naming_it(snap_env, case, name, when) -> None:
     """In a subprocess: this segfaulted the copy workers (exit 139) and left the arena."""
     code = textwrap.dedent(META_JOB.format(case=case, d=str(snap_env.dir)))

@@ -143,6 +143,7 @@ FAULTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,spec,watchdog,code,allowed", FAULTS, ids=[f[0] for f in FAULTS])
 def test_injected_fault_flushes_newest_complete_step_and_exits_with_policy_code(
         server, snap_env, capsys, kind, spec, watchdog, code, allowed):
@@ -191,6 +192,7 @@ def test_uncaught_exception_flushes_then_the_process_fails(server, snap_env, cap
     verify_ok(snap_env.dir, 4, capsys)
 
 
+@pytest.mark.slow
 def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, snap_env, tmp_path):
     stats, log = tmp_path / "stats.jsonl", tmp_path / "log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDASNAP_")}
@@ -322,6 +324,7 @@ def test_sigterm_while_main_thread_blocked_in_c_flushes_via_signal_thread(server
     verify_ok(snap_env.dir, 5, capsys)
 
 
+@pytest.mark.slow
 def test_watchdog_quiet_on_a_slow_loop_within_its_limit(server, snap_env):
     stats, log = snap_env.tmp / "stats.jsonl", snap_env.tmp / "log"
     # 10 steps of 0.25 s: the run outlasts the 2 s limit, no gap between boundaries does.
@@ -338,6 +341,7 @@ def test_watchdog_quiet_on_a_slow_loop_within_its_limit(server, snap_env):
     assert [r["step"] for r in posix.read_flush_log(snap_env.dir)] == [STEPS - 1]
 
 
+@pytest.mark.slow
 def test_watchdog_quiet_during_the_users_own_long_flush(server, snap_env):
     stats, log = snap_env.tmp / "stats.jsonl", snap_env.tmp / "log"
     p = server.spawn(["--steps", 4, "--stats", stats, "--flush-end", "--slow-flush", 2.0],
@@ -396,6 +400,7 @@ def _trials() -> list[tuple[int, str]]:
     return out[:TRIALS]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_resumes_at_newest_complete_plus_one(
         server, snap_env, reference, monkeypatch, capsys):
     seen: Counter[str] = Counter()
@@ -433,6 +438,7 @@ def test_sigkill_at_random_points_resumes_at_newest_complete_plus_one(
     assert len(seen) == 6 and sum(seen.values()) == TRIALS
 
 
+@pytest.mark.slow
 def test_cudasnap_run_cli_with_a_real_process(snap_env, reference, tmp_path):
     """``cudasnap run`` (the command) around ``python run_trainer.py``, killed after its
     optimizer step at step 5: flushed step 4, resumed at 5, bitwise equal."""

@@ -99,6 +99,7 @@ def state_of(model, opt):
     return out
 
 
+@pytest.mark.slow
 def test_flush_then_restore_from_s3_is_bitwise(s3):
     model, opt = small_job()
     snap = cudasnap.Snapshotter(model, opt, directory=s3, backend="cpu", flush_on_close=False)
@@ -145,6 +146,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["upload", "manifest"])
 def test_flush_killed_mid_upload_leaves_previous_snapshot_loadable(s3, snap_env, phase):
     """SIGKILL while uploading the data object (or after the manifest, before COMMIT): the

@@ -23,6 +23,7 @@ import cudasnap  # noqa: E402
 from cudasnap.errors import ConfigError  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_missing_bucket_is_refused_and_never_created(s3):
     """``directory="s3://nosuchbucket/p"``: ConfigError naming the bucket; no bucket made."""
     bucket = "nosuch-" + s3.removeprefix("s3://").split("/")[0]  # (the fixture made s3's)
@@ -54,6 +55,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", ["inspect", "verify"])
 def test_an_unreachable_endpoint_is_one_line_and_exit_2(s3, monkeypatch, verb):
     """``cudasnap inspect s3://...`` with the endpoint down: one line naming the URL and

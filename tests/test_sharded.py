@@ -42,6 +42,7 @@ def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])
 def test_sharded_state_restores_bitwise(spawned, kind: str) -> None:
     base, res = spawned

@@ -53,6 +53,7 @@ def reference(tmp_path_factory):
     return load(out)
 
 
+@pytest.mark.slow
 def test_bitwise_resume_after_sigkill(snap_env, reference):
     """Crash (SIGKILL) after step 4; resume from shared memory (step 4) and, in a copy of
     the directory without the arena, from disk (step 3, the last flush); both must end

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cudasnap.supervisor.standby import warm_command
 
 SCRIPT = """
@@ -40,6 +42,7 @@ def start(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, int]:
     return p, w
 
 
+@pytest.mark.slow
 def test_go_runs_the_script_as_main_with_its_argv_and_exit_code(tmp_path):
     sub = tmp_path / "sub"
     sub.mkdir()
@@ -58,6 +61,7 @@ def test_go_runs_the_script_as_main_with_its_argv_and_exit_code(tmp_path):
     assert rec["restart"] == "1"
 
 
+@pytest.mark.slow
 def test_go_runs_a_module_like_python_dash_m(tmp_path):
     (tmp_path / "mytrain.py").write_text(SCRIPT)
     p, w = start(tmp_path, ["-m", "mytrain", "0"])
@@ -68,6 +72,7 @@ def test_go_runs_a_module_like_python_dash_m(tmp_path):
     assert '"name": "__main__"' in out and "mytrain.py" in out, out
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_the_standby_without_running_anything(tmp_path):
     marker = tmp_path / "ran"
     (tmp_path / "train.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
@@ -117,6 +122,7 @@ def _processes_running(needle: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_the_restart_after_a_death_runs_in_the_warm_standby(snap_env):
     rc, report, recs, script = _supervised(snap_env, "die", warm=True)
     assert rc == 0, report

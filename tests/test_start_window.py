@@ -225,6 +225,7 @@ def _child_kill(directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_kill_in_a_restart_window_loses_at_most_one_step(snap_env):
     env = {"CUDASNAP_JOB": snap_env.job}
     p = run_script(__file__, "leave", snap_env.dir, env=env)
@@ -267,6 +268,7 @@ raise RuntimeError("boom")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["raise", "with", "close"])
 def test_a_script_dying_names_the_arena_it_leaves(snap_env, how):
     import subprocess

@@ -97,6 +97,7 @@ def _killed_at_3_and_restarted(snap_env, server) -> tuple[int, list[dict], Path]
     return rc, report, stats
 
 
+@pytest.mark.slow
 def test_disk_full_during_the_orphan_flush_keeps_the_arena_and_restarts(snap_env, server,
                                                                         monkeypatch):
     """Item 3: the supervisor's flush fails (ENOSPC): logged, the arena kept, the child
@@ -116,6 +117,7 @@ def test_disk_full_during_the_orphan_flush_keeps_the_arena_and_restarts(snap_env
     assert resumed[0]["start"] == 4, evs  # step 3 was COMPLETE in the kept arena
 
 
+@pytest.mark.slow
 def test_a_long_orphan_flush_runs_beside_the_restart(snap_env, server, monkeypatch):
     """Item 7 with a real arena: the supervisor's flush of the dead child's slot (slowed
     to 3 s here) does not hold the restart up; it finishes while the new child runs."""
@@ -160,6 +162,7 @@ def test_death_is_noticed_and_the_restart_starts_within_half_a_second(snap_env):
     assert restart - noticed < 0.5, (restart - noticed, p.stderr)
 
 
+@pytest.mark.slow
 def test_resume_is_announced_once_and_fresh_starts_over(snap_env):
     """Item 6 (supervisor side): a WARNING names the step and directory it resumes from;
     ``--fresh`` moves the old snapshots aside and renews the directory's identity."""
@@ -267,6 +270,7 @@ if os.environ["CUDASNAP_RESTART"] == "0":
 """
 
 
+@pytest.mark.slow
 def test_a_lock_still_held_by_the_dead_childs_own_worker_does_not_stop_the_run(snap_env):
     report: list[dict] = []
     rc = supervise([sys.executable, "-c", _FORKS_THEN_DIES, str(snap_env.dir)], snap_env.dir,

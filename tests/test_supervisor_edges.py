@@ -138,6 +138,7 @@ def _next_job_starts(snap_env) -> None:
     assert p.returncode == 0 and marker.exists(), p.stderr
 
 
+@pytest.mark.slow
 def test_a_group_kill_after_a_restart_leaves_no_survivor_and_the_next_job_starts(snap_env):
     """Item 3: ``kill -9 -- -PGID`` of the supervisor (what a scheduler does) after one
     (warm) restart ends the training process too; the next job on the directory starts."""
@@ -151,6 +152,7 @@ def test_a_group_kill_after_a_restart_leaves_no_survivor_and_the_next_job_starts
     _next_job_starts(snap_env)
 
 
+@pytest.mark.slow
 def test_a_supervisor_killed_alone_stops_its_child_and_the_next_job_waits_for_it(snap_env):
     """Item 3: only the supervisor is killed (OOM killer, ``kill -9 PID``): its training
     process gets SIGTERM (PR_SET_PDEATHSIG) and, while it flushes and exits, still holds
@@ -206,6 +208,7 @@ raise StagingError("cannot create the staging arena: /dev/shm has 64 KiB free, t
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,attempts", [("always", 1), ("die-first", 2)])
 def test_a_configuration_error_is_not_restarted(snap_env, caplog, mode, attempts):
     """Item 6: a StagingError (a /dev/shm too small) ends the run with that error, on the
@@ -223,6 +226,7 @@ def test_a_configuration_error_is_not_restarted(snap_env, caplog, mode, attempts
                r.getMessage() and "not restarting" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_an_ordinary_failure_is_still_restarted(snap_env):
     """The verdict file is per attempt: a crash that is no configuration error restarts."""
     script = snap_env.tmp / "crash.py"
@@ -241,6 +245,7 @@ if os.environ["CUDASNAP_RESTART"] == "0":
 """
 
 
+@pytest.mark.slow
 def test_a_sigstopped_child_is_noticed_and_treated_as_a_hang(snap_env):
     """Item 6: a child frozen by SIGSTOP cannot run its own watchdog; the supervisor
     notices the stop (waitpid WUNTRACED), logs it, and after the watchdog treats it as a
@@ -414,6 +419,7 @@ def tiny_shm(tmp_path):
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_real_too_small_shm_stops_the_run_without_a_restart(snap_env, tiny_shm, caplog):
     """Item 6, end to end: a real Snapshotter under ``cudasnap run`` whose /dev/shm (a
     64 KiB tmpfs) cannot hold the arena: one attempt, the StagingError logged, exit 1."""
