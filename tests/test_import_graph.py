@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.imports import imports_of, module_name, modules
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "cudasnap"
@@ -44,46 +45,13 @@ KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(REPO).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement: module level, in functions, under TYPE_CHECKING."""
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return module_name(path, REPO)
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in PKG.rglob("*.py") if "build" not in p.parts}
-    # Compiled modules (cudasnap._C) are nodes too, known by their stub; they import nothing.
-    files.update({_module_name(p): p for p in PKG.rglob("*.pyi")
-                  if "build" not in p.parts and _module_name(p) not in files})
-    graph: dict[str, set[str]] = {m: set() for m in files}
-    for mod, path in files.items():
-        is_pkg = path.name == "__init__.py"
-        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-        for node in _imports(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                if node.level:
-                    anchor = base[: len(base) - (node.level - 1)]
-                    src = ".".join(anchor + ([node.module] if node.module else []))
-                else:
-                    src = node.module or ""
-                # ``from pkg import sub`` depends on pkg.sub; ``from pkg import name`` on pkg.
-                targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in files else src for a in node.names]
-            for t in targets:
-                # the longest cudasnap module the name refers to
-                while t and t not in files:
-                    t = t.rpartition(".")[0]
-                if t and t != mod and t.startswith("cudasnap"):
-                    graph[mod].add(t)
-    return graph
+    files = modules(REPO)  # compiled modules (cudasnap._C) are nodes too, known by their stub
+    known = set(files)
+    return {mod: {t for _, t in imports_of(mod, path, known)} for mod, path in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -243,7 +211,6 @@ def test_import_each_sees_a_module_level_cycle(tmp_path):
 def test_every_relative_import_names_an_existing_module():
     """Function-level imports too: a module moved into a subpackage keeps no stale ``from .x``
     (mypy's ignore_missing_imports does not see those)."""
-    import ast
 
     pkg = Path(__file__).resolve().parents[1] / "cudasnap"
     bad = []

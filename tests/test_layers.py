@@ -27,8 +27,9 @@ edges kept on purpose, each with its reason; an entry that is no longer needed f
 """
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from helpers.imports import imports_of, modules
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "cudasnap"
@@ -58,25 +59,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
-def _module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def modules(root: Path = REPO) -> dict[str, Path]:
-    """Module name -> file, for every .py (and compiled stub .pyi) under ``root/cudasnap``."""
-    pkg = root / "cudasnap"
-    out: dict[str, Path] = {}
-    for pattern in ("*.py", "*.pyi"):
-        for p in sorted(pkg.rglob(pattern)):
-            if "build" in p.relative_to(pkg).parts:
-                continue
-            out.setdefault(_module_name(p, root), p)
-    return out
-
-
 def floor_of(mod: str) -> int | None:
     """Index of ``mod``'s floor in FLOORS (the longest matching entry), or None."""
     best: tuple[int, int] | None = None
@@ -86,32 +68,6 @@ def floor_of(mod: str) -> int | None:
             if hit and (best is None or len(e) > best[1]):
                 best = (i, len(e))
     return None if best is None else best[0]
-
-
-def imports_of(mod: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
-    """(line, target module) of every cudasnap import in the file: the longest module
-    the import names (``from pkg import sub`` names pkg.sub when that is a module)."""
-    is_pkg = path.name == "__init__.py"
-    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = base[: len(base) - (node.level - 1)]
-                src = ".".join(anchor + ([node.module] if node.module else []))
-            else:
-                src = node.module or ""
-            names = [f"{src}.{a.name}" if f"{src}.{a.name}" in known else src for a in node.names]
-        else:
-            continue
-        for t in names:
-            while t and t not in known:
-                t = t.rpartition(".")[0]
-            if t and t != mod and (t == "cudasnap" or t.startswith("cudasnap.")):
-                out.append((node.lineno, t))
-    return out
 
 
 def upward_imports(root: Path = REPO) -> tuple[list[str], set[tuple[str, str]], list[str]]:
