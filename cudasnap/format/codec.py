@@ -233,9 +233,12 @@ def _decode(obj: Any, path: str) -> Any:
         raise CorruptSnapshot(f"malformed {tag} value at {path}: {e}") from e
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode  # built once
+
+
 def dumps(obj: Any, path: str = "state") -> str:
     """encode() then compact JSON text (allow_nan=False: non-finite floats are tagged)."""
-    return json.dumps(encode(obj, path), separators=(",", ":"), allow_nan=False)
+    return _COMPACT(encode(obj, path))
 
 
 def loads(text: str | bytes, path: str = "state") -> Any:

@@ -30,9 +30,8 @@ from typing import Any
 from . import codec
 
 # Compact JSON. The prefix keeps json.dumps' defaults otherwise (as it always has):
-# its values are names and integers.
+# its values are names and integers. Host values are the codec's text (codec.dumps).
 _PREFIX_JSON = json.JSONEncoder(separators=(",", ":")).encode
-_HOST_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 _HOST_OPEN = b'{"rng":{'
 _RNG_CLOSE_STEP = b'},"step":'
@@ -63,7 +62,7 @@ def encode_prefix(head: dict[str, Any], tensors: list[Any]) -> bytes:
 
 def host_value(value: Any, path: str) -> str:
     """The JSON text of a piece of host state (``cudasnap.format.codec``'s typed JSON)."""
-    return _HOST_JSON(codec.encode(value, path))
+    return codec.dumps(value, path)
 
 
 def rng_member(source: str, text: str) -> bytes:
