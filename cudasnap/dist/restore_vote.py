@@ -46,10 +46,6 @@ class RestoreVote:
         self.replica_groups = replica_groups
         self.timeout_s = timeout_s
         self._n = 0  # restore() calls this epoch (keys: restore/<n>/...)
-        # The job check's keys, outside the job's namespace (see _job_key).
-        epoch = kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
-        where = hashlib.sha1(str(local.directory).encode()).hexdigest()[:16]
-        self._job_keys = f"cudasnap/restore-job/{epoch}/{where}/"
 
     def replicas_of(self, rank: int) -> list[int]:
         return next(g for g in self.replica_groups if rank in g)
@@ -58,12 +54,16 @@ class RestoreVote:
     def _job(self) -> str:
         return str(getattr(self.local, "job", "") or "")
 
+    def _epoch(self) -> str:
+        return self.kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
+
     def _job_key(self, rank: int) -> str:
         """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<dir hash>/<rank>``.
         Keyed by the directory, not by a count of restores: the ranks of a job need not
         have run the same number of restores in this process (threads as ranks in tests,
         a restore that failed on one rank), but they share its directory."""
-        return f"{self._job_keys}{rank}"
+        where = hashlib.sha1(str(self.local.directory).encode()).hexdigest()[:16]
+        return f"cudasnap/restore-job/{self._epoch()}/{where}/{rank}"
 
     def _raw(self, key: str, value: str | None = None) -> str | None:
         """get/set of a key without the job prefix, on the KV's shared client."""
