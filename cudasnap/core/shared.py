@@ -122,11 +122,21 @@ def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: i
 
 
 def check_url(directory: Any, world_size: int, fresh: bool) -> None:
-    """An object-store URL: single-rank, and never moved aside (for now)."""
-    if is_url(directory) and (world_size > 1 or fresh):
-        raise ConfigError(f"{directory}: object-store snapshots are single-rank and cannot "
-                          "be moved aside (fresh) for now: use a local or shared file "
-                          "system directory, or a new URL prefix for a fresh start")
+    """An object-store URL is never moved aside: ``fresh`` is refused (any world size).
+
+    Why refuse rather than move: an object store has no rename, so "aside" would be a
+    copy of every object under ``.old-<time>/`` and a delete of the originals, one
+    object at a time: minutes for a large snapshot, and a start killed half-way leaves
+    the old steps half copied and half deleted (a COMMIT may survive its data; restore
+    would skip such a step, but the old snapshots would not be kept whole as fresh
+    promises). The fresh start (core.timeline.move_aside) also moves local files only. A
+    new URL prefix is a fresh start that costs nothing and loses nothing.
+    Multi-rank jobs are supported (cudasnap.storage.remote_ranks)."""
+    if is_url(directory) and fresh:
+        raise ConfigError(f"{directory}: fresh=True (CUDASNAP_FRESH, cudasnap run --fresh) "
+                          "cannot move object-store snapshots aside (no rename in an object "
+                          "store); start fresh under a new URL prefix instead, e.g. "
+                          f"{str(directory).rstrip('/')}-2")
 
 
 def new_stats() -> dict[str, Any]:

@@ -15,9 +15,11 @@ Round ``g`` (any trigger on any rank; the others join when they see
      on that host and sets its ``done`` marker;
   3. the lowest rank not in D waits for the markers (a rank of D with no live
      rank on its host is not waited for), then writes ``DIR/step-N/COMMIT``
-     and ``latest``. A rank that dies during the round (not in D, no marker)
-     makes the round fail: the step is not committed. Every wait of a round
-     ends within ``flush_timeout_s``.
+     and ``latest``. (An object-store URL: the same names under the URL, uploaded;
+     ``latest`` by compare-and-swap; cudasnap.storage.rounds / remote_ranks.)
+     A rank that dies during the round (not in D, no marker) makes the round
+     fail: the step is not committed. Every wait of a round ends within
+     ``flush_timeout_s``.
 A trigger that finds the last round of this epoch finished and no newer step
 COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
 ``peer_failure`` flush): a second round would wait for ranks that have exited.
@@ -40,7 +42,6 @@ the flush returns at once, logging that its newer steps cannot be committed.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -49,8 +50,8 @@ from typing import TYPE_CHECKING, TypedDict
 from .._native import native
 from .._points import reach
 from ..errors import SnapshotError
-from ..format.paths import COMMIT, MANIFEST, rank_dirname, step_dirname
-from ..storage import posix
+from ..format.paths import rank_dirname, step_dirname
+from ..storage.rounds import RoundStore, round_store
 from .events import EventLog
 from .kv import KV, csv, parse_csv
 from .liveness import Liveness
@@ -90,6 +91,9 @@ class FlushRounds:
         self.heartbeat_s = heartbeat_s
         self.flush_timeout_s = flush_timeout_s
         self.lock = threading.RLock()
+        # Where the parts and the COMMIT go: the directory, or the object store whose
+        # state directory it is (cudasnap.storage.rounds; the same protocol on both).
+        self.store: RoundStore = round_store(local.directory)
         self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
         self.last: RoundResult | None = None
 
@@ -227,11 +231,7 @@ class FlushRounds:
         if last is not None and last["committed"] and last["step"] is not None \
                 and newest <= last["step"]:
             return last["step"]
-        step_dir = self.local.directory / step_dirname(newest)
-        if (step_dir / COMMIT).is_file() and \
-                (step_dir / rank_dirname(self.rank) / MANIFEST).is_file():
-            return newest
-        return None
+        return newest if self.store.committed_with(newest, self.rank) else None
 
     @staticmethod
     def _parse_agreed(v: str) -> tuple[int, set[int]] | None:
@@ -310,18 +310,12 @@ class FlushRounds:
                 ok = self._commit(step, g, dead, deadline)
             else:
                 ok = self._wait_committed(g, step, committer, deadline)
+                if ok:
+                    self.store.refresh()
             self.gen += 1
             self.last = {"step": step, "path": path, "committed": ok, "newest": newest,
                          "seconds": time.perf_counter() - t0}
             return path if ok else None
-
-    def _clear_stale(self, step: int, rank: int) -> None:
-        """Files of ``rank`` for an uncommitted ``step`` are from a failed round: rewrite them."""
-        step_dir = self.local.directory / step_dirname(step)
-        d = step_dir / rank_dirname(rank)
-        if d.exists() and not (step_dir / COMMIT).exists():
-            log.warning("removing %s: left by a round that did not commit", d)
-            shutil.rmtree(d, ignore_errors=True)
 
     def _flush_rank(self, rank: int, step: int, arena: Arena | None) -> Path | None:
         """Writes ``rank``'s slot of ``step``; None (logged) when it cannot."""
@@ -340,17 +334,16 @@ class FlushRounds:
             log.error("rank %d: step %d is not in shared memory (%s)", rank, step, arena.path)
             return None
         try:
-            self._clear_stale(step, rank)
-            path, _ = posix.write_slot(arena, slot, self.local.directory,
-                                       threads=self.local.flush_threads,
-                                       subdir=rank_dirname(rank), update_latest=False,
-                                       extra_manifest={"replica_group": self.replicas_of(rank)})
+            # Files of this rank for an uncommitted step are a failed round's: rewritten.
+            self.store.clear_stale(step, rank)
+            path = self.store.write_rank(arena, slot, rank, threads=self.local.flush_threads,
+                                         extra_manifest={"replica_group": self.replicas_of(rank)})
         except SnapshotError as e:
             log.error("rank %d: writing step %d failed: %s", rank, step, e)
             return None
         finally:
             arena.release(slot)
-        return Path(path)
+        return path
 
     def _help_dead(self, step: int, g: str, dead: set[int]) -> None:
         """Flush the arenas that ranks of D left on this host (lowest live local rank only)."""
@@ -406,27 +399,33 @@ class FlushRounds:
             if failed or not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        directory = self.local.directory
-        step_dir = directory / step_dirname(step)
         if failed or [r for r in pending if r not in dead]:
             lost = failed or [r for r in pending if r not in dead]
             log.error("step %d NOT committed: rank(s) %s %s during the flush", step, lost,
                       "died" if failed else f"did not finish within {self.flush_timeout_s:.0f} s")
             return self._fail(g, step, lost)
-        present = [r for r in range(self.world)
-                   if (step_dir / rank_dirname(r) / MANIFEST).is_file()]
+        try:
+            present = self.store.present(step, self.world)
+        except Exception as e:  # noqa: BLE001 - an unreachable store: not committed
+            log.error("step %d NOT committed: cannot list its parts in %s: %s", step,
+                      self.store.where, e)
+            return self._fail(g, step, list(range(self.world)))
         missing = [r for r in range(self.world) if r not in present]
         uncovered = [r for r in missing if not any(q in present for q in self.replicas_of(r))]
         if uncovered:
             log.error("step %d NOT committed: no durable files for rank(s) %s and no replica",
                       step, uncovered)
             return self._fail(g, step, uncovered)
-        posix.write_commit(step_dir, {
-            "step": step, "world_size": self.world, "present": present, "missing": missing,
-            "replica_groups": self.replica_groups, "time": time.time(), "job": self.local.job,
-            "dead": sorted(dead), "epoch": self.epoch})
-        posix.replace_latest(directory, step_dir.name)
-        posix.prune(directory, self.local.keep)
+        try:
+            self.store.commit(step, {
+                "step": step, "world_size": self.world, "present": present, "missing": missing,
+                "replica_groups": self.replica_groups, "time": time.time(),
+                "job": self.local.job, "dead": sorted(dead), "epoch": self.epoch},
+                self.local.keep)
+        except (OSError, SnapshotError) as e:
+            log.error("step %d NOT committed: writing its COMMIT to %s failed: %s", step,
+                      self.store.where, e)
+            return self._fail(g, step, [])
         self.kv.set(f"{g}/committed", str(step))
         self.events("committed", gen=self.gen, step=step, present=present)
         log.warning("step %d committed by rank %d (%d/%d ranks present)", step, self.rank,

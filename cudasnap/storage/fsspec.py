@@ -20,11 +20,15 @@ a damaged step is skipped with a warning naming the object.
 Re-flushing a step already committed with other content first deletes its
 ``COMMIT`` (the step becomes invisible), then uploads, then commits again.
 
-Single writer. Objects stores have no flock: the directory lock of a URL is a
+One job per URL. Objects stores have no flock: the directory lock of a URL is a
 local lock file (``DirectoryLock`` in ``state_dir(url)``, keyed by the URL's
-hash), which excludes writers on this host only. Two hosts flushing to the same
-URL at once are NOT detected: run one job per URL (the same assumption as
-DCP's fsspec writer). Multi-rank jobs need a local or shared file system.
+hash), which excludes writers on this host only. Two jobs on two hosts flushing
+to the same URL at once are NOT detected: run one job per URL (the same
+assumption as DCP's fsspec writer). The ranks of one multi-rank job share the
+URL: each uploads ``step-N/rank-R/``, one commits (``storage.remote_ranks``).
+``latest`` moves by compare-and-swap where the store has conditional writes
+(``storage.remote_latest``). A writer marks its part while it uploads, so that
+``clean_partial`` leaves a live writer's step alone (``remote_ranks``).
 
 Buckets are never created: a URL whose bucket (``s3://BUCKET/...``, also gs, az) does
 not exist is refused with a ConfigError naming it (a typo must not create a bucket in
@@ -37,96 +41,41 @@ endpoint; credentials come from the usual AWS variables or files (botocore).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
-from ..config import Settings
-from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
+from ..errors import ConfigError, CorruptSnapshot, FlushError, IncompatibleSnapshot, SnapshotError
 from ..format import manifest as fmt
-from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit, encode_latest
-from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname, url_hash
-from . import counters, posix
+from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit
+from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname
+from . import counters, posix, remote_latest, remote_ranks
+from .remote_base import (  # noqa: F401  (re-exported: fsspec.state_dir, fsspec.filesystem, ...)
+    _BUCKETED,
+    UPLOAD_BLOCK,
+    URL_FILE,
+    RemoteSnapshot,
+    _one_line,
+    _Unreachable,
+    filesystem,
+    state_dir,
+    url_of_state_dir,
+)
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
-    from fsspec import AbstractFileSystem
 
     from cudasnap._C import Arena
 
 log = logging.getLogger("cudasnap.storage.fsspec")
-
-UPLOAD_BLOCK = 16 << 20
-
-#: protocols whose first path component is a bucket/container, never created here
-_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
-
-
-def _one_line(e: BaseException) -> str:
-    """A backend error as one line: its type and first line."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-class _Unreachable:
-    """``with _Unreachable(url, what):`` a backend error (connection refused, DNS, auth)
-    becomes a SnapshotError of one line naming the URL; cudasnap errors pass."""
-
-    def __init__(self, url: str, what: str) -> None:
-        self.url, self.what = url, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: object) -> None:
-        if e is None or isinstance(e, SnapshotError) or not isinstance(e, Exception):
-            return
-        raise SnapshotError(f"cannot {self.what} {self.url}: {_one_line(e)}") from e
-
-
-def state_dir(url: str) -> Path:
-    """This host's local directory for a URL: lock, directory id (job), flush log."""
-    base = Settings.from_env().state_dir or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cudasnap"
-    return posix.check_directory(base / f"url-{url_hash(url)}")
-
-
-def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
-    """(fsspec filesystem, root path without protocol) of ``url``."""
-    try:
-        import fsspec
-    except ImportError as e:  # pragma: no cover - the extra is missing
-        raise ConfigError(f"{url}: object-store directories need fsspec "
-                          "(pip install 'cudasnap[s3]')") from e
-    opts: dict[str, Any] = {}
-    endpoint = Settings.from_env().s3_endpoint
-    if url.startswith(("s3://", "s3a://")) and endpoint:
-        opts["client_kwargs"] = {"endpoint_url": endpoint}
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **opts)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(f"cannot open snapshot URL {url}: {e}") from e
-    return fs, str(root).rstrip("/")
-
-
-@dataclass
-class RemoteSnapshot:
-    """A committed snapshot in an object store (``path``: its URL)."""
-
-    step: int
-    path: str
-
-    @property
-    def manifest_path(self) -> str:
-        return f"{self.path}/{MANIFEST}"
 
 
 #: a snapshot a storage lists: on local disk or in an object store
@@ -158,6 +107,51 @@ class FsspecStorage:
         if not isinstance(ref, RemoteSnapshot) or not ref.path.startswith(prefix):
             raise ConfigError(f"{ref.path} is not a snapshot of {self.url}")
         return ref.path[len(prefix):]
+
+    def _keys(self, ref: SnapshotRef) -> tuple[str, str]:
+        """(step key, part key) of ``ref``: a step of this store (part = step), one rank's
+        part of it (``.../step-N/rank-R``), or the local index's path of either."""
+        if isinstance(ref, posix.StoredSnapshot) and self._indexed(ref.path):
+            rel = Path(os.path.abspath(ref.path)).relative_to(os.path.abspath(self.local_dir))
+            k = self._key(*rel.parts)
+        else:
+            k = self._remote_key(ref)
+        head, _, last = k.rpartition("/")
+        if remote_ranks.RANK_RE.match(last) and \
+                parse_step_dirname(head.rsplit("/", 1)[-1]) is not None:
+            return head, k
+        return k, k
+
+    def _indexed(self, path: Path) -> bool:
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.local_dir))
+        parts = Path(rel).parts
+        return 1 <= len(parts) <= 2 and parse_step_dirname(parts[0]) is not None and \
+            (len(parts) == 1 or remote_ranks.RANK_RE.match(parts[1]) is not None)
+
+    def _resolve(self, ref: SnapshotRef) -> tuple[int, str, dict[str, Any]]:
+        """(step, key of the part holding manifest and data, COMMIT record) of ``ref``.
+
+        A whole multi-rank step opened by one process loads only replicated state (its
+        first present rank's part), as on disk; sharded state is IncompatibleSnapshot."""
+        step_key, part = self._keys(ref)
+        url = self._url(step_key)
+        step = parse_step_dirname(step_key.rsplit("/", 1)[-1])
+        c = decode_commit(self._cat(f"{step_key}/{COMMIT}", MAX_COMMIT_BYTES, "commit marker"),
+                          f"{url}/{COMMIT}")
+        if step is None or c["step"] != step or ref.step not in (-1, step):
+            raise CorruptSnapshot(f"{url}/{COMMIT} names step {c['step']}, not "
+                                  f"{step if ref.step == -1 else ref.step}")
+        if part == step_key and c["world_size"] > 1:
+            groups = c.get("replica_groups") or []
+            if not isinstance(groups, list) or len(groups) != 1:
+                raise IncompatibleSnapshot(
+                    f"{url} holds sharded state of {c['world_size']} ranks; restore it with "
+                    f"torch.distributed and {c['world_size']} ranks")
+            have = remote_ranks.present_ranks(self, step, int(c["world_size"]))
+            if not have:
+                raise CorruptSnapshot(f"{url}: no rank's part is present")
+            part = remote_ranks.rank_key(self, step, have[0])
+        return step, part, c
 
     def bucket(self) -> str | None:
         """The bucket (container) of a bucketed store's URL, else None."""
@@ -209,12 +203,23 @@ class FsspecStorage:
         return out
 
     def clean_partial(self) -> list[str]:
-        """Removes steps without COMMIT (killed flushes); single writer assumed."""
+        """Removes steps without COMMIT (killed flushes), except those of a writer still at
+        work (``remote_ranks.writer_in_progress``); then rebuilds the local index."""
         removed = []
         for _, k in sorted(self._step_dirs().items()):
-            if not self.fs.exists(f"{k}/{COMMIT}"):
+            if self.fs.exists(f"{k}/{COMMIT}"):
+                continue
+            busy = remote_ranks.writer_in_progress(self, k)
+            if busy is not None:
+                log.info("%s is not committed, but its writer may be at work (%s): left alone",
+                         self._url(k), self._url(busy))
+                continue
+            try:
                 self.fs.rm(k, recursive=True)
-                removed.append(self._url(k))
+            except FileNotFoundError:
+                continue  # another rank of the job removed it first
+            removed.append(self._url(k))
+        remote_ranks.sync_index(self)
         return removed
 
     def read_latest(self) -> str | None:
@@ -224,13 +229,40 @@ class FsspecStorage:
             return None
 
     # ------------------------------------------------------------ write
-    def _committed_same(self, step_key: str, job: object, seq: int) -> bool:
+    def _committed_same(self, step_key: str, part: str, job: object, seq: int) -> bool:
+        """True when ``part`` holds this slot's copy (same seq, same job), committed."""
         try:
-            prev = json.loads(self.fs.cat_file(f"{step_key}/{MANIFEST}"))
+            prev = json.loads(self.fs.cat_file(f"{part}/{MANIFEST}"))
             return (self.fs.exists(f"{step_key}/{COMMIT}") and prev.get("slot_seq") == seq
                     and prev.get("job") == job)
         except (OSError, ValueError, RecursionError, AttributeError):
             return False
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """A backend error (botocore/aiohttp errors are not OSError) becomes a FlushError."""
+        try:
+            yield
+        except SnapshotError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise FlushError(f"{what} failed: {e}") from e
+
+    def _upload_data(self, key: str, arena: Arena, slot: int, nbytes: int) -> None:
+        """``key/data.bin`` from the slot, in UPLOAD_BLOCK parts."""
+        with self.fs.open(f"{key}/{DATA}", "wb", block_size=UPLOAD_BLOCK) as f:
+            view = arena.data_view(slot, nbytes) if nbytes else memoryview(b"")
+            for off in range(0, nbytes, UPLOAD_BLOCK):
+                block = view[off:off + UPLOAD_BLOCK]
+                f.write(block)  # (a full block is uploaded as one part before it returns;
+                counters.add_written(len(block))  # some files' write() returns None)
+                kill_point("upload")
+
+    def replace_latest(self, step: int) -> bool:
+        """``latest`` -> step ``step`` unless it names a newer committed step (CAS on S3)."""
+        return remote_latest.replace_latest(
+            self.fs, self.protocol, self._key(LATEST), step_dirname(step),
+            lambda s: bool(self.fs.exists(self._key(step_dirname(s), COMMIT))))
 
     def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
                    extra_manifest: dict[str, Any] | None = None) -> tuple[str, FlushResult]:
@@ -240,24 +272,19 @@ class FsspecStorage:
         info, meta = posix.complete_slot(arena, slot)
         step, nbytes, chunk = int(info["step"]), int(info["data_bytes"]), int(arena.chunk_bytes)
         key = self._key(step_dirname(step))
-        if self._committed_same(key, meta.get("job"), int(info["seq"])):
+        if self._committed_same(key, key, meta.get("job"), int(info["seq"])):
             log.info("step %d already stored at %s", step, self._url(key))
             return self._url(key), {"bytes": 0, "seconds": 0.0, "skipped": True, "step": step}
         crcs = [int(c) for c in arena.read_table(slot)]
         bad = C.verify_buffer(arena.data_ptr(slot), nbytes, chunk, crcs, threads) if nbytes else -1
         if bad >= 0:  # never upload bytes that do not match their checksums
             raise CorruptSnapshot(f"slot {slot} of {arena.path}: chunk {bad} fails its CRC32C")
-        try:
+        with self._failing(f"flush of step {step} to {self._url(key)}"):
             if self.fs.exists(f"{key}/{COMMIT}"):  # another run's copy: invisible first
                 self.fs.rm_file(f"{key}/{COMMIT}")
+            marker = remote_ranks.mark_writer(self, key)
             t1 = time.perf_counter()
-            with self.fs.open(f"{key}/{DATA}", "wb", block_size=UPLOAD_BLOCK) as f:
-                view = arena.data_view(slot, nbytes) if nbytes else memoryview(b"")
-                for off in range(0, nbytes, UPLOAD_BLOCK):
-                    block = view[off:off + UPLOAD_BLOCK]
-                    f.write(block)  # (a full block is uploaded as one part before it returns;
-                    counters.add_written(len(block))  # some files' write() returns None)
-                    kill_point("upload")
+            self._upload_data(key, arena, slot, nbytes)
             write_s = time.perf_counter() - t1
             self.fs.pipe_file(f"{key}/{MANIFEST}",
                               fmt.stored_manifest(meta, info, chunk, crcs, extra_manifest))
@@ -266,11 +293,8 @@ class FsspecStorage:
                 {"step": step, "world_size": 1, "present": [int(meta.get("rank", 0))],
                  "missing": [], "job": meta.get("job"), "time": time.time()}))
             kill_point("commit")
-            self.fs.pipe_file(self._key(LATEST), encode_latest(step_dirname(step)))
-        except SnapshotError:
-            raise
-        except Exception as e:  # noqa: BLE001 - botocore/aiohttp errors are not OSError
-            raise FlushError(f"flush of step {step} to {self._url(key)} failed: {e}") from e
+            remote_ranks.unmark_writer(self, marker)
+            self.replace_latest(step)
         self.prune(keep)
         elapsed = time.perf_counter() - t0
         stats: FlushResult = {"bytes": nbytes, "seconds": elapsed, "write_seconds": write_s,
@@ -312,15 +336,16 @@ class FsspecStorage:
 
         (``allow_foreign_owner``: a file-ownership check of local disks; objects have none.)
         """
-        k = self._remote_key(ref)
-        c = decode_commit(self._cat(f"{k}/{COMMIT}", MAX_COMMIT_BYTES, "commit marker"),
-                          f"{ref.path}/{COMMIT}")
-        if c["step"] != ref.step:
-            raise CorruptSnapshot(f"{ref.path}/{COMMIT} names step {c['step']}, not {ref.step}")
-        m = fmt.parse_manifest(self._cat(f"{k}/{MANIFEST}", fmt.MAX_MANIFEST_BYTES, "manifest"),
-                               f"{ref.path}/{MANIFEST}")
-        if m["step"] != ref.step:
-            raise CorruptSnapshot(f"{ref.path}/{MANIFEST} holds step {m['step']}, not {ref.step}")
+        step, part, _ = self._resolve(ref)
+        where = self._url(f"{part}/{MANIFEST}")
+        m = fmt.parse_manifest(self._cat(f"{part}/{MANIFEST}", fmt.MAX_MANIFEST_BYTES,
+                                         "manifest"), where)
+        if m["step"] != step:
+            raise CorruptSnapshot(f"{where} holds step {m['step']}, not {step}")
+        rank = remote_ranks.RANK_RE.match(part.rsplit("/", 1)[-1])
+        if rank is not None and int(m.get("rank", -1)) != int(rank.group(1)):
+            raise CorruptSnapshot(f"{where} is rank {m.get('rank')}'s, not rank "
+                                  f"{int(rank.group(1))}'s")
         return m
 
     def read_data(self, ref: SnapshotRef, manifest: fmt.Manifest, threads: int = 4, *,
@@ -329,7 +354,7 @@ class FsspecStorage:
         import torch
 
         d = manifest["data"]
-        key = f"{self._remote_key(ref)}/{DATA}"
+        key = f"{self._resolve(ref)[1]}/{DATA}"
         nbytes = int(d["bytes"])
         try:
             size = int(self.fs.size(key))
@@ -359,64 +384,24 @@ class FsspecStorage:
         return buf
 
     def verify(self, ref: RemoteSnapshot, threads: int = 4) -> tuple[bool, str]:
-        """(ok, message) for ``cudasnap verify``: manifest checks and every chunk's CRC."""
-        t0 = time.perf_counter()
-        try:
-            m = self.load_manifest(ref)
-            self.read_data(ref, m, threads)
-        except SnapshotError as e:
-            return False, str(e)
-        n = int(m["data"]["bytes"])
-        dt = time.perf_counter() - t0
-        return True, (f"{n / 1e6:.1f} MB, {len(m['data']['crc32c'])} chunks, "
-                      f"{n / max(dt, 1e-9) / 1e9:.2f} GB/s")
+        """(ok, message) for ``cudasnap verify``: manifest checks and every chunk's CRC (of
+        every rank's part of a multi-rank step)."""
+        from .remote_report import verify_ref
+
+        return verify_ref(self, ref, threads)
 
 
 def inspect_rows(url: str, verify: bool = False) -> list[dict[str, Any]]:
-    """``cudasnap inspect URL``: one row per committed snapshot (the CLI's row format).
+    """``cudasnap inspect URL``: one row per committed snapshot (``storage.remote_report``)."""
+    from .remote_report import inspect_rows as rows
 
-    An unreachable store: one-line SnapshotError (the CLI prints it, exit 2)."""
     with _Unreachable(url, "list"):
-        return _inspect_rows(url, verify)
-
-
-def _inspect_rows(url: str, verify: bool) -> list[dict[str, Any]]:
-    st = FsspecStorage(url)
-    latest = st.read_latest()
-    rows: list[dict[str, Any]] = []
-    for s in st.list_snapshots():
-        row: dict[str, Any] = {"step": s.step, "source": st.protocol[:6], "path": s.path,
-                               "commit": "committed", "latest": s.path.endswith(f"/{latest}")}
-        try:
-            m = st.load_manifest(s)
-            row.update({"bytes": m["data"]["bytes"], "tensors": len(m["tensors"]),
-                        "rank": m.get("rank", 0), "world_size": m.get("world_size", 1),
-                        "created": m.get("created_unix"), "status": "unverified"})
-        except SnapshotError as e:
-            row["status"] = f"bad: {e}"
-        if verify and not row["status"].startswith("bad"):
-            ok, msg = st.verify(s)
-            row["status"] = "ok" if ok else f"FAILED: {msg}"
-        rows.append(row)
-    return rows
+        return rows(FsspecStorage(url), verify)
 
 
 def verify_lines(url: str, step: int | None = None) -> tuple[int, list[str]]:
-    """``cudasnap verify URL``: (exit code, report lines); 2 when nothing was verified.
+    """``cudasnap verify URL``: (exit code, report lines) (``storage.remote_report``)."""
+    from .remote_report import verify_lines as lines
 
-    An unreachable store: one-line SnapshotError (the CLI prints it, exit 2)."""
     with _Unreachable(url, "verify"):
-        return _verify_lines(url, step)
-
-
-def _verify_lines(url: str, step: int | None) -> tuple[int, list[str]]:
-    st = FsspecStorage(url)
-    snaps = [s for s in st.list_snapshots() if step is None or s.step == step]
-    if not snaps:
-        return 2, [f"no snapshot{'' if step is None else f' of step {step}'} in {url}"]
-    lines, bad = [], 0
-    for s in snaps:
-        ok, msg = st.verify(s)
-        bad += not ok
-        lines.append(f"step {s.step}: {'ok' if ok else 'FAILED'} ({msg})")
-    return (1 if bad else 0), lines
+        return lines(FsspecStorage(url), step)

@@ -1,13 +1,15 @@
 """The snapshot directory as ``cudasnap run`` holds it, before and between attempts.
 
-Owns: refusing object-store URLs (:func:`_refuse_url`); one supervisor per directory
+Owns: where the supervisor keeps its state (:func:`open_directory`: the directory itself,
+or for an object-store URL its local state directory; :func:`_refuse_url` refuses a URL a
+``Path`` collapsed); one supervisor per directory
 (:class:`SupervisorLock`, flock on DIR/.supervisor-lock for the whole run); the check that
 no other job holds the directory's lock, waiting for a dead child's workers or for the
 orphaned training process of a dead supervisor (:func:`_check_not_in_use`); where a run
 would resume from (:func:`_resume_point`, :func:`_damaged`); ``--fresh``
 (:func:`start_over`).
 
-Call order (cudasnap.supervisor.loop.supervise): ``_refuse_url`` -> ``SupervisorLock.acquire``
+Call order (cudasnap.supervisor.loop.supervise): ``open_directory`` -> ``SupervisorLock.acquire``
 -> ``_check_not_in_use`` -> ``start_over`` (``--fresh``) or ``_resume_point`` (logged); then
 after each death ``_check_not_in_use(directory, child.pid)`` before the flush and the
 restart; ``SupervisorLock.release`` at the end.
@@ -20,12 +22,16 @@ import os
 import re
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._native import native
 from .._proc import environ_of, ppid_of
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
-from ..storage import posix
+from ..storage import open_storage, posix
+
+if TYPE_CHECKING:
+    from ..storage.fsspec import FsspecStorage
 
 log = logging.getLogger("cudasnap.run")
 
@@ -33,14 +39,34 @@ _OBJECT_STORE = re.compile(r"^(s3a?|gs|gcs|az|abfss?|adl|oss|r2|hf|https?|memory
 
 
 def _refuse_url(directory: Path | str) -> None:
-    """ConfigError for an object-store URL (also one a Path has collapsed to ``s3:/b/p``)."""
+    """ConfigError for an object-store URL a Path has collapsed (``s3:/b/p``): it would
+    make a local ``./s3:`` folder and flush nothing to the store."""
     text = str(directory)
-    if paths.is_url(text) or _OBJECT_STORE.match(text):
+    if not paths.is_url(text) and _OBJECT_STORE.match(text):
         raise ConfigError(
-            f"--dir {text}: cudasnap run needs a local or shared file-system directory; "
-            "object stores (s3:// ...) are not supported under cudasnap run yet (its flush "
-            "of a dead attempt's arena and its directory lock are local). Use a file-system "
-            "directory, or Snapshotter(directory=URL) without cudasnap run")
+            f"--dir {text}: looks like an object-store URL whose '//' was lost (a Path "
+            "collapses s3://b/p to s3:/b/p); object stores are given as a string URL: "
+            "supervise(cmd, 's3://bucket/prefix')")
+
+
+def open_directory(directory: Path | str) -> tuple[Path, FsspecStorage | None]:
+    """(local directory of the supervisor's state, the object store or None).
+
+    A file-system directory is both (None). An object-store URL (``s3://bucket/prefix``, any
+    fsspec URL) is checked now (the bucket exists, the prefix is writable); the
+    supervisor's lock, the directory id (hence the job and its arena names) and the
+    training process's directory lock then live in the URL's local state directory,
+    ``$CUDASNAP_STATE_DIR/url-<hash>`` (default ``~/.cache/cudasnap/url-<hash>``): the
+    same one the training process's Snapshotter uses for that URL, so both name the same
+    arenas and exclude the same jobs (one host; one job per URL across hosts)."""
+    _refuse_url(directory)
+    if paths.is_url(directory):
+        from ..storage.fsspec import FsspecStorage
+
+        storage = open_storage(str(directory))
+        assert isinstance(storage, FsspecStorage)
+        return storage.local_dir, storage
+    return posix.check_directory(Path(directory)), None
 
 
 class SupervisorLock:
@@ -146,8 +172,11 @@ def _wait_released(path: Path, timeout: float) -> bool:
     return released.wait(timeout)
 
 
-def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
-    """Where a run would resume from: "step N (source)", or None for a fresh start."""
+def _resume_point(directory: Path, job: str, shm: Path,
+                  remote: FsspecStorage | None = None) -> str | None:
+    """Where a run would resume from: "step N (source)", or None for a fresh start.
+    ``remote``: the object store whose state directory ``directory`` is (its newest
+    committed step is named unchecked: no data is read here)."""
     best: tuple[int, str] | None = None
     arenas = sorted(shm.glob(paths.arena_glob(job)))
     if arenas:
@@ -162,6 +191,11 @@ def _resume_point(directory: Path, job: str, shm: Path) -> str | None:
                         best = (step, f"shared memory {p}")
             except SnapshotError:
                 continue
+    if remote is not None:
+        snaps = remote.list_snapshots()
+        if snaps and (best is None or snaps[0].step > best[0]):
+            best = (snaps[0].step, snaps[0].path)
+        return None if best is None else f"step {best[0]} ({best[1]})"
     for s in posix.list_snapshots(directory):
         if best is not None and s.step <= best[0]:
             break

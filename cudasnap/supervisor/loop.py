@@ -21,23 +21,31 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._proc import parent_death_signal
 from ..config import Settings
 from ..errors import ConfigError
 from ..format import paths
-from ..storage import posix
 from .child import _cold_command, _command_exists, _read_verdict, _wait_child, describe_exit
-from .directory import SupervisorLock, _check_not_in_use, _refuse_url, _resume_point, start_over
+from .directory import (
+    SupervisorLock,
+    _check_not_in_use,
+    _resume_point,
+    open_directory,
+    start_over,
+)
 from .orphans import _flush_leased, _orphan_slots, _remove_own_partial
 from .standby import VERDICT_ENV, Standby
+
+if TYPE_CHECKING:
+    from ..storage.fsspec import FsspecStorage
 
 log = logging.getLogger("cudasnap.run")
 
 
-def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
+def supervise(cmd: list[str], directory: Path | str, *, max_restarts: int = 3,
               shm_dir: Path | None = None, inject_first: str | None = None,
               watchdog_s: float | None = None, extra_env: dict[str, str] | None = None,
               report: list[dict[str, Any]] | None = None, auto: bool = False,
@@ -48,16 +56,25 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
     (``python SCRIPT``/``python -m MODULE`` commands; cudasnap.supervisor.standby), so a
     restart skips the imports; ``--no-warm`` starts every attempt cold.
 
+    ``directory``: a file-system directory or an object-store URL (a ``str``,
+    ``s3://bucket/prefix``): the training process gets the URL as CUDASNAP_DIR, the dead
+    attempt's arena is flushed to the store, and the supervisor's own state lives in
+    the URL's local state directory (cudasnap.supervisor.directory.open_directory).
+
     Bad input (no or unknown command, a directory that is a file or busy) raises
     ConfigError before anything is started or touched.
     """
     if not cmd:
         raise ConfigError("no command given (usage: cudasnap run [options] -- cmd ...)")
-    _refuse_url(directory)
+    url = str(directory) if paths.is_url(directory) else None
+    if url is not None and fresh:
+        raise ConfigError(f"--dir {url}: --fresh cannot move object-store snapshots aside "
+                          "(no rename in an object store); start fresh under a new URL "
+                          "prefix instead")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}")
     _command_exists(cmd)
-    directory = posix.check_directory(directory)
+    directory, remote = open_directory(directory)
     cfg = Settings.from_env()
     shm = Path(shm_dir) if shm_dir else cfg.shm_dir
     lock = SupervisorLock(directory)
@@ -70,8 +87,14 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
                         f" (old snapshots moved to {aside})" if aside else "")
         # (logs the arenas of an earlier directory at this path, which are not adopted)
         job = cfg.job or paths.snapshotter_job(directory, shm)
+        if url is not None and cfg.job:
+            # The training process compares CUDASNAP_DIR (the URL) with its directory (the
+            # state directory) and drops an exported job that does not match: both derive it.
+            log.warning("CUDASNAP_JOB=%s is ignored with an object-store --dir: the job is "
+                        "derived from %s's state directory", cfg.job, url)
+            job = paths.snapshotter_job(directory, shm)
         if not fresh:
-            where = _resume_point(directory, job, shm)
+            where = _resume_point(directory, job, shm, remote)
             if where is not None:
                 log.warning("resuming from %s in %s unless the training process finds it "
                             "damaged (it verifies every checksum when it restores, and logs "
@@ -81,7 +104,8 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
             return _supervise_locked(cmd, directory, job, shm, max_restarts=max_restarts,
                                      inject_first=inject_first, watchdog_s=watchdog_s,
                                      extra_env=extra_env, report=report, auto=auto,
-                                     warm_next=warm, verdict=Path(tmp) / "verdict.json")
+                                     warm_next=warm, verdict=Path(tmp) / "verdict.json",
+                                     url=url, remote=remote)
     finally:
         lock.release()
 
@@ -89,7 +113,8 @@ def supervise(cmd: list[str], directory: Path, *, max_restarts: int = 3,
 def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                       max_restarts: int, inject_first: str | None, watchdog_s: float | None,
                       extra_env: dict[str, str] | None, report: list[dict[str, Any]] | None,
-                      auto: bool, warm_next: bool = True, verdict: Path | None = None) -> int:
+                      auto: bool, warm_next: bool = True, verdict: Path | None = None,
+                      url: str | None = None, remote: FsspecStorage | None = None) -> int:
     # Load the extension (and torch) now, beside the first attempt: after a death the
     # flush must start at once, not after a multi-second import.
     preload = threading.Thread(target=native, name="cudasnap-preload", daemon=True)
@@ -116,10 +141,12 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
 
     def attempt_env(n: int) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": str(directory),
+        env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": url or str(directory),
                     "CUDASNAP_JOB": job, "CUDASNAP_SHM_DIR": str(shm),
                     "CUDASNAP_RESTART": str(n), "CUDASNAP_SUPERVISED": "1",
                     "CUDASNAP_SUPERVISOR_PID": str(os.getpid())})
+        if url is not None:  # derived from the state directory, as here (see supervise)
+            env.pop("CUDASNAP_JOB")
         if verdict is not None:
             env[VERDICT_ENV] = str(verdict)
         if watchdog_s:
@@ -181,11 +208,11 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             leased: list[tuple[Path, Any, int, int]] = []
             if any(shm.glob(paths.arena_glob(job))):  # else no need to wait for torch
                 preload.join()
-                leased = _orphan_slots(directory, job, shm)
+                leased = _orphan_slots(directory, job, shm, remote)
 
             def flush(entry: dict[str, Any] = entry,
                       leased: list[tuple[Path, Any, int, int]] = leased) -> None:
-                entry["flushed"] = _flush_leased(directory, leased)
+                entry["flushed"] = _flush_leased(directory, leased, remote=remote)
                 entry["flush_done"] = time.time()
 
             # The flush runs beside the restart: the restarted process restores from

@@ -16,25 +16,31 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from ..errors import SnapshotError
 from ..format import paths
 from ..storage import posix
 
+if TYPE_CHECKING:
+    from ..storage.fsspec import FsspecStorage
+
 log = logging.getLogger("cudasnap.run")
 
 
-def _orphan_slots(directory: Path, job: str, shm_dir: Path) -> list[tuple[Path, Any, int, int]]:
-    """(path, arena, slot, step) of each arena's newest COMPLETE slot newer than disk, leased.
+def _orphan_slots(directory: Path, job: str, shm_dir: Path, remote: FsspecStorage | None = None
+                  ) -> list[tuple[Path, Any, int, int]]:
+    """(path, arena, slot, step) of each arena's newest COMPLETE slot newer than disk (or
+    than the object store ``remote``), leased.
 
     Fast (no I/O but the arena headers): done before the restart, so that the
     restarted process cannot overwrite a slot that is still to be flushed.
     """
     C = native()
     out = []
-    on_disk = {s.step for s in posix.list_snapshots(directory)}
+    on_disk = {s.step for s in (remote.list_snapshots() if remote is not None
+                                else posix.list_snapshots(directory))}
     for path in sorted(shm_dir.glob(paths.arena_glob(job))):
         try:
             arena = C.Arena.open(str(path), True)
@@ -55,8 +61,10 @@ def _orphan_slots(directory: Path, job: str, shm_dir: Path) -> list[tuple[Path, 
 
 
 def _flush_leased(directory: Path, leased: list[tuple[Path, Any, int, int]],
-                  threads: int = 4) -> list[dict[str, Any]]:
-    """Writes each leased slot; a failure (disk full) is logged and the arena kept."""
+                  threads: int = 4, remote: FsspecStorage | None = None) -> list[dict[str, Any]]:
+    """Writes each leased slot (to the object store ``remote`` when given: uploaded, then
+    committed, as a Snapshotter's flush); a failure (disk full, store unreachable) is
+    logged and the arena kept."""
     done: list[dict[str, Any]] = []
     for path, arena, slot, step in leased:
         if slot < 0:
@@ -64,7 +72,11 @@ def _flush_leased(directory: Path, leased: list[tuple[Path, Any, int, int]],
             continue
         t0 = time.perf_counter()
         try:
-            target, st = posix.write_slot(arena, slot, directory, threads=threads)
+            target: Path | str
+            if remote is not None:
+                target, st = remote.write_slot(arena, slot, threads=threads)
+            else:
+                target, st = posix.write_slot(arena, slot, directory, threads=threads)
             done.append({"arena": str(path), "step": step, "seconds": time.perf_counter() - t0,
                          "bytes": st["bytes"], "path": str(target)})
             log.warning("flushed step %d left in %s to %s (%.2f s)", step, path, target,

@@ -26,8 +26,12 @@ A configuration error that a restart cannot fix (ConfigError, StagingError: e.g.
 commands; see cudasnap.supervisor.standby). A child stopped by SIGSTOP is logged; with a
 watchdog (``--watchdog``/CUDASNAP_WATCHDOG_S) it is treated as a hang after that long,
 per the hang policy (default: killed, its arena flushed, restarted; exit code 77).
-Object-store URLs (``s3://``) are refused: ``cudasnap run`` needs a local or shared
-file-system directory.
+``--dir s3://bucket/prefix`` (any fsspec URL): the training process gets the URL,
+the dead attempt's arena is uploaded and committed to the store, and the
+supervisor's local state (its lock, the directory id that names the arenas) lives
+in the URL's state directory (``$CUDASNAP_STATE_DIR/url-<hash>``, default
+``~/.cache/cudasnap/url-<hash>``; cudasnap.supervisor.directory.open_directory).
+``--fresh`` is refused with a URL (no rename in an object store: use a new prefix).
 
 This module owns the command line (:func:`main`: argument parsing, usage errors, the
 one-line error); ``cudasnap run`` (cudasnap.tools.cli) and ``python -m
@@ -42,7 +46,7 @@ from pathlib import Path
 
 from ..config import Settings
 from ..errors import ConfigError, SnapshotError
-from .directory import _refuse_url
+from ..format.paths import is_url
 from .loop import supervise
 
 _NO_COMMAND = "no command given (usage: cudasnap run [options] -- cmd ...)"
@@ -62,7 +66,7 @@ class UsageExit(SystemExit):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cudasnap run", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=Settings.from_env().directory or "ckpt",
-                   help="snapshot directory (exported as CUDASNAP_DIR)")
+                   help="snapshot directory or object-store URL (exported as CUDASNAP_DIR)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=None, help="hang timeout in seconds")
     p.add_argument("--inject", default=None, help="fault injection for the first attempt")
@@ -82,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageExit(_NO_COMMAND)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cudasnap-run %(message)s")
     try:
-        _refuse_url(a.dir)
         if a.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, not {a.max_restarts}")
         if a.watchdog is not None and not a.watchdog > 0:
             raise ConfigError(f"--watchdog must be a positive number of seconds, not {a.watchdog}")
-        return supervise(cmd, Path(a.dir), max_restarts=a.max_restarts, inject_first=a.inject,
+        directory: Path | str = a.dir if is_url(a.dir) else Path(a.dir)  # keep s3:// whole
+        return supervise(cmd, directory, max_restarts=a.max_restarts, inject_first=a.inject,
                          watchdog_s=a.watchdog, auto=a.auto, fresh=a.fresh,
                          warm=not a.no_warm)
     except (SnapshotError, OSError) as e:
