@@ -41,6 +41,16 @@ CUDASNAP_STATE_DIR              path     see right  this host's lock, directory 
 CUDASNAP_S3_ENDPOINT            url      unset      S3 endpoint of ``s3://`` directories
                                                     (``http(s)://host:port``; default: AWS)
 CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are made on the training thread
+CUDASNAP_NODE_REPLICA           bool     0          node-loss protection: each rank's newest COMPLETE
+                                                    snapshot is copied in the background into the shared
+                                                    memory of a partner rank on another node
+                                                    (cudasnap.dist.replica; docs/node_loss.md)
+CUDASNAP_NODE_ID                str      hostname   this process's node (partners are chosen by node;
+                                                    set it to tell "nodes" on one host apart)
+CUDASNAP_REPLICA_ADDR           str      see right  address the replica server listens on and publishes
+                                                    (default: this host's address on the route to
+                                                    MASTER_ADDR, else 127.0.0.1)
+CUDASNAP_REPLICA_MAX_MBPS       float>0  unset      cap of the replication send rate (MB/s; unset: none)
 CUDASNAP_TEST_KILL_AT           str      unset      tests only: SIGKILL at a commit-path phase (``phase[@n]``)
 CUDASNAP_TEST_DIE_IN_FLUSH      str      unset      tests only: ``RANK[:MIN_STEP]`` dies inside a flush round
 =============================== ======== ========== ==================================================
@@ -153,6 +163,11 @@ class Settings:
     rank: int = 0
     world_size: int = 1
     arena_sync_max_bytes: int | None = None
+    # node-loss replication (cudasnap.dist.replica): off by default
+    node_replica: bool = False
+    node_id: str | None = None
+    replica_addr: str | None = None
+    replica_max_mbps: float | None = None
     # test-only: CUDASNAP_TEST_KILL_AT or CUDASNAP_TEST_DIE_IN_FLUSH is set, so the fault
     # hooks of cudasnap._testing are loaded for this process (cudasnap._points)
     test_hooks: bool = False
@@ -188,6 +203,10 @@ class Settings:
             world_size=env_int(e, "WORLD_SIZE", 1),
             arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
             test_hooks=test_hooks_asked(e),
+            node_replica=bool(env_bool(e, "CUDASNAP_NODE_REPLICA")),
+            node_id=_raw(e, "CUDASNAP_NODE_ID"),
+            replica_addr=_raw(e, "CUDASNAP_REPLICA_ADDR"),
+            replica_max_mbps=env_float(e, "CUDASNAP_REPLICA_MAX_MBPS"),
         )
 
 

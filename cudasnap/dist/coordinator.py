@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
 from ..errors import ConfigError
@@ -26,6 +26,9 @@ from .kv import KV
 from .liveness import Liveness
 from .local import LocalSnapshots
 from .restore_vote import RestoreVote
+
+if TYPE_CHECKING:
+    from .replica import Replicator
 
 log = logging.getLogger("cudasnap.dist")
 
@@ -79,14 +82,25 @@ class Coordinator:
         self.flush_timeout_s = commit_timeout_s or cfg.flush_timeout_s
         self.epoch = cfg.restart  # TORCHELASTIC_RESTART_COUNT wins (cudasnap.config)
         self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/")
+        self.replica: Replicator | None = None
+        if cfg.node_replica:
+            # torchrun counts restarts per agent: a replacement node starts at 0 while the
+            # survivors count on. The first rank's count wins (the store is new per attempt).
+            self.kv.prefix = f"cudasnap/{local.job}/"
+            self.epoch = int(self.kv.propose("epoch", str(self.epoch)))
+            self.kv.prefix = f"cudasnap/{local.job}/e{self.epoch}/"
         self.events = EventLog(local.directory, self.rank, self.epoch)
         self.live = Liveness(self.kv, self.rank, self.world, self.peer_timeout_s,
                              self.complete_steps, local.last_step)
         self.rounds = FlushRounds(self.kv, self.live, local, self.events,
                                   replica_groups=self.replica_groups, epoch=self.epoch,
                                   heartbeat_s=heartbeat_s, flush_timeout_s=self.flush_timeout_s)
+        if cfg.node_replica:
+            from .replica import Replicator
+
+            self.replica = Replicator(self.kv, local, cfg)
         self.vote = RestoreVote(self.kv, local, self.events, replica_groups=self.replica_groups,
-                                timeout_s=restore_timeout_s)
+                                timeout_s=restore_timeout_s, replica=self.replica)
         # The first heartbeat before __init__ returns: a rank that freezes (SIGSTOP) soon
         # after, before its monitor thread ever ran, must still be timed out ("a peer that
         # never sent a heartbeat" is one still starting, and is not).
@@ -149,9 +163,13 @@ class Coordinator:
         if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             log.warning("rank %d closes during %s: its peers take its end for a failure",
                         self.rank, type(exc).__name__)
+            if self.replica is not None:
+                self.replica.stop()
             return
         try:
             step = self.rounds.final_step()
+            if self.replica is not None:  # the guests go once the final step is on disk
+                self.replica.stop(clean=step is not None)
             if step is not None:
                 self.live.close(step)
                 self.events("closed", step=step)

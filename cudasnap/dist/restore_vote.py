@@ -15,12 +15,20 @@ directory and then job B in another never compares B with a peer's stale A); a r
 that finds a peer of another job
 fails at once with a ConfigError naming both, and a rank still waiting for a peer
 after :data:`WAIT_WARN_S` says so (which ranks, how long, the likely causes).
+
+With node-loss replication (cudasnap.dist.replica), each rank also publishes the copies its
+node holds of other ranks' snapshots (guest arenas, or arenas of renumbered ranks); a step
+is a candidate when every rank can obtain it from its own slot or from some node's copy. A
+rank whose node was replaced fetches its copy from the holder; one with no copy in memory
+anywhere falls back to disk, and says so.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from ..format.manifest import parse_slot_meta
@@ -31,6 +39,9 @@ from .flush_round import complete_steps
 from .kv import KV, csv, parse_csv
 from .local import LocalSnapshots
 
+if TYPE_CHECKING:
+    from .replica import Replicator
+
 log = logging.getLogger("cudasnap.dist")
 
 #: a rank waiting this long for its peers' restore entries logs which ones and why
@@ -40,8 +51,11 @@ _POLL_S = 0.02
 
 class RestoreVote:
     def __init__(self, kv: KV, local: LocalSnapshots, events: EventLog, *,
-                 replica_groups: list[list[int]], timeout_s: float) -> None:
+                 replica_groups: list[list[int]], timeout_s: float,
+                 replica: Replicator | None = None) -> None:
         self.kv, self.local, self.events = kv, local, events
+        self.replica = replica
+        self._copies: dict[int, dict[int, list[int]]] = {}  # holder rank -> src -> steps
         self.rank, self.world = local.rank, local.world_size
         self.replica_groups = replica_groups
         self.timeout_s = timeout_s
@@ -132,8 +146,13 @@ class RestoreVote:
         committed = {s.step: s for s in committed_steps(self.local.directory)}
         mine = set(complete_steps(self.local.arenas()))
         self._publish_job()
+        if self.replica is not None:  # before the entry _gather waits for: then it is there
+            held = {str(src): steps for src, steps in self.replica.held().items()}
+            self.kv.set(f"restore/{n}/held/{self.rank}", json.dumps(held))
         self.kv.set(f"restore/{n}/{self.rank}", csv(mine))
         peers = [parse_csv(v) for v in self._gather(n)]
+        if self.replica is not None:
+            peers = self._with_copies(n, peers)
         shm_common = set.intersection(*peers)
         candidates = sorted(set(committed) | shm_common, reverse=True)
         errors: list[str] = []
@@ -153,7 +172,13 @@ class RestoreVote:
             votes = [self.kv.wait(f"restore/{n}/{step}/{r}", self.timeout_s)
                      for r in range(self.world)]
             if all(v == "1" for v in votes):
-                self.events("restored", step=step, source=self.local.restore_source())
+                source = self.local.restore_source()
+                self.events("restored", step=step, source=source)
+                if self.replica is not None and source == "disk":
+                    log.warning("rank %d: no node holds a copy of its snapshot in memory "
+                                "(its node and its partner's lost, or never replicated): "
+                                "restored step %d from disk (%s)", self.rank, step,
+                                self.local.directory)
                 return step + 1
             errors += [v[2:] for v in votes if v and v.startswith("E:") and v[2:] not in errors]
             log.warning("step %d is not loadable on every rank (%s); trying an older one", step,
@@ -194,6 +219,10 @@ class RestoreVote:
                         got = local.restore_from_slot(a, i, where)
                         local.record_restore("shm", got, str(a.path))
                         return got
+        if self.replica is not None:
+            copied = self._restore_copy(step)
+            if copied is not None:
+                return copied
         if snap_dir is None:
             return None
         commit = read_commit(snap_dir.path)
@@ -217,3 +246,60 @@ class RestoreVote:
             f"rank {self.rank}: step {step} has no files for rank {self.rank} "
             f"({snap_dir.path / rank_dirname(self.rank)} is missing) and no replica holds them "
             f"(state not replicated)")
+
+    # ------------------------------------------------------- node-loss copies
+    def _with_copies(self, n: int, peers: list[set[int]]) -> list[set[int]]:
+        """Each rank's obtainable steps: its own slots, plus every node's copies of it."""
+        self._copies = {}
+        for h in range(self.world):
+            raw = self.kv.get(f"restore/{n}/held/{h}")
+            try:
+                got = json.loads(raw) if raw else {}
+                self._copies[h] = {int(src): [int(x) for x in steps]
+                                   for src, steps in got.items()}
+            except (ValueError, TypeError, AttributeError):
+                log.warning("rank %d: rank %d's list of held copies is malformed", self.rank, h)
+        out = [set(p) for p in peers]
+        for held in self._copies.values():
+            for src, steps in held.items():
+                if 0 <= src < self.world:
+                    out[src].update(steps)
+        return out
+
+    def _restore_copy(self, step: int) -> int | None:
+        """This rank's ``step`` from a copy a node holds: this node's first (no transfer),
+        then the holders' in rank order. None when no copy restores."""
+        from .replica_store import find_slot
+
+        assert self.replica is not None
+        local = self.local
+        found = find_slot(self.replica.shm, self.replica.job, self.rank, step,
+                          skip=self.replica.own_path)
+        if found is not None:
+            a, i = found
+            got = local.restore_from_slot(a, i, f"{a.path} slot {i}")
+            local.record_restore("peer-memory:local", got, str(a.path))
+            return got
+        for h in sorted(self._copies):
+            if h == self.rank or step not in self._copies[h].get(self.rank, []):
+                continue
+            t0 = time.perf_counter()
+            try:
+                a, i, path = self.replica.fetch(h, self.rank, step)
+            except (OSError, SnapshotError) as e:
+                log.warning("rank %d: fetching its step %d from rank %d failed: %s", self.rank,
+                            step, h, e)
+                continue
+            try:
+                secs = time.perf_counter() - t0
+                got = local.restore_from_slot(a, i, f"rank {h}'s copy ({path.name})")
+                log.warning("rank %d restored step %d from the copy in rank %d's node memory "
+                            "(fetched in %.2f s)", self.rank, got, h, secs)
+                local.record_restore(f"peer-memory:{h}", got, f"rank {h}")
+                return got
+            except CorruptSnapshot as e:
+                log.warning("rank %d: rank %d's copy of step %d: %s", self.rank, h, step, e)
+            finally:
+                del a
+                path.unlink(missing_ok=True)
+        return None

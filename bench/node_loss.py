@@ -1,0 +1,145 @@
+"""Lose a node, lose one step: node-loss replication measured end to end (issue 25).
+
+Two "nodes" of one rank each on this host (tests/dist/node_launch.py: own node id, own
+shared-memory directory under /dev/shm, own replica address, DDP on gloo), replication on
+(CUDASNAP_NODE_REPLICA=1). Three runs of the same job, plus the raw transport:
+
+  reference   no cudasnap, no failure: the final state every other run must equal bitwise
+  peer        node 1's rank SIGKILLs itself in the forward of --kill-step once its replica of
+              the previous step is acknowledged; every process of the job dies, node 1's
+              shared memory is removed; a new node 1 (empty memory) and the old node 0
+              start again: node 1's rank fetches its copy from node 0's memory
+  disk        the same, every rank flushed at --kill-step - 1 and BOTH nodes' memory lost:
+              the restore of the same step from disk (the fallback)
+  raw tcp     the snapshot's bytes over one TCP connection between the two nodes'
+              addresses (sendall -> recv_into a buffer), the transport replication uses
+
+Prints one JSON line: bitwise, replayed_steps (kill step - restored step), restore_source
+(of the lost node's rank), replication throughput (bytes / seconds from the first header
+byte to the acknowledgement: connect, meta, CRC table, data, the receiver's CRC check and
+commit) against raw TCP of the same bytes, host memory per node (own arena + guest copies,
+allocated bytes of the files), recovery time (loss seen -> first resumed step of the lost
+node's rank, which includes starting Python and importing torch) and the restore call alone,
+from peer memory and from disk.
+
+    python bench/node_loss.py --quick      # ~7 MB of state per rank, ~2 min on 2 cores
+    python bench/node_loss.py              # ~50 MB of state per rank
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "dist"))
+
+import node_launch  # noqa: E402
+
+
+def raw_tcp_mb_s(nbytes: int, repeats: int = 5) -> float:
+    """Median MB/s of ``nbytes`` over one loopback TCP connection (node 0 -> node 1)."""
+    srv = socket.create_server(("127.0.0.11", 0))
+    port = srv.getsockname()[1]
+    payload = memoryview(bytes(nbytes))
+    sink = bytearray(nbytes)
+
+    def rx() -> None:
+        for _ in range(repeats):
+            conn, _ = srv.accept()
+            with conn:
+                mv, got = memoryview(sink), 0
+                while got < nbytes:
+                    k = conn.recv_into(mv[got:], min(nbytes - got, 4 << 20))
+                    if k == 0:
+                        break
+                    got += k
+                conn.sendall(b"k")
+
+    t = threading.Thread(target=rx, daemon=True)
+    t.start()
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with socket.create_connection(("127.0.0.11", port)) as c:
+            c.sendall(payload)
+            c.recv(1)
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e6)
+    t.join(30)
+    srv.close()
+    return statistics.median(rates)
+
+
+def bitwise(a: node_launch.NodeRun, b: node_launch.NodeRun, world: int) -> bool:
+    for rank in range(world):
+        x, y = a.state(rank), b.state(rank)
+        if sorted(x) != sorted(y) or not all(np.array_equal(x[k], y[k]) for k in x):
+            return False
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small state, ~2 min")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kill-step", type=int, default=16)
+    args = ap.parse_args()
+    width, depth = (512, 2) if args.quick else (1024, 4)
+    env = {"WIDTH": str(width), "DEPTH": str(depth), "STEP_SLEEP": "0.05"}
+    base = Path(tempfile.mkdtemp(prefix="cudasnap-node-loss-", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="cudasnap-node-loss-", dir="/dev/shm"))
+    world = 2
+    try:
+        ref = node_launch.reference(base / "ref", steps=args.steps, env=env)
+        peer = node_launch.run(base / "peer", steps=args.steps, kill_node=1,
+                               kill_step=args.kill_step, env=env, shm_root=shm / "peer",
+                               timeout=400)
+        disk = node_launch.run(base / "disk", steps=args.steps, kill_node=1,
+                               kill_step=args.kill_step, lose=(0, 1), shm_root=shm / "disk",
+                               env={**env, "FLUSH_AT": str(args.kill_step - 1)}, timeout=400)
+        for name, r in (("reference", ref), ("peer", peer), ("disk", disk)):
+            if not r.ok():
+                print(r.logs(), file=sys.stderr)
+                raise SystemExit(f"the {name} run failed: {r.rcs}")
+        lost, survivor = peer.ranks[1], peer.ranks[0]
+        rep = peer.kill["replica"] if peer.kill else {}
+        nbytes = int(rep["bytes"] / rep["sent"]) if rep.get("sent") else 0
+        raw = raw_tcp_mb_s(nbytes) if nbytes else None
+        repl = rep.get("mb_per_s")
+        out = {
+            "bench": "node_loss", "quick": args.quick, "state_bytes_per_rank": nbytes,
+            "bitwise": bitwise(peer, ref, world) and bitwise(disk, ref, world),
+            "bitwise_peer": bitwise(peer, ref, world), "bitwise_disk": bitwise(disk, ref, world),
+            "replayed_steps": max(args.kill_step - (peer.ranks[r]["start"] - 1)
+                                  for r in range(world)),
+            "restore_source": lost["restore"]["source"],
+            "restore_source_survivor": survivor["restore"]["source"],
+            "replication_mb_s": round(repl, 1) if repl else None,
+            "raw_tcp_mb_s": round(raw, 1) if raw else None,
+            "replication_vs_raw": round(repl / raw, 3) if repl and raw else None,
+            "replicas_sent": rep.get("sent"), "replicas_skipped": rep.get("skipped"),
+            "host_memory_per_node": {f"node{r}": peer.ranks[r]["shm"] for r in range(world)},
+            "recovery_s_peer": round(lost["t_first_step"] - peer.t_lost, 2),
+            "recovery_s_disk": round(disk.ranks[1]["t_first_step"] - disk.t_lost, 2),
+            "restore_s_peer": round(lost["restore"]["seconds"], 3),
+            "restore_s_disk": round(disk.ranks[1]["restore"]["seconds"], 3),
+            "restore_source_disk_run": disk.ranks[1]["restore"]["source"],
+        }
+        print(json.dumps(out))
+        return 0 if out["bitwise"] and out["replayed_steps"] <= 1 else 1
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Where replicas live on a node: guest arenas in its shared memory, and the copies it holds.
+
+The guest copy of rank ``src`` of a job is ``SHM/cudasnap-<job>-g<src>.arena``: an arena
+of two slots (the newest COMPLETE replica, and the one being received), written by the
+slot protocol of csrc/staging.h (cudasnap.dist.replica_wire.land), so a transfer cut at
+any byte never shows a torn replica. A guest whose geometry no longer fits (the state
+grew) is made anew under a hidden temporary name, filled, committed, then renamed over
+the old one: the path always names a complete arena (0600, as every arena).
+
+A node holds a copy of rank ``src`` when its shared memory has that rank's own arena
+(``-r<src>``: ranks renumbered by an elastic restart) or a guest of it (``-g<src>``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._native import native
+from ..errors import SnapshotError
+from .replica_wire import check_geometry, land
+
+if TYPE_CHECKING:
+    from cudasnap._C import Arena
+
+log = logging.getLogger("cudasnap.dist")
+
+GUEST_SLOTS = 2
+
+
+def guest_path(shm: Path, job: str, src: int) -> Path:
+    return Path(shm) / f"cudasnap-{job}-g{src}.arena"
+
+
+def fetch_path(shm: Path, job: str, rank: int) -> Path:
+    """A copy fetched from another node for this rank's restore (removed after it)."""
+    return Path(shm) / f".cudasnap-{job}-fetch-r{rank}-{os.getpid()}.arena"
+
+
+def copy_paths(shm: Path, job: str) -> dict[int, list[Path]]:
+    """Every arena of ``job`` in ``shm`` by the rank it holds: own ones first, then guests."""
+    pat = re.compile(rf"^cudasnap-{re.escape(job)}-([rg])(\d+)\.arena$")
+    out: dict[int, list[Path]] = {}
+    try:
+        names = sorted(os.listdir(shm))
+    except OSError:
+        return out
+    for kind in ("r", "g"):
+        for name in names:
+            m = pat.match(name)
+            if m and m.group(1) == kind:
+                out.setdefault(int(m.group(2)), []).append(Path(shm) / name)
+    return out
+
+
+def open_copy(path: Path) -> Arena | None:
+    try:
+        return native().Arena.open(str(path), True, False)
+    except SnapshotError as e:
+        log.warning("replica: unreadable arena %s skipped: %s", path, e)
+        return None
+
+
+def valid_steps(arena: Arena) -> list[int]:
+    return sorted({int(arena.slot_info(i)["step"]) for i in range(arena.num_slots)
+                   if arena.slot_info(i)["valid"]}, reverse=True)
+
+
+def held_steps(shm: Path, job: str, skip: Path | None) -> dict[int, list[int]]:
+    """Steps of every rank's copies held in ``shm`` (``skip``: this rank's own arena)."""
+    out: dict[int, list[int]] = {}
+    for src, ps in copy_paths(shm, job).items():
+        steps: set[int] = set()
+        for p in ps:
+            if skip is not None and p == skip:
+                continue
+            a = open_copy(p)
+            if a is not None:
+                steps.update(valid_steps(a))
+        if steps:
+            out[src] = sorted(steps, reverse=True)
+    return out
+
+
+def find_slot(shm: Path, job: str, src: int, step: int,
+              skip: Path | None = None) -> tuple[Arena, int] | None:
+    """An arena in ``shm`` (``skip`` aside) holding a valid slot of ``step`` for ``src``."""
+    for p in copy_paths(shm, job).get(src, []):
+        if skip is not None and p == skip:
+            continue
+        a = open_copy(p)
+        if a is None:
+            continue
+        for i in range(a.num_slots):
+            info = a.slot_info(i)
+            if info["valid"] and int(info["step"]) == step:
+                return a, i
+    return None
+
+
+def make_arena(path: Path, hdr: dict[str, Any], job: str, exact: bool = False) -> Arena:
+    """A new two-slot arena sized for ``hdr`` (``exact``: for its bytes only; else for the
+    sender's capacities, so later, bigger snapshots of the same layout still fit)."""
+    n, m, _, c = check_geometry(hdr)
+    cap = n if exact else max(n, int(hdr.get("data_capacity", n)))
+    mcap = m if exact else max(m, int(hdr.get("meta_capacity", m)))
+    path.unlink(missing_ok=True)
+    return native().Arena.create(str(path), GUEST_SLOTS, max(cap, 1), max(mcap, 1), c, job,
+                                 False)
+
+
+class GuestStore:
+    """This process's guest arenas (one per source rank it receives from)."""
+
+    def __init__(self, shm: Path, job: str, threads: int = 2) -> None:
+        self.shm, self.job, self.threads = Path(shm), job, threads
+        self._arenas: dict[int, Arena] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def receive(self, sock: socket.socket, hdr: dict[str, Any], src: int) -> int:
+        """Lands a replica of ``src`` (header already read); returns its step."""
+        with self._lock:
+            lk = self._locks.setdefault(src, threading.Lock())
+        with lk:
+            n, m, _, c = check_geometry(hdr)
+            final = guest_path(self.shm, self.job, src)
+            a = self._arenas.get(src)
+            if a is None and final.exists():
+                a = open_copy(final)
+                if a is not None:
+                    a.claim_owner()  # `cudasnap gc` sees the live holder
+            if a is not None and (a.chunk_bytes != c or a.data_capacity < n
+                                  or a.meta_capacity < m):
+                a = None  # regrown: a new arena, renamed over the old one once complete
+            if a is not None:
+                land(sock, hdr, a, self.threads)
+                self._arenas[src] = a
+                return int(hdr["step"])
+            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+            try:
+                a = make_arena(tmp, hdr, self.job)
+                a.claim_owner()
+                land(sock, hdr, a, self.threads)
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            self._arenas[src] = a
+            return int(hdr["step"])
+
+    def remove_all(self) -> None:
+        """A clean end of the job: the guests this process received are removed."""
+        with self._lock:
+            for src in list(self._arenas):
+                guest_path(self.shm, self.job, src).unlink(missing_ok=True)
+            self._arenas.clear()

@@ -1,0 +1,180 @@
+"""Node loss (issue 25): a rank's snapshot also lives in a partner node's shared memory.
+
+Unit tests of the wire and the guest arenas (a cut transfer is never visible, a damaged
+chunk is refused on arrival, the partner is on another node), then whole jobs of two
+"nodes" on this host (tests/dist/node_launch.py): a node lost -> its rank resumes from the
+copy in the other node's memory, bitwise equal to a run without failure; its partner lost
+too -> disk, said in the log; a node lost in the middle of a transfer -> the previous
+replica.
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cudasnap import _native
+from cudasnap.dist.replica import ring_partner
+from cudasnap.dist.replica_store import GuestStore, guest_path, held_steps
+from cudasnap.dist.replica_wire import WireError, land, recv_msg, send_msg, send_slot, slot_header
+from cudasnap.errors import CorruptSnapshot
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+import node_launch  # noqa: E402
+
+CHUNK = 64 << 10
+
+
+def _source(tmp_path: Path, step: int, payload: bytes, name: str = "src") -> tuple:
+    C = _native.native()
+    a = C.Arena.create(str(tmp_path / f"{name}.arena"), 2, 1 << 20, 4096, CHUNK, "job", False)
+    slot = a.pick_write_slot()
+    a.begin_write(slot, step, b'{"step": %d}' % step)
+    a.data_view(slot, len(payload))[:] = payload
+    crcs = [C.crc32c(payload[i:i + CHUNK]) for i in range(0, len(payload), CHUNK)]
+    tbl = struct.pack(f"<{len(crcs)}I", *crcs)
+    ctypes.memmove(a.table_ptr(slot), tbl, len(tbl))
+    a.commit(slot, step, len(payload))
+    return a, slot
+
+
+def _transfer(src_arena, slot, receive, cut_at: int | None = None, corrupt: bool = False):
+    """Sends the slot through a socketpair to ``receive(sock, hdr)`` on a thread."""
+    a, b = socket.socketpair()
+    hdr = slot_header(src_arena, slot)
+    result: dict = {}
+
+    def rx():
+        try:
+            result["value"] = receive(b, recv_msg(b))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+        finally:
+            b.close()
+
+    t = threading.Thread(target=rx)
+    t.start()
+    if cut_at is None and not corrupt:
+        try:
+            send_slot(a, src_arena, slot, hdr)
+        except BrokenPipeError:  # the receiver refused it and closed
+            pass
+    else:  # by hand: a cut stream, or a flipped data byte after the table
+        send_msg(a, hdr)
+        a.sendall(src_arena.read_meta(slot))
+        tbl = src_arena.read_table(slot)
+        a.sendall(struct.pack(f"<{len(tbl)}I", *tbl))
+        data = bytearray(src_arena.data_view(slot, hdr["data_bytes"]))
+        if corrupt:
+            data[len(data) // 2] ^= 0xFF
+        a.sendall(bytes(data[:cut_at]) if cut_at is not None else bytes(data))
+    a.close()
+    t.join(30)
+    return result
+
+
+def test_ring_partner_is_on_another_node():
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert [ring_partner(nodes, r) for r in range(4)] == [2, 3, 0, 1]
+    assert ring_partner({0: "a", 1: "b", 2: "c"}, 2) == 0
+    assert ring_partner({0: "a", 1: "a"}, 0) is None  # one node: nothing to copy to
+    uneven = {0: "a", 1: "a", 2: "a", 3: "b"}
+    assert {ring_partner(uneven, r) for r in (0, 1, 2)} == {3}
+
+
+def test_replica_lands_checked_and_a_cut_transfer_keeps_the_previous(tmp_path):
+    payload = bytes(range(256)) * 1000  # 256 kB: 4 chunks
+    src, slot = _source(tmp_path, 7, payload)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    guests = GuestStore(shm, "job")
+    got = _transfer(src, slot, lambda s, h: guests.receive(s, h, 3))
+    assert got.get("value") == 7, got
+    assert held_steps(shm, "job", None) == {3: [7]}
+    assert oct(guest_path(shm, "job", 3).stat().st_mode & 0o777) == "0o600"
+    src2, slot2 = _source(tmp_path, 8, payload[::-1], "src2")
+    cut = _transfer(src2, slot2, lambda s, h: guests.receive(s, h, 3), cut_at=100_000)
+    assert isinstance(cut.get("error"), WireError), cut
+    assert held_steps(shm, "job", None) == {3: [7]}  # the torn one is invisible
+    bad = _transfer(src2, slot2, lambda s, h: guests.receive(s, h, 3), corrupt=True)
+    assert isinstance(bad.get("error"), CorruptSnapshot), bad
+    assert held_steps(shm, "job", None) == {3: [7]}
+    ok = _transfer(src2, slot2, lambda s, h: guests.receive(s, h, 3))
+    assert ok.get("value") == 8 and held_steps(shm, "job", None) == {3: [8, 7]}
+    C = _native.native()
+    g = C.Arena.open(str(guest_path(shm, "job", 3)), False, False)
+    i = next(i for i in range(2) if g.slot_info(i)["valid"] and g.slot_info(i)["step"] == 8)
+    assert bytes(g.data_view(i, len(payload))) == payload[::-1]
+    assert g.read_table(i) == src2.read_table(slot2)
+
+
+def test_land_refuses_a_snapshot_that_does_not_fit(tmp_path):
+    payload = b"x" * (300 << 10)
+    src, slot = _source(tmp_path, 1, payload)
+    C = _native.native()
+    small = C.Arena.create(str(tmp_path / "small.arena"), 2, 128 << 10, 4096, CHUNK, "job", False)
+    got = _transfer(src, slot, lambda s, h: land(s, h, small))
+    assert "does not fit" in str(got.get("error"))
+
+
+# ------------------------------------------------------------------ whole jobs
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    r = node_launch.reference(tmp_path_factory.mktemp("ref"), steps=STEPS)
+    assert r.ok(), r.logs()
+    return r
+
+
+def _same(a: node_launch.NodeRun, b: node_launch.NodeRun, world: int = 2) -> None:
+    for rank in range(world):
+        x, y = a.state(rank), b.state(rank)
+        assert sorted(x) == sorted(y)
+        for k in x:
+            assert np.array_equal(x[k], y[k]), (rank, k)
+
+
+@pytest.mark.slow
+def test_node_lost_resumes_from_peer_memory_bitwise(tmp_path, reference):
+    r = node_launch.run(tmp_path, steps=STEPS, kill_node=1, kill_step=10, timeout=180)
+    assert r.ok(), r.logs()
+    assert r.kill is not None and r.kill["replica"]["sent_step"] >= 9
+    lost, survivor = r.ranks[1], r.ranks[0]
+    assert lost["restore"]["source"] == "peer-memory:0", r.logs()
+    assert survivor["restore"]["source"] == "shm"
+    assert lost["start"] == survivor["start"] == 10  # step 9 restored: 1 step replayed
+    _same(r, reference)
+
+
+@pytest.mark.slow
+def test_partner_lost_too_falls_back_to_disk(tmp_path, reference):
+    r = node_launch.run(tmp_path, steps=STEPS, kill_node=1, kill_step=10, lose=(0, 1),
+                        env={"FLUSH_AT": "6"}, timeout=180)
+    assert r.ok(), r.logs()
+    assert {r.ranks[k]["restore"]["source"] for k in (0, 1)} == {"disk"}
+    assert r.ranks[1]["start"] == 7
+    assert "no node holds a copy of its snapshot in memory" in r.logs()
+    _same(r, reference)
+
+
+@pytest.mark.slow
+def test_node_lost_during_replication_uses_the_previous_replica(tmp_path, reference):
+    # ~30 kB of state at 0.1 MB/s in 5 kB pieces: each transfer takes ~0.3 s, a step 0.8 s;
+    # the victim dies 0.15 s into the transfer of step 9 (an older replica complete).
+    r = node_launch.run(tmp_path, steps=STEPS, kill_node=1, kill_step=10, kill_when="inflight",
+                        env={"CUDASNAP_REPLICA_MAX_MBPS": "0.1", "STEP_SLEEP": "0.8"},
+                        timeout=240)
+    assert r.ok() and r.kill is not None, r.logs()
+    rep = r.kill["replica"]
+    assert rep["in_flight_step"] == 9 and 7 <= rep["sent_step"] <= 8, rep
+    assert r.ranks[1]["restore"]["source"] == "peer-memory:0", r.logs()
+    assert r.ranks[1]["start"] == r.ranks[0]["start"] == rep["sent_step"] + 1
+    _same(r, reference)
