@@ -178,3 +178,18 @@ def test_node_lost_during_replication_uses_the_previous_replica(tmp_path, refere
     assert r.ranks[1]["restore"]["source"] == "peer-memory:0", r.logs()
     assert r.ranks[1]["start"] == r.ranks[0]["start"] == rep["sent_step"] + 1
     _same(r, reference)
+
+
+@pytest.mark.slow
+def test_fsdp2_two_nodes_of_two_ranks_resume_from_peer_memory_bitwise(tmp_path):
+    # FSDP2 on a 4-rank mesh: no shard has a copy on its own node; node 1 (ranks 2, 3) lost.
+    env = {"MODE": "fsdp"}
+    ref = node_launch.reference(tmp_path / "ref", nodes=2, per_node=2, steps=12, env=env)
+    assert ref.ok(), ref.logs()
+    r = node_launch.run(tmp_path / "run", nodes=2, per_node=2, steps=12, kill_node=1,
+                        kill_step=8, env=env, timeout=240)
+    assert r.ok(), r.logs()
+    assert [r.ranks[k]["start"] for k in range(4)] == [8] * 4  # step 7: 1 step replayed
+    assert [r.ranks[k]["restore"]["source"] for k in (0, 1)] == ["shm", "shm"]
+    assert all(r.ranks[k]["restore"]["source"].startswith("peer-memory:") for k in (2, 3))
+    _same(r, ref, world=4)

@@ -113,7 +113,9 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
     common = {"CKPT": str(r.ckpt), "OUT": str(r.out), "STORE_DIR": str(base / "store"),
               "CUDASNAP_JOB": job, "STEPS": str(steps), "CUDASNAP_NODE_REPLICA": "1",
               "KILL_STEP": str(kill_step), "KILL_WHEN": kill_when,
-              "KILL_RANK": str(-1 if kill_node is None else kill_node * per_node)}
+              "KILL_RANK": str(-1 if kill_node is None else kill_node * per_node),
+              "KILL_NODE_RANKS": "" if kill_node is None else ",".join(
+                  str(kill_node * per_node + i) for i in range(per_node))}
     common.update(env or {})
     shm_root = shm_root or base  # the bench: a tmpfs directory, as /dev/shm
     shm_root.mkdir(parents=True, exist_ok=True)

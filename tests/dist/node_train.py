@@ -7,6 +7,7 @@ Env:
   STEPS         steps to train (default 30)
   MODE          "ddp" (DDP, fixed bucket layout) or "fsdp" (FSDP2 fully_shard on a 1-D mesh)
   KILL_RANK, KILL_STEP   that rank SIGKILLs itself in the forward of that step (attempt 0)
+  KILL_NODE_RANKS        the ranks of its node ("acked": the victim waits for all of them)
   KILL_WHEN     "acked": first wait until its replica of step KILL_STEP-1 is acknowledged;
                 "inflight": right after boundary KILL_STEP-1, wait until its replica is in
                 flight and die 0.15 s into the transfer (cut in the middle); "now": no wait
@@ -136,6 +137,7 @@ def main() -> int:
     kill_rank, kill_step = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_STEP", "-1"))
     flush_at = int(os.environ.get("FLUSH_AT", "-1"))
     kill_when = os.environ.get("KILL_WHEN", "acked")
+    kill_node = {int(x) for x in os.environ.get("KILL_NODE_RANKS", "").split(",") if x}
     snap, start, t0 = None, 0, time.time()
     if os.environ.get("NO_SNAP") != "1":
         snap = cudasnap.Snapshotter(model, opt, directory=os.environ["CKPT"], extra={"data": data},
@@ -147,6 +149,13 @@ def main() -> int:
     for step in range(start, steps):
         x, y = data.next()
         loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == kill_step and rank in kill_node and attempt == 0 and kill_when == "acked":
+            # every rank of the lost node has its replica of the previous step acknowledged
+            wait_replica(snap, step, kill_when)
+            open(os.path.join(out, f"acked-{rank}"), "w").close()
+            while rank == kill_rank and not all(
+                    os.path.exists(os.path.join(out, f"acked-{r}")) for r in kill_node):
+                time.sleep(0.005)
         if step == kill_step and rank == kill_rank and attempt == 0 and kill_when != "inflight":
             die(out, rank, step, wait_replica(snap, step, kill_when))
         loss.backward()
