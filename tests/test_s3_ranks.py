@@ -214,3 +214,61 @@ def test_cudasnap_run_on_s3_flushes_the_killed_child_and_resumes_from_the_store(
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert _bitwise(_state(tmp_path / "kill-final.npz"), _state(tmp_path / "ref-final.npz"))
+
+
+def test_latest_moves_by_compare_and_swap_and_never_back(s3, monkeypatch):
+    """``latest`` on S3: created with If-None-Match, never moved back to an older step, and a
+    writer that slips in between the read and the write makes the stale If-Match fail (412):
+    the pointer is read again, and the newer step it names now stays."""
+    from cudasnap.storage import remote_latest
+    from cudasnap.storage.fsspec import FsspecStorage
+
+    st = FsspecStorage(s3)
+    key = s3.removeprefix("s3://")
+    fs = _fs()
+    for step in (3, 5):
+        fs.pipe_file(f"{key}/step-{step:08d}/COMMIT", b"{}")
+    assert st.replace_latest(5) and st.read_latest() == "step-00000005"
+    assert not st.replace_latest(3) and st.read_latest() == "step-00000005"
+    real, raced = remote_latest._read, []
+
+    def racing(fs_, k):
+        got = real(fs_, k)  # (ETag, pointer) of step 5
+        if not raced:  # another writer commits step 9 and moves the pointer meanwhile
+            raced.append(k)
+            fs.pipe_file(f"{key}/step-00000009/COMMIT", b"{}")
+            fs.pipe_file(k, b"step-00000009\n")
+        return got
+
+    monkeypatch.setattr(remote_latest, "_read", racing)
+    assert not st.replace_latest(7)  # a plain read-compare-write would have put 7 over 9
+    assert raced and _fs().cat_file(f"{key}/latest") == b"step-00000009\n"
+
+
+def test_clean_partial_spares_a_live_writer_and_removes_a_dead_ones(s3):
+    """An uncommitted step whose writer marker names a live process on this host (or one on
+    another host, recently) is left alone; one whose writer is dead is removed."""
+    from cudasnap.storage import remote_ranks
+    from cudasnap.storage.fsspec import FsspecStorage
+
+    st = FsspecStorage(s3)
+    key = s3.removeprefix("s3://")
+    fs = _fs()
+    host = remote_ranks._host()
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        fs.pipe_file(f"{key}/step-00000004/data.bin", b"x")
+        fs.pipe_file(f"{key}/step-00000004/.writer-{host}-{live.pid}", b"")
+        fs.pipe_file(f"{key}/step-00000006/rank-00001/data.bin", b"x")
+        fs.pipe_file(f"{key}/step-00000006/rank-00001/.writer-{host}-{dead}", b"")
+        fs.pipe_file(f"{key}/step-00000008/rank-00000/.writer-otherhost-1", b"")
+        assert st.clean_partial() == [f"{s3}/step-00000006"]
+    finally:
+        live.stdin.close()  # type: ignore[union-attr]
+        live.wait(60)
+    assert st.clean_partial() == [f"{s3}/step-00000004"]  # its writer has exited now
+    fs.invalidate_cache()
+    assert fs.exists(f"{key}/step-00000008/rank-00000/.writer-otherhost-1")

@@ -183,7 +183,9 @@ class FsspecStorage:
 
     # ------------------------------------------------------------ listing
     def _step_dirs(self) -> dict[int, str]:
-        self.fs.invalidate_cache(self.root)  # another process may have written since
+        # Another process may have written since; the whole cache, not just ROOT's listing:
+        # a cached listing of a step (from an earlier find or ls) would hide its new COMMIT.
+        self.fs.invalidate_cache()
         try:
             names = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
@@ -219,7 +221,8 @@ class FsspecStorage:
             except FileNotFoundError:
                 continue  # another rank of the job removed it first
             removed.append(self._url(k))
-        remote_ranks.sync_index(self)
+        if remote_ranks.index_wanted(self):
+            remote_ranks.sync_index(self)
         return removed
 
     def read_latest(self) -> str | None:

@@ -29,8 +29,9 @@ lists the steps of the rank's local directory; for a URL that is the state direc
 ``step-N/COMMIT`` (a copy of the store's) and an empty ``step-N/rank-R/manifest.json``
 per rank present. Every read goes to the store (``FsspecStorage.load_manifest`` maps an
 index path to its objects and reads the store's COMMIT first): the index says what to
-try, never what to load. It is rebuilt at every start (``clean_partial``) and after
-every committed round on every rank; one listing and one GET per committed step.
+try, never what to load. It is rebuilt at every start of a multi-rank job
+(``clean_partial``, see ``index_wanted``) and after every committed round on every rank;
+one listing and one GET per committed step.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
+from ..config import Settings
 from ..errors import CorruptSnapshot
 from ..format import manifest as fmt
 from ..format.commit import decode_commit, encode_commit
@@ -180,7 +183,7 @@ def clear_stale(st: RemoteStore, step: int, rank: int) -> None:
 def present_ranks(st: RemoteStore, step: int, world: int) -> list[int]:
     """Ranks whose part of ``step`` is complete (its manifest exists): one listing."""
     step_key = st._key(step_dirname(step))
-    st.fs.invalidate_cache(step_key)
+    st.fs.invalidate_cache()
     try:
         found = st.fs.find(step_key)
     except FileNotFoundError:
@@ -197,7 +200,7 @@ def write_commit(st: RemoteStore, step: int, record: dict[str, Any]) -> None:
 
 def committed_with(st: RemoteStore, step: int, rank: int) -> bool:
     step_key = st._key(step_dirname(step))
-    st.fs.invalidate_cache(step_key)
+    st.fs.invalidate_cache()
     return bool(st.fs.exists(f"{step_key}/{COMMIT}")
                 and st.fs.exists(f"{rank_key(st, step, rank)}/{MANIFEST}"))
 
@@ -212,6 +215,19 @@ def _write_small(path: Path, raw: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def index_wanted(st: RemoteStore) -> bool:
+    """Whether a start keeps the index: a multi-rank job now (torch.distributed already
+    initialised with more than one rank, or WORLD_SIZE > 1), or an index already there (its
+    stale entries go). A single-rank job skips the GET per committed step."""
+    d = sys.modules.get("torch.distributed")
+    try:
+        if d is not None and d.is_available() and d.is_initialized() and d.get_world_size() > 1:
+            return True
+    except Exception:  # noqa: BLE001 - a half-initialised group: decide by the rest
+        pass
+    return Settings.from_env().world_size > 1 or any(st.local_dir.glob("step-*"))
 
 
 def sync_index(st: RemoteStore) -> None:
