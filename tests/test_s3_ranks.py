@@ -272,3 +272,19 @@ def test_clean_partial_spares_a_live_writer_and_removes_a_dead_ones(s3):
     assert st.clean_partial() == [f"{s3}/step-00000004"]  # its writer has exited now
     fs.invalidate_cache()
     assert fs.exists(f"{key}/step-00000008/rank-00000/.writer-otherhost-1")
+
+
+def test_supervise_refuses_a_collapsed_url_and_fresh_on_a_url(s3, snap_env, tmp_path,
+                                                               monkeypatch):
+    """``Path("s3://b/p")`` is ``s3:/b/p``: refused (it would make a local ``./s3:``
+    folder); ``--fresh`` on a URL is refused (no rename in an object store)."""
+    from cudasnap.errors import ConfigError
+    from cudasnap.supervisor.loop import supervise
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="'//' was lost"):
+        supervise(["true"], Path(s3), max_restarts=0)
+    with pytest.raises(ConfigError, match="--fresh.*new URL prefix"):
+        supervise(["true"], s3, max_restarts=0, fresh=True)
+    assert not (tmp_path / "s3:").exists()
+    assert supervise(["true"], s3, max_restarts=0) == 0  # a URL given whole is supervised

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"cudasnap run: error: {_NO_COMMAND}\n")
         raise UsageExit(_NO_COMMAND)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cudasnap-run %(message)s")
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # (--dir s3://: "Found credentials")
     try:
         if a.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, not {a.max_restarts}")
