@@ -3,7 +3,9 @@
 One process per rank; "nodes" are told apart by CUDASNAP_NODE_ID and CUDASNAP_SHM_DIR.
 Env:
   CKPT, OUT, STORE_DIR (one FileStore per attempt: STORE_DIR/store-<attempt>)
-  ATTEMPT       the launch attempt (0 first)
+  ATTEMPT       the launch attempt (0 first); under torchrun (TORCHELASTIC_RUN_ID set) the
+                attempt is 1 once OUT/kill.json exists and the FileStore is named by MASTER_PORT
+  KILL_AGENT=1  the victim SIGKILLs its parent (its torchrun agent) before itself
   STEPS         steps to train (default 30)
   MODE          "ddp" (DDP, fixed bucket layout) or "fsdp" (FSDP2 fully_shard on a 1-D mesh)
   KILL_RANK, KILL_STEP   that rank SIGKILLs itself in the forward of that step (attempt 0)
@@ -80,8 +82,11 @@ def shm_bytes(shm: str) -> dict:
 
 def die(out: str, rank: int, step: int, replica: dict) -> None:
     with open(os.path.join(out, "kill.json.tmp"), "w") as f:
-        json.dump({"rank": rank, "step": step, "t": time.time(), "replica": replica}, f)
+        json.dump({"rank": rank, "step": step, "t": time.time(), "replica": replica,
+                   "node": os.environ.get("CUDASNAP_NODE_ID")}, f)
     os.replace(os.path.join(out, "kill.json.tmp"), os.path.join(out, "kill.json"))
+    if os.environ.get("KILL_AGENT") == "1":  # torchrun: the node's agent goes first
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -103,10 +108,15 @@ def wait_replica(snap, step: int, when: str) -> dict:
 
 def main() -> int:
     torch.set_num_threads(1)
-    attempt = int(os.environ.get("ATTEMPT", "0"))
     out = os.environ["OUT"]
     os.makedirs(out, exist_ok=True)
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['STORE_DIR']}/store-{attempt}",
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun: restart counts are per agent
+        attempt = int(os.path.exists(os.path.join(out, "kill.json")))
+        store = f"store-{os.environ['MASTER_PORT']}"  # one rendezvous round: one port
+    else:
+        attempt = int(os.environ.get("ATTEMPT", "0"))
+        store = f"store-{attempt}"
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['STORE_DIR']}/{store}",
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -171,7 +181,8 @@ def main() -> int:
         if t_first is None:
             t_first = time.time()
         time.sleep(float(os.environ.get("STEP_SLEEP", "0.01")))
-    info = {"rank": rank, "attempt": attempt, "start": start, "t_start": T_START, "t0": t0,
+    info = {"rank": rank, "attempt": attempt, "start": start,
+            "node": os.environ.get("CUDASNAP_NODE_ID"), "t_start": T_START, "t0": t0,
             "t_restored": t_restored, "t_first_step": t_first, "t_end": time.time(),
             "restore": snap.stats()["restore"] if snap else None,
             "shm": shm_bytes(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))}
