@@ -288,3 +288,18 @@ def test_supervise_refuses_a_collapsed_url_and_fresh_on_a_url(s3, snap_env, tmp_
         supervise(["true"], s3, max_restarts=0, fresh=True)
     assert not (tmp_path / "s3:").exists()
     assert supervise(["true"], s3, max_restarts=0) == 0  # a URL given whole is supervised
+
+
+def test_every_host_of_a_url_gets_the_same_directory_id(s3, monkeypatch, tmp_path):
+    """A URL's state directory is per host, but the id that names the job (its arenas, the
+    c10d keys of its ranks) comes from the store: two hosts (two state directories) agree."""
+    from cudasnap.format import paths
+    from cudasnap.storage import open_storage
+
+    ids = []
+    for host in ("node-a", "node-b"):
+        monkeypatch.setenv("CUDASNAP_STATE_DIR", str(tmp_path / host))
+        st = open_storage(s3)
+        ids.append(paths.directory_id(st.local_dir, create=False))
+    assert ids[0] is not None and ids[0] == ids[1]
+    assert _fs().cat_file(f"{s3.removeprefix('s3://')}/.cudasnap-id").decode().strip() == ids[0]

@@ -100,6 +100,7 @@ def open_storage(directory: str | os.PathLike[str]) -> PosixStorage | FsspecStor
 
         st = FsspecStorage(str(directory))
         st.check()
+        st.share_id()
         return st
     return PosixStorage(directory)
 

@@ -55,7 +55,7 @@ from .._points import reach as kill_point  # test fault points (cudasnap._testin
 from ..errors import ConfigError, CorruptSnapshot, FlushError, IncompatibleSnapshot, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit
-from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, parse_step_dirname, step_dirname
+from ..format.paths import COMMIT, DATA, ID_FILE, LATEST, MANIFEST, parse_step_dirname, step_dirname
 from . import counters, posix, remote_latest, remote_ranks
 from .remote_base import (  # noqa: F401  (re-exported: fsspec.state_dir, fsspec.filesystem, ...)
     _BUCKETED,
@@ -180,6 +180,12 @@ class FsspecStorage:
             self.fs.rm_file(probe)
         except Exception as e:  # noqa: BLE001 - any backend error means: not usable
             raise ConfigError(f"snapshot URL {self.url} is not writable: {_one_line(e)}") from e
+
+    def share_id(self) -> str:
+        """The URL's directory id, the same on every host (``remote_latest.share_id``)."""
+        with _Unreachable(self.url, "read the directory id of"):
+            return remote_latest.share_id(self.fs, self.protocol, self._key(ID_FILE),
+                                          self.local_dir)
 
     # ------------------------------------------------------------ listing
     def _step_dirs(self) -> dict[int, str]:

@@ -1,4 +1,5 @@
-"""``latest`` of an object-store directory, moved by compare-and-swap where the store can.
+"""``latest`` of an object-store directory, moved by compare-and-swap where the store can;
+the directory id shared by every host (:func:`share_id`, a create-only write).
 
 ``latest`` is a hint (restore lists committed steps; it never needs it), but like the
 POSIX pointer (``storage.latest.replace_latest``) it must never move back: two writers
@@ -20,11 +21,14 @@ restore is unaffected (it lists the committed steps), and the next commit moves 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..format.commit import decode_latest, encode_latest
-from ..format.paths import parse_step_dirname
+from ..format.paths import ID_FILE, parse_step_dirname
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -99,3 +103,43 @@ def replace_latest(fs: AbstractFileSystem, protocol: str, key: str, name: str,
             raise
     log.warning("%s: %d conditional writes lost the race in a row; left as it is", key, TRIES)
     return False
+
+
+def share_id(fs: AbstractFileSystem, protocol: str, key: str, local_dir: Path) -> str:
+    """The directory id of a URL, the same on every host: ``ROOT/.cudasnap-id`` in the store.
+
+    The id names the job, hence the arenas and the c10d keys of a multi-rank job; a URL's
+    state directory is per host, so its local id would differ between the nodes of one job.
+    The first start uploads the local id (or a new one) create-only (``If-None-Match: *``
+    on S3; elsewhere a plain write, which a simultaneous first start on another host can
+    overwrite: the ids then differ until the next start); every start copies the store's
+    into the state directory, which ``format.paths.job_id`` reads."""
+    local = local_dir / ID_FILE
+    try:
+        mine = local.read_text().strip() or None
+    except OSError:
+        mine = None
+    try:
+        theirs = bytes(fs.cat_file(key)).decode("ascii", errors="replace").strip() or None
+    except FileNotFoundError:
+        theirs = None
+    if theirs is None:
+        kw: dict[str, Any] = {"mode": "create"} if protocol.lower() in CONDITIONAL else {}
+        try:
+            fs.pipe_file(key, ((mine or secrets.token_hex(16)) + "\n").encode(), **kw)
+        except Exception as e:  # noqa: BLE001 - botocore errors are not OSError
+            if error_code(e) != "PreconditionFailed" and not isinstance(e, FileExistsError):
+                raise
+        theirs = bytes(fs.cat_file(key)).decode("ascii", errors="replace").strip()
+    if theirs != mine:
+        if mine is not None:
+            log.info("%s: directory id %s taken from the store (was %s here)", key, theirs,
+                     mine)
+        tmp = local_dir / f".{ID_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (theirs + "\n").encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, local)
+    return theirs
