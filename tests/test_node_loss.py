@@ -88,6 +88,7 @@ def test_ring_partner_is_on_another_node():
     assert {ring_partner(uneven, r) for r in (0, 1, 2)} == {3}
 
 
+@pytest.mark.slow  # ~2 s: loads the extension (torch) first
 def test_replica_lands_checked_and_a_cut_transfer_keeps_the_previous(tmp_path):
     payload = bytes(range(256)) * 1000  # 256 kB: 4 chunks
     src, slot = _source(tmp_path, 7, payload)
@@ -193,3 +194,17 @@ def test_fsdp2_two_nodes_of_two_ranks_resume_from_peer_memory_bitwise(tmp_path):
     assert [r.ranks[k]["restore"]["source"] for k in (0, 1)] == ["shm", "shm"]
     assert all(r.ranks[k]["restore"]["source"].startswith("peer-memory:") for k in (2, 3))
     _same(r, ref, world=4)
+
+
+def test_leftovers_of_dead_processes_and_fresh_guests_are_removed(tmp_path):
+    from cudasnap.dist.replica_store import clean_leftovers
+
+    dead = 2 ** 22 + 12345  # above pid_max's default: never a live process
+    names = [f".cudasnap-job-fetch-r1-{dead}.arena", f".cudasnap-job-g1.arena.tmp-{dead}",
+             f".cudasnap-job-fetch-r1-{__import__('os').getpid()}.arena",
+             "cudasnap-job-g1.arena", "cudasnap-job-r1.arena", "cudasnap-other-g1.arena"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    assert sorted(p.name for p in clean_leftovers(tmp_path, "job")) == sorted(names[:2])
+    assert [p.name for p in clean_leftovers(tmp_path, "job", guests=True)] == [names[3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[2], *names[4:]])

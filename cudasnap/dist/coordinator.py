@@ -62,12 +62,22 @@ class Coordinator:
 
     def __init__(self, local: LocalSnapshots, replicas: Replicas = "auto", heartbeat_s: float = 0.5,
                  peer_timeout_s: float | None = None, commit_timeout_s: float | None = None,
-                 restore_timeout_s: float = 300.0, settings: Settings | None = None) -> None:
+                 restore_timeout_s: float = 300.0, settings: Settings | None = None,
+                 node_replica: bool | None = None, fresh: bool | None = None) -> None:
+        """``node_replica``: node-loss replication (cudasnap.dist.replica; default
+        CUDASNAP_NODE_REPLICA); ``fresh``: the Snapshotter starts over (its node's guest
+        copies of this job are removed; default CUDASNAP_FRESH)."""
+        import dataclasses
+
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise ConfigError("distributed snapshots need torch.distributed initialised")
         cfg = settings or Settings.from_env()
+        if node_replica is not None or fresh is not None:  # keyword arguments win
+            cfg = dataclasses.replace(
+                cfg, node_replica=cfg.node_replica if node_replica is None else node_replica,
+                fresh=cfg.fresh if fresh is None else fresh)
         self.local = local
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()

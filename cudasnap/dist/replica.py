@@ -42,7 +42,7 @@ from ..config import Settings
 from ..errors import SnapshotError
 from .kv import KV
 from .local import LocalSnapshots
-from .replica_store import GuestStore, fetch_path, find_slot, held_steps, make_arena
+from .replica_store import GuestStore, clean_leftovers, fetch_path, find_slot, held_steps, make_arena
 from .replica_wire import Throttle, WireError, land, recv_msg, send_msg, send_slot, slot_header
 
 if TYPE_CHECKING:
@@ -92,6 +92,10 @@ class Replicator:
         self.rate = cfg.replica_max_mbps * 1e6 if cfg.replica_max_mbps else None
         self.threads = max(1, min(4, local.flush_threads))
         self.guests = GuestStore(self.shm, self.job, self.threads)
+        gone = clean_leftovers(self.shm, self.job, guests=cfg.fresh)
+        if gone:
+            log.warning("rank %d: removed %d replica arena(s) from %s%s", self.rank, len(gone),
+                        self.shm, " (fresh start)" if cfg.fresh else " left by dead processes")
         self._token = secrets.token_hex(16)
         self._stop = threading.Event()
         self._lock = threading.Lock()

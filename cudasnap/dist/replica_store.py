@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._native import native
+from .._proc import pid_alive
 from ..errors import SnapshotError
 from .replica_wire import check_geometry, land
 
@@ -55,6 +56,25 @@ def copy_paths(shm: Path, job: str) -> dict[int, list[Path]]:
             if m and m.group(1) == kind:
                 out.setdefault(int(m.group(2)), []).append(Path(shm) / name)
     return out
+
+
+def clean_leftovers(shm: Path, job: str, guests: bool = False) -> list[Path]:
+    """Removes the temporary arenas (fetched copies, guests being regrown) of ``job`` that
+    dead processes left in ``shm``; ``guests``: every guest copy too (a fresh start)."""
+    pat = re.compile(rf"^\.cudasnap-{re.escape(job)}-(?:fetch-r\d+-(\d+)\.arena|"
+                     rf"g\d+\.arena\.tmp-(\d+))$")
+    gpat = re.compile(rf"^cudasnap-{re.escape(job)}-g\d+\.arena$")
+    gone: list[Path] = []
+    try:
+        names = os.listdir(shm)
+    except OSError:
+        return gone
+    for name in names:
+        m = pat.match(name)
+        if (m and not pid_alive(int(m.group(1) or m.group(2)))) or (guests and gpat.match(name)):
+            (Path(shm) / name).unlink(missing_ok=True)
+            gone.append(Path(shm) / name)
+    return gone
 
 
 def open_copy(path: Path) -> Arena | None:
@@ -109,8 +129,10 @@ def make_arena(path: Path, hdr: dict[str, Any], job: str, exact: bool = False) -
     cap = n if exact else max(n, int(hdr.get("data_capacity", n)))
     mcap = m if exact else max(m, int(hdr.get("meta_capacity", m)))
     path.unlink(missing_ok=True)
+    # A guest is pre-faulted once (its transfers then write mapped pages); a fetched copy
+    # is written once and removed: its pages are mapped by that one write.
     return native().Arena.create(str(path), GUEST_SLOTS, max(cap, 1), max(mcap, 1), c, job,
-                                 False)
+                                 not exact)
 
 
 class GuestStore:
