@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings
-from .core import arena_prep, early
+from .core import arena_prep, early, vml_warmup
 from .core.fences import FencesMixin
 from .core.flush import FlushMixin
 from .core.layout import LayoutMixin
@@ -125,6 +125,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
                       chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
                       rng_sources=rng_sources)
         env = Settings.from_env()  # keyword arguments win over the environment
+        vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         fresh = env.fresh if fresh is None else bool(fresh)
         # Zero-overhead mode (k > 1): copy every k-th boundary; a flush with no
         # optimizer step since the last boundary copies the live state (replay <= 1).
