@@ -10,14 +10,17 @@ shared-memory directory under /dev/shm, own replica address, DDP on gloo), repli
               shared memory is removed; a new node 1 (empty memory) and the old node 0
               start again: node 1's rank fetches its copy from node 0's memory
   disk        the same, every rank flushed at --kill-step - 1 and BOTH nodes' memory lost:
-              the restore of the same step from disk (the fallback)
+              the restore of the same step from disk (the fallback; the page cache of the
+              snapshot files is dropped before the restart)
   raw tcp     the snapshot's bytes over one TCP connection between the two nodes'
               addresses (sendall -> recv_into a buffer), the transport replication uses
 
 Prints one JSON line: bitwise, replayed_steps (kill step - restored step), restore_source
 (of the lost node's rank), replication throughput (bytes / seconds from the first header
 byte to the acknowledgement: connect, meta, CRC table, data, the receiver's CRC check and
-commit) against raw TCP of the same bytes, host memory per node (own arena + guest copies,
+commit; median per transfer, measured in the job, beside training) against raw TCP of the
+same bytes (sendall -> recv_into, no training beside it), and the replicator's own path alone
+in the same conditions as the raw figure ("replication_idle"), host memory per node (own arena + guest copies,
 allocated bytes of the files), recovery time (loss seen -> first resumed step of the lost
 node's rank, which includes starting Python and importing torch) and the restore call alone,
 from peer memory and from disk.
@@ -44,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "dist"))
 
 import node_launch  # noqa: E402
+
+from bench._common import drop_cache  # noqa: E402
 
 
 def raw_tcp_mb_s(nbytes: int, repeats: int = 5) -> float:
@@ -79,6 +84,59 @@ def raw_tcp_mb_s(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(rates)
 
 
+def wire_mb_s(nbytes: int, shm: Path, repeats: int = 5) -> float:
+    """Median MB/s of the replicator's own path alone (no training beside it), between the
+    same addresses as raw_tcp_mb_s: a COMPLETE slot of ``nbytes`` sent by send_slot and
+    landed by GuestStore.receive (checked, committed), a connection per transfer."""
+    import ctypes
+    import os
+    import struct
+
+    from cudasnap import _native
+    from cudasnap.dist.replica_store import GuestStore
+    from cudasnap.dist.replica_wire import configure, recv_msg, send_msg, send_slot, slot_header
+
+    C = _native.native()
+    chunk = 4 << 20
+    shm.mkdir(parents=True, exist_ok=True)
+    a = C.Arena.create(str(shm / "src.arena"), 2, nbytes + chunk, 1 << 16, chunk, "wire", True)
+    slot = a.pick_write_slot()
+    a.begin_write(slot, 1, b"{}")
+    payload = os.urandom(nbytes)
+    a.data_view(slot, nbytes)[:] = payload
+    crcs = [C.crc32c(payload[i:i + chunk]) for i in range(0, nbytes, chunk)]
+    table = struct.pack(f"<{len(crcs)}I", *crcs)
+    ctypes.memmove(a.table_ptr(slot), table, len(table))
+    a.commit(slot, 1, nbytes)
+    (shm / "guests").mkdir()
+    guests = GuestStore(shm / "guests", "wire")
+    srv = socket.create_server(("127.0.0.11", 0))
+    port = srv.getsockname()[1]
+
+    def rx() -> None:
+        for _ in range(repeats + 1):
+            conn, _ = srv.accept()
+            with conn:
+                configure(conn, 60)
+                guests.receive(conn, recv_msg(conn), 0)
+                send_msg(conn, {"ok": True})
+
+    t = threading.Thread(target=rx, daemon=True)
+    t.start()
+    rates = []
+    for i in range(repeats + 1):  # the first one makes the guest arena
+        t0 = time.perf_counter()
+        with socket.create_connection(("127.0.0.11", port)) as c:
+            configure(c, 60)
+            send_slot(c, a, slot, slot_header(a, slot))
+            recv_msg(c)
+        if i:
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e6)
+    t.join(30)
+    srv.close()
+    return statistics.median(rates)
+
+
 def bitwise(a: node_launch.NodeRun, b: node_launch.NodeRun, world: int) -> bool:
     for rank in range(world):
         x, y = a.state(rank), b.state(rank)
@@ -105,7 +163,9 @@ def main() -> int:
                                timeout=400)
         disk = node_launch.run(base / "disk", steps=args.steps, kill_node=1,
                                kill_step=args.kill_step, lose=(0, 1), shm_root=shm / "disk",
-                               env={**env, "FLUSH_AT": str(args.kill_step - 1)}, timeout=400)
+                               env={**env, "FLUSH_AT": str(args.kill_step - 1)}, timeout=400,
+                               between=lambda r: [drop_cache(f) for f in r.ckpt.rglob("*")
+                                                  if f.is_file()])
         for name, r in (("reference", ref), ("peer", peer), ("disk", disk)):
             if not r.ok():
                 print(r.logs(), file=sys.stderr)
@@ -114,7 +174,8 @@ def main() -> int:
         rep = peer.kill["replica"] if peer.kill else {}
         nbytes = int(rep["bytes"] / rep["sent"]) if rep.get("sent") else 0
         raw = raw_tcp_mb_s(nbytes) if nbytes else None
-        repl = rep.get("mb_per_s")
+        wire = wire_mb_s(nbytes, shm / "wire") if nbytes else None
+        repl = rep.get("mb_per_s_median")
         out = {
             "bench": "node_loss", "quick": args.quick, "state_bytes_per_rank": nbytes,
             "bitwise": bitwise(peer, ref, world) and bitwise(disk, ref, world),
@@ -123,9 +184,12 @@ def main() -> int:
                                   for r in range(world)),
             "restore_source": lost["restore"]["source"],
             "restore_source_survivor": survivor["restore"]["source"],
-            "replication_mb_s": round(repl, 1) if repl else None,
+            "replication_mb_s": round(repl, 1) if repl else None,  # median per transfer
+            "replication_mb_s_all": round(rep["mb_per_s"], 1) if rep.get("mb_per_s") else None,
             "raw_tcp_mb_s": round(raw, 1) if raw else None,
             "replication_vs_raw": round(repl / raw, 3) if repl and raw else None,
+            "replication_idle_mb_s": round(wire, 1) if wire else None,
+            "replication_idle_vs_raw": round(wire / raw, 3) if wire and raw else None,
             "replicas_sent": rep.get("sent"), "replicas_skipped": rep.get("skipped"),
             "host_memory_per_node": {f"node{r}": peer.ranks[r]["shm"] for r in range(world)},
             "recovery_s_peer": round(lost["t_first_step"] - peer.t_lost, 2),

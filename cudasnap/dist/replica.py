@@ -27,6 +27,7 @@ of its own shared memory, restores from it like from its own slot, and removes i
 """
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import os
@@ -43,7 +44,7 @@ from ..errors import SnapshotError
 from .kv import KV
 from .local import LocalSnapshots
 from .replica_store import GuestStore, clean_leftovers, fetch_path, find_slot, held_steps, make_arena
-from .replica_wire import Throttle, WireError, land, recv_msg, send_msg, send_slot, slot_header
+from .replica_wire import Throttle, WireError, configure, land, recv_msg, send_msg, send_slot, slot_header
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -103,6 +104,7 @@ class Replicator:
             "partner": None, "sent": 0, "skipped": 0, "failed": 0, "bytes": 0, "seconds": 0.0,
             "sent_step": None, "in_flight_step": None, "received": 0, "received_bytes": 0,
             "served": 0, "fetched": 0}
+        self._rates: collections.deque[float] = collections.deque(maxlen=32)
         addr = cfg.replica_addr or default_addr()
         self._srv = socket.create_server((addr, 0), backlog=16)
         self._srv.settimeout(0.2)
@@ -122,7 +124,9 @@ class Replicator:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             s = dict(self._stats)
+            rates = sorted(self._rates)
         s["mb_per_s"] = s["bytes"] / s["seconds"] / 1e6 if s["seconds"] else None
+        s["mb_per_s_median"] = rates[len(rates) // 2] if rates else None  # last 32 transfers
         return s
 
     def nodes(self, timeout: float = 0.0) -> dict[int, str] | None:
@@ -151,6 +155,7 @@ class Replicator:
     def _connect(self, rank: int) -> tuple[socket.socket, str]:
         host, port, token = self._peer(rank)
         sock = socket.create_connection((host, port), timeout=_IO_TIMEOUT_S)
+        configure(sock, _IO_TIMEOUT_S)
         return sock, token
 
     # ------------------------------------------------------------ sender
@@ -227,6 +232,8 @@ class Replicator:
             s["seconds"] += secs
             s["sent_step"] = hdr["step"]
             s["in_flight_step"] = None
+            if secs > 0:
+                self._rates.append(n / secs / 1e6)
         log.debug("rank %d: step %d replicated to rank %d (%d bytes, %.3f s)", self.rank,
                   hdr["step"], partner, n, secs)
 
@@ -244,7 +251,7 @@ class Replicator:
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(_IO_TIMEOUT_S)
+            configure(conn, _IO_TIMEOUT_S)
             try:
                 hdr = recv_msg(conn)
                 if not hmac.compare_digest(str(hdr.get("token", "")), self._token):

@@ -25,8 +25,18 @@ if TYPE_CHECKING:
     from cudasnap._C import Arena
 
 MAX_HEADER = 64 << 10
-#: pieces of a data send: small enough for the rate cap and the stop check to act
-PIECE = 4 << 20
+#: pieces of a data send or receive: each is one call with the GIL released (a training
+#: thread holding the GIL makes every re-acquisition cost up to the switch interval)
+PIECE = 64 << 20
+
+
+def configure(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking I/O bounded by the kernel (SO_RCVTIMEO / SO_SNDTIMEO): a receive with
+    MSG_WAITALL and a sendall then take one system call, and one GIL release, per piece."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class WireError(SnapshotError):
@@ -49,7 +59,10 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def recv_into(sock: socket.socket, mv: memoryview) -> None:
     got, n = 0, len(mv)
     while got < n:
-        k = sock.recv_into(mv[got:], min(n - got, PIECE))
+        try:
+            k = sock.recv_into(mv[got:], min(n - got, PIECE), socket.MSG_WAITALL)
+        except BlockingIOError:  # SO_RCVTIMEO: no byte for that long
+            raise WireError(f"peer silent after {got} of {n} bytes") from None
         if k == 0:
             raise WireError(f"peer closed the stream after {got} of {n} bytes")
         got += k
@@ -104,9 +117,11 @@ def send_slot(sock: socket.socket, arena: Arena, slot: int, hdr: dict[str, Any],
     n = int(hdr["data_bytes"])
     if len(meta) != hdr["meta_bytes"] or len(table) != hdr["num_chunks"]:
         raise WireError("slot changed while it was being sent")
-    send_msg(sock, hdr)
-    sock.sendall(meta)
-    sock.sendall(struct.pack(f"<{len(table)}I", *table))
+    body = json.dumps(hdr, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_HEADER:
+        raise WireError(f"replica header of {len(body)} bytes exceeds {MAX_HEADER}")
+    sock.sendall(b"".join((struct.pack(">I", len(body)), body, meta,
+                           struct.pack(f"<{len(table)}I", *table))))
     view = arena.data_view(slot, n) if n else memoryview(b"")
     piece = PIECE if throttle is None or not throttle.rate else \
         int(min(PIECE, max(4 << 10, throttle.rate / 20)))  # a capped rate: ~50 ms pieces

@@ -99,10 +99,11 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
         env: dict[str, str] | None = None, kill_node: int | None = None,
         kill_step: int = -1, kill_when: str = "acked", lose: tuple[int, ...] | None = None,
         timeout: float = 240.0, job: str | None = None,
-        shm_root: Path | None = None) -> NodeRun:
+        shm_root: Path | None = None, between: Any = None) -> NodeRun:
     """Attempt 0 (with a node loss at ``kill_step`` when ``kill_node`` is set: that node's
     first rank dies, then every process; the nodes in ``lose`` (default: the killed one)
-    lose their shared memory), then attempt 1 to the end."""
+    lose their shared memory), then attempt 1 to the end; ``between(run)`` is called between
+    the two attempts."""
     t0 = time.monotonic()
     base.mkdir(parents=True, exist_ok=True)
     for d in ("out", "ckpt", "store", "logs"):
@@ -146,6 +147,8 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
                     shm[n] = shm_root / f"shm-node{n}-new"
                     shm[n].mkdir(mode=0o700, exist_ok=True)
                     node_ids[n] = f"node{n}-new"
+                if between is not None:  # e.g. the bench drops the page cache of the flush
+                    between(r)
                 continue
             r.rcs.append(_wait_all(procs, deadline))
     finally:
