@@ -303,3 +303,15 @@ def test_every_host_of_a_url_gets_the_same_directory_id(s3, monkeypatch, tmp_pat
         ids.append(paths.directory_id(st.local_dir, create=False))
     assert ids[0] is not None and ids[0] == ids[1]
     assert _fs().cat_file(f"{s3.removeprefix('s3://')}/.cudasnap-id").decode().strip() == ids[0]
+
+
+def test_cli_run_fresh_on_a_url_is_one_clear_line(tmp_path):
+    """``cudasnap run --dir s3://... --fresh``: refused before the store is contacted (one
+    line, exit 2, no ``./s3:`` folder)."""
+    p = subprocess.run([sys.executable, "-m", "cudasnap", "run", "--dir", "s3://bucket/run",
+                        "--fresh", "--", "true"], env=_env(), capture_output=True, text=True,
+                       cwd=tmp_path, timeout=TIMEOUT_S)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--fresh" in lines[0] and "new URL prefix" in lines[0], p.stderr
+    assert not (tmp_path / "s3:").exists()
