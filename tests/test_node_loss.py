@@ -208,3 +208,80 @@ def test_leftovers_of_dead_processes_and_fresh_guests_are_removed(tmp_path):
     assert sorted(p.name for p in clean_leftovers(tmp_path, "job")) == sorted(names[:2])
     assert [p.name for p in clean_leftovers(tmp_path, "job", guests=True)] == [names[3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[2], *names[4:]])
+
+
+class _KV:
+    """The KV's get/set on a dict (two Replicators in one process)."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, str] = {}
+
+    def get(self, key: str) -> str | None:
+        return self.d.get(key)
+
+    def set(self, key: str, value: str) -> None:
+        self.d[key] = value
+
+
+class _Local:
+    def __init__(self, rank: int, shm: Path, arena=None) -> None:
+        self.rank, self.world_size, self.job, self.flush_threads = rank, 2, "job", 2
+        self.shm, self._arena = shm, arena
+
+    def arenas(self):
+        return [self._arena] if self._arena is not None else []
+
+    def last_step(self):
+        return 5
+
+    def arena_path_of(self, rank: int) -> Path:
+        return self.shm / f"cudasnap-job-r{rank}.arena"
+
+
+def _wait(cond, timeout: float = 60.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_replicators_send_to_the_other_node_and_serve_the_copy_back(tmp_path):
+    from cudasnap.config import Settings
+    from cudasnap.dist.replica import Replicator
+
+    shm0, shm1 = tmp_path / "n0", tmp_path / "n1"
+    shm0.mkdir()
+    shm1.mkdir()
+    payload = bytes(range(251)) * 700
+    src, slot = _source(shm0, 5, payload, "cudasnap-job-r0")
+    kv = _KV()
+    r0 = Replicator(kv, _Local(0, shm0, src), Settings(node_id="a", replica_addr="127.0.0.1"))
+    r1 = Replicator(kv, _Local(1, shm1), Settings(node_id="b", replica_addr="127.0.0.1"))
+    try:
+        _wait(lambda: r0.stats()["sent_step"] == 5)
+        assert r0.stats()["partner"] == 1 and r1.stats()["received"] == 1
+        assert held_steps(shm1, "job", None) == {0: [5]}
+        a, i, path = r1.fetch(1, 0, 5)  # rank 0's node was replaced: its copy comes back
+        try:
+            assert bytes(a.data_view(i, len(payload))) == payload
+            assert a.read_table(i) == src.read_table(slot) and oct(path.stat().st_mode)[-3:] == "600"
+        finally:
+            path.unlink()
+        with pytest.raises(WireError, match="no copy"):
+            r0.fetch(1, 0, 6)
+    finally:
+        r0.stop()
+        r1.stop(clean=True)
+    assert held_steps(shm1, "job", None) == {}  # a clean end removes the guests
+
+
+def test_a_replica_address_that_is_not_here_is_a_config_error(tmp_path):
+    from cudasnap.config import Settings
+    from cudasnap.dist.replica import Replicator
+    from cudasnap.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="CUDASNAP_REPLICA_ADDR"):
+        Replicator(_KV(), _Local(0, tmp_path), Settings(replica_addr="203.0.113.7"))

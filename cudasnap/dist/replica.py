@@ -14,7 +14,8 @@ started by its Coordinator:
   training thread never waits for it. One transfer at a time: snapshots completed while one
   is in flight are skipped (``stats()["skipped"]``), so the replica is at most one snapshot
   behind plus the one in flight. The send pauses while a flush of this process writes, and
-  ``CUDASNAP_REPLICA_MAX_MBPS`` caps its rate.
+  ``CUDASNAP_REPLICA_MAX_MBPS`` caps its rate. It starts with this process's first
+  ``boundary()``: a restore (perhaps fetching a copy) has the cores until then.
 
 **Partners are chosen by node** (``CUDASNAP_NODE_ID``, default the host name): the nodes,
 ordered by their lowest rank, form a ring; the j-th rank of a node sends to the
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
-from ..errors import SnapshotError
+from ..errors import ConfigError, SnapshotError
 from .kv import KV
 from .local import LocalSnapshots
 from .replica_store import GuestStore, clean_leftovers, fetch_path, find_slot, held_steps, make_arena
@@ -106,7 +107,11 @@ class Replicator:
             "served": 0, "fetched": 0}
         self._rates: collections.deque[float] = collections.deque(maxlen=32)
         addr = cfg.replica_addr or default_addr()
-        self._srv = socket.create_server((addr, 0), backlog=16)
+        try:
+            self._srv = socket.create_server((addr, 0), backlog=16)
+        except OSError as e:
+            raise ConfigError(f"node-loss replication: cannot listen on {addr!r} ({e}); set "
+                              "CUDASNAP_REPLICA_ADDR to an address of this host") from None
         self._srv.settimeout(0.2)
         self.addr = f"{addr}:{self._srv.getsockname()[1]}"
         kv.set(f"replica/node/{self.rank}", self.node)
@@ -177,6 +182,8 @@ class Replicator:
                     self._stats["partner"] = partner
                 log.info("rank %d (node %s) replicates to rank %d (node %s)", self.rank,
                          self.node, partner, nodes[partner])
+            if self.local.last_step() is None:
+                continue  # until training runs: a restore (maybe a fetch) has the cores
             arenas = self.local.arenas()
             if not arenas:
                 continue

@@ -40,6 +40,8 @@ from .kv import KV, csv, parse_csv
 from .local import LocalSnapshots
 
 if TYPE_CHECKING:
+    from cudasnap._C import Arena
+
     from .replica import Replicator
 
 log = logging.getLogger("cudasnap.dist")
@@ -266,6 +268,20 @@ class RestoreVote:
                     out[src].update(steps)
         return out
 
+    def _copy_fits(self, arena: Arena, slot: int, where: str) -> bool:
+        """A copy is this rank's snapshot of a job of this world size (else logged, skipped)."""
+        try:
+            meta = parse_slot_meta(arena.read_meta(slot), where)
+        except CorruptSnapshot as e:
+            log.warning("rank %d: %s skipped: %s", self.rank, where, e)
+            return False
+        rank, world = meta.get("rank", self.rank), meta.get("world_size", self.world)
+        if int(rank) != self.rank or int(world) != self.world:
+            log.warning("rank %d: %s holds rank %s of %s ranks; not used", self.rank, where,
+                        rank, world)
+            return False
+        return True
+
     def _restore_copy(self, step: int) -> int | None:
         """This rank's ``step`` from a copy a node holds: this node's first (no transfer),
         then the holders' in rank order. None when no copy restores."""
@@ -275,7 +291,7 @@ class RestoreVote:
         local = self.local
         found = find_slot(self.replica.shm, self.replica.job, self.rank, step,
                           skip=self.replica.own_path)
-        if found is not None:
+        if found is not None and self._copy_fits(*found, where=str(found[0].path)):
             a, i = found
             got = local.restore_from_slot(a, i, f"{a.path} slot {i}")
             local.record_restore("peer-memory:local", got, str(a.path))
@@ -292,6 +308,8 @@ class RestoreVote:
                 continue
             try:
                 secs = time.perf_counter() - t0
+                if not self._copy_fits(a, i, where=f"rank {h}'s copy"):
+                    continue
                 got = local.restore_from_slot(a, i, f"rank {h}'s copy ({path.name})")
                 log.warning("rank %d restored step %d from the copy in rank %d's node memory "
                             "(fetched in %.2f s)", self.rank, got, h, secs)
