@@ -22,7 +22,7 @@ from ..config import Settings
 from ..errors import ConfigError
 from .events import EventLog
 from .flush_round import FlushRounds, RoundResult
-from .kv import KV
+from .kv import KV, store_is_per_round
 from .liveness import Liveness
 from .local import LocalSnapshots
 from .restore_vote import RestoreVote
@@ -93,9 +93,10 @@ class Coordinator:
         self.epoch = cfg.restart  # TORCHELASTIC_RESTART_COUNT wins (cudasnap.config)
         self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/")
         self.replica: Replicator | None = None
-        if cfg.node_replica:
+        if cfg.node_replica and store_is_per_round():
             # torchrun counts restarts per agent: a replacement node starts at 0 while the
-            # survivors count on. The first rank's count wins (the store is new per attempt).
+            # survivors count on. The first rank's count wins (the store is new per round;
+            # torchrun's shared store is not, and there every agent's count is the same).
             self.kv.prefix = f"cudasnap/{local.job}/"
             self.epoch = int(self.kv.propose("epoch", str(self.epoch)))
             self.kv.prefix = f"cudasnap/{local.job}/e{self.epoch}/"

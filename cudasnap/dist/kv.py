@@ -28,6 +28,14 @@ def parse_csv(v: str) -> set[int]:
     return {int(x) for x in v.split(",") if x}
 
 
+def store_is_per_round() -> bool:
+    """torchrun without its shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which a
+    replacement node needs to join): the default group's store is new per rendezvous round,
+    and restart counts differ between agents (a replacement node starts at 0)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
 def open_store() -> Store:
     """Our own connection for heartbeats and agreement.
 
