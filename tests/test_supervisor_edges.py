@@ -353,26 +353,25 @@ def test_an_interrupted_supervisor_flush_leaves_no_tmp_directory(snap_env, monke
     assert snap_env.arena_files()  # kept: a restarted job restores from it
 
 
-def test_supervisor_api_refuses_an_object_store_directory(snap_env):
-    """Item 5 (API side): a URL that a Path collapsed (``s3:/b/p``) is refused too,
-    before anything is created."""
+def test_supervisor_api_refuses_a_collapsed_object_store_url(snap_env):
+    """Item 5 (API side): a URL that a Path collapsed (``s3:/b/p``) is refused before
+    anything is created. (A URL string is supervised: tests/test_s3_ranks.py.)"""
     from cudasnap.errors import ConfigError
 
     os.chdir(snap_env.tmp)
-    for d in ("s3://bucket/run", Path("s3://bucket/run")):
-        with pytest.raises(ConfigError, match="object stores"):
-            supervise(["true"], d, max_restarts=0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="object stores"):
+        supervise(["true"], Path("s3://bucket/run"), max_restarts=0)  # type: ignore[arg-type]
     assert not (snap_env.tmp / "s3:").exists()
 
 
-def test_cli_run_refuses_an_object_store_directory(snap_env):
-    """Item 5: ``cudasnap run --dir s3://...`` is one clear line, exit 2, and creates no
-    ``./s3:`` folder."""
+def test_cli_run_refuses_fresh_on_an_object_store_directory(snap_env):
+    """``cudasnap run --dir s3://... --fresh`` (nothing can be moved aside in a store) is
+    one clear line, exit 2, before any network use, and creates no ``./s3:`` folder."""
     p = subprocess.run([sys.executable, "-m", "cudasnap", "run", "--dir", "s3://bucket/run",
-                        "--", "true"], env=cli_env(), capture_output=True, text=True,
+                        "--fresh", "--", "true"], env=cli_env(), capture_output=True, text=True,
                        cwd=snap_env.tmp, timeout=GUARD_S)
     assert p.returncode == 2, p.stderr
-    assert "object stores" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "fresh" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert len([ln for ln in p.stderr.splitlines() if ln.strip()]) == 1, p.stderr
     assert not (snap_env.tmp / "s3:").exists()
 
