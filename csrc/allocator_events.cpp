@@ -53,33 +53,11 @@ std::vector<Interval> merge_spans(const std::vector<Span>& spans) {
   return out;
 }
 
-bool overlaps(const std::vector<Interval>& merged, uint64_t lo, uint64_t hi) {
-  if (merged.empty() || hi <= lo) return false;
-  // First interval ending after lo (ends are sorted too: intervals are disjoint).
-  auto it = std::upper_bound(merged.begin(), merged.end(), lo,
-                             [](uint64_t v, const Interval& iv) { return v < iv.second; });
-  return it != merged.end() && it->first < hi;
-}
-
 EventQueue::~EventQueue() { stop_auto_drain(); }
 
 void EventQueue::record(const TraceEvent& ev) noexcept {
   try {
     std::lock_guard<std::mutex> g(mu_);
-    switch (ev.action) {
-      case TraceAction::FREE_REQUESTED:
-      case TraceAction::FREE_COMPLETED:
-      case TraceAction::SEGMENT_FREE:
-      case TraceAction::SEGMENT_UNMAP: {
-        auto it = watches_.find(ev.device);
-        if (it != watches_.end() &&
-            overlaps(it->second.spans, ev.addr, ev.addr + std::max<uint64_t>(ev.size, 1)))
-          ++it->second.generation;
-        break;
-      }
-      default:
-        break;
-    }
     queue_.push_back(ev);
     recorded_.fetch_add(1, std::memory_order_relaxed);
     if (auto_threshold_ && queue_.size() == auto_threshold_) drain_cv_.notify_one();
@@ -110,20 +88,6 @@ QueueCounts EventQueue::counts() const {
   c.dropped = dropped_.load();
   c.queued = queue_.size() + in_flight_;  // a batch being applied is still queued
   return c;
-}
-
-uint64_t EventQueue::watched_generation(int device) const {
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = watches_.find(device);
-  return it == watches_.end() ? 0 : it->second.generation;
-}
-
-void EventQueue::watch(int device, const std::vector<Span>& spans) {
-  std::vector<Interval> merged = merge_spans(spans);  // allocate outside the lock
-  std::lock_guard<std::mutex> g(mu_);
-  Watch& w = watches_[device];
-  w.spans.swap(merged);
-  ++w.generation;
 }
 
 void EventQueue::start_auto_drain(uint64_t threshold, std::function<void()> drain) {

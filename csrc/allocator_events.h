@@ -4,9 +4,7 @@
 // AllocatorRegistry (allocator_tracker.h): record() is what the caching
 // allocator's trace callback calls, under the allocator's per-device mutex,
 // possibly holding the GIL: it never calls into PyTorch or Python and never
-// blocks on anything but the queue's own small mutex. It also keeps the
-// watched spans of each device and their watched_generation (bumped in
-// record() itself, so reading it is O(1) and needs no drain), and runs the
+// blocks on anything but the queue's own small mutex. It also runs the
 // optional auto-drain thread.
 #pragma once
 
@@ -64,7 +62,6 @@ struct Span {
 // Sorted, merged, non-empty intervals of `spans`.
 std::vector<Interval> merge_spans(const std::vector<Span>& spans);
 // Whether [lo, hi) overlaps one of the sorted, disjoint intervals `merged`.
-bool overlaps(const std::vector<Interval>& merged, uint64_t lo, uint64_t hi);
 
 struct QueueCounts {
   uint64_t recorded = 0;  // events accepted by record()
@@ -80,9 +77,8 @@ class EventQueue {
   EventQueue(const EventQueue&) = delete;
   EventQueue& operator=(const EventQueue&) = delete;
 
-  // Queues one event; bumps the watched_generation of its device when it frees
-  // or unmaps memory overlapping a watched span. noexcept: an event that cannot
-  // be queued is counted in counts().dropped.
+  // Queues one event. noexcept: an event that cannot be queued is counted in
+  // counts().dropped.
   void record(const TraceEvent& ev) noexcept;
   // Moves every queued event into `out` (swapped: the queue keeps out's
   // capacity) and marks them in flight until finish_batch().
@@ -92,10 +88,6 @@ class EventQueue {
   void count_dropped() noexcept { dropped_.fetch_add(1); }
   bool healthy() const { return dropped_.load() == 0; }
   QueueCounts counts() const;  // one consistent view
-
-  uint64_t watched_generation(int device) const;
-  // Replaces the watched spans of `device`; bumps its watched_generation.
-  void watch(int device, const std::vector<Span>& spans);
 
   // A background thread that calls `drain` whenever `threshold` events are
   // queued, so the queue stays bounded without the trainer paying for it.
@@ -108,15 +100,10 @@ class EventQueue {
   bool wait_auto_drained(double timeout_s);
 
  private:
-  struct Watch {
-    std::vector<Interval> spans;  // merged, sorted
-    uint64_t generation = 0;
-  };
   void auto_drain_loop();
 
   mutable std::mutex mu_;
   std::vector<TraceEvent> queue_;
-  std::unordered_map<int, Watch> watches_;
   std::condition_variable drain_cv_;    // record() -> drain thread: threshold reached
   std::condition_variable drained_cv_;  // finish_batch() -> waiters: a batch was applied
   uint64_t in_flight_ = 0;              // taken, not yet applied

@@ -1,7 +1,6 @@
 // Registry of live CUDA caching-allocator blocks: the facade over three parts.
 //
-//   allocator_events.h  TraceEvent, EventQueue (record(), watched spans and
-//                       watched_generation, the auto-drain thread)
+//   allocator_events.h  TraceEvent, EventQueue (record(), the auto-drain thread)
 //   device_map.h        DeviceMemory: live / pending-free blocks and segments
 //                       per device, built by applying events; seeding
 //   span_query.h        coverage, locate, coalesce of spans on one device
@@ -12,20 +11,13 @@
 // from CUDACachingAllocator::snapshot().
 //
 // Two locks, always taken in the order state_mu_ -> the queue's lock:
-//   * the EventQueue's (tiny): record() appends one event and checks a free
-//     against the watched spans; what the allocator callback calls.
+//   * the EventQueue's (tiny): record() appends one event; what the allocator
+//     callback calls.
 //   * state_mu_: drain() takes the queue (O(1) swap) and applies it to the
 //     per-device maps; every query drains first.
 //
 //   * generation(d) increments on every change to d's live set (applied at
 //     drain time).
-//   * watched_generation(d) increments only when a block or segment range
-//     overlapping one of d's watched spans is freed (FREE_REQUESTED,
-//     FREE_COMPLETED) or unmapped (SEGMENT_FREE, SEGMENT_UNMAP), and on every
-//     watch(d, ...). It needs no drain: a cached copy plan stays valid as long
-//     as this integer is unchanged, however much the activations churn. It does
-//     not detect NEW state tensors (e.g. Adam's lazily created moments): the
-//     caller must notice a changed set of state tensors itself.
 //   * seed(d, segments): see device_map.h.
 #pragma once
 
@@ -72,10 +64,7 @@ class AllocatorRegistry {
   std::vector<SegmentRange> segments(int device);
   std::vector<int> devices();
   uint64_t generation(int device);
-  uint64_t watched_generation(int device) const { return queue_.watched_generation(device); }
 
-  // Replaces the watched spans of `device`; bumps its watched_generation.
-  void watch(int device, const std::vector<Span>& spans) { queue_.watch(device, spans); }
 
   CoverageReport coverage(int device, const std::vector<Span>& spans, size_t top_n = 8);
   // `strict`: the first span not located throws (its error), instead of a

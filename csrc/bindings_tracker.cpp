@@ -116,12 +116,6 @@ void init_allocator_tracker(py::module_& m) {
            })
       .def("devices", &AllocatorRegistry::devices)
       .def("generation", &AllocatorRegistry::generation)
-      .def("watched_generation", &AllocatorRegistry::watched_generation)
-      .def("watch",
-           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans) {
-             r.watch(device, to_spans(spans));
-           },
-           py::arg("device"), py::arg("spans"))
       .def("coverage",
            [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
                       size_t top_n) {

@@ -227,51 +227,6 @@ def test_seed_with_explicit_allocated_flag():
     assert live(r) == {(BASE, 4096)}
 
 
-# -------------------------------------------------------------- generations
-
-def test_watched_generation_ignores_activation_churn():
-    r = reg()
-    r.record("segment_alloc", 0, BASE, 20 * MB)
-    params = [(BASE + i * MB, MB) for i in range(4)]
-    for a, s in params:
-        alloc(r, a, s)
-    r.watch(0, params)
-    w = r.watched_generation(0)
-    g = r.generation(0)
-    # 100 iterations of activations alloc/free in the rest of the segment
-    for it in range(100):
-        for j in range(5):
-            alloc(r, BASE + (8 + j) * MB, MB)
-        for j in range(5):
-            free(r, BASE + (8 + j) * MB, MB)
-    assert r.watched_generation(0) == w  # O(1): no drain needed
-    assert r.generation(0) == g + 100 * 10
-    assert r.stats()["queued"] == 0  # generation() drained
-    # freeing a watched block bumps it (at the request already)
-    r.record("free_requested", 0, params[2][0], MB)
-    assert r.watched_generation(0) == w + 1
-    r.record("free_completed", 0, params[2][0], MB)
-    assert r.watched_generation(0) >= w + 1
-    w2 = r.watched_generation(0)
-    # re-watching bumps; another device is independent
-    r.watch(0, params[:2])
-    assert r.watched_generation(0) == w2 + 1
-    assert r.watched_generation(1) == 0
-
-
-def test_watched_generation_segment_unmap_and_partial_overlap():
-    r = reg()
-    r.record("segment_map", 0, BASE, 4 * MB)
-    r.watch(0, [(BASE + 3 * MB + 100, 10)])
-    w = r.watched_generation(0)
-    r.record("segment_unmap", 0, BASE, 2 * MB)  # does not touch the span
-    assert r.watched_generation(0) == w
-    r.record("free_requested", 0, BASE + 3 * MB + 105, 1)  # overlaps the span's tail
-    assert r.watched_generation(0) == w + 1
-    r.record("segment_unmap", 0, BASE + 2 * MB, 2 * MB)
-    assert r.watched_generation(0) == w + 2
-
-
 # ----------------------------------------------------------------- coverage
 
 def test_coverage_exact():
