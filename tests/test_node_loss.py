@@ -108,6 +108,9 @@ def test_replica_lands_checked_and_a_cut_transfer_keeps_the_previous(tmp_path):
     assert held_steps(shm, "job", None) == {3: [7]}
     ok = _transfer(src2, slot2, lambda s, h: guests.receive(s, h, 3))
     assert ok.get("value") == 8 and held_steps(shm, "job", None) == {3: [8, 7]}
+    from cudasnap.dist.replica_store import claim_guests
+
+    assert claim_guests(shm, "job") == 1  # a restarted holder keeps them from `cudasnap gc`
     C = _native.native()
     g = C.Arena.open(str(guest_path(shm, "job", 3)), False, False)
     i = next(i for i in range(2) if g.slot_info(i)["valid"] and g.slot_info(i)["step"] == 8)

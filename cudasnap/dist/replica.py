@@ -44,7 +44,7 @@ from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from .kv import KV
 from .local import LocalSnapshots
-from .replica_store import GuestStore, clean_leftovers, fetch_path, find_slot, held_steps, make_arena
+from .replica_store import GuestStore, claim_guests, clean_leftovers, fetch_path, find_slot, held_steps, make_arena
 from .replica_wire import Throttle, WireError, configure, land, recv_msg, send_msg, send_slot, slot_header
 
 if TYPE_CHECKING:
@@ -65,6 +65,15 @@ def default_addr() -> str:
             return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+def _background() -> None:
+    """This thread (and the threads it starts: the CRC check's) at nice 10, as the copy
+    engine's workers: the training thread and the step's own traffic come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):  # not Linux, or not allowed: the default priority
+        pass
 
 
 def ring_partner(nodes: dict[int, str], rank: int) -> int | None:
@@ -95,6 +104,7 @@ class Replicator:
         self.threads = max(1, min(4, local.flush_threads))
         self.guests = GuestStore(self.shm, self.job, self.threads)
         gone = clean_leftovers(self.shm, self.job, guests=cfg.fresh)
+        claim_guests(self.shm, self.job)  # held for this job's restore, not `cudasnap gc`'s
         if gone:
             log.warning("rank %d: removed %d replica arena(s) from %s%s", self.rank, len(gone),
                         self.shm, " (fresh start)" if cfg.fresh else " left by dead processes")
@@ -161,10 +171,15 @@ class Replicator:
         host, port, token = self._peer(rank)
         sock = socket.create_connection((host, port), timeout=_IO_TIMEOUT_S)
         configure(sock, _IO_TIMEOUT_S)
+        try:  # DSCP CS1 ("lower effort"): where the network honours it, the step's traffic wins
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0x20)
+        except OSError:
+            pass
         return sock, token
 
     # ------------------------------------------------------------ sender
     def _send_loop(self) -> None:
+        _background()
         partner: int | None = None
         last: tuple[str, int] | None = None
         backoff = 0.0
@@ -257,6 +272,7 @@ class Replicator:
                              name="cudasnap-replica-conn").start()
 
     def _handle(self, conn: socket.socket) -> None:
+        _background()
         with conn:
             configure(conn, _IO_TIMEOUT_S)
             try:

@@ -77,6 +77,20 @@ def clean_leftovers(shm: Path, job: str, guests: bool = False) -> list[Path]:
     return gone
 
 
+def claim_guests(shm: Path, job: str) -> int:
+    """This process becomes the recorded owner of the node's guest copies of ``job`` (their
+    receiver may be dead: a restarted job must keep them from ``cudasnap gc``)."""
+    n = 0
+    for paths_ in copy_paths(shm, job).values():
+        for p in paths_:
+            if p.name.rsplit("-", 1)[-1].startswith("g"):
+                a = open_copy(p)
+                if a is not None:
+                    a.claim_owner()
+                    n += 1
+    return n
+
+
 def open_copy(path: Path) -> Arena | None:
     try:
         return native().Arena.open(str(path), True, False)
