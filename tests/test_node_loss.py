@@ -10,6 +10,7 @@ replica.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import socket
 import struct
 import sys
@@ -288,3 +289,46 @@ def test_a_replica_address_that_is_not_here_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="CUDASNAP_REPLICA_ADDR"):
         Replicator(_KV(), _Local(0, tmp_path), Settings(replica_addr="203.0.113.7"))
+
+
+def _write(a, step: int, payload: bytes) -> int:
+    """One more COMPLETE snapshot in ``a`` (as the copy engine would write it)."""
+    C = _native.native()
+    slot = a.pick_write_slot()
+    a.begin_write(slot, step, b'{"step": %d}' % step)
+    a.data_view(slot, len(payload))[:] = payload
+    crcs = [C.crc32c(payload[i:i + CHUNK]) for i in range(0, len(payload), CHUNK)]
+    tbl = struct.pack(f"<{len(crcs)}I", *crcs)
+    ctypes.memmove(a.table_ptr(slot), tbl, len(tbl))
+    a.commit(slot, step, len(payload))
+    return slot
+
+
+@pytest.mark.slow
+def test_snapshots_completed_during_a_transfer_are_skipped_and_counted(tmp_path):
+    from cudasnap.config import Settings
+    from cudasnap.dist.replica import Replicator
+
+    shm0, shm1 = tmp_path / "n0", tmp_path / "n1"
+    shm0.mkdir()
+    shm1.mkdir()
+    C = _native.native()
+    src = C.Arena.create(str(shm0 / "cudasnap-job-r0.arena"), 3, 1 << 20, 4096, CHUNK, "job",
+                         False)
+    payload = bytes(range(256)) * 800  # 200 kB at 0.4 MB/s: a transfer takes ~0.5 s
+    _write(src, 1, payload)
+    kv = _KV()
+    cfg = Settings(replica_addr="127.0.0.1", replica_max_mbps=0.4)
+    r0 = Replicator(kv, _Local(0, shm0, src), dataclasses.replace(cfg, node_id="a"))
+    r1 = Replicator(kv, _Local(1, shm1), dataclasses.replace(cfg, node_id="b"))
+    try:
+        _wait(lambda: r0.stats()["in_flight_step"] == 1)
+        _write(src, 2, payload)  # both complete while step 1 is on the wire
+        _write(src, 3, payload)
+        _wait(lambda: r0.stats()["sent_step"] == 3)
+        s = r0.stats()
+        assert (s["sent"], s["skipped"]) == (2, 1), s  # step 2 never sent
+        assert held_steps(shm1, "job", None) == {0: [3, 1]}
+    finally:
+        r0.stop()
+        r1.stop()
