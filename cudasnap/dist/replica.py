@@ -54,6 +54,7 @@ log = logging.getLogger("cudasnap.dist")
 
 _POLL_S = 0.02
 _IO_TIMEOUT_S = 60.0
+_MAX_CONNS = 32
 
 
 def default_addr() -> str:
@@ -111,6 +112,7 @@ class Replicator:
         self._token = secrets.token_hex(16)
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._conns = threading.BoundedSemaphore(_MAX_CONNS)  # requests served at once
         self._stats: dict[str, Any] = {
             "partner": None, "sent": 0, "skipped": 0, "failed": 0, "bytes": 0, "seconds": 0.0,
             "sent_step": None, "in_flight_step": None, "received": 0, "received_bytes": 0,
@@ -268,10 +270,19 @@ class Replicator:
                 continue
             except OSError:
                 return
+            if not self._conns.acquire(blocking=False):  # a flood of connections: refused
+                conn.close()
+                continue
             threading.Thread(target=self._handle, args=(conn,), daemon=True,
                              name="cudasnap-replica-conn").start()
 
     def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._handle_one(conn)
+        finally:
+            self._conns.release()
+
+    def _handle_one(self, conn: socket.socket) -> None:
         _background()
         with conn:
             configure(conn, _IO_TIMEOUT_S)
