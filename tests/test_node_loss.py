@@ -332,3 +332,16 @@ def test_snapshots_completed_during_a_transfer_are_skipped_and_counted(tmp_path)
     finally:
         r0.stop()
         r1.stop()
+
+
+@pytest.mark.slow
+def test_ranks_renumbered_by_the_restart_find_their_copies_on_either_node(tmp_path, reference):
+    # attempt 1: the surviving node 0 runs rank 1 (its copy is node 0's guest: no transfer)
+    # and the new node 1 runs rank 0 (fetched from node 0, where rank 0's own arena is)
+    r = node_launch.run(tmp_path, steps=STEPS, kill_node=1, kill_step=10, renumber=True,
+                        timeout=180)
+    assert r.ok(), r.logs()
+    assert r.ranks[1]["restore"]["source"] == "peer-memory:local", r.logs()
+    assert r.ranks[0]["restore"]["source"].startswith("peer-memory:"), r.logs()
+    assert r.ranks[0]["start"] == r.ranks[1]["start"] == 10
+    _same(r, reference)

@@ -99,11 +99,11 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
         env: dict[str, str] | None = None, kill_node: int | None = None,
         kill_step: int = -1, kill_when: str = "acked", lose: tuple[int, ...] | None = None,
         timeout: float = 240.0, job: str | None = None,
-        shm_root: Path | None = None, between: Any = None) -> NodeRun:
+        shm_root: Path | None = None, between: Any = None, renumber: bool = False) -> NodeRun:
     """Attempt 0 (with a node loss at ``kill_step`` when ``kill_node`` is set: that node's
     first rank dies, then every process; the nodes in ``lose`` (default: the killed one)
     lose their shared memory), then attempt 1 to the end; ``between(run)`` is called between
-    the two attempts."""
+    the two attempts; ``renumber``: in attempt 1 node n runs node (nodes-1-n)'s ranks."""
     t0 = time.monotonic()
     base.mkdir(parents=True, exist_ok=True)
     for d in ("out", "ckpt", "store", "logs"):
@@ -128,9 +128,15 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
     try:
         for attempt in range(attempts):
             deadline = time.monotonic() + timeout
-            procs = {n * per_node + i: _start(base, n * per_node + i, world, n, node_ids[n],
-                                              shm[n], attempt, common)
-                     for n in range(nodes) for i in range(per_node)}
+            # renumber: in attempt 1 the nodes take each other's ranks (node n runs the
+            # ranks of node nodes-1-n), as an elastic restart may order the nodes anew
+            procs = {}
+            for n in range(nodes):
+                m = nodes - 1 - n if renumber and attempt == 1 else n
+                for i in range(per_node):
+                    rank = m * per_node + i
+                    procs[rank] = _start(base, rank, world, n, node_ids[n], shm[n], attempt,
+                                         common)
             if attempt == 0 and kill_node is not None:
                 victim = procs[kill_node * per_node]
                 while victim.poll() is None and time.monotonic() < deadline:
