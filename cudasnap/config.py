@@ -44,7 +44,7 @@ CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are m
 CUDASNAP_NODE_REPLICA           bool     0          node-loss protection: each rank's newest COMPLETE
                                                     snapshot is copied in the background into the shared
                                                     memory of a partner rank on another node
-                                                    (cudasnap.dist.replica; docs/node_loss.md)
+                                                    (cudasnap.dist.replica; README "Node loss")
 CUDASNAP_NODE_ID                str      hostname   this process's node (partners are chosen by node;
                                                     set it to tell "nodes" on one host apart)
 CUDASNAP_REPLICA_ADDR           str      see right  address the replica server listens on and publishes

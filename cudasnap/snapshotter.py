@@ -106,6 +106,10 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             (``stats()["early_saves"]``; cudasnap.core.early). Default 16 MiB or
             $CUDASNAP_ARENA_SYNC_MAX_BYTES. ``bench/start_window.py`` measures the
             window (construction -> first protected step) by state size.
+        node_replica: node-loss protection in distributed mode: each rank's newest
+            COMPLETE snapshot is copied in the background into the shared memory of a
+            partner rank on another node, and a replaced node's ranks restore from it
+            (cudasnap.dist.replica; README "Node loss"). Default $CUDASNAP_NODE_REPLICA.
     """
 
     def __init__(self, model: Any, optimizer: Any = None,
@@ -120,7 +124,8 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
                  replicas: Any = "auto", rng_sources: tuple[str, ...] = RNG_SOURCES,
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
-                 arena_sync_max_bytes: int | None = None, snapshot_every: int = 1) -> None:
+                 arena_sync_max_bytes: int | None = None, snapshot_every: int = 1,
+                 node_replica: bool | None = None) -> None:
         check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
                       chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
                       rng_sources=rng_sources)
@@ -199,7 +204,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         arena_prep.start_at_construction(self)  # large arenas: off the training thread
         try:
             self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
-                                watchdog_s)
+                                watchdog_s, node_replica, fresh)
         except BaseException:
             arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))
             self._lock.release()
@@ -207,7 +212,8 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
 
     def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
                        health: bool | None, policy: Any, inject: str | None,
-                       watchdog_s: float | None) -> None:
+                       watchdog_s: float | None, node_replica: bool | None,
+                       fresh: bool) -> None:
         """The distributed coordinator and the guard (health monitor, signals, watchdog)."""
         env = Settings.from_env()
         self.dist = None
@@ -220,7 +226,8 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
 
                 replicas = replica_groups([lt.owner for lt in self.state.live_tensors()
                                            if lt.owner is not None], self.world_size) or replicas
-            self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas)
+            self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas,
+                                    node_replica=node_replica, fresh=fresh)
         self.guard = None
         if health if health is not None else env.health:
             from .triggers.guard import Guard

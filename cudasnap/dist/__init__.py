@@ -26,7 +26,8 @@ shared-memory slot, its files, or a replica's files), or none does: see
 ``DIR``. Keys are namespaced by job and by ``TORCHELASTIC_RESTART_COUNT``.
 
 Modules: kv (store client), liveness (heartbeats, dead peers), flush_round
-(agree, write, commit), restore_vote, events, local (the LocalSnapshots protocol), coordinator (wires them).
+(agree, write, commit), restore_vote, events, local (the LocalSnapshots protocol), coordinator (wires them),
+replica / replica_store / replica_wire (node-loss replication into a partner node's memory).
 The step layout and the COMMIT marker are cudasnap.format.paths and
 cudasnap.storage.posix (write_commit, read_commit), shared with one-rank snapshots.
 
