@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
+from .._proc import pid_alive
 from ..config import Settings
 from ..errors import CorruptSnapshot
 from ..format import manifest as fmt
@@ -88,16 +89,6 @@ def unmark_writer(st: RemoteStore, key: str) -> None:
         log.info("could not remove the writer marker %s: %s", key, e)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _modified(info: dict[str, Any]) -> float | None:
     for k in ("LastModified", "mtime", "created", "last_modified"):
         v = info.get(k)
@@ -120,7 +111,7 @@ def writer_in_progress(st: RemoteStore, step_key: str) -> str | None:
             continue
         host, _, pid = name[len(WRITER):].rpartition("-")
         if host == _host():
-            if pid.isdigit() and _pid_alive(int(pid)):
+            if pid.isdigit() and pid_alive(int(pid)):
                 return str(key)
             continue
         when = _modified(info)
