@@ -44,7 +44,11 @@ class LiveTensor:
 
     @property
     def nbytes(self) -> int:
+        """Bytes from the first element to one past the last (``span_bytes``); a
+        contiguous tensor's ``nbytes`` without the Python loop (its span, 0 when empty)."""
         t = self.tensor
+        if t.is_contiguous():
+            return int(t.nbytes)
         return span_bytes(list(t.shape), list(t.stride()), t.element_size())
 
 
