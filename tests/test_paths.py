@@ -42,6 +42,13 @@ def test_no_module_but_paths_derives_the_job_id():
     from pathlib import Path
 
     pkg = Path(paths.__file__).resolve().parents[1]
+    # An object-store directory keeps its id file in the store so every node derives the
+    # same job: these two only copy the file between the store and the local state
+    # directory (reviewed), they never hash anything.
+    copiers = {"storage/fsspec.py", "storage/remote_latest.py"}
     others = [str(f.relative_to(pkg)) for f in pkg.rglob("*.py")
               if f.name != "paths.py" and ("ID_FILE" in f.read_text() or "def job_for" in f.read_text())]
-    assert others == []
+    assert sorted(set(others) - copiers) == []
+    for name in copiers:
+        text = (pkg / name).read_text()
+        assert "hashlib" not in text and "sha1" not in text and "def job_for" not in text, name

@@ -174,10 +174,11 @@ def test_data_file_name_comes_from_the_code_not_the_manifest(snap_env):
 
 
 def test_no_code_path_builds_a_path_from_manifest_strings():
-    """Static proof: every ``a / b`` in the POSIX storage modules (posix.py and the modules split
-    from it: latest, listing, safe_io) joins a constant, a name built from ints (step, pid,
-    rank) or ``subdir`` (the rank name from cudasnap.format.paths) -- never a string read from
-    a manifest. A new join, or a new module of that writer, fails this test until reviewed."""
+    """Static proof: every ``a / b`` in the storage modules that write (posix.py and the
+    modules split from it: latest, listing, safe_io; the multi-rank round; the object-store
+    modules) joins a constant, a name built from ints (step, pid, rank) or ``subdir`` (the rank
+    name from cudasnap.format.paths) -- never a string read from a manifest. A new join, or a
+    new module of that writer, fails this test until reviewed."""
     reviewed = {
         "DATA", "MANIFEST", "LATEST", "LATEST_LOCK", "FLUSH_LOG", "step_dirname(step)", "subdir",
         "step_dirname(cur_step)",
@@ -185,10 +186,19 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
         "f'.{LATEST}.tmp-{os.getpid()}'", "f'{step_dirname(step)}.tmp-{os.getpid()}'",
         "f'{subdir}.tmp-{os.getpid()}'", "COMMIT", "f'.{COMMIT}.tmp-{os.getpid()}'",
         "1000000.0", "1000000000.0", "max(elapsed, 1e-09)",  # arithmetic, not paths
+        "max(dt, 1e-09)",
+        # the multi-rank round and the object-store modules: rank names from int ranks (a
+        # COMMIT record's ranks are kept only when they are ints), the id file, and the URL's
+        # local state directory (a hash of the user's URL, never a manifest string)
+        "rank_dirname(rank)", "rank_dirname(r)", "ID_FILE",
+        "f'.{ID_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}'", "URL_FILE",
+        "f'.{URL_FILE}.tmp-{os.getpid()}-{time.monotonic_ns()}'", "'.cache'", "'cudasnap'",
+        "f'url-{url_hash(url)}'",
     }
-    modules = ("posix.py", "latest.py", "listing.py", "safe_io.py")
+    modules = ("posix.py", "latest.py", "listing.py", "safe_io.py", "rounds.py", "remote_ranks.py",
+               "remote_latest.py", "remote_base.py", "remote_report.py", "fsspec.py")
     storage = {p.name for p in (PKG / "storage").glob("*.py")}
-    assert storage <= {*modules, "__init__.py", "counters.py", "fsspec.py", "partial.py",
+    assert storage <= {*modules, "__init__.py", "counters.py", "partial.py",
                        "progress.py", "types.py"}, f"new storage modules to review: {storage}"
     for name in modules:
         t = ast.parse((PKG / "storage" / name).read_text())
