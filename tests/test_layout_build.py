@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import cudasnap
-from cudasnap.core.layout import _entry
 from cudasnap.core.live_tensor import LiveTensor
 from cudasnap.format.manifest import span_bytes, tensor_entry
 
@@ -35,7 +34,7 @@ def test_entry_and_nbytes_match_the_reference(i: int) -> None:
     lt = LiveTensor(f"model:m.t{i}", "model:m", t, 1)
     assert lt.nbytes == span_bytes(list(t.shape), list(t.stride()), t.element_size())
     ref = tensor_entry(lt.name, lt.group, t, 4096, lt.phase)
-    got = _entry(lt, 4096, lt.nbytes)
+    got = tensor_entry(lt.name, lt.group, t, 4096, lt.phase, lt.nbytes)  # the layout's call
     assert got == ref
     assert list(got) == list(ref)  # key order: the prefix's JSON text
 
@@ -73,8 +72,8 @@ def test_layout_table_matches_the_reference_entries(snap_env) -> None:
 
         _, offsets = make_plan(lay.tensors, None, snap.chunk_bytes)
         for lt, off in zip(lay.tensors, offsets):
-            assert _entry(lt, off, lt.nbytes) == tensor_entry(lt.name, lt.group, lt.tensor,
-                                                                 off, lt.phase)
+            assert tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase, lt.nbytes) == \
+                tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase)
     finally:
         snap.close()
 

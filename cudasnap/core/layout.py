@@ -15,26 +15,15 @@ import torch
 
 from ..errors import ConfigError, SnapshotError
 from ..format import manifest as fmt
-from ..format.manifest import dtype_name, validate_tensors
+from ..format.manifest import tensor_entry, validate_tensors
 from ..format.slot_manifest import encode_prefix
 from . import layout_watch
 from .layout_watch import Watch, identity_entries
-from .live_tensor import LiveTensor, single_cuda_device
+from .live_tensor import single_cuda_device
 from .plan import Layout, make_plan
 from .shared import Fields
 
 log = logging.getLogger("cudasnap")
-
-
-def _entry(lt: LiveTensor, offset: int, nbytes: int) -> dict[str, Any]:
-    """``manifest.tensor_entry(lt.name, lt.group, lt.tensor, offset, lt.phase)`` with the
-    byte span ``nbytes`` (``lt.nbytes``) already known: the same dict, key for key
-    (tests/test_layout_build.py), without its second ``span_bytes`` per tensor."""
-    t = lt.tensor
-    return {"name": lt.name, "group": lt.group, "dtype": dtype_name(t.dtype),
-            "shape": list(t.shape), "stride": list(t.stride()),
-            "storage_offset": int(t.storage_offset()), "offset": int(offset),
-            "nbytes": nbytes, "phase": lt.phase}
 
 
 class LayoutMixin(Fields):
@@ -102,7 +91,7 @@ class LayoutMixin(Fields):
         plan, offsets = make_plan(tensors, self._cuda, self.chunk_bytes)
         entries = []
         for lt, off in zip(tensors, offsets):
-            e = _entry(lt, off, lt.nbytes)
+            e = tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase, lt.nbytes)
             if lt.param_index is not None:
                 e["param_index"], e["state_key"] = lt.param_index, lt.state_key
             if lt.aliases:

@@ -145,12 +145,15 @@ def expand_params(group: dict[str, Any]) -> dict[str, Any]:
     return g
 
 
-def tensor_entry(name: str, group: str, t: Any, offset: int, phase: int) -> dict[str, Any]:
+def tensor_entry(name: str, group: str, t: Any, offset: int, phase: int,
+                 nbytes: int | None = None) -> dict[str, Any]:
+    """A tensor table entry; ``nbytes``: the tensor's byte span when the caller already
+    has it (``LiveTensor.nbytes``), else computed here (``span_bytes``)."""
+    if nbytes is None:
+        nbytes = span_bytes(list(t.shape), list(t.stride()), t.element_size())
     return {"name": name, "group": group, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
             "stride": list(t.stride()), "storage_offset": int(t.storage_offset()),
-            "offset": int(offset), "nbytes": span_bytes(list(t.shape), list(t.stride()),
-                                                        t.element_size()),
-            "phase": phase}
+            "offset": int(offset), "nbytes": nbytes, "phase": phase}
 
 
 def _need(cond: bool, where: str, what: str) -> None:
