@@ -190,9 +190,7 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
         # the multi-rank round and the object-store modules: rank names from int ranks (a
         # COMMIT record's ranks are kept only when they are ints), the id file, and the URL's
         # local state directory (a hash of the user's URL, never a manifest string)
-        "rank_dirname(rank)", "rank_dirname(r)", "ID_FILE",
-        "f'.{ID_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}'", "URL_FILE",
-        "f'.{URL_FILE}.tmp-{os.getpid()}-{time.monotonic_ns()}'", "'.cache'", "'cudasnap'",
+        "rank_dirname(rank)", "rank_dirname(r)", "ID_FILE", "URL_FILE", "'.cache'", "'cudasnap'",
         "f'url-{url_hash(url)}'",
     }
     modules = ("posix.py", "latest.py", "listing.py", "safe_io.py", "rounds.py", "remote_ranks.py",

@@ -4,7 +4,6 @@ one-line errors. Leaves of ``storage.fsspec`` (re-exported there), importable wi
 from __future__ import annotations
 
 import os
-import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from ..format.paths import MANIFEST, url_hash
 from . import posix
+from .safe_io import replace_private
 
 if TYPE_CHECKING:
     import torch
@@ -71,13 +71,7 @@ def state_dir(url: str) -> Path:
             return d
     except OSError:
         pass
-    tmp = d / f".{URL_FILE}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, marker)
+    replace_private(marker, text.encode())
     return d
 
 

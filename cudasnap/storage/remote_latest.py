@@ -21,7 +21,6 @@ restore is unaffected (it lists the committed steps), and the next commit moves 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..format.commit import decode_latest, encode_latest
 from ..format.paths import ID_FILE, parse_step_dirname
+from .safe_io import replace_private
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -135,11 +135,5 @@ def share_id(fs: AbstractFileSystem, protocol: str, key: str, local_dir: Path) -
         if mine is not None:
             log.info("%s: directory id %s taken from the store (was %s here)", key, theirs,
                      mine)
-        tmp = local_dir / f".{ID_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, (theirs + "\n").encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, local)
+        replace_private(local, (theirs + "\n").encode())
     return theirs

@@ -44,7 +44,6 @@ import socket
 import sys
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._native import native
@@ -56,6 +55,7 @@ from ..format import manifest as fmt
 from ..format.commit import decode_commit, encode_commit
 from ..format.paths import COMMIT, MANIFEST, parse_step_dirname, rank_dirname, step_dirname
 from . import posix
+from .safe_io import replace_private
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -197,17 +197,6 @@ def committed_with(st: RemoteStore, step: int, rank: int) -> bool:
 
 
 # ---------------------------------------------------------------- the local index
-def _write_small(path: Path, raw: bytes) -> None:
-    """``path`` (0600) replaced atomically; several ranks of a host may write it at once."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, raw)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 def index_wanted(st: RemoteStore) -> bool:
     """Whether a start keeps the index: a multi-rank job now (torch.distributed already
     initialised with more than one rank, or WORLD_SIZE > 1), or an index already there (its
@@ -250,10 +239,10 @@ def sync_index(st: RemoteStore) -> None:
             rd = d / rank_dirname(r)
             rd.mkdir(mode=0o700, exist_ok=True)
             if not (rd / MANIFEST).is_file():
-                _write_small(rd / MANIFEST, b"")
+                replace_private(rd / MANIFEST, b"")
         try:
             same = (d / COMMIT).read_bytes() == raw
         except OSError:
             same = False
         if not same:
-            _write_small(d / COMMIT, raw)
+            replace_private(d / COMMIT, raw)

@@ -2,9 +2,11 @@
 
 Owns ``_read_regular`` (a bounded read of a small file that never follows a symlink nor
 blocks on a FIFO), ``_write_file_durable`` (create, write and fsync a new file; errors name
-it), ``_check_trust`` (files of another user are refused unless ``allow_foreign_owner`` or
+it), ``replace_private`` (a small local record replaced atomically, 0600), ``_check_trust``
+(files of another user are refused unless ``allow_foreign_owner`` or
 ``CUDASNAP_ALLOW_FOREIGN_OWNER=1``; group/other-writable ones load with a warning) and
-``FOREIGN_ENV``. No policy of its own: the modules of the POSIX backend call these.
+``FOREIGN_ENV``. No policy of its own: the modules of the POSIX and object-store backends
+call these.
 
 Call order: ``posix.load_manifest`` / ``posix.read_data`` (restore) call ``_check_trust``
 after ``_read_regular`` / ``lstat``; ``latest.read_latest``, ``listing.read_commit`` and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -81,6 +84,25 @@ def _read_regular(path: Path, limit: int, what: str) -> tuple[bytes, os.stat_res
     if len(raw) > limit:
         raise CorruptSnapshot(f"{path} grew past {limit} bytes while being read")
     return raw, st
+
+
+def replace_private(path: Path, raw: bytes) -> None:
+    """``path`` replaced atomically by ``raw``, mode 0600, through a temporary name of its
+    own (several processes of a host may replace it at once: the last rename wins). No
+    fsync: for local records rebuilt when lost (an object store's index, its id copy, the
+    URL marker of its state directory)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
 
 
 def _write_file_durable(path: Path, data: bytes) -> None:
