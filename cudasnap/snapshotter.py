@@ -26,11 +26,12 @@ from typing import Any
 
 from .config import Settings
 from .core import arena_prep, early, vml_warmup
+from .core.counters import Counters
 from .core.fences import FencesMixin
 from .core.flush import FlushMixin
 from .core.layout import LayoutMixin
 from .core.restore import RestoreMixin
-from .core.shared import RNG_SOURCES, check_options, check_url, new_stats, summarize_stats
+from .core.shared import RNG_SOURCES, check_options, check_url
 from .core.staging import StagingMixin, supervisor_job
 from .core.state import TrainingState
 from .core.submit import SubmitMixin
@@ -186,7 +187,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         self._early_saving = False
         self._supervised = env.supervised
         self._closed, self._boundaries = False, 0
-        self._stats = new_stats()
+        self._stats = Counters()
         # Bound of every wait on a copy (fences, the next submit, close()).
         self.wait_timeout_s = env.wait_s
         self._hooks = []
@@ -238,7 +239,7 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
     # -------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
         """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
-        s = summarize_stats(self._stats)
+        s = self._stats.summary()
         s["backend"], s["layout"] = getattr(self, "backend", None), self._layout_info()
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())

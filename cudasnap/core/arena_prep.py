@@ -154,7 +154,7 @@ def _what(snap: Any, total: int) -> str:
 
 
 def _not_ready(snap: Any, step: int) -> None:
-    snap._stats["skipped_not_ready"] += 1
+    snap._stats.skipped_not_ready += 1
     snap._prep.note_skip(step)
 
 
@@ -163,7 +163,7 @@ def _adopt_prepared(snap: Any, got: Prepared) -> Any:
         snap._inherited = None
     elif got.created is False and snap._inherited is not None:
         snap._inherited = None  # its private pinned replacement (register refused)
-    snap._stats["arena_setup_seconds"] = got.seconds
+    snap._stats.arena_setup_seconds = got.seconds
     snap._arena = snap._adopt(got.arena)
     a = snap._arena
     log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s off the training thread",

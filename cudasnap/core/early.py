@@ -79,12 +79,12 @@ def save_now(snap: Any, timeout: float | None, why: str) -> bool:
             return False
         if snap._live is not live or snap._live_dirty:
             return False  # moved on meanwhile: the caller waits for the next boundary
-        before = snap._stats["live_saves"]
+        before = snap._stats.live_saves
         with snap._flush_lock:
             snap._copy_live(timeout)
-        if snap._stats["live_saves"] == before:
+        if snap._stats.live_saves == before:
             return False
-        snap._stats["early_saves"] += 1
+        snap._stats.early_saves += 1
         log.warning("cudasnap: %s before the staging arena was ready: step %d snapshotted "
                     "synchronously from the live state", why, step)
         return True
@@ -146,13 +146,13 @@ def at_close(snap: Any, keep: bool) -> None:
 def warn_if_nothing_saved(snap: Any) -> None:
     """``close()``: boundaries ran but none of them was saved anywhere: say so."""
     st = snap._stats
-    if snap._boundaries and st["skipped_not_ready"] and not st["snapshots"] \
-            and not st["live_saves"]:
+    if snap._boundaries and st.skipped_not_ready and not st.snapshots \
+            and not st.live_saves:
         log.warning("cudasnap: close(): none of this run's %d boundaries (last step %s) was "
                     "saved: the staging arena was not ready yet (%d skipped) and the state had "
                     "moved past the last boundary; a restart resumes from the previous "
                     "snapshot, if any", snap._boundaries, snap.last_step,
-                    st["skipped_not_ready"])
+                    st.skipped_not_ready)
 
 
 # ------------------------------------------------------------ at exit

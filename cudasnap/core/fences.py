@@ -157,14 +157,14 @@ class FencesMixin(Fields):
         t0 = time.perf_counter_ns()
         stream = self._cuda.current_stream() if self._cuda is not None else 0
         if not self._engine.fence(job, phase, stream):
-            self._stats["abandoned"] += 1
+            self._stats.abandoned += 1
             log.error("snapshot of step %d abandoned: its copy did not reach phase %d within "
                       "%.0f s (copier stalled or GPU hung); the previous snapshot stays the "
                       "newest", job.step, phase, self.wait_timeout_s)
         self._fenced[phase] = True
         if phase == 1:
             self._fenced[0] = True
-        self._stats["fence_wait_ns"] += time.perf_counter_ns() - t0
+        self._stats.fence_wait_ns += time.perf_counter_ns() - t0
 
     def _wait_job(self, timeout: float | None = None) -> bool:
         job = self._job
@@ -177,12 +177,12 @@ class FencesMixin(Fields):
         except SnapshotError as e:
             log.error("snapshot of step %d failed: %s", job.step, e)
             ok = failed = True
-        self._stats["fence_wait_ns"] += time.perf_counter_ns() - t0
+        self._stats.fence_wait_ns += time.perf_counter_ns() - t0
         if ok:
             secs = job.seconds_to_complete
-            self._stats["last_copy_seconds"] = secs
+            self._stats.last_copy_seconds = secs
             if secs and secs > 0:
-                self._stats["last_copy_gbps"] = job.bytes / secs / 1e9
+                self._stats.last_copy_gbps = job.bytes / secs / 1e9
             # Another thread (a flush) may wait too: retire only the job we waited on.
             with self._slot_lock:
                 if self._job is job:

@@ -44,9 +44,9 @@ class FlushMixin(Fields):
                 triggered = self.guard is not None and self.guard.dispatcher.flushing
                 path = self.dist.flush(explicit=wait and not triggered)
                 if path is not None:
-                    self._stats["flushes"] += 1
-                    self._stats["last_flush_path"] = str(path)
-                    self._stats["last_flush_seconds"] = self.dist.last_flush["seconds"]
+                    self._stats.flushes += 1
+                    self._stats.last_flush_path = str(path)
+                    self._stats.last_flush_seconds = self.dist.last_flush["seconds"]
                 return path
             arenas = self.staged_arenas()
             arena = arenas[0] if arenas else None
@@ -67,10 +67,10 @@ class FlushMixin(Fields):
                                                        keep=self.keep)
             finally:
                 arena.release(slot)
-            self._stats["flushes"] += 1
+            self._stats.flushes += 1
             self._flushed_step = int(st["step"])
-            self._stats["last_flush_seconds"] = st["seconds"]
-            self._stats["last_flush_path"] = str(path)
+            self._stats.last_flush_seconds = st["seconds"]
+            self._stats.last_flush_path = str(path)
             return path
 
     def settle_newest(self, timeout: float | None) -> None:
@@ -129,7 +129,7 @@ class FlushMixin(Fields):
                 return
             if self._live is live:
                 self._live = None
-            self._stats["live_saves"] += 1
+            self._stats.live_saves += 1
             log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
                      "boundary, snapshot_every=%d)", step, self.snapshot_every)
         finally:

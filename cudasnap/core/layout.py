@@ -104,7 +104,7 @@ class LayoutMixin(Fields):
                         backend=self.backend, torch=torch.__version__,
                         dcp_names=self.state.dcp_names())
         prefix = encode_prefix(head, entries)  # the slot manifest up to its host value
-        self._stats["layout_rebuilds"] += 1
+        self._stats.layout_rebuilds += 1
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)
         return Layout(tensors, plan, prefix, Watch(identity_entries(self.state, tensors)),

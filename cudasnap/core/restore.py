@@ -74,9 +74,9 @@ class RestoreMixin(Fields):
             nxt = self.dist.restore()
             if nxt:
                 self._restored = nxt - 1
-            r = self._stats.get("restore") or {}
+            r = self._stats.restore or {}
             r["seconds"] = time.perf_counter() - t0
-            self._stats["restore"] = r if nxt else {"source": None, "step": None,
+            self._stats.restore = r if nxt else {"source": None, "step": None,
                                                     "seconds": r["seconds"], "where": None}
             self._layout = None
             if nxt:
@@ -113,7 +113,7 @@ class RestoreMixin(Fields):
                 log.warning("skipping snapshot %s: %s", where, e)
                 continue
             secs = time.perf_counter() - t0
-            self._stats["restore"] = {"source": source, "step": got, "seconds": secs,
+            self._stats.restore = {"source": source, "step": got, "seconds": secs,
                                       "where": where}
             log.info("restored step %d from %s (%s) in %.3f s", got, source, where, secs)
             if not self._resume_logged:
@@ -122,7 +122,7 @@ class RestoreMixin(Fields):
             self._restored = got
             self._layout = None
             return got + 1
-        self._stats["restore"] = {"source": None, "step": None, "seconds": 0.0, "where": None}
+        self._stats.restore = {"source": None, "step": None, "seconds": 0.0, "where": None}
         if self._partly_applied:
             raise CorruptSnapshot(
                 f"no snapshot could be restored, and {self._partly_applied} failed half-way "
@@ -267,9 +267,9 @@ class RestoreMixin(Fields):
 
     def record_restore(self, source: str, step: int, where: str) -> None:
         """Notes where a restore came from (``stats()["restore"]``; the coordinator's vote)."""
-        self._stats["restore"] = {"source": source, "step": step, "where": where}
+        self._stats.restore = {"source": source, "step": step, "where": where}
 
     def last_restore(self) -> dict[str, Any] | None:
         """What the last restore loaded: source, step, where (None before any)."""
-        r: dict[str, Any] | None = self._stats.get("restore")
+        r: dict[str, Any] | None = self._stats.restore
         return r

@@ -19,6 +19,7 @@ from .rng import RNG_SOURCES
 
 if TYPE_CHECKING:
     from .arena_prep import ArenaPreparer
+    from .counters import Counters
     from .plan import Layout
     from .state import TrainingState
 
@@ -57,7 +58,7 @@ class Fields:
     _job_layout: Layout | None  # the running copy's layout: it holds the planned storages
     _draining: tuple[Layout, ...]  # failed copies' layouts until the engine drained them
     _hooks: list[Any]
-    _stats: dict[str, Any]
+    _stats: Counters
     # copy / fence bookkeeping
     _job: Any
     _fenced: list[bool]
@@ -137,23 +138,3 @@ def check_url(directory: Any, world_size: int, fresh: bool) -> None:
                           "cannot move object-store snapshots aside (no rename in an object "
                           "store); start fresh under a new URL prefix instead, e.g. "
                           f"{str(directory).rstrip('/')}-2")
-
-
-def new_stats() -> dict[str, Any]:
-    """The Snapshotter's counters (``stats()`` reports them)."""
-    return {
-        "snapshots": 0, "skipped": 0, "bytes": 0, "boundary_ns": [], "fence_wait_ns": 0,
-        "last_copy_seconds": None, "last_copy_gbps": None, "flushes": 0,
-        "last_flush_seconds": None, "last_flush_path": None, "arena_setup_seconds": None,
-        "health_events": 0, "restore": None, "layout_rebuilds": 0, "abandoned": 0,
-        "arena_regrowths": 0, "skipped_not_ready": 0, "skipped_every": 0, "live_saves": 0,
-        "early_saves": 0}
-
-
-def summarize_stats(raw: dict[str, Any]) -> dict[str, Any]:
-    """``stats()``'s counters: the boundary-time median (us) and fence waits (s)."""
-    s = dict(raw)
-    ns = sorted(s.pop("boundary_ns"))
-    s["boundary_us_median"] = ns[len(ns) // 2] / 1e3 if ns else None
-    s["fence_wait_s"] = s.pop("fence_wait_ns") / 1e9
-    return s

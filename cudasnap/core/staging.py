@@ -136,9 +136,9 @@ class StagingMixin(Fields):
         arena = self._create_arena(capacity, meta_capacity) if prefault else \
             self._create_arena(capacity, meta_capacity, None, False)
         self._arena = self._adopt(arena)
-        self._stats["arena_setup_seconds"] = time.perf_counter() - t0
+        self._stats.arena_setup_seconds = time.perf_counter() - t0
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
-                 self.num_slots, capacity / 1e6, self._stats["arena_setup_seconds"])
+                 self.num_slots, capacity / 1e6, self._stats.arena_setup_seconds)
         return self._arena
 
     def _create_arena(self, capacity: int, meta_capacity: int, cancel: Any = None,
@@ -175,7 +175,7 @@ class StagingMixin(Fields):
         with self._flush_lock:  # may run on the arena preparer: never under a flush
             old.unlink()
             self._arena = old = None  # drops the mapping (the engine holds none once idle)
-        self._stats["arena_regrowths"] += 1
+        self._stats.arena_regrowths += 1
         return True
 
     def _adopt(self, arena: Any) -> Any:

@@ -106,14 +106,14 @@ class SubmitMixin(Fields):
         if k > 1 and (self._boundaries - 1) % k:
             # Zero-overhead mode: no copy. Until the next optimizer step the live
             # state IS this step, so a JIT flush copies it then (see flush()).
-            self._stats["skipped_every"] += 1
+            self._stats.skipped_every += 1
             self._live = (step, b"".join(self._host_suffix(step)))
             self._record_ns(t0)
             return
         self._live = None
         # A previous copy still running (no optimizer step in between): bounded.
         if self._job is not None and not self._wait_job(self.wait_timeout_s):
-            self._stats["skipped"] += 1
+            self._stats.skipped += 1
             log.warning("step %d not snapshotted: the previous copy is still running after "
                         "%.0f s", step, self.wait_timeout_s)
             return
@@ -126,15 +126,15 @@ class SubmitMixin(Fields):
             # join the capture): skip this step, as submit does for a capturing stream.
             if self._cuda is None or not self._cuda.capturing():
                 raise
-            self._stats["skipped"] += 1
+            self._stats.skipped += 1
             log.warning("step %d not snapshotted: a stream is capturing a CUDA graph (the "
                         "CUDA RNG state cannot be read meanwhile); call boundary() outside "
                         "graph capture", step)
             return
-        not_ready = self._stats["skipped_not_ready"]
+        not_ready = self._stats.skipped_not_ready
         if self._submit_copy(lay, step, suffix) is not None:
             self._record_ns(t0)
-        elif self._stats["skipped_not_ready"] != not_ready:
+        elif self._stats.skipped_not_ready != not_ready:
             # No arena yet: until the next optimizer step the live state IS this step,
             # which a flush, trigger or close() meanwhile copies (cudasnap.core.early).
             early.note_unprotected(self, step, suffix)
@@ -172,14 +172,14 @@ class SubmitMixin(Fields):
             lay.arena_ok = None
             arena = self._ensure_arena(lay.plan, n)
             if arena is None:
-                self._stats["skipped"] += 1
+                self._stats.skipped += 1
                 return None
             if arena is self._arena:
                 lay.arena_ok = (id(arena), int(arena.meta_capacity))
         with self._slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
         if slot < 0:
-            self._stats["skipped"] += 1
+            self._stats.skipped += 1
             log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
             return None
         stream = self._cuda.current_stream() if self._cuda is not None else 0
@@ -189,7 +189,7 @@ class SubmitMixin(Fields):
             job = self._engine.submit(arena, slot, lay.plan, int(step), suffix, stream,
                                       lay.prefix)  # positional: (meta suffix, stream, prefix)
         except StagingError as e:
-            self._stats["skipped"] += 1
+            self._stats.skipped += 1
             log.warning("step %d not snapshotted: %s", step, e)
             self._hold_if_hung(lay)
             return None
@@ -203,8 +203,8 @@ class SubmitMixin(Fields):
             # the engine has drained it (cudasnap.core.fences): one reference, O(1).
             self._job_layout = lay
             self._release_drained()  # accepted: earlier copies are over
-        self._stats["snapshots"] += 1
-        self._stats["bytes"] = lay.total_bytes
+        self._stats.snapshots += 1
+        self._stats.bytes = lay.total_bytes
         return job
 
     def _hold_if_hung(self, lay: Layout) -> None:
@@ -214,8 +214,5 @@ class SubmitMixin(Fields):
             self._hold_draining(lay)
 
     def _record_ns(self, t0: int) -> None:
-        ns = self._stats["boundary_ns"]
-        ns.append(time.perf_counter_ns() - t0)
-        if len(ns) > 4096:
-            del ns[:2048]
+        self._stats.record_boundary(t0)
 
