@@ -9,33 +9,27 @@ running copy, so no snapshot ever mixes two steps. ``flush()`` writes the
 newest COMPLETE snapshot to disk; the health monitor and signal handlers call
 it on a bad sign.
 
-This module only wires the parts; each mechanism lives in ``cudasnap.core``:
-``fences`` (hooks ordering writes after the copy), ``layout`` (the plan cache),
-``staging`` (the shared-memory arena), ``submit`` (boundary -> copy engine),
-``flush``, ``restore`` (candidates, load, rollback), ``timeline`` (step rule,
-resume, fresh start) and ``state`` (what is snapshotted).
+This module is the facade: it makes the components of ``cudasnap.core``, each owning
+its state (``cudasnap.core.wiring``; docs/design.md §2.1 draws them and their call
+order), and delegates to them.
 """
 from __future__ import annotations
 
 import logging
 import os
-import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .config import Settings
-from .core import arena_prep, early, vml_warmup
-from .core.counters import Counters
-from .core.fences import FencesMixin
-from .core.flush import FlushMixin
-from .core.layout import LayoutMixin
-from .core.restore import RestoreMixin
-from .core.shared import RNG_SOURCES, check_options, check_url
-from .core.staging import StagingMixin, supervisor_job
+from .core import vml_warmup
+from .core.options import check_options, check_url
+from .core.rng import RNG_SOURCES
+from .core.staging import supervisor_job
 from .core.state import TrainingState
-from .core.submit import SubmitMixin
 from .core.timeline import final_flush
+from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError
 from .format import paths
 from .storage import open_storage, posix
@@ -45,7 +39,7 @@ log = logging.getLogger("cudasnap")
 DEFAULT_CHUNK = 4 << 20
 
 
-class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixin, RestoreMixin):
+class Snapshotter:
     """Just-in-time snapshots of a model, its optimizer and extra host state.
 
     Args:
@@ -136,7 +130,6 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         # Zero-overhead mode (k > 1): copy every k-th boundary; a flush with no
         # optimizer step since the last boundary copies the live state (replay <= 1).
         self.snapshot_every = snapshot_every
-        self._live, self._live_dirty, self._live_copy = None, True, None
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
         if directory is None:
@@ -150,8 +143,6 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         self.world_size = world_size if world_size is not None else \
             dist.get_world_size() if dist_on else env.world_size
         check_url(directory, self.world_size, fresh)
-        self.last_step = self._restored = self._flushed_step = None
-        self._resume_logged, self._partly_applied = False, None
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = tuple(rng_sources)
         # Slots of the arena: the spare one lets snapshots go on while a flush holds a slot.
@@ -176,40 +167,33 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         if removed:
             log.warning("removed %d interrupted flush(es): %s", len(removed),
                         ", ".join(str(p).rstrip("/").rsplit("/", 1)[-1] for p in removed))
-        self._backend_name = backend
-        self._engine = self._cuda = self._arena = self._inherited = None
-        self._layout = self._job_layout = self._job = None  # _job_layout: the copy's tensors
-        self._fenced = [True, True]
-        # Re-entrant: a signal handler may flush while the main thread is in boundary().
-        self._slot_lock, self._flush_lock = threading.RLock(), threading.RLock()
-        self._arena_lock = threading.RLock()  # arena adoption (cudasnap.core.early)
-        self._boundary_event = self._early_thread = None
-        self._early_saving = False
-        self._supervised = env.supervised
-        self._closed, self._boundaries = False, 0
-        self._stats = Counters()
+        self._closed = False
         # Bound of every wait on a copy (fences, the next submit, close()).
         self.wait_timeout_s = env.wait_s
-        self._hooks = []
-        self._install_fences()
         if arena_sync_max_bytes is None:
             arena_sync_max_bytes = env.arena_sync_max_bytes
-        self._prep = arena_prep.ArenaPreparer(
-            arena_prep.SYNC_MAX_BYTES if arena_sync_max_bytes is None else arena_sync_max_bytes,
-            self._state_device())
-        self._open_inherited_arena()
-        if fresh:
-            self._start_fresh()
-        # As early as the state is known (issue 23 item 2): the set-up overlaps the rest of
-        # the construction and whatever the program does before its first boundary.
-        arena_prep.start_at_construction(self)  # large arenas: off the training thread
+        # The components (docs/design.md §2.1); the keeper's two upward edges (a regrowth)
+        # are callables: the copier and the flush exist by the time they run.
+        parts = wire(self.state, self.storage, backend=backend, supervised=env.supervised,
+                     sync_max_bytes=arena_sync_max_bytes, arena_path=self.arena_path,
+                     num_slots=self.num_slots, spare_slot=self.spare_slot,
+                     chunk_bytes=self.chunk_bytes, job=self.job, rank=self.rank,
+                     world_size=self.world_size, directory=self.directory, keep=self.keep,
+                     copy_threads=self.copy_threads, flush_threads=self.flush_threads,
+                     wait_timeout_s=self.wait_timeout_s, snapshot_every=self.snapshot_every,
+                     allow_foreign_owner=self.allow_foreign_owner, fresh=fresh,
+                     wait_copy=lambda timeout: self._copier.wait_job(timeout),
+                     flush=lambda: self.flush(wait=False))
+        (self._counters, self._timeline, self._backend, self._layouts, self._keeper,
+         self._copier, self._flusher, self._restorer, self._early, self._hooks) = parts
         try:
             self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
                                 watchdog_s, node_replica, fresh)
         except BaseException:
-            arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))
+            self._keeper.shutdown(min(60.0, self.wait_timeout_s))
             self._lock.release()
             raise
+        attach_triggers(parts, self.dist, self.guard)
 
     def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
                        health: bool | None, policy: Any, inject: str | None,
@@ -236,16 +220,92 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             self.guard = Guard(self, policy=policy, inject=inject, watchdog_s=watchdog_s)
             self.guard.start()
 
-    # -------------------------------------------------------------- misc
-    def stats(self) -> dict[str, Any]:
-        """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
-        s = self._stats.summary()
-        s["backend"], s["layout"] = getattr(self, "backend", None), self._layout_info()
-        if self.guard is not None:
-            s["health_events"] = len(self.guard.history())
-        s.update(self._staging_stats())
-        return s
+    # ---------------------------------------------------------- snapshots
+    def boundary(self, step: int, **values: Any) -> None:
+        """Snapshot the state after ``step``'s optimizer step; returns at once.
 
+        ``values``: plain per-step state (JSON-able values, tensors) saved with the
+        step and found in ``snap.values`` after a restore (cudasnap.core.values).
+
+        ``step`` is a non-negative int, strictly above the previous boundary's step
+        or, after ``restore_latest()``/``rollback()``, above the restored step;
+        anything else raises ConfigError naming both steps (see cudasnap.core.timeline).
+        """
+        t0 = time.perf_counter_ns()
+        if self._closed:
+            raise SnapshotError("boundary() on a closed Snapshotter")
+        tl = self._timeline
+        step = tl.advance(step)
+        try:
+            self._copier.snapshot(step, t0, tl.boundaries, values)
+        finally:
+            ev = self._early.boundary_event  # a flush waiting for this boundary (core.early)
+            if ev is not None:
+                ev.set()
+            # After the submit: a SIGTERM flush raised here waits for this very step.
+            if self.guard is not None:
+                self.guard.on_boundary(step)
+
+    def fence(self) -> None:
+        """Orders the caller's next writes of the state after the running copy.
+
+        Call it before writing state tensors in a way the optimizer-step and
+        forward hooks do not see: an EMA ``lerp_``/``copy_`` outside
+        ``optimizer.step()``, manual edits, a CUDA-graph replay of the step.
+        CUDA backend: the current stream waits on the copy (no host block);
+        CPU backend: a host wait. A no-op when no copy is running. A wait longer
+        than ``wait_timeout_s`` abandons that snapshot (logged) instead of hanging.
+        """
+        self._copier.fence(1)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the running snapshot is COMPLETE (True) or the timeout passes."""
+        return self._copier.wait_job(timeout)
+
+    def invalidate_layout(self) -> None:
+        """Forces the copy plan to be rebuilt at the next boundary.
+
+        Needed only after replacing state tensors outside ``optimizer.step()`` /
+        ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
+        replacement is otherwise found by the rotating identity check within
+        ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
+        checks a window of them), and tensors added to a module or an existing
+        ``opt.state[p]`` only by the full re-scan every ``RESCAN_EVERY`` x
+        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.plan.Layout). The
+        running copy keeps reading the old tensors, which stay alive until it completes.
+        """
+        self._layouts.invalidate()
+
+    def coverage(self) -> dict[str, Any]:
+        """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
+        return self._layouts.coverage()
+
+    def arena_ready(self, timeout: float | None = None) -> bool:
+        """Waits (up to ``timeout`` s) for a background arena set-up; True when none runs.
+
+        The next boundary then adopts the arena and snapshots again.
+        """
+        return self._keeper.ready(timeout)
+
+    def staged_arenas(self) -> list[Any]:
+        """This rank's open arenas: its own, then one inherited from a predecessor."""
+        return self._keeper.staged_arenas()
+
+    def copy_stream_handle(self) -> int | None:
+        """The CUDA backend's copy stream (a ``cudaStream_t`` as an int, for profilers and
+        benchmarks: ``torch.cuda.ExternalStream``); None before the first boundary or on CPU."""
+        return self._backend.copy_stream_handle()
+
+    backend = property(lambda self: self._backend.name,
+                       doc='"cpu" or "cuda" from the first boundary on (None before).')
+    last_step = property(lambda self: self._timeline.last_step,
+                         doc="The newest boundary's step (None before the first).")
+    RESCAN_EVERY = property(  # settable, for tests and bench/boundary_cpu.py
+        lambda self: self._layouts.rescan_every,
+        lambda self, n: setattr(self._layouts, "rescan_every", n),
+        doc="Boundaries between two full re-scans of the state (see invalidate_layout).")
+
+    # -------------------------------------------------------------- flush
     def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | None:
         """Writes the newest COMPLETE snapshot to disk now; returns its directory.
 
@@ -253,11 +313,97 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         complete first, so the flushed step is the newest one. Returns None when
         no snapshot exists yet. Before the staging arena is ready, the newest
         boundary is snapshotted synchronously first (cudasnap.core.early).
+
+        Multi-rank: called by the program itself with ``wait`` (e.g. at the end of the
+        job, on every rank), the coordinated round waits, bounded, for every live rank's
+        copy of this rank's newest step, so all agree on the last step every rank
+        reached. A trigger's flush (the guard's: signals, health, peer failure) or one
+        without ``wait`` waits for no rank's boundary.
         """
         if self._closed:
             raise SnapshotError("flush() on a closed Snapshotter")
-        early.before_flush(self, timeout)
-        return super().flush(wait, timeout)
+        self._early.before_flush(timeout)
+        return self._flusher.flush(wait, timeout)
+
+    def flush_if_new(self, wait_s: float = 60.0) -> Path | None:
+        """Flushes the newest COMPLETE snapshot unless that step is already on disk
+        (``close()``'s final flush); None when there was nothing new to write."""
+        return self._flusher.flush_if_new(self.flush, wait_s)
+
+    def settle_newest(self, timeout: float | None) -> None:
+        """Zero-overhead mode: copies the newest boundary's live state now when that
+        boundary was not copied and no optimizer step ran since (a no-op otherwise).
+        The coordinator calls it while an explicit flush round waits for this rank's
+        newest step (cudasnap.dist.flush_round)."""
+        self._flusher.settle_newest(timeout)
+
+    # ------------------------------------------------------------ restore
+    def restore_latest(self) -> int:
+        """Loads the newest snapshot that verifies; returns the step to resume at (0 if none).
+
+        Sources, newest step first: this node's shared-memory slot (fastest),
+        then committed snapshots on disk. A corrupt or torn candidate is skipped
+        with a warning naming it; a snapshot that does not fit the live
+        model/optimizer raises IncompatibleSnapshot.
+        """
+        if self._closed:
+            raise SnapshotError("restore_latest() on a closed Snapshotter")
+        return self._restorer.restore_latest()
+
+    def rollback(self) -> int:
+        """In-process rollback: copy the newest COMPLETE slot back into the live tensors.
+
+        For a fault the process survives (a NaN loss, a peer failure): training
+        continues at the returned step (snapshot step + 1).
+        """
+        if self._closed:
+            raise SnapshotError("rollback() on a closed Snapshotter")
+        return self._restorer.rollback()
+
+    def restore_dir(self, ref: Any) -> int:
+        """Applies a stored snapshot; returns its step. ``ref``: a snapshot of
+        ``self.storage``'s listing, or a local step/rank directory."""
+        return self._restorer.restore_dir(ref)
+
+    def restore_slot(self, arena: Any, slot: int, where: str) -> int:
+        """Applies an arena slot (validated first); returns its step."""
+        return self._restorer.restore_slot(arena, slot, where)
+
+    def newest_known_step(self) -> int:
+        """Newest step in shared memory or on disk, or -1 (no validation of the data)."""
+        return self._restorer.newest_known_step()
+
+    def record_restore(self, source: str, step: int, where: str) -> None:
+        """Notes where a restore came from (``stats()["restore"]``; the coordinator's vote)."""
+        self._restorer.record_restore(source, step, where)
+
+    def last_restore(self) -> dict[str, Any] | None:
+        """What the last restore loaded: source, step, where (None before any)."""
+        return self._restorer.last_restore()
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The ``boundary(step, **values)`` of the restored step ({} before a restore)."""
+        return self.state.values
+
+    # Read-only views of the components' state for tests, tests/helpers/faultlib and
+    # bench/boundary_cpu.py --spin (whose --against runs the old tree too); never set.
+    _arena = property(lambda self: self._keeper.arena)
+    _prep = property(lambda self: self._keeper.prep)
+    _cuda = property(lambda self: self._backend.cuda)
+    _job = property(lambda self: self._copier.job)
+    _layout = property(lambda self: self._layouts.layout)
+    _partly_applied = property(lambda self: self._restorer.partly_applied)
+
+    # -------------------------------------------------------------- misc
+    def stats(self) -> dict[str, Any]:
+        """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
+        s = self._counters.summary()
+        s["backend"], s["layout"] = self._backend.name, self._layouts.info()
+        if self.guard is not None:
+            s["health_events"] = len(self.guard.history())
+        s.update(self._keeper.stats())
+        return s
 
     def close(self, keep_arena: bool = False, flush: bool | None = None) -> None:
         """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
@@ -271,14 +417,14 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
         if flush is None:
             flush = self.flush_on_close and not keep_arena and self.dist is None
         if flush or keep_arena:
-            early.at_close(self, keep_arena)
-        arena_prep.shutdown(self, min(60.0, self.wait_timeout_s))  # a set-up in progress
+            self._early.at_close(keep_arena)
+        self._keeper.shutdown(min(60.0, self.wait_timeout_s))  # a set-up in progress
         if flush and not final_flush(self):
             keep_arena = True  # the arena holds the only copy of the final state
-        early.warn_if_nothing_saved(self)
+        self._early.warn_if_nothing_saved()
         self._closed = True
         try:
-            self._wait_job(min(60.0, self.wait_timeout_s))
+            self._copier.wait_job(min(60.0, self.wait_timeout_s))
         finally:
             if self.guard is not None:
                 self.guard.stop()
@@ -287,8 +433,8 @@ class Snapshotter(FencesMixin, LayoutMixin, StagingMixin, SubmitMixin, FlushMixi
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
-            self._stop_engine()
-            self._release_arenas(unlink=not keep_arena)
+            self._layouts.release_at_close(self._backend.stop())
+            self._keeper.release(unlink=not keep_arena)
             self._lock.release()
 
     def __enter__(self) -> "Snapshotter":

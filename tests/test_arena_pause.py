@@ -118,14 +118,14 @@ def test_restore_from_a_slot_holds_the_preparer_then_lets_it_finish(snap_env, mo
     model, opt = _adam(seed=1)
     snap = _snap(snap_env, model, opt)
     seen: list[bool] = []
-    inner = snap._restore_slot
+    inner = snap._restorer._restore_slot
 
     def spy(arena, slot, where):
         seen.append(snap._prep._cancel.paused)
         gate.set()  # the held set-up may start now: it must still wait for the restore
         return inner(arena, slot, where)
 
-    monkeypatch.setattr(snap, "_restore_slot", spy)
+    monkeypatch.setattr(snap._restorer, "_restore_slot", spy)
     try:
         assert snap._prep.busy  # the inherited arena's pre-fault, in the background
         got = snap.restore_latest()

@@ -152,13 +152,13 @@ def test_boundary_skips_arena_prep_while_the_arena_fits(snap_env, monkeypatch):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     snap = Snapshotter(model, opt, directory=snap_env.dir, health=False, flush_on_close=False)
     calls: list[int] = []
-    real = snap._ensure_arena
+    real = snap._keeper.ensure
 
-    def ensure(plan, meta_len):
+    def ensure(plan, meta_len, *a, **kw):
         calls.append(meta_len)
-        return real(plan, meta_len)
+        return real(plan, meta_len, *a, **kw)
 
-    monkeypatch.setattr(snap, "_ensure_arena", ensure)
+    monkeypatch.setattr(snap._keeper, "ensure", ensure)
     try:
         for step in range(4):
             opt.step()

@@ -1,9 +1,13 @@
-"""Issue 12: the Snapshotter is a facade over cudasnap/core; no one else reaches into it.
+"""Issues 12, 24: the Snapshotter is a facade over cudasnap/core's components; no one
+else reaches into it, and no component into another.
 
 * each ``cudasnap.core`` module imports alone (no hidden order dependency, no
   import of the Snapshotter facade from below it);
 * code outside ``cudasnap/core`` and ``snapshotter.py`` uses only public attributes of a
   Snapshotter (an AST check over ``snap._x`` / ``self._s._x`` / ``self.snapshotter._x``);
+* inside it, each component owns its state: no shared-field hub (``core/shared.py``,
+  mixins), no function taking the whole Snapshotter (``snap``), and no write of another
+  object's attribute but the reviewed ones below (an AST check of every assignment);
 * ``timeline.final_flush`` needs only its narrow ``ClosingSnapshots`` protocol;
 * the Snapshotter's environment is read through ``cudasnap.config.Settings``: a bad
   value is a ConfigError naming the variable, and keyword arguments win.
@@ -76,6 +80,71 @@ def test_nothing_outside_the_core_reaches_into_a_snapshotter() -> None:
             continue
         bad += [f"{rel}:{line}: .{attr}" for line, attr in private_uses(ast.parse(f.read_text()))]
     assert not bad, "private Snapshotter fields used outside cudasnap/core:\n" + "\n".join(bad)
+
+
+# Writes of an attribute of another object than ``self`` in cudasnap/core and the facade
+# (the counters aside: plain data every component increments): (module, target) -> why.
+REVIEWED_WRITES = {
+    ("core/backend.py", "self.engine.wait_timeout_s"): "the native engine's setting, at birth",
+    ("core/early.py", "early.boundary_event"): "EarlySaver's own field, from its module's "
+                                               "_wait_next_boundary (kept a function for tests)",
+    ("core/fences.py", "copier.live_dirty"): "the forward hook inlines Copier.fence's no-op case",
+    ("core/staging.py", "prep.warmed"): "the keeper hands its preparer the warmed inherited arena",
+    ("core/submit.py", "self.state.step_values"): "boundary(step, **values) into the state",
+    ("core/submit.py", "lay.arena_ok"): "the copier's cached 'fits' answer, kept per plan",
+    ("snapshotter.py", "self.state.rng_sources"): "the rng_sources keyword",
+    ("core/state.py", "lt.owner"): "TrainingState's own LiveTensors",
+    ("core/state.py", "lt.shard"): "TrainingState's own LiveTensors",
+    ("core/state.py", "lt.tensor"): "TrainingState's own LiveTensors",
+}
+
+
+def foreign_writes(tree: ast.AST) -> list[str]:
+    """Targets ``x.attr = ...`` (also ``+=``, annotated, in tuples) whose ``x`` is not
+    ``self``/``cls``, nor the counters (``self._counters``, or a local ``c`` alias)."""
+    out = []
+    for n in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(n, ast.Assign):
+            targets = list(n.targets)
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
+            targets = [n.target]
+        for t in [e for t in targets
+                  for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]:
+            if not isinstance(t, ast.Attribute):
+                continue
+            base = t.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls", "c"):
+                continue
+            if isinstance(base, ast.Attribute) and base.attr == "_counters" \
+                    and isinstance(base.value, ast.Name) and base.value.id == "self":
+                continue
+            out.append(ast.unparse(t))
+    return out
+
+
+def test_foreign_write_finder_sees_a_reach_in() -> None:
+    code = ("def f(self, keeper, c):\n    keeper.arena = None\n    self.x = c.y = 1\n"
+            "    self._counters.skipped += 1\n    self._keeper.inherited = None\n")
+    assert foreign_writes(ast.parse(code)) == ["keeper.arena", "self._keeper.inherited"]
+
+
+def test_each_core_component_owns_its_state() -> None:
+    assert not (PKG / "core" / "shared.py").exists(), "the shared-field hub is back"
+    bad = []
+    for f in sorted((PKG / "core").glob("*.py")) + [PKG / "snapshotter.py"]:
+        rel = str(f.relative_to(PKG))
+        tree = ast.parse(f.read_text())
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and (n.name.endswith("Mixin") or n.name == "Fields"):
+                bad.append(f"{rel}:{n.lineno}: class {n.name} (state shared through a base)")
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                bad += [f"{rel}:{n.lineno}: {n.name}({a.arg}) takes the whole Snapshotter"
+                        for a in n.args.args + n.args.kwonlyargs
+                        if a.arg in ("snap", "snapshotter")]
+        bad += [f"{rel}: writes {t}" for t in foreign_writes(tree)
+                if (rel, t) not in REVIEWED_WRITES]
+    assert not bad, "\n".join(bad)
 
 
 class _Arena:

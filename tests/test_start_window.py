@@ -32,7 +32,7 @@ from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._testing import arena_gate
-from cudasnap.core import early
+from cudasnap.core import arena_exit, early
 from cudasnap.storage import posix as store
 
 CHUNK = 64 << 10
@@ -295,7 +295,7 @@ def test_an_empty_arena_left_at_exit_is_removed(snap_env):
     a = native().Arena.create(str(path), 2, 1 << 20, 1 << 16, CHUNK, "j", False)
     a.claim_owner()
     del a
-    assert early.report_left_arena(str(path)) is None
+    assert arena_exit.report_left_arena(str(path)) is None
     assert not path.exists()
 
 

@@ -42,7 +42,7 @@ def test_swapped_parameter_storage_held_during_cpu_copy(snap_env, native_C):
         snap.boundary(1)
         assert snap.wait(30)
         want = {f"model.{i}": _bytes(p) for i, p in enumerate(model)}
-        snap._engine.set_test_chunk_delay_us(10_000_000)  # stalled until released below
+        snap._backend.engine.set_test_chunk_delay_us(10_000_000)  # stalled until released below
         snap.boundary(2)
         olds, junk = [], []
         for p in model:
@@ -54,7 +54,7 @@ def test_swapped_parameter_storage_held_during_cpu_copy(snap_env, native_C):
         assert not snap._job.done(1)
         freed = [i for i, (r, _) in enumerate(olds) if r.expired()]
         reused = {x.data_ptr() for x in junk} & {ptr for _, ptr in olds}
-        snap._engine.set_test_chunk_delay_us(0)
+        snap._backend.engine.set_test_chunk_delay_us(0)
         assert snap.wait(30)
         step, got = _slot_bytes(snap._arena, snap._arena.newest_complete())
         assert step == 2
@@ -77,7 +77,7 @@ _CANCEL = textwrap.dedent("""
                                 arena_sync_max_bytes=1 << 34)
     snap.boundary(1)
     assert snap.wait(60)
-    snap._engine.wait_timeout_s = 0.002
+    snap._backend.engine.wait_timeout_s = 0.002
     snap.boundary(2)
     snap.fence()  # waits 2 ms, then cancels the job while the worker still copies
     p = model[0]
@@ -87,7 +87,7 @@ _CANCEL = textwrap.dedent("""
     assert snap.wait(60)  # retires the failed job
     gc.collect()
     print("held after the cancelled job was retired:", not ref.expired(), flush=True)
-    snap._engine.wait_timeout_s = 60.0
+    snap._backend.engine.wait_timeout_s = 60.0
     model[0].data = torch.ones(16)
     snap.boundary(3)  # accepted: the cancelled copy's worker is done
     assert snap.wait(60)

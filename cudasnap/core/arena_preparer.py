@@ -8,12 +8,12 @@ needs), and the stop of set-ups still running at interpreter exit. It knows noth
 Snapshotter: the jobs it runs, and when, are ``cudasnap.core.arena_prep``'s.
 
 Call order: the Snapshotter's constructor makes one ``ArenaPreparer`` (``snap._prep``);
-``arena_prep.start_at_construction`` (the constructor) and ``arena_prep.ensure`` (a boundary
+``ArenaKeeper.start_at_construction`` (the constructor) and ``ArenaKeeper.ensure`` (a boundary
 whose plan no longer fits) call :meth:`~ArenaPreparer.start`; the training thread polls
 :attr:`~ArenaPreparer.pending` at each boundary and collects the result with
-:meth:`~ArenaPreparer.take` once it is done (``arena_prep.ensure``); a boundary skipped
+:meth:`~ArenaPreparer.take` once it is done (``ArenaKeeper.ensure``); a boundary skipped
 meanwhile calls :meth:`~ArenaPreparer.note_skip`; a restore (``cudasnap.core.restore``, from
-disk or from an arena slot) runs inside :meth:`~ArenaPreparer.paused`; ``arena_prep.shutdown``
+disk or from an arena slot) runs inside :meth:`~ArenaPreparer.paused`; ``ArenaKeeper.shutdown``
 (``close()``) calls :meth:`~ArenaPreparer.cancel`, then ``take``. Before its work the thread
 reaches the test point ``arena_prep.hold`` (cudasnap._points; ``cudasnap._testing.arena_gate``
 holds it there).

@@ -6,10 +6,10 @@ optimizers create at their first step) and the rounding of a plan's bytes into s
 manifest capacities (:func:`slot_capacity`, :func:`meta_capacity`,
 :func:`estimate_meta_len`). Pure arithmetic: it makes no arena and starts no thread.
 
-Call order: ``cudasnap.core.arena_prep.start_at_construction`` (from the Snapshotter's
+Call order: ``cudasnap.core.staging.ArenaKeeper.start_at_construction`` (from the Snapshotter's
 constructor) sizes the arena it prepares in the background with
 ``estimate_state_bytes`` -> ``slot_capacity`` / ``estimate_meta_len`` -> ``meta_capacity``;
-``arena_prep.ensure`` (each boundary, a flush) sizes it from the copy plan with
+``ArenaKeeper.ensure`` (each boundary, a flush) sizes it from the copy plan with
 ``slot_capacity`` and ``meta_capacity`` when the arena is missing or no longer fits.
 """
 from __future__ import annotations

@@ -1,25 +1,53 @@
 """Flush: write the newest COMPLETE snapshot (or, in zero-overhead mode, the live state) to disk.
 
 A flush leases the slot it writes (the spare slot keeps boundaries going
-meanwhile) and goes through ``self.storage`` (cudasnap.storage: POSIX or an
+meanwhile) and goes through ``storage`` (cudasnap.storage: POSIX or an
 object store); in distributed mode the coordinator runs a flush round instead.
+
+Call order: the facade makes the ``Flusher`` with the flush lock it also hands the
+keeper and the early saver, and calls :meth:`Flusher.attach` once the triggers exist.
+``Snapshotter.flush()`` (explicit, a trigger's, ``ArenaKeeper.retire``'s) runs the early
+saver first, then :meth:`Flusher.flush`: under the flush lock, ``Copier.wait_job`` (with
+``wait``), ``Copier.copy_live`` (zero-overhead mode), then the coordinator's round or the
+newest COMPLETE slot leased under the copier's slot lock and written by the storage.
+``close()`` calls :meth:`Flusher.flush_if_new` (via ``timeline.final_flush``).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ..errors import SnapshotError
 from ..format import paths
 from ..storage.progress import bytes_written, io_progress
-from .shared import Fields
+
+if TYPE_CHECKING:
+    from .counters import Counters
+    from .staging import ArenaKeeper
+    from .submit import Copier
 
 log = logging.getLogger("cudasnap")
 
 
-class FlushMixin(Fields):
+class Flusher:
+    def __init__(self, storage: Any, keeper: ArenaKeeper, copier: Copier, counters: Counters,
+                 flush_lock: threading.RLock, *, directory: Path, keep: int,
+                 flush_threads: int) -> None:
+        self.storage, self._keeper, self._copier = storage, keeper, copier
+        self._counters, self.lock = counters, flush_lock
+        self.directory, self.keep, self.flush_threads = directory, keep, flush_threads
+        self.flushed_step: int | None = None  # the newest step this process wrote
+        self._dist: Any = None
+        self._guard: Any = None
+
+    def attach(self, dist: Any, guard: Any) -> None:
+        """After the triggers exist: the coordinator (multi-rank flush rounds) and the
+        guard (paused while a flush runs)."""
+        self._dist, self._guard = dist, guard
+
     def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | None:
         """Writes the newest COMPLETE snapshot to disk now; returns its directory.
 
@@ -33,27 +61,26 @@ class FlushMixin(Fields):
         reached. A trigger's flush (the guard's: signals, health, peer failure) or one
         without ``wait`` waits for no rank's boundary.
         """
-        if self._closed:
-            raise SnapshotError("flush() on a closed Snapshotter")
-        with self._flush_lock, (self.guard.paused() if self.guard is not None else contextlib.nullcontext()):
+        guard, dist, copier = self._guard, self._dist, self._copier
+        with self.lock, (guard.paused() if guard is not None else contextlib.nullcontext()):
             if wait:
-                self._wait_job(timeout)
-            if self._live is not None:
-                self._copy_live(timeout)
-            if self.dist is not None:
-                triggered = self.guard is not None and self.guard.dispatcher.flushing
-                path = self.dist.flush(explicit=wait and not triggered)
+                copier.wait_job(timeout)
+            if copier.live is not None:
+                copier.copy_live(timeout)
+            if dist is not None:
+                triggered = guard is not None and guard.dispatcher.flushing
+                path = dist.flush(explicit=wait and not triggered)
                 if path is not None:
-                    self._stats.flushes += 1
-                    self._stats.last_flush_path = str(path)
-                    self._stats.last_flush_seconds = self.dist.last_flush["seconds"]
+                    self._counters.flushes += 1
+                    self._counters.last_flush_path = str(path)
+                    self._counters.last_flush_seconds = dist.last_flush["seconds"]
                 return path
-            arenas = self.staged_arenas()
+            arenas = self._keeper.staged_arenas()
             arena = arenas[0] if arenas else None
             if arena is None:
                 log.warning("flush requested before the first snapshot: nothing to write")
                 return None
-            with self._slot_lock:
+            with copier.slot_lock:
                 slot = arena.newest_complete()
                 if slot < 0:
                     log.warning("flush requested but no COMPLETE snapshot exists yet")
@@ -67,10 +94,10 @@ class FlushMixin(Fields):
                                                        keep=self.keep)
             finally:
                 arena.release(slot)
-            self._stats.flushes += 1
-            self._flushed_step = int(st["step"])
-            self._stats.last_flush_seconds = st["seconds"]
-            self._stats.last_flush_path = str(path)
+            self._counters.flushes += 1
+            self.flushed_step = int(st["step"])
+            self._counters.last_flush_seconds = st["seconds"]
+            self._counters.last_flush_path = str(path)
             return path
 
     def settle_newest(self, timeout: float | None) -> None:
@@ -78,60 +105,24 @@ class FlushMixin(Fields):
         boundary was not copied and no optimizer step ran since (a no-op otherwise).
         The coordinator calls it while an explicit flush round waits for this rank's
         newest step (cudasnap.dist.flush_round)."""
-        if self._live is not None:
-            self._copy_live(timeout)
+        if self._copier.live is not None:
+            self._copier.copy_live(timeout)
 
-    def flush_if_new(self, wait_s: float = 60.0) -> Path | None:
-        """Flushes the newest COMPLETE snapshot unless that step is already on disk
-        (``close()``'s final flush); None when there was nothing new to write."""
-        arenas = self.staged_arenas()
+    def flush_if_new(self, flush: Callable[[], Path | None],
+                     wait_s: float = 60.0) -> Path | None:
+        """Flushes (``flush()``: the facade's) the newest COMPLETE snapshot unless that step
+        is already on disk (``close()``'s final flush); None when there was nothing new."""
+        arenas = self._keeper.staged_arenas()
         if not arenas:
             return None
-        self.wait(wait_s)
-        with self._flush_lock:  # a triggered flush still running finishes first
+        self._copier.wait_job(wait_s)
+        with self.lock:  # a triggered flush still running finishes first
             arena = arenas[0]
             slot = arena.newest_complete()
             if slot < 0:
                 return None
             step = int(arena.slot_info(slot)["step"])
-            if step == self._flushed_step or (
+            if step == self.flushed_step or (
                     self.directory / paths.step_dirname(step) / paths.MANIFEST).is_file():
                 return None
-            return self.flush()
-
-    def _copy_live(self, timeout: float | None) -> None:
-        """Zero-overhead mode: the newest boundary was not copied; when no optimizer
-        step (nor buffer forward, fence, load) ran since, the live tensors still hold
-        that step, so copy them into a free slot now (same manifest, format and
-        commit path) for the flush to write. Otherwise the newest COMPLETE slot is
-        flushed (replay <= snapshot_every steps)."""
-        live, arena = self._live, self._arena
-        if live is None or arena is None or self._engine is None or self._live_copy is not None:
-            return  # (not re-entered: a regrowth inside the copy flushes too)
-        step, suffix = live
-        ev = threading.Event()
-        self._live_copy = ev  # set before reading the flag; _fence sets it the other way
-        try:
-            if self._live_dirty or self._live is not live:
-                log.info("JIT flush: the state moved past step %d (optimizer step since); "
-                         "flushing the newest copied snapshot", step)
-                return
-            if not self._wait_job(timeout):
-                return
-            try:
-                lay = self._current_layout()
-            except SnapshotError as e:
-                log.warning("JIT flush: live state of step %d not copied: %s", step, e)
-                return
-            job = self._submit_copy(lay, step, suffix)
-            if job is None or not self._wait_job(timeout if timeout is not None else
-                                                 self.wait_timeout_s):
-                return
-            if self._live is live:
-                self._live = None
-            self._stats.live_saves += 1
-            log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
-                     "boundary, snapshot_every=%d)", step, self.snapshot_every)
-        finally:
-            self._live_copy = None
-            ev.set()
+            return flush()

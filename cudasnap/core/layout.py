@@ -1,15 +1,28 @@
-"""The plan cache: the copy plan is rebuilt only when the state changed.
+"""Layouts: the copy plan cache, and how long each plan's tensors are held.
 
 A ``Layout`` (``cudasnap.core.plan``) is built at the first boundary and reused
 while the optimizer state's key counts hold and ``cudasnap.core.layout_watch`` (a window
 of identity checks per boundary, plus a periodic full re-scan) sees no replaced
 tensor.
+
+Storage lifetime: the copy reads the planned tensors' memory by address, so the
+running copy's ``Layout`` (it holds every planned storage) is kept until the copy can
+no longer read it: until the job is COMPLETE, and for a failed or cancelled job until
+the engine has drained (``hold_draining``). Only then may ``p.data = ...``, ``set_()``
+or a swapped optimizer state free a block it read.
+
+Call order: the ``Copier`` calls :meth:`Layouts.current` at each boundary it copies
+(and the JIT live copy, the early saver), then :meth:`Layouts.running_job` once the
+engine accepted the job; :meth:`Layouts.job_done` when it retired that job,
+:meth:`Layouts.hold_draining` for a refused one on a hung GPU; ``close()`` calls
+:meth:`Layouts.release_at_close` after the engine stopped. The fences (optimizer load
+hooks), a restore and ``Snapshotter.invalidate_layout`` call :meth:`Layouts.invalidate`.
 """
 from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,43 +34,53 @@ from . import layout_watch
 from .layout_watch import Watch, identity_entries
 from .live_tensor import single_cuda_device
 from .plan import Layout, make_plan
-from .shared import Fields
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .counters import Counters
+    from .state import TrainingState
 
 log = logging.getLogger("cudasnap")
 
+# Layouts of copies a closed Snapshotter left running on a hung GPU: the DMA may
+# still read their storages, so they are never freed (process lifetime, logged).
+_ABANDONED: list[Layout] = []
 
-class LayoutMixin(Fields):
+
+class Layouts:
     RESCAN_EVERY = 64
 
-    def invalidate_layout(self) -> None:
-        """Forces the copy plan to be rebuilt at the next boundary.
+    def __init__(self, state: TrainingState, backend: Backend, counters: Counters, *,
+                 chunk_bytes: int, rank: int, world_size: int, job: str) -> None:
+        self.state, self._backend, self._counters = state, backend, counters
+        self.chunk_bytes, self.rank, self.world_size, self.job = chunk_bytes, rank, world_size, job
+        self.rescan_every = self.RESCAN_EVERY
+        self.layout: Layout | None = None  # the current plan (None: rebuilt at the next use)
+        self.running: Layout | None = None  # the running copy's: it holds the planned storages
+        self.draining: tuple[Layout, ...] = ()  # failed copies' until the engine drained them
 
-        Needed only after replacing state tensors outside ``optimizer.step()`` /
-        ``load_state_dict`` (e.g. ``opt.state[p]["exp_avg"] = t``); such a
-        replacement is otherwise found by the rotating identity check within
-        ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
-        checks a window of them), and tensors added to a module or an existing
-        ``opt.state[p]`` only by the full re-scan every ``RESCAN_EVERY`` x
-        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.plan.Layout). The
-        running copy keeps reading the old tensors, which stay alive until it completes.
-        """
-        self._layout = None
+    def invalidate(self) -> None:
+        """The copy plan is rebuilt at the next boundary (see Snapshotter.invalidate_layout);
+        the running copy keeps reading the old tensors, which stay alive until it completes."""
+        self.layout = None
 
     def coverage(self) -> dict[str, Any]:
         """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
-        if self._cuda is None:
+        cuda = self._backend.cuda
+        if cuda is None:
             raise SnapshotError("coverage() needs the CUDA backend (state on a GPU)")
-        lay = self._current_layout()
-        cov: dict[str, Any] = self._cuda.coverage(lay.tensors)
+        lay = self.current()
+        cov: dict[str, Any] = self._backend.cuda.coverage(lay.tensors)
         return cov
 
-    def _layout_info(self) -> dict[str, Any] | None:
+    def info(self) -> dict[str, Any] | None:
         """``stats()["layout"]``: the current plan's tensors and copy ranges (None: no plan)."""
-        lay = self._layout
+        lay = self.layout
         if lay is None:
             return None
+        cuda = self._backend.cuda
         return {"tensors": len(lay.tensors), "copy_ranges": int(lay.plan.num_ranges),
-                "allocator_tracking": self._cuda is not None and self._cuda.registry is not None}
+                "allocator_tracking": cuda is not None and cuda.registry is not None}
 
     def _build_layout(self) -> Layout:
         """A new Layout of the live state, with Python's cyclic GC held off meanwhile.
@@ -80,15 +103,16 @@ class LayoutMixin(Fields):
 
     def _build_layout_now(self) -> Layout:
         tensors = self.state.live_tensors()
-        if self._backend_name == "cpu":  # its copy workers read host memory only
+        be = self._backend
+        if be.requested == "cpu":  # its copy workers read host memory only
             on_gpu = next((lt.name for lt in tensors if lt.tensor.is_cuda), None)
             if on_gpu is not None:
                 raise ConfigError(f"backend='cpu' but {on_gpu} lives on a CUDA device: move "
                                   "it to the CPU, or use backend='cuda' (or 'auto')")
-        self._ensure_engine(tensors)
-        if self._cuda is not None:
-            single_cuda_device(tensors, self._cuda.index)
-        plan, offsets = make_plan(tensors, self._cuda, self.chunk_bytes)
+        be.ensure(tensors)
+        if be.cuda is not None:
+            single_cuda_device(tensors, be.cuda.index)
+        plan, offsets = make_plan(tensors, be.cuda, self.chunk_bytes)
         entries = []
         for lt, off in zip(tensors, offsets):
             e = tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase, lt.nbytes)
@@ -101,17 +125,18 @@ class LayoutMixin(Fields):
             entries.append(e)
         validate_tensors(entries, plan.total_bytes, "layout")
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
-                        backend=self.backend, torch=torch.__version__,
+                        backend=be.name, torch=torch.__version__,
                         dcp_names=self.state.dcp_names())
         prefix = encode_prefix(head, entries)  # the slot manifest up to its host value
-        self._stats.layout_rebuilds += 1
+        self._counters.layout_rebuilds += 1
         log.debug("layout: %d tensors, %d copy ranges, %.1f MB", len(tensors), plan.num_ranges,
                   plan.total_bytes / 1e6)
         return Layout(tensors, plan, prefix, Watch(identity_entries(self.state, tensors)),
-                      self.RESCAN_EVERY, list(self.state.optimizers.values()))
+                      self.rescan_every, list(self.state.optimizers.values()))
 
-    def _current_layout(self) -> Layout:
-        lay = self._layout
+    def current(self) -> Layout:
+        """The plan for this boundary: the cached one while the state holds, else a new one."""
+        lay = self.layout
         if lay is not None:
             # One native call, O(WINDOW) whatever the tensor count: the signature
             # (len(opt.state) per optimizer), WINDOW identity entries and WINDOW data
@@ -122,5 +147,60 @@ class LayoutMixin(Fields):
                 if lay.rescan(self.state.identity_pieces(lay.tied) if fresh == 2 else None
                               ) is not False:
                     return lay
-        self._layout = self._build_layout()
-        return self._layout
+        self.layout = self._build_layout()
+        return self.layout
+
+    # ------------------------------------------------- how long plans are held
+    def running_job(self, lay: Layout) -> None:
+        """The engine accepted a copy of ``lay``: hold it until the job is COMPLETE (one
+        reference, O(1)); the copies of the held failed layouts are over
+        (``release_drained``)."""
+        self.running = lay
+        if self.draining:
+            self.release_drained()
+
+    def job_done(self, failed: bool) -> None:
+        """The copier retired the running job (COMPLETE, or ``failed``)."""
+        # (No local holds the layout: a logged error's traceback keeps this frame.)
+        if failed:
+            self.hold_draining(self.running)
+        else:
+            # COMPLETE: its copy has drained, and so has every earlier one (one
+            # copy at a time; on CUDA in stream order): their layouts may go.
+            self.draining = ()
+        self.running = None
+
+    def hold_draining(self, lay: Layout | None) -> None:
+        """Keeps the layout of a failed or cancelled copy (and so its storages) alive.
+
+        A job fails as soon as it is cancelled (a fence's bounded wait ran out) or
+        its completion wait timed out, while its copy may still be reading: CPU
+        workers finish the chunk they are in, and a DMA already queued on the copy
+        stream runs whenever the GPU gets to it. The layout is released when the
+        engine is known to have drained it: the next accepted submit (see
+        ``release_drained``), the next COMPLETE job, or ``close()``.
+        """
+        if lay is not None and all(lay is not h for h in self.draining):
+            self.draining = (*self.draining, lay)
+
+    def release_drained(self) -> None:
+        """After the engine accepted a new job: the copies of the held layouts are over.
+
+        The CPU engine accepts a job only once the previous one's workers finished;
+        the CUDA engine only once its completion thread finished the previous job,
+        which waits for that job's last DMA unless the GPU was declared hung (then
+        the layouts stay until a later job completes, which is after them in stream
+        order, or are abandoned at close)."""
+        if self.draining and not self._backend.hung():
+            self.draining = ()
+
+    def release_at_close(self, drained: bool) -> None:
+        """close(): the engine is stopped; ``drained``: no copy can still read the state."""
+        held = [lay for lay in (*self.draining, self.running) if lay is not None]
+        self.draining = ()
+        self.running = None
+        if held and not drained:
+            _ABANDONED.extend(held)
+            log.error("close(): a snapshot copy may still be reading the state (GPU hung); "
+                      "its %d tensor(s) are kept allocated for the life of the process",
+                      sum(len(lay.tensors) for lay in held))

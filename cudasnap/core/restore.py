@@ -4,6 +4,15 @@
 arena slots (validated: manifest, then each chunk's CRC32C) and the storage's
 committed snapshots; a corrupt or torn one is skipped with a warning naming it.
 ``rollback()`` copies the newest COMPLETE slot back in the same process.
+
+Call order: the facade makes the ``Restorer`` and calls :meth:`Restorer.attach` once
+the triggers exist; its ``restore_latest()`` / ``rollback()`` check that it is open,
+then call these. Each first waits for the running copy (``Copier.wait_job``), holds
+the background arena set-up (``ArenaPreparer.paused``) while it reads, tells the
+copier to forget the live state (``Copier.forget_live``) before it writes the state,
+then records the step (``Timeline.restored_at``) and drops the plan
+(``Layouts.invalidate``). The coordinator (``cudasnap.dist``, through
+``cudasnap.dist.local``) calls ``restore_slot`` / ``restore_dir`` / ``record_restore``.
 """
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +33,15 @@ from ..format import paths
 from ..format.manifest import validate_manifest
 from ..storage import posix
 from ..storage.progress import bytes_read, io_progress
-from .shared import Fields
 from .timeline import resume_message
+
+if TYPE_CHECKING:
+    from .counters import Counters
+    from .layout import Layouts
+    from .staging import ArenaKeeper
+    from .state import TrainingState
+    from .submit import Copier
+    from .timeline import Timeline
 
 log = logging.getLogger("cudasnap")
 
@@ -57,7 +73,25 @@ class _Verify:
         return self._out
 
 
-class RestoreMixin(Fields):
+class Restorer:
+    def __init__(self, state: TrainingState, storage: Any, keeper: ArenaKeeper, copier: Copier,
+                 layouts: Layouts, timeline: Timeline, counters: Counters, *, rank: int,
+                 flush_threads: int, wait_timeout_s: float,
+                 allow_foreign_owner: bool | None) -> None:
+        self.state, self.storage, self._keeper, self._copier = state, storage, keeper, copier
+        self._layouts, self._timeline, self._counters = layouts, timeline, counters
+        self.rank, self.flush_threads, self.wait_timeout_s = rank, flush_threads, wait_timeout_s
+        self.allow_foreign_owner = allow_foreign_owner
+        self.partly_applied: str | None = None  # a snapshot that failed half-way through
+        self._resume_logged = False
+        self._dist: Any = None
+        self._guard: Any = None
+
+    def attach(self, dist: Any, guard: Any) -> None:
+        """After the triggers exist: the coordinator (multi-rank restores) and the guard
+        (paused during a rollback)."""
+        self._dist, self._guard = dist, guard
+
     def restore_latest(self) -> int:
         """Loads the newest snapshot that verifies; returns the step to resume at (0 if none).
 
@@ -66,19 +100,18 @@ class RestoreMixin(Fields):
         with a warning naming it; a snapshot that does not fit the live
         model/optimizer raises IncompatibleSnapshot.
         """
-        if self._closed:
-            raise SnapshotError("restore_latest() on a closed Snapshotter")
-        self._wait_job(self.wait_timeout_s)
+        self._copier.wait_job(self.wait_timeout_s)
         t0 = time.perf_counter()
-        if self.dist is not None:
-            nxt = self.dist.restore()
+        c = self._counters
+        if self._dist is not None:
+            nxt = self._dist.restore()
             if nxt:
-                self._restored = nxt - 1
-            r = self._stats.restore or {}
+                self._timeline.restored_at(nxt - 1)
+            r = c.restore or {}
             r["seconds"] = time.perf_counter() - t0
-            self._stats.restore = r if nxt else {"source": None, "step": None,
-                                                    "seconds": r["seconds"], "where": None}
-            self._layout = None
+            c.restore = r if nxt else {"source": None, "step": None, "seconds": r["seconds"],
+                                       "where": None}
+            self._layouts.invalidate()
             if nxt:
                 log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
                 if not self._resume_logged:
@@ -87,8 +120,8 @@ class RestoreMixin(Fields):
                                 resume_message(nxt - 1, r.get("source"), r.get("where")))
             return nxt
         candidates: list[tuple[int, int, str, Any]] = []
-        self._partly_applied = None
-        arenas = self.staged_arenas()
+        self.partly_applied = None
+        arenas = self._keeper.staged_arenas()
         arena: Any = arenas[0] if arenas else None
         if arena is not None:
             for slot in range(arena.num_slots):  # every COMPLETE slot: the older one too
@@ -113,19 +146,18 @@ class RestoreMixin(Fields):
                 log.warning("skipping snapshot %s: %s", where, e)
                 continue
             secs = time.perf_counter() - t0
-            self._stats.restore = {"source": source, "step": got, "seconds": secs,
-                                      "where": where}
+            c.restore = {"source": source, "step": got, "seconds": secs, "where": where}
             log.info("restored step %d from %s (%s) in %.3f s", got, source, where, secs)
             if not self._resume_logged:
                 self._resume_logged = True
                 log.warning("%s", resume_message(got, source, where))
-            self._restored = got
-            self._layout = None
+            self._timeline.restored_at(got)
+            self._layouts.invalidate()
             return got + 1
-        self._stats.restore = {"source": None, "step": None, "seconds": 0.0, "where": None}
-        if self._partly_applied:
+        c.restore = {"source": None, "step": None, "seconds": 0.0, "where": None}
+        if self.partly_applied:
             raise CorruptSnapshot(
-                f"no snapshot could be restored, and {self._partly_applied} failed half-way "
+                f"no snapshot could be restored, and {self.partly_applied} failed half-way "
                 "through being applied: the live model/optimizer are no longer in their "
                 "initial state; remove that snapshot and rebuild them before training")
         return 0
@@ -134,13 +166,13 @@ class RestoreMixin(Fields):
                before_copy: Callable[[], None] | None = None) -> int:
         """state.apply, with a malformed (CRC-consistent but hostile) host state reported
         as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
-        self._live = None  # the live state is about to be replaced: no JIT copy of it
+        self._copier.forget_live()  # the live state is about to be replaced: no JIT copy of it
         try:
             return self.state.apply(tensors, host, data, where, before_copy)
         except SnapshotError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
-            self._partly_applied = where
+            self.partly_applied = where
             raise CorruptSnapshot(
                 f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
 
@@ -157,7 +189,7 @@ class RestoreMixin(Fields):
         # The background arena set-up (pre-faulting every slot) would take the cores, the
         # memory bandwidth and the mmap lock from the read, the CRC check and the copy:
         # held for the restore, as restore_slot does (issue 26: 0.51x -> ~0.9x torch.load).
-        with self._prep.paused():
+        with self._keeper.prep.paused():
             with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}",
                              bytes_read):
                 data = self.storage.read_data(ref, manifest, self.flush_threads,
@@ -192,7 +224,7 @@ class RestoreMixin(Fields):
         A background arena set-up (the pre-fault of an adopted arena) is held for the
         duration: it would take cores and the mmap lock from the check and the copy.
         """
-        with self._prep.paused():
+        with self._keeper.prep.paused():
             return self._restore_slot(arena, slot, where)
 
     def _restore_slot(self, arena: Any, slot: int, where: str) -> int:
@@ -215,7 +247,7 @@ class RestoreMixin(Fields):
                 if bad >= 0:
                     raise CorruptSnapshot(f"{where}: chunk {bad} fails its CRC32C")
 
-            was = self._partly_applied
+            was = self.partly_applied
             try:
                 meta = fmt.parse_slot_meta(arena.read_meta(slot), where)
                 meta["data"] = fmt.data_section(nbytes, arena.chunk_bytes, crcs)
@@ -225,7 +257,7 @@ class RestoreMixin(Fields):
                 return self._apply(meta["tensors"], meta["host"], data, where, verified)
             except BaseException:
                 if check.result() >= 0:  # nothing was copied: the damage is the news
-                    self._partly_applied = was
+                    self.partly_applied = was
                     verified()
                 raise
         finally:
@@ -233,15 +265,10 @@ class RestoreMixin(Fields):
                 check.join()  # never release the slot while the check still reads it
             arena.release(slot)
 
-    @property
-    def values(self) -> dict[str, Any]:
-        """The ``boundary(step, **values)`` of the restored step ({} before a restore)."""
-        return self.state.values
-
     def newest_known_step(self) -> int:
         """Newest step in shared memory or on disk, or -1 (no validation of the data)."""
         best = -1
-        for a in self.staged_arenas():
+        for a in self._keeper.staged_arenas():
             if a.newest_complete() >= 0:
                 best = max(best, a.slot_info(a.newest_complete())["step"])
         snaps = self.storage.list_snapshots()
@@ -253,23 +280,22 @@ class RestoreMixin(Fields):
         For a fault the process survives (a NaN loss, a peer failure): training
         continues at the returned step (snapshot step + 1).
         """
-        if self._closed:
-            raise SnapshotError("rollback() on a closed Snapshotter")
-        self._wait_job(self.wait_timeout_s)
-        arena = self._arena
+        self._copier.wait_job(self.wait_timeout_s)
+        arena = self._keeper.arena
         if arena is None or arena.newest_complete() < 0:
             raise SnapshotError("rollback(): no COMPLETE snapshot in memory yet")
         slot = arena.newest_complete()
-        with self.guard.paused() if self.guard is not None else contextlib.nullcontext():
+        guard = self._guard
+        with guard.paused() if guard is not None else contextlib.nullcontext():
             step = self.restore_slot(arena, slot, f"{arena.path} slot {slot}")
-        self._restored = step
+        self._timeline.restored_at(step)
         return step + 1
 
     def record_restore(self, source: str, step: int, where: str) -> None:
         """Notes where a restore came from (``stats()["restore"]``; the coordinator's vote)."""
-        self._stats.restore = {"source": source, "step": step, "where": where}
+        self._counters.restore = {"source": source, "step": step, "where": where}
 
     def last_restore(self) -> dict[str, Any] | None:
         """What the last restore loaded: source, step, where (None before any)."""
-        r: dict[str, Any] | None = self._stats.restore
+        r: dict[str, Any] | None = self._counters.restore
         return r

@@ -1,145 +1,111 @@
-"""Submit: ``boundary(step)`` captures host state and hands the cached copy plan to the engine.
+"""The Copier: a boundary's host state and cached copy plan handed to the engine, and the job's fences.
 
-``boundary()`` checks the step rule (``cudasnap.core.timeline``), encodes the
-host state, picks a free slot of the arena and submits the copy; it returns at
-once. The copy engine (CPU threads, or the CUDA backend's copy stream) is made
-at the first boundary. Zero-overhead mode (``snapshot_every=k``) copies every
-k-th boundary and remembers the others for a just-in-time flush (``flush``).
+``Snapshotter.boundary()`` checks the step rule (``Timeline``), then calls
+:meth:`Copier.snapshot`, which encodes the host state, picks a free slot of the
+arena and submits the copy; it returns at once. Zero-overhead mode
+(``snapshot_every=k``) copies every k-th boundary and remembers the others
+(``live``) for a just-in-time copy at a flush (:meth:`Copier.copy_live`).
+
+Shaped like DCP's ``AsyncStager``: ``snapshot()`` is its ``stage()`` (starts the copy,
+returns at once), :meth:`Copier.fence` / :meth:`Copier.wait_job` are its
+``synchronize_staging()`` (the fences in ``cudasnap.core.fences`` call ``fence`` before a
+write of the state; a flush, a restore and ``close()`` call ``wait_job``).
+
+Call order (one copy at a time, under ``slot_lock`` only to pick a slot and to swap
+the job): ``snapshot`` -> ``Layouts.current`` -> ``ArenaKeeper.ensure`` (skipped while
+the arena it returned for this plan still fits) -> ``arena.pick_write_slot`` ->
+``engine.submit`` -> ``Layouts.running_job``; then, on the training thread, the fences
+(``fence(0)``: a buffer's module forward; ``fence(1)``: the optimizer step) or a
+``wait_job``, which retires the job (``Layouts.job_done``).
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._native import native
-from ..errors import ConfigError, SnapshotError, StagingError
+from ..errors import SnapshotError, StagingError
 from ..format.slot_manifest import slot_tail
-from . import early
 from .host_capture import HostText
-from .live_tensor import LiveTensor, single_cuda_device
 from .plan import Layout
 from .rng import capture_rng
-from .shared import Fields
-from .timeline import check_step
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .counters import Counters
+    from .layout import Layouts
+    from .staging import ArenaKeeper
+    from .state import TrainingState
 
 log = logging.getLogger("cudasnap")
 
 
-class SubmitMixin(Fields):
-    _host_text: HostText | None = None  # made at the first boundary
-    def _ensure_engine(self, tensors: list[LiveTensor]) -> None:
-        if self._engine is not None:
-            return
-        on_gpu = any(lt.tensor.is_cuda for lt in tensors)
-        name = self._backend_name
-        if name == "auto":
-            name = "cuda" if on_gpu else "cpu"
-        if name == "cpu" and on_gpu:
-            raise ConfigError("backend='cpu' but some state lives on a CUDA device")
-        if name == "cuda":
-            from .._cuda import CudaBackend
+class Copier:
+    def __init__(self, state: TrainingState, backend: Backend, layouts: Layouts,
+                 keeper: ArenaKeeper, counters: Counters, *, wait_timeout_s: float,
+                 snapshot_every: int) -> None:
+        self.state, self._backend, self._layouts, self._keeper = state, backend, layouts, keeper
+        self._counters = counters
+        self.wait_timeout_s, self.snapshot_every = wait_timeout_s, snapshot_every
+        self.job: Any = None  # the running copy (None: none)
+        self.fenced = [True, True]  # per phase: the training thread waited for it already
+        # Re-entrant: a signal handler may flush while the main thread is in boundary().
+        self.slot_lock = threading.RLock()
+        # Zero-overhead mode: (step, manifest suffix) of a boundary not copied whose state
+        # the live tensors still hold until ``live_dirty`` (the next write of the state).
+        self.live: tuple[int, bytes] | None = None
+        self.live_dirty = True
+        self.live_copy: threading.Event | None = None  # set while copy_live() runs
+        self.unprotected_thread: int | None = None  # last boundary skipped for want of an arena
+        self._host_text: HostText | None = None  # made at the first boundary
 
-            dev = single_cuda_device(tensors)
-            self._cuda = CudaBackend(dev, crc_threads=self.copy_threads,
-                                     wait_timeout_s=self.wait_timeout_s)
-            self._engine = self._cuda.engine
-        else:
-            self._engine = native().CpuCopyEngine(self.copy_threads)
-            self._engine.wait_timeout_s = self.wait_timeout_s
-        self.backend = name
-        log.info("cudasnap: %s backend, %d copy threads, arena %s", name, self.copy_threads,
-                 self.arena_path)
-
-
-    def copy_stream_handle(self) -> int | None:
-        """The CUDA backend's copy stream (a ``cudaStream_t`` as an int, for profilers and
-        benchmarks: ``torch.cuda.ExternalStream``); None before the first boundary or on CPU."""
-        return int(self._cuda.engine.copy_stream) if self._cuda is not None else None
-
-    def _stop_engine(self) -> None:
-        """close(): stops the copy engine (bounded by ``wait_timeout_s``), then lets the
-        copies' layouts go unless a DMA may still read them (a hung GPU)."""
-        drained = True
-        if self._cuda is not None:
-            self._cuda.close(self.wait_timeout_s)
-            drained = not self._cuda.engine.hung
-        elif self._engine is not None and not self._engine.shutdown(self.wait_timeout_s):
-            # The workers are joined either way: an abandoned copy reads nothing more.
-            log.error("close(): the running snapshot copy was abandoned after %.0f s",
-                      self.wait_timeout_s)
-        self._release_at_close(drained)
-
-    def boundary(self, step: int, **values: Any) -> None:
-        """Snapshot the state after ``step``'s optimizer step; returns at once.
-
-        ``values``: plain per-step state (JSON-able values, tensors) saved with the
-        step and found in ``snap.values`` after a restore (cudasnap.core.values).
-
-        ``step`` is a non-negative int, strictly above the previous boundary's step
-        or, after ``restore_latest()``/``rollback()``, above the restored step;
-        anything else raises ConfigError naming both steps (see cudasnap.core.timeline).
-        """
-        t0 = time.perf_counter_ns()
-        if self._closed:
-            raise SnapshotError("boundary() on a closed Snapshotter")
-        last = self.last_step
-        if type(step) is not int or last is None or step <= last or self._restored is not None:
-            step = check_step(step, last, self._restored)  # the rule, or its error
-        self._restored = None
-        self._boundaries += 1
-        self.last_step = step
-        self._live_dirty = False  # set again by the next optimizer step / buffer forward
+    # --------------------------------------------------------------- stage()
+    def snapshot(self, step: int, t0: int, boundaries: int, values: dict[str, Any]) -> None:
+        """The copy of ``step`` (the ``boundaries``-th boundary of this process) with its
+        ``values``, or its skip; ``t0``: when boundary() started (perf_counter_ns)."""
+        self.live_dirty = False  # set again by the next optimizer step / buffer forward
         self.state.step_values = values
-        try:
-            self._snapshot(step, t0)
-        finally:
-            ev = self._boundary_event  # a flush waiting for this boundary (cudasnap.core.early)
-            if ev is not None:
-                ev.set()
-            # After the submit: a SIGTERM flush raised here waits for this very step.
-            if self.guard is not None:
-                self.guard.on_boundary(step)
-
-    def _snapshot(self, step: int, t0: int) -> None:
         k = self.snapshot_every
-        if k > 1 and (self._boundaries - 1) % k:
+        if k > 1 and (boundaries - 1) % k:
             # Zero-overhead mode: no copy. Until the next optimizer step the live
             # state IS this step, so a JIT flush copies it then (see flush()).
-            self._stats.skipped_every += 1
-            self._live = (step, b"".join(self._host_suffix(step)))
-            self._record_ns(t0)
+            self._counters.skipped_every += 1
+            self.live = (step, b"".join(self.host_suffix(step)))
+            self._counters.record_boundary(t0)
             return
-        self._live = None
+        self.live = None
         # A previous copy still running (no optimizer step in between): bounded.
-        if self._job is not None and not self._wait_job(self.wait_timeout_s):
-            self._stats.skipped += 1
+        if self.job is not None and not self.wait_job(self.wait_timeout_s):
+            self._counters.skipped += 1
             log.warning("step %d not snapshotted: the previous copy is still running after "
                         "%.0f s", step, self.wait_timeout_s)
             return
-        lay = self._current_layout()
+        lay = self._layouts.current()
         try:
-            suffix = self._host_suffix(step)
+            suffix = self.host_suffix(step)
         except RuntimeError:
             # While a blocking stream captures a CUDA graph, torch's reads of the CUDA
             # RNG state raise cudaErrorStreamCaptureImplicit (the legacy stream would
             # join the capture): skip this step, as submit does for a capturing stream.
-            if self._cuda is None or not self._cuda.capturing():
+            cuda = self._backend.cuda
+            if cuda is None or not cuda.capturing():
                 raise
-            self._stats.skipped += 1
+            self._counters.skipped += 1
             log.warning("step %d not snapshotted: a stream is capturing a CUDA graph (the "
                         "CUDA RNG state cannot be read meanwhile); call boundary() outside "
                         "graph capture", step)
             return
-        not_ready = self._stats.skipped_not_ready
-        if self._submit_copy(lay, step, suffix) is not None:
-            self._record_ns(t0)
-        elif self._stats.skipped_not_ready != not_ready:
+        not_ready = self._counters.skipped_not_ready
+        if self.submit(lay, step, suffix) is not None:
+            self._counters.record_boundary(t0)
+        elif self._counters.skipped_not_ready != not_ready:
             # No arena yet: until the next optimizer step the live state IS this step,
             # which a flush, trigger or close() meanwhile copies (cudasnap.core.early).
-            early.note_unprotected(self, step, suffix)
+            self.live = (step, b"".join(suffix))
+            self.unprotected_thread = threading.get_ident()
 
-    def _host_suffix(self, step: int) -> list[bytes]:
+    def host_suffix(self, step: int) -> list[bytes]:
         """The per-boundary end of the slot manifest, host state + step, in pieces that
         the copy engine writes one after the other (no joined copy: see HostText.parts;
         the bytes: cudasnap.format.slot_manifest).
@@ -154,65 +120,160 @@ class SubmitMixin(Fields):
         parts.append(slot_tail(step))
         return parts
 
-    def _submit_copy(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> Any:
+    def submit(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> Any:
         """Hands one snapshot to the copy engine; returns the job (None: skipped).
         ``suffix``: the manifest's host part, whole or in pieces."""
         n = lay.prefix_len + (len(suffix) if isinstance(suffix, bytes) else sum(map(len, suffix)))
+        keeper = self._keeper
         ok = lay.arena_ok
-        # arena_prep.ensure() returns an arena only while no set-up runs or waits to be
+        # ArenaKeeper.ensure() returns an arena only while no set-up runs or waits to be
         # taken, and only ensure() (or the constructor, before any arena) starts one:
         # while the arena it returned for this layout is still current and a meta area
         # as large suffices, it would return the same arena (its "fits" branch): skip it.
         # Kept on the layout (a new plan asks again) as the arena's id: no reference to
-        # it is held (a regrowth unmaps the old arena first), and self._arena changes
+        # it is held (a regrowth unmaps the old arena first), and keeper.arena changes
         # only in ensure() and close(), so the id is not reused meanwhile.
-        if ok is not None and ok[0] == id(self._arena) and n <= ok[1]:
-            arena = self._arena
+        if ok is not None and ok[0] == id(keeper.arena) and n <= ok[1]:
+            arena = keeper.arena
         else:
             lay.arena_ok = None
-            arena = self._ensure_arena(lay.plan, n)
+            arena = keeper.ensure(lay.plan, n, step)
             if arena is None:
-                self._stats.skipped += 1
+                self._counters.skipped += 1
                 return None
-            if arena is self._arena:
+            if arena is keeper.arena:
                 lay.arena_ok = (id(arena), int(arena.meta_capacity))
-        with self._slot_lock:  # held only to pick the slot (never across CUDA calls)
+        with self.slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
         if slot < 0:
-            self._stats.skipped += 1
+            self._counters.skipped += 1
             log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
             return None
-        stream = self._cuda.current_stream() if self._cuda is not None else 0
+        be = self._backend
+        stream = be.cuda.current_stream() if be.cuda is not None else 0
         try:
             # begin_write() inside refuses a slot a concurrent flush leased since
             # the pick (the arena's own lock orders the two): StagingError.
-            job = self._engine.submit(arena, slot, lay.plan, int(step), suffix, stream,
-                                      lay.prefix)  # positional: (meta suffix, stream, prefix)
+            job = be.engine.submit(arena, slot, lay.plan, int(step), suffix, stream,
+                                   lay.prefix)  # positional: (meta suffix, stream, prefix)
         except StagingError as e:
-            self._stats.skipped += 1
+            self._counters.skipped += 1
             log.warning("step %d not snapshotted: %s", step, e)
             self._hold_if_hung(lay)
             return None
         except BaseException:
             self._hold_if_hung(lay)
             raise
-        with self._slot_lock:
-            self._fenced = [False, False]
-            self._job = job
+        with self.slot_lock:
+            self.fenced = [False, False]
+            self.job = job
             # Holds every planned storage until the job is COMPLETE, or, failed, until
-            # the engine has drained it (cudasnap.core.fences): one reference, O(1).
-            self._job_layout = lay
-            self._release_drained()  # accepted: earlier copies are over
-        self._stats.snapshots += 1
-        self._stats.bytes = lay.total_bytes
+            # the engine has drained it (Layouts.job_done); accepted: earlier copies are over.
+            self._layouts.running_job(lay)
+        self._counters.snapshots += 1
+        self._counters.bytes = lay.total_bytes
         return job
 
     def _hold_if_hung(self, lay: Layout) -> None:
         """A refused CUDA submit drains what it issued, unless that wait timed out (the
         GPU hung): then its DMA may still read ``lay``'s storages."""
-        if self._cuda is not None and self._cuda.engine.hung:
-            self._hold_draining(lay)
+        if self._backend.hung():
+            self._layouts.hold_draining(lay)
 
-    def _record_ns(self, t0: int) -> None:
-        self._stats.record_boundary(t0)
+    # ---------------------------------------------------- synchronize_staging()
+    def fence(self, phase: int) -> None:
+        """Waits for ``phase`` of the running copy (0: buffers, 1: parameters and optimizer
+        state) before the caller writes it; bounded by ``wait_timeout_s`` (then that
+        snapshot is abandoned, logged)."""
+        # Every caller is about to write the state: the live state is no longer the
+        # last boundary's. Set before the check below (a flush reads it the other way).
+        self.live_dirty = True
+        ev = self.live_copy
+        if ev is not None:  # a flush copies the live state right now: let it finish
+            ev.wait(self.wait_timeout_s)
+        job = self.job
+        if job is None or self.fenced[phase]:
+            return
+        t0 = time.perf_counter_ns()
+        cuda = self._backend.cuda
+        stream = cuda.current_stream() if cuda is not None else 0
+        if not self._backend.engine.fence(job, phase, stream):
+            self._counters.abandoned += 1
+            log.error("snapshot of step %d abandoned: its copy did not reach phase %d within "
+                      "%.0f s (copier stalled or GPU hung); the previous snapshot stays the "
+                      "newest", job.step, phase, self.wait_timeout_s)
+        self.fenced[phase] = True
+        if phase == 1:
+            self.fenced[0] = True
+        self._counters.fence_wait_ns += time.perf_counter_ns() - t0
 
+    def wait_job(self, timeout: float | None = None) -> bool:
+        """Blocks until the running copy is COMPLETE (True; also when none runs or it
+        failed) or ``timeout`` passes (False), and retires it."""
+        job = self.job
+        if job is None:
+            return True
+        t0 = time.perf_counter_ns()
+        failed = False
+        try:
+            ok = job.wait(1, -1.0 if timeout is None else timeout)
+        except SnapshotError as e:
+            log.error("snapshot of step %d failed: %s", job.step, e)
+            ok = failed = True
+        c = self._counters
+        c.fence_wait_ns += time.perf_counter_ns() - t0
+        if ok:
+            secs = job.seconds_to_complete
+            c.last_copy_seconds = secs
+            if secs and secs > 0:
+                c.last_copy_gbps = job.bytes / secs / 1e9
+            # Another thread (a flush) may wait too: retire only the job we waited on.
+            with self.slot_lock:
+                if self.job is job:
+                    self._layouts.job_done(failed)
+                    self.job = None
+                    self.fenced = [True, True]
+        return ok
+
+    # -------------------------------------------------- the live state (flush)
+    def forget_live(self) -> None:
+        """The live state is about to be replaced (a restore): no JIT copy of it."""
+        self.live = None
+
+    def copy_live(self, timeout: float | None) -> None:
+        """Zero-overhead mode: the newest boundary was not copied; when no optimizer
+        step (nor buffer forward, fence, load) ran since, the live tensors still hold
+        that step, so copy them into a free slot now (same manifest, format and
+        commit path) for the flush to write. Otherwise the newest COMPLETE slot is
+        flushed (replay <= snapshot_every steps)."""
+        live, arena = self.live, self._keeper.arena
+        if live is None or arena is None or self._backend.engine is None \
+                or self.live_copy is not None:
+            return  # (not re-entered: a regrowth inside the copy flushes too)
+        step, suffix = live
+        ev = threading.Event()
+        self.live_copy = ev  # set before reading the flag; fence() sets it the other way
+        try:
+            if self.live_dirty or self.live is not live:
+                log.info("JIT flush: the state moved past step %d (optimizer step since); "
+                         "flushing the newest copied snapshot", step)
+                return
+            if not self.wait_job(timeout):
+                return
+            try:
+                lay = self._layouts.current()
+            except SnapshotError as e:
+                log.warning("JIT flush: live state of step %d not copied: %s", step, e)
+                return
+            job = self.submit(lay, step, suffix)
+            if job is None or not self.wait_job(timeout if timeout is not None else
+                                                self.wait_timeout_s):
+                return
+            if self.live is live:
+                self.live = None
+            self._counters.live_saves += 1
+            log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
+                     "boundary, snapshot_every=%d)", step, self.snapshot_every)
+        finally:
+            self.live_copy = None
+            ev.set()

@@ -8,6 +8,12 @@ after a restore the next step may be anything above the restored one. A lower
 step is refused (disk snapshots are ordered by step, so a lower step would be
 hidden behind the old ones at the next restore); to start over, pass
 ``fresh=True`` (or ``cudasnap run --fresh``), which moves the old snapshots aside.
+
+The :class:`Timeline` owns the steps. Call order: ``Snapshotter.boundary()`` calls
+:meth:`Timeline.advance` first (the rule, or its ConfigError; nothing is recorded
+then); the ``Restorer`` calls :meth:`Timeline.restored_at` after a restore or
+rollback; the flusher, the early saver and the coordinator's adapter read
+``last_step``.
 """
 from __future__ import annotations
 
@@ -49,6 +55,28 @@ def check_step(step: Any, last: int | None, restored: int | None) -> int:
         raise ConfigError(f"boundary({value}) after boundary step {last}: steps must "
                           "strictly increase; to start over use fresh=True")
     return value
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.last_step: int | None = None  # the newest boundary's step
+        self.restored: int | None = None  # the step a restore put back after it
+        self.boundaries = 0  # boundary() calls of this process that passed the rule
+
+    def advance(self, step: Any) -> int:
+        """The step rule for ``boundary(step)``; records and returns the step as an int.
+        (The common case, an int above the last step, costs four comparisons.)"""
+        last = self.last_step
+        if type(step) is not int or last is None or step <= last or self.restored is not None:
+            step = check_step(step, last, self.restored)  # the rule, or its error
+        self.restored = None
+        self.boundaries += 1
+        self.last_step = step
+        return step
+
+    def restored_at(self, step: int) -> None:
+        """A restore or rollback put ``step`` back: the next boundary must be above it."""
+        self.restored = step
 
 
 def move_aside(directory: Path, arena: Any, threads: int, subdir: str | None = None) -> Path | None:
@@ -112,14 +140,14 @@ class ClosingSnapshots(Protocol):
     def flush_if_new(self, wait_s: float = 60.0) -> Path | None: ...
 
 
-def final_flush(snap: ClosingSnapshots) -> bool:
+def final_flush(closing: ClosingSnapshots) -> bool:
     """``close()`` with ``flush_on_close``: flushes the newest snapshot unless that step is
     already on disk. False when the flush failed (the caller then keeps the arena)."""
-    arenas = snap.staged_arenas()
+    arenas = closing.staged_arenas()
     if not arenas:
         return True
     try:
-        snap.flush_if_new(60.0)
+        closing.flush_if_new(60.0)
         return True
     except SnapshotError as e:
         log.error("close(): the final flush failed (%s); the arena %s is kept", e,

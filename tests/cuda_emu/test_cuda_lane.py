@@ -91,7 +91,7 @@ def test_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> None:
         train_step(model, opt, 0)
         snap.boundary(0)  # builds the engine
         assert snap.wait(timeout=60)
-        snap._fence = lambda phase: None  # the hooks call it: now they order nothing
+        snap._copier.fence = lambda phase: None  # the hooks call it: now they order nothing
         train_step(model, opt, 1)
         want = state_bytes(snap)
         emu.hold(snap._cuda.engine.copy_stream)
@@ -193,7 +193,7 @@ def test_gather_kernel_copies_small_ranges(snap_env: Any, emu: Any) -> None:
         gather = _cuda.native().CudaCopyEngine(0, 1, True, 1 << 30)
         assert gather.gather_small and gather.gather_max_bytes == 1 << 30
         snap._cuda.engine = gather
-        snap._engine = gather
+        snap._backend.engine = gather
         launches = emu.counter("kernel_launches")
         train_step(model, opt, 1)
         want = state_bytes(snap)
@@ -203,7 +203,7 @@ def test_gather_kernel_copies_small_ranges(snap_env: Any, emu: Any) -> None:
         assert diff(got, want) == []
         assert gather.last_gathered >= 1 and gather.last_memcpy_calls == 0
         assert emu.counter("kernel_launches") > launches
-        snap._cuda.engine = snap._engine = old
+        snap._cuda.engine = snap._backend.engine = old
         gather.shutdown(10.0)
     finally:
         snap.close()

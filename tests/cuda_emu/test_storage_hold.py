@@ -149,7 +149,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
             gc.collect()
             # Its DMA is still queued on the copy stream: the old storage must stay allocated.
             assert not ref.expired(), "a failed job's storages were freed while its DMA is queued"
-            assert snap._draining
+            assert snap._layouts.draining
         finally:
             emu.release()
         # A later COMPLETE job runs after that DMA on the copy stream: then it may go.
@@ -158,7 +158,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
         assert snap.wait(30)
         assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 3
         gc.collect()
-        assert snap._draining == () and ref.expired()
+        assert snap._layouts.draining == () and ref.expired()
         from cudasnap import _C
 
         # close() leaves the arena of a once-hung engine registered: the next tests reuse.
@@ -168,7 +168,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
 
 
 def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
-    from cudasnap.core import fences
+    from cudasnap.core import layout as fences  # Layouts keeps _ABANDONED
 
     model, opt = _state()
     snap = _snap(snap_env, model, opt)
@@ -194,7 +194,7 @@ def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
             gc.collect()
             assert eng.hung
             assert len(fences._ABANDONED) == before + 1 and not ref.expired()
-            assert snap._draining == () and snap._job_layout is None
+            assert snap._layouts.draining == () and snap._layouts.running is None
         finally:
             emu.release()
         torch.cuda.synchronize()  # the DMA has run: let this test's layout and arena go
