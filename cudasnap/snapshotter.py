@@ -189,17 +189,20 @@ class Snapshotter:
         try:
             self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
                                 watchdog_s, node_replica, fresh)
+            attach_triggers(parts, self.dist, self.guard)  # before a trigger can flush
+            if self.guard is not None:
+                self.guard.start()
         except BaseException:
             self._keeper.shutdown(min(60.0, self.wait_timeout_s))
             self._lock.release()
             raise
-        attach_triggers(parts, self.dist, self.guard)
 
     def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
                        health: bool | None, policy: Any, inject: str | None,
                        watchdog_s: float | None, node_replica: bool | None,
                        fresh: bool) -> None:
-        """The distributed coordinator and the guard (health monitor, signals, watchdog)."""
+        """The distributed coordinator and the guard (health monitor, signals, watchdog;
+        started by the caller once the components know both)."""
         env = Settings.from_env()
         self.dist = None
         if distributed if distributed is not None else dist_on and self.world_size > 1:
@@ -218,7 +221,6 @@ class Snapshotter:
             from .triggers.guard import Guard
 
             self.guard = Guard(self, policy=policy, inject=inject, watchdog_s=watchdog_s)
-            self.guard.start()
 
     # ---------------------------------------------------------- snapshots
     def boundary(self, step: int, **values: Any) -> None:
