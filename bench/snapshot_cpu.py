@@ -13,10 +13,20 @@ on the same bytes and in the same run:
 * ``restore_latest()`` in a fresh Snapshotter of the same model, from shared
   memory and from disk (arena renamed away, data.bin evicted from the page
   cache) next to ``torch.load`` (+ copy into the live tensors) of a ``torch.save``;
+  from disk twice: the chunk-by-chunk path (read, CRC32C-check, copy each chunk
+  into the live tensors: ``storage.posix.DataFile``) and the whole-file path it
+  replaced (``read_data`` into a buffer, then the copy), the three in rotated order;
 * peers: torch.save+fsync, torch.distributed.checkpoint.save and async_save
   (single-rank gloo group on a FileStore): time blocked, time until durable.
 
     python bench/snapshot_cpu.py [--sizes 1,4] [--repeats 3] [--quick] [--json]
+
+``--restore-only``: only the restores from disk (one snapshot and one torch.save
+made first): the chunk-by-chunk path, the whole-file path, torch.load + copy and a
+plain read of data.bin (the disk's floor), rotated, each after evicting the files
+from the page cache; with where each path's time goes (read + verify, the copy,
+Python) from timers around ``posix.read_data``, ``DataFile.scatter`` and
+``TrainingState.apply``.
 
 ``--first-boundary``: only the start-up stall (issue 15 target 1). Per size, in
 the same run and alternating, the old behaviour (``arena_sync_max_bytes`` huge:
@@ -28,9 +38,11 @@ a restart that adopts the arena left behind (``close(keep_arena=True)``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
                         "default: the 'few' shape only (peers.py covers many tensors)")
     p.add_argument("--first-boundary", action="store_true",
                    help="measure only the first boundary's stall, old vs background arena")
+    p.add_argument("--restore-only", action="store_true",
+                   help="measure only the restores from disk (chunk-by-chunk, whole-file, "
+                        "torch.load, raw read), with their breakdown")
     a = C.finish_args(p.parse_args(argv))
     if a.tensors is not None:
         SHAPES["many"] = max(1, a.tensors // 4)  # 4 state tensors per AdamW parameter
@@ -116,6 +131,96 @@ def dcp_async(flat: dict[str, Any], path: Path) -> tuple[float, float]:
     return blocked, time.perf_counter() - t0
 
 
+# ------------------------------------------------------------- disk restore paths
+@contextlib.contextmanager
+def disk_path(mode: str) -> Iterator[None]:
+    """Restores from disk inside take ``mode``'s path: "chunks" (``posix.DataFile``: each
+    chunk read, CRC32C-checked and copied into the live tensors) or "whole" (``read_data``:
+    the whole file into a buffer, then the copy). Works whether ``Restorer.restore_dir``
+    asks ``posix.open_data`` (chunks by default) or ``storage.read_data`` (whole)."""
+    from cudasnap.storage import PosixStorage, posix
+
+    saved = PosixStorage.read_data, posix.open_data
+    real_read = saved[0]
+    if mode == "chunks":
+        def read_data(self: Any, ref: Any, manifest: Any, threads: int = 4, *,
+                      allow_foreign_owner: bool | None = None) -> Any:
+            return posix.DataFile(ref.path, manifest, threads,
+                                  allow_foreign_owner=allow_foreign_owner)
+        PosixStorage.read_data = read_data  # type: ignore[method-assign]
+    elif mode == "whole":
+        def open_data(storage: Any, ref: Any, manifest: Any, threads: int = 4, *,
+                      allow_foreign_owner: bool | None = None) -> Any:
+            return real_read(storage, ref, manifest, threads,
+                             allow_foreign_owner=allow_foreign_owner)
+        posix.open_data = open_data
+    else:
+        raise ValueError(mode)
+    try:
+        yield
+    finally:
+        PosixStorage.read_data, posix.open_data = saved
+
+
+@contextlib.contextmanager
+def breakdown(out: dict[str, float]) -> Iterator[None]:
+    """Adds the seconds spent in the restore's stages to ``out``: manifest (load_manifest),
+    read_verify (read_data: read + CRC32C of the whole file), scatter (DataFile.scatter:
+    read + CRC32C + copy, chunk by chunk), apply (TrainingState.apply: checks, planning,
+    the copy, host state; includes scatter)."""
+    from cudasnap.core.state import TrainingState
+    from cudasnap.storage import posix
+
+    targets = [(posix, "load_manifest", "manifest"), (posix, "read_data", "read_verify"),
+               (posix.DataFile, "scatter", "scatter"), (TrainingState, "apply", "apply")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+
+    def timer(fn: Any, key: str) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                out[key] = out.get(key, 0.0) + time.perf_counter() - t0
+        return run
+
+    for (obj, name, key), (_, _, fn) in zip(targets, saved):
+        setattr(obj, name, timer(fn, key))
+    try:
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def raw_read(path: Path, piece: int = 4 << 20) -> float:
+    """A plain read of ``path`` (one thread, ``piece`` bytes per read into one buffer,
+    nothing checked or copied): the disk's floor for a restore of that file."""
+    buf = bytearray(piece)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+    return time.perf_counter() - t0
+
+
+def disk_restore(mk: Any, mode: str, sources: set[str]) -> tuple[float, dict[str, float]]:
+    """A fresh Snapshotter's ``restore_latest()`` through ``mode``'s path (``disk_path``):
+    (seconds, breakdown)."""
+    parts: dict[str, float] = {}
+    with disk_path(mode), breakdown(parts):
+        s2 = mk()
+        try:
+            t0 = time.perf_counter()
+            s2.restore_latest()
+            dt = time.perf_counter() - t0
+            sources.add(str((s2.stats().get("restore") or {}).get("source")))
+        finally:
+            s2.close()
+    return dt, parts
+
+
 # ------------------------------------------------------------------ one case
 def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) -> dict[str, Any] | None:
     import torch  # noqa: F401
@@ -156,7 +261,7 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
     res["first_complete_s"] = first_complete
     res["arena_setup_s"] = snap.stats().get("arena_setup_seconds")
     blocked, complete, steps = [], [], []
-    for _ in range(a.boundaries):
+    for _ in range(0 if a.restore_only else a.boundaries):
         t0 = time.perf_counter()
         opt.step()  # the fence pre-hook runs (nothing in flight: wait() returned)
         steps.append(time.perf_counter() - t0)
@@ -169,6 +274,8 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
     st = snap.stats()
     res.update(boundary_s=blocked, complete_s=complete, opt_step_s=steps,
                layout_rebuilds=st.get("layout_rebuilds"), skipped=st.get("skipped"))
+    if a.restore_only:
+        return restore_only_case(res, a, snap, mk, model, opt, d)
     C.log(f"  boundary median {C.med(blocked) * 1e3:.2f} ms, complete {C.med(complete):.2f} s")
 
     # --- durable writes: flush vs raw vs peers, rotated order ----------------
@@ -219,8 +326,8 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
     res["writes"] = w
 
     # --- restores ------------------------------------------------------------
-    rs: dict[str, list[float]] = {"shm": [], "shm_prepared": [], "disk": [], "torch_load": [],
-                                  "memcpy": []}
+    rs: dict[str, list[float]] = {"shm": [], "shm_prepared": [], "disk": [], "disk_whole": [],
+                                  "torch_load": [], "memcpy": []}
     # memcpy baseline (issue 15 target 6): the same byte count, tensor to tensor
     import numpy as np
 
@@ -252,34 +359,121 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
         t0 = time.perf_counter()
         snap.restore_latest()
         rs["shm_prepared"].append(time.perf_counter() - t0)
-        # disk: arena renamed away first
+        # disk: arena renamed away first; the chunk-by-chunk path, the whole-file path and
+        # torch.load in rotated order, each from a cold page cache
         snap.close(keep_arena=True)
         arena_path = Path(snap.arena_path)
         away = arena_path.with_name(arena_path.name + ".away")
         os.rename(arena_path, away)
+        kinds = ["disk", "disk_whole", "torch_load"]
         try:
-            C.free_mem()
-            s2 = mk()
-            t0 = time.perf_counter()
-            s2.restore_latest()
-            rs["disk"].append(time.perf_counter() - t0)
-            sources["disk"].add(str((s2.stats().get("restore") or {}).get("source")))
-            s2.close()
+            for kind in kinds[r % 3:] + kinds[:r % 3]:
+                C.free_mem()
+                C.drop_cache(latest)
+                if kind == "torch_load":
+                    rs[kind].append(torch_restore(model, opt, tpath))
+                else:
+                    rs[kind].append(disk_restore(mk, "chunks" if kind == "disk" else "whole",
+                                                 sources["disk"])[0])
         finally:
             os.rename(away, arena_path)
         C.drop_cache(latest)
         snap = mk()
-        rs["torch_load"].append(torch_restore(model, opt, tpath))
     del mc_src, mc_dst
     res["restore"] = rs
     res["restore_sources"] = {k: sorted(v) for k, v in sources.items()}
-    C.log(f"  restore shm {C.med(rs['shm']):.2f} s, disk {C.med(rs['disk']):.2f} s, "
+    C.log(f"  restore shm {C.med(rs['shm']):.2f} s, disk {C.med(rs['disk']):.2f} s "
+          f"(whole-file {C.med(rs['disk_whole']):.2f} s), "
           f"torch.load {C.med(rs['torch_load']):.2f} s ({res['restore_sources']})")
     snap.close()
     del snap, flat, model, opt
     C.rm(d)
     C.free_mem()
     return res
+
+
+def restore_only_case(res: dict[str, Any], a: Any, snap: Any, mk: Any, model: Any, opt: Any,
+                      d: Path) -> dict[str, Any]:
+    """``--restore-only``: one flush and one torch.save, then per repeat the restores from
+    disk (chunk by chunk, whole file), torch.load + copy and a raw read of data.bin, in
+    rotated order, each from a cold page cache; the arena is gone (no shm source)."""
+    snap.flush()
+    tpath = d / "torch.pt"
+    torch_save(model, opt, tpath)
+    snapdir = Path(snap.directory)
+    latest = snapdir / (snapdir / "latest").read_text().strip()
+    snap.close(flush=False)  # the arena goes with it: restores read the disk
+    kinds = ["disk", "disk_whole", "torch_load", "raw_read"]
+    rs: dict[str, list[float]] = {k: [] for k in kinds}
+    parts: dict[str, list[dict[str, float]]] = {"disk": [], "disk_whole": []}
+    loads: list[float] = []
+    sources: set[str] = set()
+    for r in range(a.repeats):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            C.free_mem()
+            C.drop_cache(latest)
+            loads.append(os.getloadavg()[0])
+            if kind == "torch_load":
+                rs[kind].append(torch_restore(model, opt, tpath))
+            elif kind == "raw_read":
+                rs[kind].append(raw_read(latest / "data.bin"))
+            else:
+                dt, bd = disk_restore(mk, "chunks" if kind == "disk" else "whole", sources)
+                rs[kind].append(dt)
+                parts[kind].append(bd)
+            C.log(f"  repeat {r}: {kind} {rs[kind][-1]:.3f} s (load {loads[-1]:.1f})")
+    res.update(restore=rs, breakdown=parts, restore_sources={"disk": sorted(sources)},
+               load_avg=[min(loads), max(loads)])
+    del snap, model, opt
+    C.rm(d)
+    C.free_mem()
+    return res
+
+
+def report_restore_only(results: list[dict[str, Any]], a: Any) -> str:
+    f, m = C.fmt, C.med
+    rows = []
+    for r in results:
+        rs = r["restore"]
+        gb = r["bytes"] / C.GB
+        dk, wh, tl, raw = m(rs["disk"]), m(rs["disk_whole"]), m(rs["torch_load"]), m(rs["raw_read"])
+        rows.append([r["case"], r["tensors"], f(dk, " s"), f(gb / dk, " GB/s"), f(wh, " s"),
+                     f(tl, " s"), f(raw, " s"), f(C.ratio(tl, dk), "x"), f(C.ratio(tl, wh), "x"),
+                     f(C.ratio(raw, dk), "x"), "/".join(r["restore_sources"]["disk"]),
+                     f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f}"])
+    out = [C.print_table(
+        "Restore from disk into the live model + optimizer (page cache evicted before each)",
+        ["case", "tensors", "cudasnap, chunk by chunk", "GB/s", "cudasnap, whole file (before)",
+         "torch.load+copy", "raw read of data.bin", "torch.load / chunks",
+         "torch.load / whole file", "raw / chunks", "sources", "load avg"], rows,
+        f"Medians of {a.repeats} repeats, the four in rotated order. Chunk by chunk: "
+        "storage.posix.DataFile (each chunk read into a small buffer, CRC32C-checked, then "
+        "copied into the live tensors); whole file: read_data (the file into a new buffer, "
+        "every chunk checked) then the copy; raw: one thread reading data.bin in 4 MiB "
+        "pieces into one buffer, nothing checked or copied.")]
+    rows = []
+    for r in results:
+        bd = r["breakdown"]
+        tot = r["restore"]
+
+        def part(kind: str, key: str, bd: dict[str, Any] = bd) -> float | None:
+            return m([x.get(key, 0.0) for x in bd[kind]])
+
+        ch_py = m([x["apply"] - x.get("scatter", 0.0) for x in bd["disk"]])
+        wh_cp = m([x["apply"] for x in bd["disk_whole"]])
+        rows.append([r["case"], f(m(tot["disk"]), " s"), f(part("disk", "manifest"), " s"),
+                     f(part("disk", "scatter"), " s"), f(ch_py, " s"),
+                     f(m(tot["disk_whole"]), " s"), f(part("disk_whole", "manifest"), " s"),
+                     f(part("disk_whole", "read_verify"), " s"), f(wh_cp, " s")])
+    out.append(C.print_table(
+        "Where a restore from disk spends its time (medians)",
+        ["case", "chunks: total", "manifest", "read+verify+copy (scatter)",
+         "Python (checks, plan)", "whole file: total", "manifest", "read+verify (read_data)",
+         "copy + Python (apply)"], rows,
+        "total = restore_latest() of a fresh Snapshotter (listing, manifest, arena hold, "
+        "apply); the parts are timers around posix.load_manifest, posix.read_data, "
+        "DataFile.scatter and TrainingState.apply (Python = apply - scatter)."))
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------ first boundary
@@ -447,27 +641,33 @@ def report(results: list[dict[str, Any]], a: Any) -> str:
         rs = r["restore"]
         gb = r["bytes"] / C.GB
         sh, dk, tl, mc = m(rs["shm"]), m(rs["disk"]), m(rs["torch_load"]), m(rs.get("memcpy", []))
+        wh = m(rs.get("disk_whole", []))
         sp = m(rs.get("shm_prepared", []))
         rows.append([r["case"], f(sh, " s"), f(gb / sh, " GB/s"),
                      f(gb / mc if mc else None, " GB/s"), f(C.ratio(mc, sh), "x"),
                      "yes" if mc and mc / sh >= 0.5 else "NO", f(sp, " s"),
                      f(C.ratio(mc, sp) if sp else None, "x"),
-                     f(dk, " s"), f(gb / dk, " GB/s"),
+                     f(dk, " s"), f(gb / dk, " GB/s"), f(wh, " s"),
                      f(tl, " s"), f(gb / tl, " GB/s"), f(C.ratio(tl, sh), "x"),
-                     f(C.ratio(tl, dk), "x"),
+                     f(C.ratio(tl, dk), "x"), f(C.ratio(tl, wh), "x"),
                      "/".join(r["restore_sources"]["shm"] + r["restore_sources"]["disk"])])
     out.append(C.print_table(
         "Restore into the live model + optimizer (fresh Snapshotter, same objects)",
         ["case", "cudasnap from shm", "GB/s", "memcpy GB/s", "shm / memcpy", ">= 0.5?",
-         "shm, arena prepared", "prepared / memcpy", "cudasnap from disk", "GB/s", "torch.load+copy",
-         "GB/s", "torch.load / shm", "torch.load / disk", "sources seen"], rows,
+         "shm, arena prepared", "prepared / memcpy", "cudasnap from disk", "GB/s",
+         "disk, whole-file path (before)", "torch.load+copy",
+         "GB/s", "torch.load / shm", "torch.load / disk", "torch.load / whole-file",
+         "sources seen"], rows,
         "memcpy: the faster of torch copy_ and numpy.copyto (libc memcpy) of the same byte count "
         "in the same repeat (target 6: "
         "restore from shm >= 0.5 of it; the restore also checks every chunk's CRC32C). "
         "'arena prepared': the same restore after the fresh Snapshotter's background "
         "pre-fault of the adopted arena finished (arena_ready()), which otherwise runs beside it. "
         "From disk: the arena is renamed away and data.bin / torch.pt are evicted from the page "
-        "cache first (posix_fadvise DONTNEED), so the read hits the disk."))
+        "cache first (posix_fadvise DONTNEED), so the read hits the disk; 'from disk' is the "
+        "chunk-by-chunk path (each chunk read, CRC32C-checked, copied into the live tensors), "
+        "'whole-file' the path it replaced (the file into a buffer, then the copy); the two "
+        "and torch.load run in rotated order."))
     return "\n".join(out)
 
 
@@ -509,10 +709,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             pass
         C.rm(tmp)
-    report(results, a)
+    if a.restore_only:
+        report_restore_only(results, a)
+    else:
+        report(results, a)
     print(f"total wall time {time.perf_counter() - t_start:.0f} s", flush=True)
     if a.json:
-        C.emit_json({"bench": "snapshot_cpu", "results": results})
+        C.emit_json({"bench": "snapshot_cpu --restore-only" if a.restore_only else "snapshot_cpu",
+                     "results": results})
     return 0
 
 

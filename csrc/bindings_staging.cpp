@@ -9,6 +9,7 @@
 #include "copy_engine.h"
 #include "copy_plan.h"
 #include "error.h"
+#include "file_restore.h"
 #include "flusher.h"
 #include "host_copy.h"
 #include "restore_spans.h"
@@ -26,7 +27,33 @@ struct PlannedCopy {
   uint64_t lo = 0;
   uint64_t size = 0;
   bool done = false;
+  uint64_t applied = 0;  // bytes run_file copied into destinations (also after a failure)
 };
+
+py::dict scatter_stats_dict(const ScatterStats& st) {
+  py::dict d;
+  d["bytes"] = st.read_bytes;
+  d["applied"] = st.applied_bytes;
+  d["seconds"] = st.seconds;
+  d["direct"] = st.direct;
+  return d;
+}
+
+ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct) {
+  ScatterOptions o;
+  o.threads = threads;
+  o.io_bytes = io_bytes;
+  o.direct = direct;
+  return o;
+}
+
+std::vector<HostSpan> host_spans(
+    const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans) {
+  std::vector<HostSpan> v;
+  v.reserve(spans.size());
+  for (const auto& [dst, off, n] : spans) v.push_back({dst, off, n});
+  return v;
+}
 
 py::dict slot_info_dict(const SlotInfo& s) {
   py::dict d;
@@ -260,6 +287,26 @@ void init_flusher(py::module_& m) {
         },
         py::arg("path"), py::arg("dst"), py::arg("nbytes"), py::arg("chunk_bytes"),
         py::arg("crcs"), py::arg("threads") = 4);
+  m.def("read_file_scatter",
+        [](int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,
+           const std::vector<uint32_t>& crcs,
+           const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, int threads,
+           uint64_t io_bytes, bool direct) {
+          std::vector<HostSpan> v = host_spans(spans);
+          ScatterStats st;
+          {
+            py::gil_scoped_release nogil;
+            read_verify_scatter(fd, name, nbytes, chunk_bytes, crcs, v,
+                                scatter_options(threads, io_bytes, direct), &st);
+          }
+          return scatter_stats_dict(st);
+        },
+        py::arg("fd"), py::arg("name"), py::arg("nbytes"), py::arg("chunk_bytes"),
+        py::arg("crcs"), py::arg("spans"), py::arg("threads") = 2, py::arg("io_bytes") = 0,
+        py::arg("direct") = false,
+        "reads the open file `fd` chunk by chunk, checks each chunk's CRC32C, then copies "
+        "its bytes named by the (dst_ptr, file_offset, nbytes) spans; CorruptSnapshot on a "
+        "bad chunk (none of its bytes copied)");
   m.def("verify_buffer",
         [](uint64_t ptr, uint64_t nbytes, uint64_t chunk_bytes, const std::vector<uint32_t>& crcs,
            int threads) {
@@ -304,7 +351,45 @@ void init_flusher(py::module_& m) {
            },
            py::arg("threads") = 4,
            "copies the planned spans (every one checked first), marks their destinations "
-           "modified in place; returns the bytes copied");
+           "modified in place; returns the bytes copied")
+      .def_property_readonly("applied", [](const PlannedCopy& p) { return p.applied; },
+                             "bytes run_file copied into the destinations, also when it "
+                             "raised (0: they are untouched)")
+      .def("run_file",
+           [](PlannedCopy& p, int fd, const std::string& name, uint64_t nbytes,
+              uint64_t chunk_bytes, const std::vector<uint32_t>& crcs,
+              const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& extra, int threads,
+              uint64_t io_bytes, bool direct) {
+             CUDASNAP_CHECK(!p.done, "RestorePlan.run_file: already run");
+             CUDASNAP_CHECK(p.lo != 0 && p.size == nbytes,
+                            "RestorePlan.run_file: planned for a buffer of "
+                                << p.size << " bytes, the file has " << nbytes);
+             p.done = true;
+             std::vector<HostSpan> spans = p.plan.spans;  // offsets in the buffer = in the file
+             spans.reserve(spans.size() + extra.size());
+             for (const auto& [dst, off, n] : extra) spans.push_back({dst, off, n});
+             ScatterStats st;
+             try {
+               py::gil_scoped_release nogil;  // p.keep holds the destination tensors
+               read_verify_scatter(fd, name, nbytes, chunk_bytes, crcs, spans,
+                                   scatter_options(threads, io_bytes, direct), &st);
+             } catch (...) {
+               p.applied = st.applied_bytes;
+               if (p.applied > 0) bump_versions(p.plan);  // changed in place, if only partly
+               throw;
+             }
+             p.applied = st.applied_bytes;
+             bump_versions(p.plan);
+             return scatter_stats_dict(st);
+           },
+           py::arg("fd"), py::arg("name"), py::arg("nbytes"), py::arg("chunk_bytes"),
+           py::arg("crcs"), py::arg("extra"), py::arg("threads") = 2, py::arg("io_bytes") = 0,
+           py::arg("direct") = false,
+           "the planned byte copies (plan_pairs with lo, size = a buffer standing for the "
+           "file), read from the open file `fd` chunk by chunk, each chunk CRC32C-checked "
+           "before any byte of it is copied; `extra`: more (dst_ptr, file_offset, nbytes) "
+           "spans (the bytes torch's copy_ will read from that buffer); marks the planned "
+           "destinations modified in place");
   m.def("plan_pairs",
         [](py::list dsts, py::list srcs, py::dict dtypes, py::tuple plain_types,
            py::object src_type, uint64_t lo, uint64_t size) {

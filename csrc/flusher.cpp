@@ -72,6 +72,10 @@ IoBytes io_bytes() noexcept {
                  g_bytes_read.load(std::memory_order_relaxed)};
 }
 
+void count_bytes_read(uint64_t n) noexcept {
+  g_bytes_read.fetch_add(n, std::memory_order_relaxed);
+}
+
 uint64_t flushes_started() noexcept { return g_flush_started.load(std::memory_order_relaxed); }
 
 void fsync_dir(const std::string& path) {

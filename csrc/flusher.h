@@ -60,6 +60,8 @@ struct IoBytes {
   uint64_t read = 0;
 };
 IoBytes io_bytes() noexcept;
+// Adds n to io_bytes().read: other readers of snapshot files (file_restore.h) count there too.
+void count_bytes_read(uint64_t n) noexcept;
 
 // TEST-ONLY: adds `delta` to the flush_active() count (a flush "running" for
 // as long as a test holds it), so copy engines' yielding is testable.

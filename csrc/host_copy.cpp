@@ -87,6 +87,8 @@ struct DstRange {
 
 }  // namespace
 
+void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t n) { copy_piece(dst, src, n); }
+
 uint64_t copy_spans(const uint8_t* src, uint64_t src_bytes, const std::vector<HostSpan>& spans,
                     int threads, uint64_t piece_bytes) {
   CUDASNAP_CHECK(piece_bytes > 0, "copy_spans: piece size is 0");

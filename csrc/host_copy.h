@@ -31,6 +31,10 @@ struct HostSpan {
 
 constexpr uint64_t kHostCopyPiece = 8ull << 20;
 
+// Copies n bytes (not overlapping) the way copy_spans copies a piece: from 64 KiB on with
+// streaming stores (x86-64), below that with memcpy. No checks.
+void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t n);
+
 // Throws cudasnap::Error (Generic) when a span is bad; nothing is copied then.
 // Returns the bytes copied.
 uint64_t copy_spans(const uint8_t* src, uint64_t src_bytes, const std::vector<HostSpan>& spans,

@@ -13,6 +13,8 @@ checks live in cudasnap.core.live_tensor; RNG capture and restore in cudasnap.co
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_key, dtype_name, expand_params
+from ..format.manifest import dtype_key, dtype_name, expand_params, span_bytes
 from . import copy_back, sharded, values
 from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
 from .rng import RNG_SOURCES, apply_rng, capture_rng
@@ -95,6 +97,81 @@ def _unexpanded(t: torch.Tensor, e: dict[str, Any]) -> tuple[Any, Any]:
         shape[d] = 1
         t = t.narrow(d, 0, 1)
     return t, {**e, "shape": shape}
+
+
+@contextlib.contextmanager
+def _gc_held() -> Iterator[None]:
+    """Python's cyclic GC held off (re-enabled only if it was on). A restore makes several
+    container objects per tensor (entries, pairs, Refs, the optimizer's state dicts) that
+    live through young collections: at 4,000 tensors they can set off a full collection of
+    the whole process inside the restore (~0.2 s measured beside a 0.2 s restore, issue 26),
+    which is not the restore's work; it then runs where the program next allocates."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _copy_from_file(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any,
+                    before: Callable[[], None] | None) -> None:
+    """``copy_back.copy_into(pairs, data)`` with ``data`` still on disk: ``file`` (a
+    storage.posix.DataFile) is read chunk by chunk into a small buffer, each chunk's CRC32C
+    checked, and only then its bytes copied to the destinations (one native call, GIL
+    released, no buffer of the file's size).
+
+    ``data``: an untouched ``torch.empty`` of the file's size, standing for the file. The
+    byte-copy pairs are planned against it as copy_into plans them (``_C.plan_pairs``, no
+    Python call per pair: an offset in ``data`` is the offset in the file); the rest (torch's
+    ``copy_``: non-contiguous or overlapping destinations, dtype views) read their bytes from
+    ``data``, so the same call reads those byte ranges (verified alike) into it first, and
+    only those pages of it are touched. The views are built and ``before()`` runs before
+    the first read, as in copy_into.
+
+    A chunk failing its CRC32C raises CorruptSnapshot before any byte of it is copied;
+    chunks verified before it may have been copied (``partly_applied`` on the exception,
+    see DataFile.scatter); torch's copies have not run then.
+    """
+    from .._native import native
+
+    lo, size = data.data_ptr(), file.nbytes
+    plan = native().plan_pairs([d for d, _ in pairs], [s for _, s in pairs], copy_back._dtypes(),
+                               _PLAIN, torch.Tensor, lo, size)
+    slow = plan.slow
+    rest = [(pairs[i][0], copy_back.entry_view(data, s) if type(s) is dict else s)
+            for i in slow for s in (pairs[i][1],)]
+    extra = _ranges_read(rest, lo, size)
+    if before is not None:
+        before()
+    file.scatter(plan, extra)
+    with torch.no_grad():
+        for d, s in rest:
+            d.copy_(s)
+
+
+def _ranges_read(rest: list[tuple[Any, Any]], lo: int, size: int) -> list[tuple[int, int, int]]:
+    """The (dst pointer, file offset, bytes) spans that fill the bytes of the buffer at
+    ``lo`` (``size`` bytes) which the sources of ``rest`` read: merged, so that no two
+    overlap."""
+    spans: list[tuple[int, int]] = []
+    for _, s in rest:
+        if not isinstance(s, torch.Tensor) or not s.is_cpu or s.layout != torch.strided:
+            continue
+        n = span_bytes(list(s.shape), list(s.stride()), s.element_size())
+        off = s.data_ptr() - lo
+        if n and 0 <= off and off + n <= size:
+            spans.append((off, off + n))
+    spans.sort()
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(lo + a, a, b - a) for a, b in merged]
 
 
 class TrainingState:
@@ -318,18 +395,45 @@ class TrainingState:
                 if f"optim:{okey}" not in groups:
                     raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
 
-    def apply(self, tensors: list[dict[str, Any]], host: dict[str, Any], data: torch.Tensor,
+    def apply(self, tensors: list[dict[str, Any]], host: dict[str, Any], data: Any,
               where: str, before_copy: Callable[[], None] | None = None) -> int:
         """Copies a snapshot into the live objects; returns its step.
 
         Every check runs before the first byte is copied; then all tensors (model and
         optimizer state) go through one ``copy_back.copy_into`` call; then the host state.
         ``before_copy``: called after the checks, before the first byte (it may raise).
+
+        ``data``: the snapshot's bytes, a uint8 tensor (verified), or a
+        ``storage.posix.DataFile`` (``posix.open_data``: checked, not read). A file is read
+        chunk by chunk straight into the live tensors (``_copy_from_file``: each chunk's
+        CRC32C checked before any byte of it is copied) when every live tensor is on the
+        CPU and nothing is sharded, else whole first (``DataFile.read``); it is closed once
+        read. A chunk failing its check then raises CorruptSnapshot with
+        ``partly_applied`` telling whether earlier chunks were copied already.
+
+        Python's cyclic GC is held off meanwhile (``_gc_held``), as in the layout build.
         """
+        with _gc_held():
+            if isinstance(data, torch.Tensor):
+                return self._apply_state(tensors, host, data, None, where, before_copy)
+            with data:  # a DataFile: closed however the restore ends
+                return self._apply_state(tensors, host, None, data, where, before_copy)
+
+    def _apply_state(self, tensors: list[dict[str, Any]], host: dict[str, Any],
+                     data: torch.Tensor | None, file: Any, where: str,
+                     before_copy: Callable[[], None] | None) -> int:
         lts = self.live_tensors()  # once per restore: it walks every module and optimizer
         self.check_compatible(tensors, where, lts)
         hd = codec.decode(host, "host")
         check_classes(self, hd, where)  # before anything is changed
+        if file is not None:  # a storage.posix.DataFile: not read yet
+            if file.nbytes and self._scatters(lts, tensors):
+                # Address space only (no page is touched): the planner's stand-in for the
+                # file, and where the bytes torch's copy_ reads (if any) are read to.
+                data = torch.empty(file.nbytes, dtype=torch.uint8)
+            else:  # a destination torch must copy to (CUDA, sharded): the whole file first
+                data, file = file.read(), None
+        assert data is not None
         live = {lt.name: lt for lt in lts}
         for lt in lts:
             for a in lt.aliases:
@@ -347,8 +451,12 @@ class TrainingState:
                                                  hd.get("optim", {}).get(okey), where, data)
             pairs += more
             finish.append(done)
-        # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into).
-        copy_back.copy_into(pairs, data, before=before_copy)
+        # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into), or
+        # from a file: read, verified and copied chunk by chunk (_copy_from_file).
+        if file is None:
+            copy_back.copy_into(pairs, data, before=before_copy)
+        else:
+            _copy_from_file(pairs, data, file, before_copy)
         for done in finish:
             done()
         for key, obj in self.extra.items():
@@ -364,6 +472,18 @@ class TrainingState:
         self.values = dict(hd.get("values") or {})
         apply_rng(hd.get("rng", {}))
         return int(hd.get("step", -1))
+
+    def _scatters(self, lts: list[LiveTensor], tensors: list[dict[str, Any]]) -> bool:
+        """Whether a restore from a file can go chunk by chunk into the live tensors
+        (``_copy_from_file``): every live tensor on the CPU and nothing sharded (a DTensor's
+        value is built from the snapshot's bytes before the copy, so they must be read)."""
+        if any(not lt.tensor.is_cpu or lt.shard or lt.owner is not None for lt in lts):
+            return False
+        if any("shard" in e for e in tensors):
+            return False
+        dt_cls = sharded._dtensor_cls()
+        return dt_cls is None or not any(isinstance(p, dt_cls) for opt in self.optimizers.values()
+                                         for p in _param_order(opt))
 
     def _prepare_optimizer(self, okey: str, opt: torch.optim.Optimizer,
                            entries: list[dict[str, Any]], host: dict[str, Any] | None,

@@ -39,7 +39,8 @@ Call order: ``PosixStorage`` (cudasnap.storage), the supervisor's orphan flush, 
 distributed flush round and the timeline each call ``posix.write_slot`` (looked up on this
 module, so a test's patch of ``posix.write_slot`` reaches them all): ``complete_slot`` ->
 data and manifest into ``.tmp`` -> rename -> ``latest.replace_latest`` -> ``listing.prune``
--> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``.
+-> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``, or
+``open_data`` (a ``DataFile``, read by ``TrainingState.apply`` chunk by chunk, issue 26).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
 
-    from cudasnap._C import Arena, SlotInfo
+    from cudasnap._C import Arena, RestorePlan, ScatterStats, SlotInfo
 
 log = logging.getLogger("cudasnap.storage.posix")
 
@@ -220,27 +221,143 @@ def read_data(snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
         raise CorruptSnapshot(f"{snapshot_dir}: data file must be {DATA!r}")
     path = Path(snapshot_dir) / DATA
     nbytes = int(data["bytes"])
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:  # torn (e.g. a prune killed half-way): skip it, don't fail restore
-        raise CorruptSnapshot(f"{path} is missing (the snapshot is incomplete)") from None
-    except OSError as e:
-        raise CorruptSnapshot(f"cannot stat {path}: {e}") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptSnapshot(f"{path} is not a regular file")
-    _check_trust(path, st, allow_foreign_owner)
-    if st.st_size != nbytes:
-        raise CorruptSnapshot(f"{path} is {st.st_size} bytes, the manifest says {nbytes} "
-                              "(truncated or replaced)")
+    _check_data_file(path, _lstat_data(path), nbytes, allow_foreign_owner)
     buf = torch.empty(nbytes, dtype=torch.uint8)
     native().read_file_verified(str(path), buf.data_ptr(), nbytes, int(data["chunk_bytes"]),
                                 [int(c) for c in data["crc32c"]], threads)
     return buf
 
 
+def _lstat_data(path: Path) -> os.stat_result:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:  # torn (e.g. a prune killed half-way): skip it, don't fail restore
+        raise CorruptSnapshot(f"{path} is missing (the snapshot is incomplete)") from None
+    except OSError as e:
+        raise CorruptSnapshot(f"cannot stat {path}: {e}") from e
+
+
+def _check_data_file(path: Path, st: os.stat_result, nbytes: int,
+                     allow_foreign_owner: bool | None) -> None:
+    """data.bin's checks before a byte is read: a regular file of this user's (``_check_trust``)
+    of the manifest's size."""
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptSnapshot(f"{path} is not a regular file")
+    _check_trust(path, st, allow_foreign_owner)
+    if st.st_size != nbytes:
+        raise CorruptSnapshot(f"{path} is {st.st_size} bytes, the manifest says {nbytes} "
+                              "(truncated or replaced)")
+
+
+# The fused restore's reads (DataFile.scatter; bench/snapshot_cpu.py --restore-only measures
+# them): bytes per read (0: one chunk) and O_DIRECT. One chunk per read through the page cache
+# measured fastest on the bench VM (issue 26; O_DIRECT and 2-4 chunk reads were no faster).
+SCATTER_IO_BYTES = 0
+SCATTER_DIRECT = False
+
+
+class DataFile:
+    """A snapshot's data.bin, opened and checked but not read (``open_data``).
+
+    The restore (``TrainingState.apply``) either reads it chunk by chunk straight into
+    the live tensors (``scatter``: each chunk's CRC32C checked in a small buffer before
+    any byte of it is copied; no buffer of the file's size, one pass over the memory) or,
+    where a destination is not a plain CPU tensor, whole into a new buffer (``read``:
+    ``read_data``'s path, which opens the file again as read_data does). ``scatter`` reads
+    the file the checks ran on: it is opened without following symlinks and must be the
+    regular file ``lstat`` saw, of this user's, of the manifest's size (read_data's
+    checks), all checked on the open file too. Close it (``close``, or ``with``) when
+    done; the restore closes it once read.
+    """
+
+    def __init__(self, snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
+                 allow_foreign_owner: bool | None = None) -> None:
+        self.fd = -1
+        data = manifest["data"]
+        if data.get("file") != DATA:  # validate_manifest refuses it; never a path from JSON
+            raise CorruptSnapshot(f"{snapshot_dir}: data file must be {DATA!r}")
+        self.path = Path(snapshot_dir) / DATA
+        self.nbytes = int(data["bytes"])
+        self.chunk_bytes = int(data["chunk_bytes"])
+        self.crcs = [int(c) for c in data["crc32c"]]
+        self.threads = max(1, int(threads))
+        before = _lstat_data(self.path)
+        _check_data_file(self.path, before, self.nbytes, allow_foreign_owner)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                              | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CorruptSnapshot(f"{self.path} is missing (the snapshot is incomplete)") from None
+        except OSError as e:  # ELOOP: a symlink planted since the lstat
+            raise CorruptSnapshot(f"cannot open {self.path}: {e}") from e
+        try:
+            st = os.fstat(self.fd)
+            if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                raise CorruptSnapshot(f"{self.path} was replaced while it was being opened")
+            _check_data_file(self.path, st, self.nbytes, allow_foreign_owner)
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self) -> torch.Tensor:
+        """The whole file in a new uint8 tensor, every chunk CRC32C-verified (``read_data``)."""
+        import torch
+
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        native().read_file_verified(str(self.path), buf.data_ptr(), self.nbytes, self.chunk_bytes,
+                                    self.crcs, self.threads)
+        return buf
+
+    def scatter(self, plan: RestorePlan, extra: list[tuple[int, int, int]]) -> ScatterStats:
+        """``plan.run_file`` on this file: the planned copies (``plan_pairs`` against a buffer
+        of the file's size standing for it) and the ``extra`` (dst pointer, file offset,
+        bytes) spans, each chunk verified before any byte of it is copied.
+
+        A chunk failing its CRC32C raises CorruptSnapshot with ``partly_applied`` set to
+        whether chunks verified before it had been copied already (the live tensors then
+        hold parts of two snapshots: the caller must restore another one in full, or say
+        so; ``core.restore.Restorer._apply`` records it)."""
+        try:
+            return plan.run_file(self.fd, str(self.path), self.nbytes, self.chunk_bytes, self.crcs,
+                                 extra, self.threads, SCATTER_IO_BYTES, SCATTER_DIRECT)
+        except SnapshotError as e:
+            e.partly_applied = plan.applied > 0  # type: ignore[attr-defined]
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> DataFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def open_data(storage: Any, ref: Any, manifest: fmt.Manifest, threads: int = 4, *,
+              allow_foreign_owner: bool | None = None) -> DataFile | torch.Tensor:
+    """What a restore applies: for a local snapshot of a ``PosixStorage`` its data.bin
+    opened and checked but not read (a ``DataFile``: ``TrainingState.apply`` reads it chunk by
+    chunk into the live tensors), for any other storage ``storage.read_data(...)`` (the whole
+    data, verified)."""
+    from . import PosixStorage  # the package imports this module: looked up at call time
+
+    if isinstance(storage, PosixStorage) and isinstance(ref, StoredSnapshot):
+        return DataFile(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner)
+    data: torch.Tensor = storage.read_data(ref, manifest, threads,
+                                           allow_foreign_owner=allow_foreign_owner)
+    return data
+
+
 __all__ = [
     "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
     "read_latest", "replace_latest", "write_commit", "read_commit", "committed_steps",
-    "write_slot", "prune", "load_manifest", "read_data", "read_flush_log", "append_flush_log",
+    "write_slot", "prune", "load_manifest", "read_data", "open_data", "DataFile", "read_flush_log",
+    "append_flush_log",
     "MANIFEST", "DATA", "LATEST", "FLUSH_LOG", "COMMIT", "step_dirname",
 ]

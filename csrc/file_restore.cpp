@@ -1,0 +1,229 @@
+#include "file_restore.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+
+#include "crc32c.h"
+#include "error.h"
+#include "flusher.h"
+#include "staging.h"  // monotonic_ns
+#include "thread_pool.h"
+
+namespace cudasnap {
+namespace {
+
+constexpr uint64_t kAlign = 4096;  // O_DIRECT: buffer, offset and length alignment
+
+// Part of one span that lies in one chunk.
+struct Piece {
+  uint64_t dst;
+  uint64_t off;  // in the chunk
+  uint64_t n;
+};
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
+// Reads exactly [off, off + n) of fd into dst (an O_DIRECT read asks for `n` rounded up
+// to the alignment: the file's tail is shorter, which is not an error).
+void read_exact(int fd, uint8_t* dst, uint64_t n, uint64_t off, bool direct,
+                const std::string& name) {
+  uint64_t got = 0;
+  while (got < n) {
+    uint64_t want = n - got;
+    if (direct) want = (want + kAlign - 1) / kAlign * kAlign;
+    ssize_t r = ::pread(fd, dst + got, std::min<uint64_t>(want, 1ull << 30),
+                        static_cast<off_t>(off + got));
+    if (r < 0 && errno == EINTR) continue;
+    CUDASNAP_SYSCHECK(r, ErrorKind::Io, "pread of " << name << " at offset " << off + got);
+    CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, r > 0, name << " ended early at offset " << off + got);
+    // An aligned O_DIRECT read returns whole blocks only: a short one mid-file ends
+    // on a block boundary, so the next read stays aligned.
+    got += std::min<uint64_t>(static_cast<uint64_t>(r), n - got);
+    count_bytes_read(static_cast<uint64_t>(r));
+  }
+}
+
+}  // namespace
+
+void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,
+                         const std::vector<uint32_t>& crcs, const std::vector<HostSpan>& spans,
+                         const ScatterOptions& opts, ScatterStats* stats) {
+  CUDASNAP_CHECK(stats != nullptr, "read_verify_scatter: no stats");
+  *stats = ScatterStats{};
+  const uint64_t t0 = monotonic_ns();
+  CUDASNAP_CHECK(chunk_bytes > 0, "read_verify_scatter: chunk_bytes is 0");
+  CUDASNAP_CHECK(chunk_bytes <= (1ull << 32), "read_verify_scatter: chunk_bytes " << chunk_bytes
+                                                  << " is larger than 4 GiB");
+  const uint64_t nchunks = nbytes / chunk_bytes + (nbytes % chunk_bytes != 0);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crcs.size() == nchunks,
+                      name << ": manifest lists " << crcs.size() << " chunk checksums for "
+                           << nchunks << " chunks");
+  struct stat st {};
+  CUDASNAP_SYSCHECK(::fstat(fd, &st), ErrorKind::Io, "fstat of " << name);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, S_ISREG(st.st_mode), name << " is not a regular file");
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, static_cast<uint64_t>(st.st_size) == nbytes,
+                      name << " is " << st.st_size << " bytes, the manifest says " << nbytes
+                           << " (truncated or replaced)");
+
+  // Every span checked before the first read (copy_spans' rules, the file as source).
+  struct Range {
+    uint64_t lo, hi, span;
+  };
+  std::vector<Range> dsts;
+  dsts.reserve(spans.size());
+  for (uint64_t i = 0; i < spans.size(); ++i) {
+    const HostSpan& s = spans[i];
+    if (s.nbytes == 0) continue;
+    CUDASNAP_CHECK(s.src_offset <= nbytes && s.nbytes <= nbytes - s.src_offset,
+                   "read_verify_scatter: span " << i << " reads bytes [" << s.src_offset << ", "
+                                                << s.src_offset << " + " << s.nbytes
+                                                << ") outside the file of " << nbytes << " bytes");
+    CUDASNAP_CHECK(s.dst != 0, "read_verify_scatter: span " << i << " has a null destination");
+    CUDASNAP_CHECK(s.nbytes <= std::numeric_limits<uint64_t>::max() - s.dst,
+                   "read_verify_scatter: span " << i << " destination of " << s.nbytes
+                                                << " bytes wraps around");
+    dsts.push_back({s.dst, s.dst + s.nbytes, i});
+  }
+  std::sort(dsts.begin(), dsts.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+  for (uint64_t k = 1; k < dsts.size(); ++k) {
+    CUDASNAP_CHECK(dsts[k].lo >= dsts[k - 1].hi,
+                   "read_verify_scatter: destinations of spans " << dsts[k - 1].span << " and "
+                                                                  << dsts[k].span << " overlap");
+  }
+
+  // Each span cut at chunk boundaries; the pieces of chunk c are
+  // pieces[first[c] .. first[c + 1]).
+  std::vector<uint64_t> count(nchunks + 1, 0);
+  for (const Range& r : dsts) {
+    const HostSpan& s = spans[r.span];
+    for (uint64_t c = s.src_offset / chunk_bytes; c * chunk_bytes < s.src_offset + s.nbytes; ++c)
+      ++count[c];
+  }
+  std::vector<uint64_t> first(nchunks + 1, 0);
+  for (uint64_t c = 0; c < nchunks; ++c) first[c + 1] = first[c] + count[c];
+  std::vector<Piece> pieces(first[nchunks]);
+  std::vector<uint64_t> fill(first);
+  // In file order within a chunk: the copies then read the buffer front to back.
+  std::vector<uint64_t> order(dsts.size());
+  for (uint64_t k = 0; k < dsts.size(); ++k) order[k] = dsts[k].span;
+  std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
+    return spans[a].src_offset < spans[b].src_offset;
+  });
+  for (uint64_t i : order) {
+    const HostSpan& s = spans[i];
+    uint64_t off = s.src_offset, end = s.src_offset + s.nbytes;
+    while (off < end) {
+      const uint64_t c = off / chunk_bytes;
+      const uint64_t n = std::min(end, (c + 1) * chunk_bytes) - off;
+      pieces[fill[c]++] = {s.dst + (off - s.src_offset), off - c * chunk_bytes, n};
+      off += n;
+    }
+  }
+
+  const uint64_t per = std::max<uint64_t>(1, opts.io_bytes / chunk_bytes);
+  const uint64_t units = nchunks / per + (nchunks % per != 0);
+  const uint64_t unit_bytes = per * chunk_bytes;
+  bool direct = false;
+  int old_flags = -1;
+  if (opts.direct && nbytes > 0 && chunk_bytes % kAlign == 0) {
+    old_flags = ::fcntl(fd, F_GETFL);
+    direct = old_flags >= 0 && ::fcntl(fd, F_SETFL, old_flags | O_DIRECT) == 0;
+  }
+  if (!direct && opts.sequential && nbytes > 0)
+    (void)::posix_fadvise(fd, 0, static_cast<off_t>(nbytes), POSIX_FADV_SEQUENTIAL);
+  stats->direct = direct;
+
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> read_bytes{0}, applied{0};
+  std::atomic<int64_t> bad{-1};
+  std::mutex bad_mu;
+  uint32_t bad_stored = 0, bad_read = 0;
+  const int threads = static_cast<int>(
+      std::min<uint64_t>(static_cast<uint64_t>(std::max(opts.threads, 1)), std::max<uint64_t>(units, 1)));
+  auto work = [&]() {
+    uint8_t* raw = nullptr;
+    const uint64_t cap = (unit_bytes + kAlign - 1) / kAlign * kAlign;
+    if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign, cap) != 0 || raw == nullptr)
+      throw std::bad_alloc();
+    std::unique_ptr<uint8_t, FreeDeleter> buf(raw);
+    for (;;) {
+      if (stop.load(std::memory_order_acquire)) return;
+      const uint64_t u = next.fetch_add(1);
+      if (u >= units) return;
+      const uint64_t c0 = u * per, c1 = std::min(nchunks, c0 + per);
+      const uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
+      read_exact(fd, buf.get(), hi - lo, lo, direct, name);
+      read_bytes.fetch_add(hi - lo, std::memory_order_relaxed);
+      for (uint64_t c = c0; c < c1; ++c) {
+        const uint8_t* chunk = buf.get() + (c - c0) * chunk_bytes;
+        const uint64_t n = std::min(chunk_bytes, nbytes - c * chunk_bytes);
+        const uint32_t crc = crc32c(0, chunk, n);
+        if (crc != crcs[c]) {  // nothing of this chunk (or the rest of the unit) is copied
+          std::lock_guard<std::mutex> g(bad_mu);
+          if (bad.load() < 0 || static_cast<int64_t>(c) < bad.load()) {
+            bad.store(static_cast<int64_t>(c));
+            bad_stored = crcs[c];
+            bad_read = crc;
+          }
+          stop.store(true, std::memory_order_release);
+          return;
+        }
+        uint64_t moved = 0;
+        for (uint64_t k = first[c]; k < first[c + 1]; ++k) {
+          const Piece& p = pieces[k];
+          copy_bytes(reinterpret_cast<uint8_t*>(p.dst), chunk + p.off, p.n);
+          moved += p.n;
+        }
+        applied.fetch_add(moved, std::memory_order_relaxed);
+      }
+    }
+  };
+  auto worker = [&](uint64_t) {
+    try {
+      work();
+    } catch (...) {  // a failed read (or no buffer): the other readers stop too
+      stop.store(true, std::memory_order_release);
+      throw;
+    }
+  };
+  try {
+    parallel_for(static_cast<uint64_t>(threads), threads, worker);
+  } catch (...) {
+    stop.store(true);
+    if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
+    stats->read_bytes = read_bytes.load();
+    stats->applied_bytes = applied.load();
+    stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+    throw;
+  }
+  if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
+  stats->read_bytes = read_bytes.load();
+  stats->applied_bytes = applied.load();
+  stats->bad_chunk = bad.load();
+  stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+  if (stats->bad_chunk >= 0) {
+    const uint64_t c = static_cast<uint64_t>(stats->bad_chunk);
+    const uint64_t lo = c * chunk_bytes, hi = std::min(nbytes, lo + chunk_bytes);
+    CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false,
+                        name << ": chunk " << c << " (bytes " << lo << ".." << hi
+                             << ") fails its CRC32C (stored " << bad_stored << ", read "
+                             << bad_read << "); none of its bytes was copied, "
+                             << stats->applied_bytes
+                             << " bytes of chunks verified before it had been");
+  }
+}
+
+}  // namespace cudasnap
