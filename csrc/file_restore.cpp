@@ -155,7 +155,9 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
       std::min<uint64_t>(static_cast<uint64_t>(std::max(opts.threads, 1)), std::max<uint64_t>(units, 1)));
   auto work = [&]() {
     uint8_t* raw = nullptr;
-    const uint64_t cap = (unit_bytes + kAlign - 1) / kAlign * kAlign;
+    // One unit, never more than the file (a chunk size larger than the data is allowed).
+    const uint64_t cap =
+        std::max(kAlign, (std::min(unit_bytes, nbytes) + kAlign - 1) / kAlign * kAlign);
     if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign, cap) != 0 || raw == nullptr)
       throw std::bad_alloc();
     std::unique_ptr<uint8_t, FreeDeleter> buf(raw);

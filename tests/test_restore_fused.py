@@ -107,6 +107,21 @@ def test_read_file_scatter_copies_exactly_the_spans(C, tmp_path, threads, io_byt
     assert C.io_bytes()[1] - read0 >= nbytes  # the progress counter sees the reads
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_chunk_larger_than_the_file(C, tmp_path, direct):
+    """One chunk of 1 MiB for 5,000 bytes: the readers' buffers are the file's size."""
+    path, src, crcs = _file(C, tmp_path, 5000, chunk=1 << 20)
+    assert len(crcs) == 1
+    dst = np.zeros(5000, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = C.read_file_scatter(fd, str(path), 5000, 1 << 20, crcs, [(dst.ctypes.data, 0, 5000)],
+                                 4, 0, direct)
+    finally:
+        os.close(fd)
+    assert st["applied"] == 5000 and np.array_equal(dst, src)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("bad", [0, 5, 12])
 def test_a_corrupt_chunk_copies_none_of_its_bytes(C, tmp_path, threads, bad):
