@@ -262,6 +262,7 @@ class Snapshotter:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the running snapshot is COMPLETE (True) or the timeout passes."""
+        self._copier.settle_deferred(timeout)  # a boundary skipped while its plan was built
         return self._copier.wait_job(timeout)
 
     def invalidate_layout(self) -> None:

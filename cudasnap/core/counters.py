@@ -36,6 +36,7 @@ class Counters:
     skipped_every: int = 0          # zero-overhead mode: boundaries not copied by design
     live_saves: int = 0             # JIT copies of the live state at a flush
     early_saves: int = 0            # synchronous snapshots before the arena was ready
+    skipped_layout: int = 0         # boundaries while a large state's plan was built off-thread
 
     def record_boundary(self, t0: int) -> None:
         """One boundary's time since ``t0`` (perf_counter_ns); the newest 2-4 k kept."""

@@ -11,8 +11,14 @@ no longer read it: until the job is COMPLETE, and for a failed or cancelled job 
 the engine has drained (``hold_draining``). Only then may ``p.data = ...``, ``set_()``
 or a swapped optimizer state free a block it read.
 
-Call order: the ``Copier`` calls :meth:`Layouts.current` at each boundary it copies
-(and the JIT live copy, the early saver), then :meth:`Layouts.running_job` once the
+Off the training thread (issue 26): a new plan for a state of ``OFF_THREAD_MIN_TENSORS``
+tensors or more is built on a background thread (``_Build``); the boundary that asked
+is skipped, its live state kept by the copier for a flush, ``wait()`` or ``close()``;
+a later boundary adopts the plan after a full native check that the state did not
+change under the build (else it builds again, on the training thread).
+
+Call order: the ``Copier`` calls :meth:`Layouts.for_boundary` at each boundary it copies
+(:meth:`Layouts.current` for the JIT live copy, the early saver, ``coverage()``), then :meth:`Layouts.running_job` once the
 engine accepted the job; :meth:`Layouts.job_done` when it retired that job,
 :meth:`Layouts.hold_draining` for a refused one on a hung GPU; ``close()`` calls
 :meth:`Layouts.release_at_close` after the engine stopped. The fences (optimizer load
@@ -22,6 +28,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +57,10 @@ _ABANDONED: list[Layout] = []
 
 class Layouts:
     RESCAN_EVERY = 64
+    # A state of at least this many tensors has its plan built off the training thread
+    # (issue 26): ~10 us of Python per tensor, 38 ms at 4,000 and ~0.5 s at 40,000 tensors
+    # on the training thread otherwise. 1,000 tensors take ~5-10 ms here.
+    OFF_THREAD_MIN_TENSORS = 1000
 
     def __init__(self, state: TrainingState, backend: Backend, counters: Counters, *,
                  chunk_bytes: int, rank: int, world_size: int, job: str) -> None:
@@ -58,11 +70,14 @@ class Layouts:
         self.layout: Layout | None = None  # the current plan (None: rebuilt at the next use)
         self.running: Layout | None = None  # the running copy's: it holds the planned storages
         self.draining: tuple[Layout, ...] = ()  # failed copies' until the engine drained them
+        self.building: _Build | None = None  # a plan being built off the training thread
 
     def invalidate(self) -> None:
         """The copy plan is rebuilt at the next boundary (see Snapshotter.invalidate_layout);
-        the running copy keeps reading the old tensors, which stay alive until it completes."""
+        the running copy keeps reading the old tensors, which stay alive until it completes.
+        A build running off the training thread is dropped (it may predate the change)."""
         self.layout = None
+        self.building = None
 
     def coverage(self) -> dict[str, Any]:
         """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
@@ -82,7 +97,7 @@ class Layouts:
         return {"tensors": len(lay.tensors), "copy_ranges": int(lay.plan.num_ranges),
                 "allocator_tracking": cuda is not None and cuda.registry is not None}
 
-    def _build_layout(self) -> Layout:
+    def _build_layout(self, engine: bool = True) -> Layout:
         """A new Layout of the live state, with Python's cyclic GC held off meanwhile.
 
         The build makes ~10 container objects per tensor (LiveTensor, manifest entry,
@@ -94,14 +109,16 @@ class Layouts:
         work (everything the process made since the last one is walked). Re-enabled
         only when it was enabled."""
         if not gc.isenabled():
-            return self._build_layout_now()
+            return self._build_layout_now(engine)
         gc.disable()
         try:
-            return self._build_layout_now()
+            return self._build_layout_now(engine)
         finally:
             gc.enable()
 
-    def _build_layout_now(self) -> Layout:
+    def _build_layout_now(self, engine: bool) -> Layout:
+        """``engine``: make the copy engine too (False: a build off the training thread;
+        the engine is made when the plan is adopted, on the training thread)."""
         tensors = self.state.live_tensors()
         be = self._backend
         if be.requested == "cpu":  # its copy workers read host memory only
@@ -109,7 +126,8 @@ class Layouts:
             if on_gpu is not None:
                 raise ConfigError(f"backend='cpu' but {on_gpu} lives on a CUDA device: move "
                                   "it to the CPU, or use backend='cuda' (or 'auto')")
-        be.ensure(tensors)
+        if engine:
+            be.ensure(tensors)
         if be.cuda is not None:
             single_cuda_device(tensors, be.cuda.index)
         plan, offsets = make_plan(tensors, be.cuda, self.chunk_bytes)
@@ -125,7 +143,7 @@ class Layouts:
             entries.append(e)
         validate_tensors(entries, plan.total_bytes, "layout")
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
-                        backend=be.name, torch=torch.__version__,
+                        backend=be.resolve(tensors), torch=torch.__version__,
                         dcp_names=self.state.dcp_names())
         prefix = encode_prefix(head, entries)  # the slot manifest up to its host value
         self._counters.layout_rebuilds += 1
@@ -135,7 +153,27 @@ class Layouts:
                       self.rescan_every, list(self.state.optimizers.values()))
 
     def current(self) -> Layout:
-        """The plan for this boundary: the cached one while the state holds, else a new one."""
+        """The plan of the live state now: the cached one while the state holds, else a
+        new one (a build running off the training thread is waited for and adopted)."""
+        lay = self._plan(defer=False)
+        assert lay is not None  # only a deferred call returns None
+        return lay
+
+    def for_boundary(self) -> Layout | None:
+        """The copier's at a boundary: like :meth:`current`, but None while a large
+        state's new plan is built off the training thread (the boundary is skipped)."""
+        return self._plan(defer=True)
+
+    def _plan(self, defer: bool) -> Layout | None:
+        """The cached plan while the state holds, else a new one.
+
+        ``defer`` (``for_boundary``): a new plan for a state of
+        ``OFF_THREAD_MIN_TENSORS`` tensors or more is built on a background thread and
+        None returned (the boundary is skipped; the copier keeps its live state for a
+        flush or ``wait()``); a later call adopts the finished build once a full native
+        check of it (every identity entry and data pointer, the optimizer signature)
+        found the state unchanged. Without ``defer`` (a flush's live copy, coverage())
+        a running build is waited for, or the plan built here."""
         lay = self.layout
         if lay is not None:
             # One native call, O(WINDOW) whatever the tensor count: the signature
@@ -147,8 +185,36 @@ class Layouts:
                 if lay.rescan(self.state.identity_pieces(lay.tied) if fresh == 2 else None
                               ) is not False:
                     return lay
+            self.layout = None
+        b = self.building
+        if b is not None:
+            if defer and b.thread.is_alive():
+                return None
+            b.thread.join()
+            self.building = None
+            built = b.adopt(self._backend)
+            if built is not None:
+                self.layout = built
+                return built
+        elif defer and self._large(lay):
+            self.building = _Build(self)
+            return None
         self.layout = self._build_layout()
         return self.layout
+
+    def _large(self, old: Layout | None) -> bool:
+        """Whether a new plan of the state is built off the training thread: the old
+        plan's tensor count, or, for the first plan, the state's (a count, no walk of
+        the tensors: modules' parameters and buffers, the optimizers' state entries)."""
+        if old is not None:
+            return len(old.tensors) >= self.OFF_THREAD_MIN_TENSORS
+        n = 0
+        for mod in self.state.models.values():
+            for m in mod.modules():
+                n += len(m._parameters) + len(m._buffers)
+        for opt in self.state.optimizers.values():
+            n += sum(len(s) for s in opt.state.values())
+        return n >= self.OFF_THREAD_MIN_TENSORS
 
     # ------------------------------------------------- how long plans are held
     def running_job(self, lay: Layout) -> None:
@@ -204,3 +270,45 @@ class Layouts:
             log.error("close(): a snapshot copy may still be reading the state (GPU hung); "
                       "its %d tensor(s) are kept allocated for the life of the process",
                       sum(len(lay.tensors) for lay in held))
+
+
+class _Build:
+    """One plan built on a background thread (``Layouts.current(defer=True)``).
+
+    The thread runs the same build as the training thread would (GC held off, see
+    ``Layouts._build_layout``) but makes no copy engine; the training thread adopts the
+    result (``adopt``) at a later boundary, or waits for it (a flush). A build that
+    failed (an error naming a tensor, a container changed under the walk) is not
+    reported from here: the adopting call builds again on the training thread, which
+    raises the error there or succeeds."""
+
+    def __init__(self, layouts: Layouts) -> None:
+        self.layout: Layout | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(layouts,), daemon=True,
+                                       name="cudasnap-layout")
+        self.thread.start()
+
+    def _run(self, layouts: Layouts) -> None:
+        # Thread.start() returns once this thread runs: hand the GIL back at once so the
+        # boundary that started the build returns first (else it waits a switch
+        # interval, 5 ms, for the GIL).
+        time.sleep(0)
+        try:
+            self.layout = layouts._build_layout(engine=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the build on the training thread
+            self.error = e
+
+    def adopt(self, backend: Backend) -> Layout | None:
+        """Training thread, the build finished: its plan when it still describes the live
+        state (None: build again here)."""
+        lay = self.layout
+        if lay is None:
+            log.debug("layout: the background build failed (%r); building on this thread",
+                      self.error)
+            return None
+        if lay.guard.boundary_check(1 << 62) == 1:  # every entry and pointer, natively
+            log.debug("layout: the state changed during the background build; building again")
+            return None
+        backend.ensure(lay.tensors)
+        return lay

@@ -57,6 +57,9 @@ class Copier:
         self.live: tuple[int, bytes] | None = None
         self.live_dirty = True
         self.live_copy: threading.Event | None = None  # set while copy_live() runs
+        # ``live`` is a boundary skipped while its plan was built off the training thread
+        # (not one zero-overhead mode skips by design): ``wait()`` copies it too.
+        self.live_deferred = False
         self.unprotected_thread: int | None = None  # last boundary skipped for want of an arena
         self._host_text: HostText | None = None  # made at the first boundary
 
@@ -75,13 +78,23 @@ class Copier:
             self._counters.record_boundary(t0)
             return
         self.live = None
+        self.live_deferred = False
         # A previous copy still running (no optimizer step in between): bounded.
         if self.job is not None and not self.wait_job(self.wait_timeout_s):
             self._counters.skipped += 1
             log.warning("step %d not snapshotted: the previous copy is still running after "
                         "%.0f s", step, self.wait_timeout_s)
             return
-        lay = self._layouts.current()
+        lay = self._layouts.for_boundary()
+        if lay is None:
+            # A large state's plan is being built off the training thread (Layouts):
+            # until the next optimizer step the live state IS this step, which a flush,
+            # trigger, wait() or close() meanwhile copies (copy_live).
+            self._counters.skipped_layout += 1
+            self.live = (step, b"".join(self.host_suffix(step)))
+            self.live_deferred = True
+            self._counters.record_boundary(t0)
+            return
         try:
             suffix = self.host_suffix(step)
         except RuntimeError:
@@ -207,6 +220,13 @@ class Copier:
             self.fenced[0] = True
         self._counters.fence_wait_ns += time.perf_counter_ns() - t0
 
+    def settle_deferred(self, timeout: float | None) -> None:
+        """``wait()``: the newest boundary was skipped while its plan was built off the
+        training thread; when no optimizer step ran since, copy its live state now (the
+        build is waited for), so ``wait()`` returns with that step COMPLETE."""
+        if self.live is not None and self.live_deferred and not self.live_dirty:
+            self.copy_live(timeout)
+
     def wait_job(self, timeout: float | None = None) -> bool:
         """Blocks until the running copy is COMPLETE (True; also when none runs or it
         failed) or ``timeout`` passes (False), and retires it."""
@@ -247,9 +267,10 @@ class Copier:
         commit path) for the flush to write. Otherwise the newest COMPLETE slot is
         flushed (replay <= snapshot_every steps)."""
         live, arena = self.live, self._keeper.arena
-        if live is None or arena is None or self._backend.engine is None \
-                or self.live_copy is not None:
+        if live is None or self.live_copy is not None:
             return  # (not re-entered: a regrowth inside the copy flushes too)
+        if arena is None and not self.live_deferred:
+            return  # before the arena is ready: the EarlySaver makes it first
         step, suffix = live
         ev = threading.Event()
         self.live_copy = ev  # set before reading the flag; fence() sets it the other way
@@ -273,7 +294,8 @@ class Copier:
                 self.live = None
             self._counters.live_saves += 1
             log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
-                     "boundary, snapshot_every=%d)", step, self.snapshot_every)
+                     "boundary: %s)", step, "its copy plan was being built" if
+                     self.live_deferred else f"snapshot_every={self.snapshot_every}")
         finally:
             self.live_copy = None
             ev.set()

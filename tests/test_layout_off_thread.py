@@ -1,0 +1,241 @@
+"""A large state's copy plan is built off the training thread (issue 26: no boundary over
+5 ms at 4,000 tensors, the first included).
+
+The first boundary of a state of ``Layouts.OFF_THREAD_MIN_TENSORS`` tensors or more starts
+the build on a background thread and is skipped (``stats()["skipped_layout"]``); its
+live state is kept, so ``wait()``, ``flush()`` or ``close()`` before the next optimizer
+step still save that step. A later boundary adopts the finished plan after a full check
+that the state did not change under the build (else it builds again, here).
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import cudasnap
+from cudasnap.core.layout import Layouts
+
+
+class Many(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(3 + i % 5)) for i in range(n)])
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+
+def _trained(n: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = Many(n)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    return m, opt
+
+
+def _step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    m.count += 1
+
+
+def _state(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in m.state_dict().values()] + [
+        v.clone() for s in opt.state_dict()["state"].values() for v in s.values()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _join_build(snap: cudasnap.Snapshotter) -> None:
+    b = snap._layouts.building
+    if b is not None:
+        b.thread.join(60)
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread of every plan build."""
+    seen: list[int] = []
+    real = Layouts._build_layout
+
+    def spy(self: Layouts, engine: bool = True) -> object:
+        seen.append(threading.get_ident())
+        return real(self, engine)
+
+    monkeypatch.setattr(Layouts, "_build_layout", spy)
+    return seen
+
+
+def test_the_first_boundary_of_a_large_state_builds_its_plan_off_the_training_thread(
+        snap_env, builds):
+    m, opt = _trained(600)  # 1,801 state tensors
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        st = snap.stats()
+        assert st["skipped_layout"] == 1 and st["snapshots"] == 0, st
+        _join_build(snap)
+        assert builds and builds[0] != threading.get_ident()
+        _step(m, opt)
+        snap.boundary(1)  # adopts the finished plan: no build here
+        assert snap.wait(30)
+        want = _state(m, opt)
+        st = snap.stats()
+        assert st["snapshots"] == 1 and st["layout_rebuilds"] == 1, st
+        assert len(builds) == 1
+        _step(m, opt)
+        assert snap.rollback() == 2
+        assert _same(_state(m, opt), want)
+    finally:
+        snap.close()
+
+
+def test_a_small_state_is_still_snapshotted_from_its_first_boundary(snap_env, builds):
+    m, opt = _trained(20)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.boundary(0)
+        assert snap.wait(30)
+        st = snap.stats()
+        assert st["skipped_layout"] == 0 and st["snapshots"] == 1, st
+        assert builds == [threading.get_ident()]
+    finally:
+        snap.close()
+
+
+def test_wait_after_a_deferred_boundary_copies_that_step(snap_env):
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        want = _state(m, opt)
+        assert snap.stats()["skipped_layout"] == 1
+        assert snap.wait(30)  # waits for the build, then copies the live state of step 0
+        st = snap.stats()
+        assert st["snapshots"] == 1 and st["live_saves"] == 1, st
+        _step(m, opt)
+        assert snap.rollback() == 1
+        assert _same(_state(m, opt), want)
+    finally:
+        snap.close()
+
+
+def test_wait_after_the_state_moved_on_copies_nothing_stale(snap_env):
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        _step(m, opt)  # the optimizer step's fence marks the live state moved on
+        assert snap.wait(30)
+        assert snap.stats()["snapshots"] == 0  # step 0's state is gone: not copied as it
+    finally:
+        snap.close()
+
+
+def test_flush_after_a_deferred_boundary_writes_that_step(snap_env):
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        want = _state(m, opt)
+        path = snap.flush()
+        assert path is not None and path.name == "step-00000000"
+    finally:
+        snap.close()
+    m2, opt2 = _trained(600, seed=1)
+    fresh = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir, backend="cpu")
+    try:
+        assert fresh.restore_latest() == 1
+        assert _same(_state(m2, opt2), want)
+    finally:
+        fresh.close()
+
+
+def test_a_state_changed_under_the_build_is_planned_again(snap_env, monkeypatch):
+    """The build walked the state, then a tensor was replaced in its container before
+    the plan was adopted: the adoption's full check finds it and the plan is rebuilt,
+    so the snapshot holds the new tensor, not the one the build saw."""
+    m, opt = _trained(600)
+    gate, walked = threading.Event(), threading.Event()
+    real = Layouts._build_layout_now
+
+    def slow(self: Layouts, engine: bool) -> object:
+        lay = real(self, engine)
+        if threading.current_thread().name == "cudasnap-layout":
+            walked.set()
+            gate.wait(60)
+        return lay
+
+    monkeypatch.setattr(Layouts, "_build_layout_now", slow)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        assert walked.wait(60)
+        p = m.ps[7]
+        opt.state[p]["exp_avg"] = torch.full_like(p, 42.0)  # replaced, not written in place
+        gate.set()
+        _join_build(snap)
+        snap.boundary(1)
+        assert snap.wait(30)
+        st = snap.stats()
+        assert st["snapshots"] == 1 and st["layout_rebuilds"] == 2, st
+        want = _state(m, opt)
+        opt.state[p]["exp_avg"].zero_()
+        assert snap.rollback() == 2
+        assert torch.equal(opt.state[p]["exp_avg"], torch.full_like(p, 42.0))
+        assert _same(_state(m, opt), want)
+    finally:
+        gate.set()
+        snap.close()
+
+
+def test_a_failed_background_build_is_redone_on_the_training_thread(snap_env, monkeypatch):
+    m, opt = _trained(600)
+    real = Layouts._build_layout_now
+
+    def failing(self: Layouts, engine: bool) -> object:
+        if threading.current_thread().name == "cudasnap-layout":
+            raise RuntimeError("dictionary changed size during iteration")
+        return real(self, engine)
+
+    monkeypatch.setattr(Layouts, "_build_layout_now", failing)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        _join_build(snap)
+        _step(m, opt)
+        snap.boundary(1)  # builds here, snapshots step 1
+        assert snap.wait(30)
+        want = _state(m, opt)
+        assert snap.stats()["snapshots"] == 1
+        _step(m, opt)
+        assert snap.rollback() == 2
+        assert _same(_state(m, opt), want)
+    finally:
+        snap.close()
+
+
+def test_close_after_a_deferred_boundary_saves_that_step(snap_env):
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    snap.arena_ready()
+    snap.boundary(0)
+    want = _state(m, opt)
+    snap.close()
+    m2, opt2 = _trained(600, seed=1)
+    fresh = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir, backend="cpu")
+    try:
+        assert fresh.restore_latest() == 1
+        assert _same(_state(m2, opt2), want)
+    finally:
+        fresh.close()
