@@ -9,7 +9,9 @@ that the state did not change under the build (else it builds again, here).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -48,6 +50,30 @@ def _state(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def _first_boundary(snap_env) -> Iterator[tuple[nn.Module, torch.optim.Optimizer,
+                                                 cudasnap.Snapshotter]]:
+    """A 1,801-tensor state whose first boundary (step 0) was just deferred; closed after."""
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        snap.arena_ready()
+        snap.boundary(0)
+        yield m, opt, snap
+    finally:
+        snap.close()
+
+
+def _restores_step_0_in_a_new_process(snap_env, want: list[torch.Tensor]) -> None:
+    m2, opt2 = _trained(600, seed=1)  # other values, no optimizer state yet
+    fresh = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir, backend="cpu")
+    try:
+        assert fresh.restore_latest() == 1
+        assert _same(_state(m2, opt2), want)
+    finally:
+        fresh.close()
 
 
 def _join_build(snap: cudasnap.Snapshotter) -> None:
@@ -109,11 +135,7 @@ def test_a_small_state_is_still_snapshotted_from_its_first_boundary(snap_env, bu
 
 
 def test_wait_after_a_deferred_boundary_copies_that_step(snap_env):
-    m, opt = _trained(600)
-    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
-    try:
-        snap.arena_ready()
-        snap.boundary(0)
+    with _first_boundary(snap_env) as (m, opt, snap):
         want = _state(m, opt)
         assert snap.stats()["skipped_layout"] == 1
         assert snap.wait(30)  # waits for the build, then copies the live state of step 0
@@ -122,41 +144,21 @@ def test_wait_after_a_deferred_boundary_copies_that_step(snap_env):
         _step(m, opt)
         assert snap.rollback() == 1
         assert _same(_state(m, opt), want)
-    finally:
-        snap.close()
 
 
 def test_wait_after_the_state_moved_on_copies_nothing_stale(snap_env):
-    m, opt = _trained(600)
-    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
-    try:
-        snap.arena_ready()
-        snap.boundary(0)
+    with _first_boundary(snap_env) as (m, opt, snap):
         _step(m, opt)  # the optimizer step's fence marks the live state moved on
         assert snap.wait(30)
         assert snap.stats()["snapshots"] == 0  # step 0's state is gone: not copied as it
-    finally:
-        snap.close()
 
 
 def test_flush_after_a_deferred_boundary_writes_that_step(snap_env):
-    m, opt = _trained(600)
-    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
-    try:
-        snap.arena_ready()
-        snap.boundary(0)
+    with _first_boundary(snap_env) as (m, opt, snap):
         want = _state(m, opt)
         path = snap.flush()
         assert path is not None and path.name == "step-00000000"
-    finally:
-        snap.close()
-    m2, opt2 = _trained(600, seed=1)
-    fresh = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir, backend="cpu")
-    try:
-        assert fresh.restore_latest() == 1
-        assert _same(_state(m2, opt2), want)
-    finally:
-        fresh.close()
+    _restores_step_0_in_a_new_process(snap_env, want)
 
 
 def test_a_state_changed_under_the_build_is_planned_again(snap_env, monkeypatch):
@@ -232,10 +234,4 @@ def test_close_after_a_deferred_boundary_saves_that_step(snap_env):
     snap.boundary(0)
     want = _state(m, opt)
     snap.close()
-    m2, opt2 = _trained(600, seed=1)
-    fresh = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir, backend="cpu")
-    try:
-        assert fresh.restore_latest() == 1
-        assert _same(_state(m2, opt2), want)
-    finally:
-        fresh.close()
+    _restores_step_0_in_a_new_process(snap_env, want)
