@@ -7,9 +7,7 @@ copy engine and returns. The next ``optimizer.step()`` (a step pre-hook) and
 the next forward of a module owning buffers (a forward pre-hook) wait for the
 running copy, so no snapshot ever mixes two steps. ``flush()`` writes the
 newest COMPLETE snapshot to disk; the health monitor and signal handlers call
-it on a bad sign.
-
-This module is the facade: it makes the components of ``cudasnap.core``, each owning
+it on a bad sign. This module is the facade: it makes the components of ``cudasnap.core``, each owning
 its state (``cudasnap.core.wiring``; docs/design.md §2.1 draws them and their call
 order), and delegates to them.
 """
@@ -412,9 +410,9 @@ class Snapshotter:
         """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
         and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed).
 
-        Before the staging arena is ready, the newest boundary is snapshotted first into
-        an arena made now (cudasnap.core.early); a close() with none of the run's
-        boundaries saved logs a WARNING."""
+        A newest boundary not snapshotted (arena not ready, plan being built) is copied
+        first (cudasnap.core.early); a close() with none of the run's boundaries saved
+        logs a WARNING."""
         if self._closed:
             return
         if flush is None:
@@ -436,6 +434,7 @@ class Snapshotter:
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+            self._layouts.join_build(min(60.0, self.wait_timeout_s))  # it may make the engine
             self._layouts.release_at_close(self._backend.stop())
             self._keeper.release(unlink=not keep_arena)
             self._lock.release()

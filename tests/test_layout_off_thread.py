@@ -88,9 +88,9 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     real = Layouts._build_layout
 
-    def spy(self: Layouts, engine: bool = True) -> object:
+    def spy(self: Layouts) -> object:
         seen.append(threading.get_ident())
-        return real(self, engine)
+        return real(self)
 
     monkeypatch.setattr(Layouts, "_build_layout", spy)
     return seen
@@ -169,8 +169,8 @@ def test_a_state_changed_under_the_build_is_planned_again(snap_env, monkeypatch)
     gate, walked = threading.Event(), threading.Event()
     real = Layouts._build_layout_now
 
-    def slow(self: Layouts, engine: bool) -> object:
-        lay = real(self, engine)
+    def slow(self: Layouts) -> object:
+        lay = real(self)
         if threading.current_thread().name == "cudasnap-layout":
             walked.set()
             gate.wait(60)
@@ -204,10 +204,10 @@ def test_a_failed_background_build_is_redone_on_the_training_thread(snap_env, mo
     m, opt = _trained(600)
     real = Layouts._build_layout_now
 
-    def failing(self: Layouts, engine: bool) -> object:
+    def failing(self: Layouts) -> object:
         if threading.current_thread().name == "cudasnap-layout":
             raise RuntimeError("dictionary changed size during iteration")
-        return real(self, engine)
+        return real(self)
 
     monkeypatch.setattr(Layouts, "_build_layout_now", failing)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
@@ -235,3 +235,33 @@ def test_close_after_a_deferred_boundary_saves_that_step(snap_env):
     want = _state(m, opt)
     snap.close()
     _restores_step_0_in_a_new_process(snap_env, want)
+
+
+def test_close_after_a_deferred_rebuild_saves_that_step(snap_env):
+    """The arena in use: a rebuild of the plan (invalidate_layout()) defers a later
+    boundary; close()'s final flush would write the older COMPLETE step, so the deferred
+    boundary's live state is copied first (EarlySaver.at_close -> Copier.settle_deferred).
+    (Without a flush since step 1, the final flush's own live copy would save it too.)"""
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    snap.arena_ready()
+    snap.boundary(0)
+    _join_build(snap)
+    _step(m, opt)
+    snap.boundary(1)
+    assert snap.wait(30) and snap._arena is not None
+    assert snap.flush() is not None  # step 1 on disk: close()'s final flush has nothing new
+    snap.invalidate_layout()
+    _step(m, opt)
+    snap.boundary(2)
+    st = snap.stats()
+    assert st["skipped_layout"] == 2 and st["snapshots"] == 1, st
+    want = _state(m, opt)
+    snap.close()
+    m2, opt2 = _trained(600, seed=1)
+    fresh = cudasnap.Snapshotter(m2, opt2, directory=snap_env.dir, backend="cpu")
+    try:
+        assert fresh.restore_latest() == 3
+        assert _same(_state(m2, opt2), want)
+    finally:
+        fresh.close()

@@ -39,7 +39,12 @@ class Backend:
         """Makes the engine for ``tensors`` (once; a no-op afterwards)."""
         if self.engine is not None:
             return
-        name = self.resolve(tensors)
+        on_gpu = any(lt.tensor.is_cuda for lt in tensors)
+        name = self.requested
+        if name == "auto":
+            name = "cuda" if on_gpu else "cpu"
+        if name == "cpu" and on_gpu:
+            raise ConfigError("backend='cpu' but some state lives on a CUDA device")
         if name == "cuda":
             from .._cuda import CudaBackend
 
@@ -53,19 +58,6 @@ class Backend:
         self.name = name
         log.info("cudasnap: %s backend, %d copy threads, arena %s", name, self.copy_threads,
                  self._arena_path)
-
-    def resolve(self, tensors: list[LiveTensor]) -> str:
-        """The backend ``ensure`` makes for ``tensors`` ("auto": CUDA when state lives on
-        a GPU), without making it (a layout built off the training thread names it)."""
-        if self.name is not None:
-            return self.name
-        on_gpu = any(lt.tensor.is_cuda for lt in tensors)
-        name = self.requested
-        if name == "auto":
-            name = "cuda" if on_gpu else "cpu"
-        if name == "cpu" and on_gpu:
-            raise ConfigError("backend='cpu' but some state lives on a CUDA device")
-        return name
 
     def state_device(self, state: TrainingState) -> int | None:
         """CUDA device index an arena must be page-locked for (None: CPU backend)."""

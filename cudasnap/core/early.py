@@ -120,10 +120,12 @@ class EarlySaver:
 
     def at_close(self, keep: bool) -> None:
         """``close()`` before the arena was ready: the newest boundary goes into an arena
-        made now (flushed by close's final flush, or kept for a restart when ``keep``)."""
+        made now (flushed by close's final flush, or kept for a restart when ``keep``).
+        A boundary skipped while its copy plan was built (the arena ready) is copied now."""
+        timeout = min(60.0, self.wait_timeout_s)
         if self._needs_arena() and not self._copier.live_dirty:
-            self.save_now(min(60.0, self.wait_timeout_s), "close()" if not keep else
-                          "close(keep_arena=True)")
+            self.save_now(timeout, "close()" if not keep else "close(keep_arena=True)")
+        self._copier.settle_deferred(timeout)
 
     def warn_if_nothing_saved(self) -> None:
         """``close()``: boundaries ran but none of them was saved anywhere: say so."""

@@ -18,11 +18,12 @@ a later boundary adopts the plan after a full native check that the state did no
 change under the build (else it builds again, on the training thread).
 
 Call order: the ``Copier`` calls :meth:`Layouts.for_boundary` at each boundary it copies
-(:meth:`Layouts.current` for the JIT live copy, the early saver, ``coverage()``), then :meth:`Layouts.running_job` once the
-engine accepted the job; :meth:`Layouts.job_done` when it retired that job,
-:meth:`Layouts.hold_draining` for a refused one on a hung GPU; ``close()`` calls
-:meth:`Layouts.release_at_close` after the engine stopped. The fences (optimizer load
-hooks), a restore and ``Snapshotter.invalidate_layout`` call :meth:`Layouts.invalidate`.
+(:meth:`Layouts.current` for the JIT live copy, the early saver, ``coverage()``), then
+:meth:`Layouts.running_job` once the engine accepted the job; :meth:`Layouts.job_done`
+when it retired that job, :meth:`Layouts.hold_draining` for a refused one on a hung GPU;
+``close()`` calls :meth:`Layouts.join_build` before the engine stops and
+:meth:`Layouts.release_at_close` after. The fences (optimizer load hooks), a restore and
+``Snapshotter.invalidate_layout`` call :meth:`Layouts.invalidate`.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class Layouts:
         return {"tensors": len(lay.tensors), "copy_ranges": int(lay.plan.num_ranges),
                 "allocator_tracking": cuda is not None and cuda.registry is not None}
 
-    def _build_layout(self, engine: bool = True) -> Layout:
+    def _build_layout(self) -> Layout:
         """A new Layout of the live state, with Python's cyclic GC held off meanwhile.
 
         The build makes ~10 container objects per tensor (LiveTensor, manifest entry,
@@ -109,16 +110,14 @@ class Layouts:
         work (everything the process made since the last one is walked). Re-enabled
         only when it was enabled."""
         if not gc.isenabled():
-            return self._build_layout_now(engine)
+            return self._build_layout_now()
         gc.disable()
         try:
-            return self._build_layout_now(engine)
+            return self._build_layout_now()
         finally:
             gc.enable()
 
-    def _build_layout_now(self, engine: bool) -> Layout:
-        """``engine``: make the copy engine too (False: a build off the training thread;
-        the engine is made when the plan is adopted, on the training thread)."""
+    def _build_layout_now(self) -> Layout:
         tensors = self.state.live_tensors()
         be = self._backend
         if be.requested == "cpu":  # its copy workers read host memory only
@@ -126,8 +125,7 @@ class Layouts:
             if on_gpu is not None:
                 raise ConfigError(f"backend='cpu' but {on_gpu} lives on a CUDA device: move "
                                   "it to the CPU, or use backend='cuda' (or 'auto')")
-        if engine:
-            be.ensure(tensors)
+        be.ensure(tensors)  # the copy engine: made by the first build (CUDA: its plan needs it)
         if be.cuda is not None:
             single_cuda_device(tensors, be.cuda.index)
         plan, offsets = make_plan(tensors, be.cuda, self.chunk_bytes)
@@ -143,7 +141,7 @@ class Layouts:
             entries.append(e)
         validate_tensors(entries, plan.total_bytes, "layout")
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,
-                        backend=be.resolve(tensors), torch=torch.__version__,
+                        backend=be.name, torch=torch.__version__,
                         dcp_names=self.state.dcp_names())
         prefix = encode_prefix(head, entries)  # the slot manifest up to its host value
         self._counters.layout_rebuilds += 1
@@ -192,7 +190,7 @@ class Layouts:
                 return None
             b.thread.join()
             self.building = None
-            built = b.adopt(self._backend)
+            built = b.adopt()
             if built is not None:
                 self.layout = built
                 return built
@@ -260,6 +258,13 @@ class Layouts:
         if self.draining and not self._backend.hung():
             self.draining = ()
 
+    def join_build(self, timeout: float) -> None:
+        """``close()``, before the engine stops: a plan still being built (it may be
+        making the engine) is waited for, bounded, and dropped."""
+        b, self.building = self.building, None
+        if b is not None:
+            b.thread.join(timeout)
+
     def release_at_close(self, drained: bool) -> None:
         """close(): the engine is stopped; ``drained``: no copy can still read the state."""
         held = [lay for lay in (*self.draining, self.running) if lay is not None]
@@ -276,8 +281,10 @@ class _Build:
     """One plan built on a background thread (``Layouts.current(defer=True)``).
 
     The thread runs the same build as the training thread would (GC held off, see
-    ``Layouts._build_layout``) but makes no copy engine; the training thread adopts the
-    result (``adopt``) at a later boundary, or waits for it (a flush). A build that
+    ``Layouts._build_layout``), the first one making the copy engine (``Backend.ensure``;
+    the CUDA plan needs the allocator registry); the training thread adopts the result
+    (``adopt``) at a later boundary, or waits for it (a flush, ``wait()``, ``close()``):
+    no other user of the engine runs meanwhile (no copy job exists before the first plan). A build that
     failed (an error naming a tensor, a container changed under the walk) is not
     reported from here: the adopting call builds again on the training thread, which
     raises the error there or succeeds."""
@@ -295,11 +302,11 @@ class _Build:
         # interval, 5 ms, for the GIL).
         time.sleep(0)
         try:
-            self.layout = layouts._build_layout(engine=False)
+            self.layout = layouts._build_layout()
         except BaseException as e:  # noqa: BLE001 - re-raised by the build on the training thread
             self.error = e
 
-    def adopt(self, backend: Backend) -> Layout | None:
+    def adopt(self) -> Layout | None:
         """Training thread, the build finished: its plan when it still describes the live
         state (None: build again here)."""
         lay = self.layout
@@ -310,5 +317,4 @@ class _Build:
         if lay.guard.boundary_check(1 << 62) == 1:  # every entry and pointer, natively
             log.debug("layout: the state changed during the background build; building again")
             return None
-        backend.ensure(lay.tensors)
         return lay
