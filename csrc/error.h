@@ -1,8 +1,8 @@
 // Error handling for the cudasnap engine.
 //
 // Every failing check throws cudasnap::Error carrying a kind, the source file,
-// the line and the failing expression or call. bindings.cpp maps the kinds to
-// the Python hierarchy in cudasnap/errors.py (SnapshotError and subclasses).
+// the line and the failing expression or call. python/bindings.cpp maps the kinds
+// to the Python hierarchy in cudasnap/errors.py (SnapshotError and subclasses).
 #pragma once
 
 #include <cerrno>

@@ -76,8 +76,8 @@ def test_compile_check_finds_the_torch_dependent_sources():
         sys.path.pop(0)
     dependent = {p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*.cpp")
                  if compile_check.uses_torch_headers(p.resolve())}
-    assert {"csrc/restore_spans.cpp", "csrc/cuda/tracker_hook.cpp"} <= dependent
-    assert "csrc/layout_check.cpp" not in dependent  # kept off torch's Python headers (build time)
+    assert {"csrc/python/restore_spans.cpp", "csrc/cuda/tracker_hook.cpp"} <= dependent
+    assert "csrc/python/layout_check.cpp" not in dependent  # kept off torch's Python headers (build time)
     assert "csrc/crc32c.cpp" not in dependent
 
 
@@ -93,5 +93,5 @@ def test_compile_check_fails_on_a_header_mismatch(tmp_path):
                         "--torch", "9.9.0", "--cache", str(tmp_path / "cache")],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "torch 9.9.0: FAIL csrc/restore_spans.cpp" in p.stdout
+    assert "torch 9.9.0: FAIL csrc/python/restore_spans.cpp" in p.stdout
     assert "FAILED for torch 9.9.0" in p.stdout

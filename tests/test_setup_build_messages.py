@@ -25,9 +25,9 @@ def setup_py() -> dict[str, Any]:
 
 STEPS = [
     "[1/5] Building CXX object CMakeFiles/_C.dir/csrc/crc32c.cpp.o",
-    "[2/5] Building CXX object CMakeFiles/_C.dir/csrc/restore_spans.cpp.o",  # torch headers
+    "[2/5] Building CXX object CMakeFiles/_C.dir/csrc/python/restore_spans.cpp.o",  # torch headers
     "[3/5] Building CUDA object CMakeFiles/_C.dir/csrc/cuda/gather.cu.o",
-    "[4/5] Building CXX object CMakeFiles/_C.dir/csrc/bindings.cpp.o",  # pybind11
+    "[4/5] Building CXX object CMakeFiles/_C.dir/csrc/python/bindings.cpp.o",  # pybind11
     "[5/5] Linking CXX shared module lib/_C.cpython-311-x86_64-linux-gnu.so",
 ]
 

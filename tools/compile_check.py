@@ -12,8 +12,10 @@ where it has a ``CUDASNAP_WITH_CUDA`` branch: CUDA and CPU-only torch builds),
 every ``.cu`` with ``nvcc -c``. For the other releases only the sources whose
 includes reach torch's headers are checked (the rest compile the same against
 any torch); for the installed torch only the CPU-only-torch variants (the build
-compiles everything else against it). A version whose sources and flags already
-passed is skipped (stamp under ``build/compile-check/``). Any failure exits 1.
+compiles everything else against it). Only the sources under ``csrc/python/`` get
+Python's and pybind11's include paths: the engine must compile without them. A
+version whose sources and flags already passed is skipped (stamp under
+``build/compile-check/``). Any failure exits 1.
 
 Usage: tools/compile_check.py [--torch 2.11.0,2.15.0] [--no-installed] [-j N]
 Environment: CUDASNAP_COMPILE_CHECK_TORCH overrides the default release list.
@@ -36,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
+PYTHON_SIDE = CSRC / "python"
 # 2.11: the GPU image's torch; 2.15: newest on the index; 2.6: oldest supported.
 DEFAULT_RELEASES = "2.6.0,2.11.0,2.15.0"
 CXX_FLAGS = ["-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Wno-unused-parameter"]
@@ -101,14 +104,20 @@ def uses_torch_headers(src: Path, seen: set[Path] | None = None) -> bool:
     return any(uses_torch_headers((src.parent / inc).resolve(), seen) for inc in LOCAL_INCLUDE.findall(text))
 
 
+def is_python_side(src: Path) -> bool:
+    """Whether src is one of the bindings or the code that walks Python objects
+    (csrc/python/); everything else is the engine, built without Python.h."""
+    return PYTHON_SIDE in src.resolve().parents
+
+
 def jobs_for(inc: Path, python_inc: str, pybind_inc: str, cuda: str | None,
              torch_only: bool, cpu_only: bool = False) -> list[tuple[str, list[str]]]:
     """(label, command) for each source and configuration; torch_only: only the
     sources whose include closure reaches torch's headers (the others compile the
     same against any torch and are checked with the installed one); cpu_only: only
     the CPU-only-torch variants (the build itself compiles the CUDA configuration)."""
-    includes = [f"-I{CSRC}", f"-I{inc}", f"-I{inc}/torch/csrc/api/include", f"-I{python_inc}",
-                f"-I{pybind_inc}"]
+    engine_includes = [f"-I{CSRC}", f"-I{inc}", f"-I{inc}/torch/csrc/api/include"]
+    python_includes = [*engine_includes, f"-I{python_inc}", f"-I{pybind_inc}"]
     defs = ['-DCUDASNAP_VERSION="check"']
     cuda_defs = ["-DCUDASNAP_WITH_CUDA", '-DCUDASNAP_CUDA_VERSION_STRING="check"',
                  '-DCUDASNAP_CUDA_ARCHS="90"']
@@ -120,6 +129,7 @@ def jobs_for(inc: Path, python_inc: str, pybind_inc: str, cuda: str | None,
     for src in [s for s in sources if s.suffix == ".cpp"]:
         rel = str(src.relative_to(ROOT))
         is_cuda_file = src.parent.name == "cuda"
+        includes = python_includes if is_python_side(src) else engine_includes
         if cuda and not cpu_only:
             out.append((rel, ["g++", *CXX_FLAGS, *includes, *cuda_inc, *defs, *cuda_defs, str(src)]))
         if not is_cuda_file and "CUDASNAP_WITH_CUDA" in src.read_text():
@@ -130,7 +140,7 @@ def jobs_for(inc: Path, python_inc: str, pybind_inc: str, cuda: str | None,
         for src in [s for s in sources if s.suffix == ".cu"]:
             out.append((str(src.relative_to(ROOT)),
                         [f"{cuda}/bin/nvcc", "-std=c++20", "-arch=sm_90", "-c", "-o", os.devnull,
-                         *includes, *defs, *cuda_defs, str(src)]))
+                         *engine_includes, *defs, *cuda_defs, str(src)]))
     return out
 
 

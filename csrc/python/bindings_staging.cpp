@@ -5,15 +5,15 @@
 
 #include <tuple>
 
+#include "../copy_engine.h"
+#include "../copy_plan.h"
+#include "../error.h"
+#include "../file_restore.h"
+#include "../flusher.h"
+#include "../host_copy.h"
+#include "../staging.h"
 #include "bindings.h"
-#include "copy_engine.h"
-#include "copy_plan.h"
-#include "error.h"
-#include "file_restore.h"
-#include "flusher.h"
-#include "host_copy.h"
 #include "restore_spans.h"
-#include "staging.h"
 
 namespace py = pybind11;
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "error.h"
+#include "../error.h"
 #include "restore_spans.h"  // tensor_object_ptr: keeps torch's Python headers out of this file
 
 namespace cudasnap {

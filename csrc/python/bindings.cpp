@@ -4,12 +4,12 @@
 
 #include <pybind11/stl.h>
 
-#include "crc32c.h"
-#include "error.h"
+#include "../crc32c.h"
+#include "../error.h"
+#include "../signals.h"
+#include "../test_hooks.h"
+#include "host_watch.h"
 #include "layout_check.h"
-#include "signals.h"
-#include "state_watch.h"
-#include "test_hooks.h"
 
 namespace py = pybind11;
 

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "host_copy.h"
+#include "../host_copy.h"
 
 namespace cudasnap {
 

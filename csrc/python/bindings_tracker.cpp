@@ -3,12 +3,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "allocator_tracker.h"
+#include "../allocator_tracker.h"
+#include "../error.h"
 #include "bindings.h"
-#include "error.h"
 #ifdef CUDASNAP_WITH_CUDA
-#include "cuda/copy_engine_cuda.h"
-#include "cuda/cuda_backend.h"
+#include "../cuda/copy_engine_cuda.h"
+#include "../cuda/cuda_backend.h"
 #endif
 
 namespace py = pybind11;

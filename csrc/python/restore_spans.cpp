@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "error.h"
+#include "../error.h"
 
 namespace cudasnap {
 
