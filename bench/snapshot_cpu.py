@@ -135,31 +135,25 @@ def dcp_async(flat: dict[str, Any], path: Path) -> tuple[float, float]:
 @contextlib.contextmanager
 def disk_path(mode: str) -> Iterator[None]:
     """Restores from disk inside take ``mode``'s path: "chunks" (``posix.DataFile``: each
-    chunk read, CRC32C-checked and copied into the live tensors) or "whole" (``read_data``:
-    the whole file into a buffer, then the copy). Works whether ``Restorer.restore_dir``
-    asks ``posix.open_data`` (chunks by default) or ``storage.read_data`` (whole)."""
-    from cudasnap.storage import PosixStorage, posix
+    chunk read, CRC32C-checked and copied into the live tensors; what
+    ``Restorer.restore_dir`` reads through ``storage.open_data``) or "whole"
+    (``storage.read_data``: the whole file into a buffer, then the copy; ``open_data``
+    replaced for the duration)."""
+    from cudasnap import storage
 
-    saved = PosixStorage.read_data, posix.open_data
-    real_read = saved[0]
-    if mode == "chunks":
-        def read_data(self: Any, ref: Any, manifest: Any, threads: int = 4, *,
+    saved = storage.open_data
+    if mode == "whole":
+        def open_data(store: Any, ref: Any, manifest: Any, threads: int = 4, *,
                       allow_foreign_owner: bool | None = None) -> Any:
-            return posix.DataFile(ref.path, manifest, threads,
-                                  allow_foreign_owner=allow_foreign_owner)
-        PosixStorage.read_data = read_data  # type: ignore[method-assign]
-    elif mode == "whole":
-        def open_data(storage: Any, ref: Any, manifest: Any, threads: int = 4, *,
-                      allow_foreign_owner: bool | None = None) -> Any:
-            return real_read(storage, ref, manifest, threads,
-                             allow_foreign_owner=allow_foreign_owner)
-        posix.open_data = open_data
-    else:
+            return store.read_data(ref, manifest, threads,
+                                   allow_foreign_owner=allow_foreign_owner)
+        storage.open_data = open_data
+    elif mode != "chunks":
         raise ValueError(mode)
     try:
         yield
     finally:
-        PosixStorage.read_data, posix.open_data = saved
+        storage.open_data = saved
 
 
 @contextlib.contextmanager

@@ -10,7 +10,9 @@ from helpers.trainlib import adam_step as _step
 from helpers.trainlib import small_adam as _adam
 
 import cudasnap
+from cudasnap import storage
 from cudasnap._testing import arena_gate
+from cudasnap.storage import posix
 
 CHUNK = 64 << 10
 
@@ -34,19 +36,26 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, copy_threads=1,
                                 chunk_bytes=CHUNK, arena_sync_max_bytes=0)
     seen: list[bool] = []
-    read = snap.storage.read_data
+    opened = storage.open_data  # what Restorer.restore_dir reads data.bin through
 
     def spy(*a, **kw):
         seen.append(snap._prep._cancel.paused)
         gate.set()  # the held set-up may start now: it must still wait for the restore
-        return read(*a, **kw)
+        return opened(*a, **kw)
 
-    monkeypatch.setattr(snap.storage, "read_data", spy)
+    monkeypatch.setattr(storage, "open_data", spy)
+    scatter = posix.DataFile.scatter  # the reads themselves: chunk by chunk, in the apply
+
+    def scatter_spy(self, *a, **kw):
+        seen.append(snap._prep._cancel.paused)
+        return scatter(self, *a, **kw)
+
+    monkeypatch.setattr(posix.DataFile, "scatter", scatter_spy)
     try:
         assert snap._prep.busy  # the new arena's set-up, in the background
         assert snap.restore_latest() == 1
         assert (snap.stats().get("restore") or {}).get("source") == "disk"
-        assert seen and all(seen), "data.bin was read while the arena set-up ran on"
+        assert len(seen) == 2 and all(seen), "data.bin was read while the arena set-up ran on"
         assert not snap._prep._cancel.paused, "the set-up is still held after the restore"
         for k, v in model.state_dict().items():
             assert torch.equal(v, want[k]), k

@@ -28,16 +28,16 @@ import torch
 from torch import nn
 
 import cudasnap
+from cudasnap import storage
+from cudasnap.core import apply as apply_mod
 from cudasnap.core import copy_back
 from cudasnap.core import state as state_mod
-from cudasnap.core.restore import Restorer
 from cudasnap.errors import CorruptSnapshot, SnapshotError
 from cudasnap.format import paths
 from cudasnap.storage import PosixStorage, posix
 
 ROOT = Path(__file__).resolve().parent.parent
 CH = 4096  # the smallest chunk a manifest allows: many chunks in a small file
-_READ_DATA = PosixStorage.read_data
 
 
 @pytest.fixture
@@ -319,8 +319,9 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 @pytest.fixture
 def chunked(monkeypatch):
-    """Restores from disk take the chunk-by-chunk path (``posix.DataFile``) whether or not
-    ``Restorer.restore_dir`` asks ``posix.open_data`` yet; records each scatter."""
+    """Records each scatter of a restore from disk (``Restorer.restore_dir`` ->
+    ``storage.open_data`` -> ``posix.DataFile`` -> ``TrainingState.apply``: the product path,
+    unpatched)."""
     calls: list[dict] = []
     real = posix.DataFile.scatter
 
@@ -330,18 +331,15 @@ def chunked(monkeypatch):
         return st
 
     monkeypatch.setattr(posix.DataFile, "scatter", scatter)
-    monkeypatch.setattr(PosixStorage, "read_data", lambda self, ref, m, threads=4, *,
-                        allow_foreign_owner=None: posix.DataFile(
-                            ref.path, m, threads, allow_foreign_owner=allow_foreign_owner))
     return calls
 
 
 def _whole(mp: pytest.MonkeyPatch) -> None:
-    """Restores from disk take the whole-file path (``read_data``), wired or not."""
-    mp.setattr(PosixStorage, "read_data", _READ_DATA)
-    mp.setattr(posix, "open_data", lambda storage, ref, m, threads=4, *,
-               allow_foreign_owner=None: _READ_DATA(storage, ref, m, threads,
-                                                    allow_foreign_owner=allow_foreign_owner))
+    """Restores from disk take the whole-file path (``storage.read_data``: the data into a
+    new buffer, then the copy), the reference the chunk-by-chunk path is compared with."""
+    mp.setattr(storage, "open_data", lambda store, ref, m, threads=4, *,
+               allow_foreign_owner=None: store.read_data(
+                   ref, m, threads, allow_foreign_owner=allow_foreign_owner))
 
 
 def _snapshot(snap_env, n: int, steps: int = 1) -> tuple[dict[str, torch.Tensor], list[Path]]:
@@ -404,7 +402,7 @@ def test_chunked_restore_is_bitwise_the_whole_file_restore(snap_env, chunked, n,
 def test_a_destination_torch_must_copy_to_reads_the_whole_file_first(snap_env, monkeypatch,
                                                                       chunked):
     """Where the chunk-by-chunk path cannot go (a CUDA or sharded destination: here forced
-    with _scatters), the whole file is read and checked first, then copied; closed after."""
+    with apply.scatters), the whole file is read and checked first, then copied; closed after."""
     want, _ = _snapshot(snap_env, 20)
     opened: list[posix.DataFile] = []
     reads: list[int] = []
@@ -416,7 +414,7 @@ def test_a_destination_torch_must_copy_to_reads_the_whole_file_first(snap_env, m
 
     monkeypatch.setattr(posix.DataFile, "__init__", init)
     monkeypatch.setattr(posix.DataFile, "read", lambda self: reads.append(1) or real_read(self))
-    monkeypatch.setattr(state_mod.TrainingState, "_scatters", lambda self, lts, tensors: False)
+    monkeypatch.setattr(apply_mod, "scatters", lambda state, lts, tensors: False)
     got, step, _ = _restore(snap_env, 20, "fallback")
     assert step == 1 and reads == [1] and not chunked
     assert opened and all(f.fd == -1 for f in opened)  # closed once read
@@ -428,10 +426,10 @@ def test_scatters_only_for_plain_cpu_unsharded_state():
     st = state_mod.TrainingState(m, opt)
     lts = st.live_tensors()
     plain = [{"name": "x", "group": "model:model"}]
-    assert st._scatters(lts, plain)
-    assert not st._scatters(lts, [{"name": "x", "group": "model:model", "shard": {}}])
+    assert apply_mod.scatters(st, lts, plain)
+    assert not apply_mod.scatters(st, lts, [{"name": "x", "group": "model:model", "shard": {}}])
     lts[0].tensor = torch.empty(2, device="meta")  # not on the CPU (a CUDA tensor alike)
-    assert not st._scatters(lts, plain)
+    assert not apply_mod.scatters(st, lts, plain)
 
 
 def test_a_late_corrupt_chunk_falls_back_to_the_older_snapshot_bitwise(snap_env, chunked):
@@ -485,9 +483,6 @@ def test_the_exception_says_whether_earlier_chunks_were_applied(snap_env, chunke
         _same(_state(m, opt), before)  # nothing reached the live state
 
 
-@pytest.mark.skipif("posix.open_data" not in __import__("inspect").getsource(
-    Restorer.restore_dir), reason="core/restore.py does not open the data with "
-    "posix.open_data yet (the proposed wiring; this file's other tests patch it in)")
 def test_a_half_applied_snapshot_with_nothing_older_is_reported(snap_env):
     """Restorer._apply records ``partly_applied``: with no other snapshot to restore,
     restore_latest says the live state is no longer the initial one (not a silent step 0)."""
@@ -505,6 +500,52 @@ def test_a_half_applied_snapshot_with_nothing_older_is_reported(snap_env):
     try:
         with pytest.raises(CorruptSnapshot, match="failed half-way"):
             snap.restore_latest()
+    finally:
+        snap.close(flush=False)
+
+
+class _Vote:
+    """A coordinator whose restore round tries one local snapshot as the vote does
+    (cudasnap.dist.restore_vote: a CorruptSnapshot there is "not loadable here") and finds
+    nothing older: the round returns 0."""
+
+    def __init__(self, snap: cudasnap.Snapshotter, d: Path) -> None:
+        self.snap, self.d = snap, d
+
+    def restore(self) -> int:
+        try:
+            return self.snap.restore_dir(self.d) + 1
+        except CorruptSnapshot:
+            return 0
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["first-chunk", "last-chunk"])
+def test_a_half_applied_snapshot_is_reported_after_a_coordinated_round(snap_env, chunked,
+                                                                        last):
+    """Through the coordinator (its restore_dir of a rank directory), a snapshot that failed
+    half-way with nothing restored raises as restore_latest does alone; a damaged first
+    chunk copied nothing: the round's 0 stands, the live state untouched."""
+    _, dirs = _snapshot(snap_env, 50)
+    data = dirs[0] / paths.DATA
+    at = data.stat().st_size - 10 if last else 10
+    with open(data, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    m, opt = _trained(50, seed=1)
+    before = _state(m, opt)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, chunk_bytes=CH,
+                                job=snap_env.sub_job("vote"))
+    try:
+        snap._restorer.attach(_Vote(snap, dirs[0]), None)
+        if last:
+            with pytest.raises(CorruptSnapshot, match="failed half-way"):
+                snap.restore_latest()
+        else:
+            assert snap.restore_latest() == 0
+            _same(_state(m, opt), before)
+        assert len(chunked) == 0  # the scatter raised
     finally:
         snap.close(flush=False)
 
@@ -542,7 +583,7 @@ def test_data_file_checks_before_any_read(snap_env, C):
     # open_data: a DataFile for a local snapshot of a PosixStorage, read_data's tensor else
     store = PosixStorage(snap_env.dir)
     ref = posix.StoredSnapshot(0, d)
-    got = posix.open_data(store, ref, manifest)
+    got = storage.open_data(store, ref, manifest)
     assert isinstance(got, posix.DataFile)
     got.close()
 
@@ -550,15 +591,15 @@ def test_data_file_checks_before_any_read(snap_env, C):
         def read_data(self, ref, m, threads=4, *, allow_foreign_owner=None):
             return torch.zeros(3)
 
-    assert torch.equal(posix.open_data(Other(), ref, manifest), torch.zeros(3))
+    assert torch.equal(storage.open_data(Other(), ref, manifest), torch.zeros(3))
 
 
 def test_apply_holds_the_cyclic_gc_off_and_restores_it(snap_env, chunked, monkeypatch):
     _snapshot(snap_env, 0)
     seen: list[bool] = []
-    real = state_mod.TrainingState._apply_state
-    monkeypatch.setattr(state_mod.TrainingState, "_apply_state",
-                        lambda self, *a: seen.append(gc.isenabled()) or real(self, *a))
+    real = apply_mod._apply_state
+    monkeypatch.setattr(apply_mod, "_apply_state",
+                        lambda *a: seen.append(gc.isenabled()) or real(*a))
     assert gc.isenabled()
     _restore(snap_env, 0, "gc-on")
     assert seen == [False] and gc.isenabled()

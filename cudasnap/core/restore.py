@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import storage as storages
 from .._native import native
 from ..errors import CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from ..format import manifest as fmt
@@ -104,6 +105,7 @@ class Restorer:
         t0 = time.perf_counter()
         c = self._counters
         if self._dist is not None:
+            self.partly_applied = None
             nxt = self._dist.restore()
             if nxt:
                 self._timeline.restored_at(nxt - 1)
@@ -118,6 +120,8 @@ class Restorer:
                     self._resume_logged = True
                     log.warning("rank %d: %s", self.rank,
                                 resume_message(nxt - 1, r.get("source"), r.get("where")))
+            else:
+                self._refuse_partly_applied()
             return nxt
         candidates: list[tuple[int, int, str, Any]] = []
         self.partly_applied = None
@@ -155,12 +159,18 @@ class Restorer:
             self._layouts.invalidate()
             return got + 1
         c.restore = {"source": None, "step": None, "seconds": 0.0, "where": None}
+        self._refuse_partly_applied()
+        return 0
+
+    def _refuse_partly_applied(self) -> None:
+        """Nothing was restored: CorruptSnapshot if a snapshot failed half-way through being
+        applied (a malformed host state, or a chunk of data.bin failing its CRC32C after
+        earlier ones were copied), since the live state is then no longer the initial one."""
         if self.partly_applied:
             raise CorruptSnapshot(
                 f"no snapshot could be restored, and {self.partly_applied} failed half-way "
                 "through being applied: the live model/optimizer are no longer in their "
                 "initial state; remove that snapshot and rebuild them before training")
-        return 0
 
     def _apply(self, tensors: Any, host: Any, data: Any, where: str,
                before_copy: Callable[[], None] | None = None) -> int:
@@ -169,7 +179,9 @@ class Restorer:
         self._copier.forget_live()  # the live state is about to be replaced: no JIT copy of it
         try:
             return self.state.apply(tensors, host, data, where, before_copy)
-        except SnapshotError:
+        except SnapshotError as e:
+            if getattr(e, "partly_applied", False):  # a chunk failed after earlier ones were
+                self.partly_applied = where          # copied (storage.posix.DataFile.scatter)
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
             self.partly_applied = where
@@ -192,9 +204,9 @@ class Restorer:
         with self._keeper.prep.paused():
             with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}",
                              bytes_read):
-                data = self.storage.read_data(ref, manifest, self.flush_threads,
-                                              allow_foreign_owner=self.allow_foreign_owner)
-            return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
+                data = storages.open_data(self.storage, ref, manifest, self.flush_threads,
+                                          allow_foreign_owner=self.allow_foreign_owner)
+                return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""

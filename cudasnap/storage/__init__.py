@@ -11,6 +11,9 @@
 Both follow the names and records of ``cudasnap.format``; both list committed
 snapshots only and verify every manifest and chunk on read. ``local_dir`` is
 the host-local directory holding the lock, the directory id and the flush log.
+``open_data(storage, ref, ...)`` is what a restore into the live state reads: a local
+snapshot's ``posix.DataFile`` (read chunk by chunk into the live tensors), else
+``storage.read_data``.
 """
 from __future__ import annotations
 
@@ -91,6 +94,19 @@ class PosixStorage:
                   allow_foreign_owner: bool | None = None) -> torch.Tensor:
         return posix.read_data(self._local(ref).path, manifest, threads,
                                allow_foreign_owner=allow_foreign_owner)
+
+
+def open_data(storage: StorageReader, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
+              allow_foreign_owner: bool | None = None) -> posix.DataFile | torch.Tensor:
+    """What a restore into the live state applies (``core.restore.Restorer.restore_dir``):
+    for a local snapshot of a ``PosixStorage`` its data.bin opened and checked but not read
+    (a ``posix.DataFile``: ``TrainingState.apply`` reads it chunk by chunk into the live
+    tensors, each chunk CRC32C-checked before any byte of it is copied); for any other
+    storage (an object store: ``FsspecStorage``, whose local paths name remote objects too)
+    ``storage.read_data(...)``, the whole data verified in a new tensor."""
+    if isinstance(storage, PosixStorage) and isinstance(ref, posix.StoredSnapshot):
+        return posix.DataFile(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner)
+    return storage.read_data(ref, manifest, threads, allow_foreign_owner=allow_foreign_owner)
 
 
 def open_storage(directory: str | os.PathLike[str]) -> PosixStorage | FsspecStorage:

@@ -39,8 +39,9 @@ Call order: ``PosixStorage`` (cudasnap.storage), the supervisor's orphan flush, 
 distributed flush round and the timeline each call ``posix.write_slot`` (looked up on this
 module, so a test's patch of ``posix.write_slot`` reaches them all): ``complete_slot`` ->
 data and manifest into ``.tmp`` -> rename -> ``latest.replace_latest`` -> ``listing.prune``
--> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``, or
-``open_data`` (a ``DataFile``, read by ``TrainingState.apply`` chunk by chunk, issue 26).
+-> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``, or opens
+a ``DataFile`` (``cudasnap.storage.open_data``, for a ``PosixStorage``'s local snapshot: read
+by ``TrainingState.apply`` chunk by chunk into the live tensors, issue 26).
 """
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ SCATTER_DIRECT = False
 
 
 class DataFile:
-    """A snapshot's data.bin, opened and checked but not read (``open_data``).
+    """A snapshot's data.bin, opened and checked but not read (``cudasnap.storage.open_data``).
 
     The restore (``TrainingState.apply``) either reads it chunk by chunk straight into
     the live tensors (``scatter``: each chunk's CRC32C checked in a small buffer before
@@ -339,25 +340,10 @@ class DataFile:
         self.close()
 
 
-def open_data(storage: Any, ref: Any, manifest: fmt.Manifest, threads: int = 4, *,
-              allow_foreign_owner: bool | None = None) -> DataFile | torch.Tensor:
-    """What a restore applies: for a local snapshot of a ``PosixStorage`` its data.bin
-    opened and checked but not read (a ``DataFile``: ``TrainingState.apply`` reads it chunk by
-    chunk into the live tensors), for any other storage ``storage.read_data(...)`` (the whole
-    data, verified)."""
-    from . import PosixStorage  # the package imports this module: looked up at call time
-
-    if isinstance(storage, PosixStorage) and isinstance(ref, StoredSnapshot):
-        return DataFile(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner)
-    data: torch.Tensor = storage.read_data(ref, manifest, threads,
-                                           allow_foreign_owner=allow_foreign_owner)
-    return data
-
-
 __all__ = [
     "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
     "read_latest", "replace_latest", "write_commit", "read_commit", "committed_steps",
-    "write_slot", "prune", "load_manifest", "read_data", "open_data", "DataFile", "read_flush_log",
+    "write_slot", "prune", "load_manifest", "read_data", "DataFile", "read_flush_log",
     "append_flush_log",
     "MANIFEST", "DATA", "LATEST", "FLUSH_LOG", "COMMIT", "step_dirname",
 ]

@@ -1,0 +1,358 @@
+"""How a snapshot is put back into the live objects (split from cudasnap.core.state).
+
+``apply_snapshot`` (``TrainingState.apply``) checks the snapshot against the live state
+(``check_compatible``: model tensor names, shapes, dtypes, shard records; ``check_classes``:
+optimizer and LR scheduler classes), then copies every tensor (model and optimizer state)
+in one call, then puts back the host state (optimizer scalars and param groups, ``extra``
+objects, RNG states). The data is a verified uint8 tensor (a slot, or ``read_data``) or a
+``storage.posix.DataFile`` read chunk by chunk straight into the live tensors
+(``_copy_from_file``) where ``scatters`` says it can.
+
+It needs of the state only the registered objects and the walk (``Registered``; a
+``TrainingState`` is one): cudasnap.core.state imports this module, never the reverse.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import IncompatibleSnapshot
+from ..format import codec
+from ..format.manifest import dtype_key, dtype_name, expand_params, span_bytes
+from . import copy_back, sharded, values
+from .live_tensor import _PLAIN, LiveTensor, _param_order
+from .rng import apply_rng
+
+
+class Registered(Protocol):
+    """What a restore needs of a ``TrainingState``: the registered objects and the walk."""
+
+    models: dict[str, Any]
+    optimizers: dict[str, Any]
+    extra: dict[str, Any]
+
+    def live_tensors(self) -> list[LiveTensor]: ...
+
+
+def check_classes(state: Registered, hd: Any, where: str) -> None:
+    """IncompatibleSnapshot when an optimizer (or LR scheduler) is of another class than the
+    one snapshotted; snapshots without the recorded class (older format) pass."""
+    if not isinstance(hd, dict):
+        return
+    for key, obj, saved in [(k, o, (hd.get("optim") or {}).get(k)) for k, o in
+                            state.optimizers.items()] + [
+            (k, o, (hd.get("extra") or {}).get(k)) for k, o in state.extra.items()
+            if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]:
+        was = saved.get("class") if isinstance(saved, dict) else None
+        if isinstance(was, str) and was != type(obj).__qualname__:
+            what = "optimizer" if key in state.optimizers and obj is state.optimizers[key] \
+                else "extra"
+            raise IncompatibleSnapshot(
+                f"{where}: {what} {key!r} is {was} in the snapshot but "
+                f"{type(obj).__qualname__} here; restore it into a {was}")
+
+
+def _unexpanded(t: torch.Tensor, e: dict[str, Any]) -> tuple[Any, Any]:
+    """(``t``, ``e``) as a restore can write them: an ``expand()``ed tensor (a stride-0 dim
+    of size > 1: its elements overlap, which ``copy_`` refuses to write) is written through
+    index 0 of each such dim, in ``t`` and in the snapshot entry ``e`` alike (same bytes:
+    a stride-0 dim adds none to the span)."""
+    stride = t.stride() if t.layout == torch.strided else ()
+    if 0 not in stride:
+        return t, e
+    shape = list(t.shape)
+    dims = [d for d, (n, st) in enumerate(zip(shape, stride)) if st == 0 and n > 1]
+    if not dims or list(e.get("stride", ())) != list(stride) or e.get("shape") != shape:
+        return t, e  # nothing overlaps, or not this layout: copy_back decides
+    for d in dims:
+        shape[d] = 1
+        t = t.narrow(d, 0, 1)
+    return t, {**e, "shape": shape}
+
+
+@contextlib.contextmanager
+def _gc_held() -> Iterator[None]:
+    """Python's cyclic GC held off (re-enabled only if it was on). A restore makes several
+    container objects per tensor (entries, pairs, Refs, the optimizer's state dicts) that
+    live through young collections: at 4,000 tensors they can set off a full collection of
+    the whole process inside the restore (~0.2 s measured beside a 0.2 s restore, issue 26),
+    which is not the restore's work; it then runs where the program next allocates."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _copy_from_file(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any,
+                    before: Callable[[], None] | None) -> None:
+    """``copy_back.copy_into(pairs, data)`` with ``data`` still on disk: ``file`` (a
+    storage.posix.DataFile) is read chunk by chunk into a small buffer, each chunk's CRC32C
+    checked, and only then its bytes copied to the destinations (one native call, GIL
+    released, no buffer of the file's size).
+
+    ``data``: an untouched ``torch.empty`` of the file's size, standing for the file. The
+    byte-copy pairs are planned against it as copy_into plans them (``_C.plan_pairs``, no
+    Python call per pair: an offset in ``data`` is the offset in the file); the rest (torch's
+    ``copy_``: non-contiguous or overlapping destinations, dtype views) read their bytes from
+    ``data``, so the same call reads those byte ranges (verified alike) into it first, and
+    only those pages of it are touched. The views are built and ``before()`` runs before
+    the first read, as in copy_into.
+
+    A chunk failing its CRC32C raises CorruptSnapshot before any byte of it is copied;
+    chunks verified before it may have been copied (``partly_applied`` on the exception,
+    see DataFile.scatter); torch's copies have not run then.
+    """
+    from .._native import native
+
+    lo, size = data.data_ptr(), file.nbytes
+    plan = native().plan_pairs([d for d, _ in pairs], [s for _, s in pairs], copy_back._dtypes(),
+                               _PLAIN, torch.Tensor, lo, size)
+    slow = plan.slow
+    rest = [(pairs[i][0], copy_back.entry_view(data, s) if type(s) is dict else s)
+            for i in slow for s in (pairs[i][1],)]
+    extra = _ranges_read(rest, lo, size)
+    if before is not None:
+        before()
+    file.scatter(plan, extra)
+    with torch.no_grad():
+        for d, s in rest:
+            d.copy_(s)
+
+
+def _ranges_read(rest: list[tuple[Any, Any]], lo: int, size: int) -> list[tuple[int, int, int]]:
+    """The (dst pointer, file offset, bytes) spans that fill the bytes of the buffer at
+    ``lo`` (``size`` bytes) which the sources of ``rest`` read: merged, so that no two
+    overlap."""
+    spans: list[tuple[int, int]] = []
+    for _, s in rest:
+        if not isinstance(s, torch.Tensor) or not s.is_cpu or s.layout != torch.strided:
+            continue
+        n = span_bytes(list(s.shape), list(s.stride()), s.element_size())
+        off = s.data_ptr() - lo
+        if n and 0 <= off and off + n <= size:
+            spans.append((off, off + n))
+    spans.sort()
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(lo + a, a, b - a) for a, b in merged]
+
+
+def check_compatible(state: Registered, tensors: list[dict[str, Any]], where: str,
+                     live_tensors: list[LiveTensor] | None = None) -> None:
+    """Raises IncompatibleSnapshot naming the first model tensor that differs.
+    ``live_tensors``: ``state.live_tensors()`` when the caller has it already."""
+    lts = state.live_tensors() if live_tensors is None else live_tensors
+    live = {lt.name: lt for lt in lts if lt.group.startswith("model:")}
+    for lt in list(live.values()):
+        for a in lt.aliases:
+            live[a] = lt
+    snap = {e["name"]: e for e in tensors if e.get("group", "").startswith("model:")}
+    for name, e in snap.items():
+        match = live.get(name)
+        if match is None:
+            raise IncompatibleSnapshot(
+                f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
+        if match.shard or e.get("shard"):
+            sharded.check_same(name, e.get("shard"), match.shard, where)
+        t = match.tensor
+        if list(t.shape) != e["shape"]:
+            raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
+                                       f"snapshot, {list(t.shape)} in the live model")
+        if dtype_key(t.dtype) != e["dtype"]:
+            raise IncompatibleSnapshot(f"{where}: {name!r} has dtype {e['dtype']} in the "
+                                       f"snapshot, {dtype_name(t.dtype)} in the live model")
+    names = {lt.name for lt in live.values()}
+    missing = sorted(names - set(snap) - {a for lt in live.values() for a in lt.aliases})
+    if missing:
+        raise IncompatibleSnapshot(
+            f"{where}: live model tensor {missing[0]!r} is missing from the snapshot")
+    groups = {e.get("group") for e in tensors}
+    if any(isinstance(g, str) and g.startswith("optim:") for g in groups):
+        for okey in state.optimizers:
+            if f"optim:{okey}" not in groups:
+                raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
+
+
+def apply_snapshot(state: Registered, tensors: list[dict[str, Any]], host: dict[str, Any],
+                   data: Any, where: str, before_copy: Callable[[], None] | None = None
+                   ) -> tuple[int, dict[str, Any]]:
+    """Copies a snapshot into the live objects of ``state``; returns its step and the values
+    saved with it (``boundary(step, **values)``; ``TrainingState.apply`` keeps them).
+
+    Every check runs before the first byte is copied; then all tensors (model and
+    optimizer state) go through one ``copy_back.copy_into`` call; then the host state.
+    ``before_copy``: called after the checks, before the first byte (it may raise).
+
+    ``data``: the snapshot's bytes, a uint8 tensor (verified), or a
+    ``storage.posix.DataFile`` (``storage.open_data``: checked, not read). A file is read
+    chunk by chunk straight into the live tensors (``_copy_from_file``: each chunk's
+    CRC32C checked before any byte of it is copied) when every live tensor is on the
+    CPU and nothing is sharded (``scatters``), else whole first (``DataFile.read``); it is
+    closed once read. A chunk failing its check then raises CorruptSnapshot with
+    ``partly_applied`` telling whether earlier chunks were copied already.
+
+    Python's cyclic GC is held off meanwhile (``_gc_held``), as in the layout build.
+    """
+    with _gc_held():
+        if isinstance(data, torch.Tensor):
+            return _apply_state(state, tensors, host, data, None, where, before_copy)
+        with data:  # a DataFile: closed however the restore ends
+            return _apply_state(state, tensors, host, None, data, where, before_copy)
+
+
+def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[str, Any],
+                 data: torch.Tensor | None, file: Any, where: str,
+                 before_copy: Callable[[], None] | None) -> tuple[int, dict[str, Any]]:
+    lts = state.live_tensors()  # once per restore: it walks every module and optimizer
+    check_compatible(state, tensors, where, lts)
+    hd = codec.decode(host, "host")
+    check_classes(state, hd, where)  # before anything is changed
+    if file is not None:  # a storage.posix.DataFile: not read yet
+        if file.nbytes and scatters(state, lts, tensors):
+            # Address space only (no page is touched): the planner's stand-in for the
+            # file, and where the bytes torch's copy_ reads (if any) are read to.
+            data = torch.empty(file.nbytes, dtype=torch.uint8)
+        else:  # a destination torch must copy to (CUDA, sharded): the whole file first
+            data, file = file.read(), None
+    assert data is not None
+    live = {lt.name: lt for lt in lts}
+    for lt in lts:
+        for a in lt.aliases:
+            live[a] = lt
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for e in tensors:
+        by_group.setdefault(e["group"], []).append(e)
+    # Model tensors by entry: copy_back builds a view only where torch must copy.
+    pairs: list[tuple[Any, Any]] = [_unexpanded(live[e["name"]].tensor, e)
+                                    for g, es in by_group.items()
+                                    if g.startswith("model:") for e in es]
+    finish = []
+    for okey, opt in state.optimizers.items():
+        more, done = _prepare_optimizer(okey, opt, by_group.get(f"optim:{okey}", []),
+                                        hd.get("optim", {}).get(okey), where, data)
+        pairs += more
+        finish.append(done)
+    # Contiguous CPU tensors: one multi-threaded native copy (copy_back.copy_into), or
+    # from a file: read, verified and copied chunk by chunk (_copy_from_file).
+    if file is None:
+        copy_back.copy_into(pairs, data, before=before_copy)
+    else:
+        _copy_from_file(pairs, data, file, before_copy)
+    for done in finish:
+        done()
+    for key, obj in state.extra.items():
+        ent = hd.get("extra", {}).get(key)
+        if ent is None:
+            raise IncompatibleSnapshot(f"{where}: no state for extra[{key!r}]")
+        if isinstance(obj, torch.Generator):
+            obj.set_state(ent["state"])
+        elif ent.get("kind") == "value" or not callable(getattr(obj, "load_state_dict", None)):
+            values.restore_into(obj, ent["state"], key, where)
+        else:
+            obj.load_state_dict(ent["state"])
+    saved = dict(hd.get("values") or {})
+    apply_rng(hd.get("rng", {}))
+    return int(hd.get("step", -1)), saved
+
+
+def scatters(state: Registered, lts: list[LiveTensor], tensors: list[dict[str, Any]]) -> bool:
+    """Whether a restore from a file can go chunk by chunk into the live tensors
+    (``_copy_from_file``): every live tensor on the CPU and nothing sharded (a DTensor's
+    value is built from the snapshot's bytes before the copy, so they must be read)."""
+    if any(not lt.tensor.is_cpu or lt.shard or lt.owner is not None for lt in lts):
+        return False
+    if any("shard" in e for e in tensors):
+        return False
+    dt_cls = sharded._dtensor_cls()
+    return dt_cls is None or not any(isinstance(p, dt_cls) for opt in state.optimizers.values()
+                                     for p in _param_order(opt))
+
+
+def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
+                       entries: list[dict[str, Any]], host: dict[str, Any] | None,
+                       where: str, data: torch.Tensor
+                       ) -> tuple[list[tuple[Any, Any]], Callable[[], None]]:
+    """Checks an optimizer's snapshot state; returns the (live tensor, snapshot value)
+    pairs to copy and what to run after the copy (scalars, param groups, or
+    ``load_state_dict`` when the optimizer's state is not the snapshot's shape)."""
+    if host is None:
+        raise IncompatibleSnapshot(f"{where}: no host state for optimizer {okey!r}")
+    params = _param_order(opt)
+    dt_cls = sharded._dtensor_cls()  # once, not is_dtensor() per entry
+    state: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        idx, key = e.get("param_index"), e.get("state_key")
+        if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
+            raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
+                                       f"parameter {idx!r}; the optimizer has {len(params)}")
+        p = params[idx]
+        state.setdefault(idx, {})[key] = copy_back.Ref(e) if "shard" not in e and not (
+            dt_cls is not None and isinstance(p, dt_cls)) else sharded.like_param(
+                copy_back.entry_view(data, e), e, p, where)
+    for idx, key, value in host.get("scalars", []):
+        state.setdefault(int(idx), {})[key] = value
+    # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.
+    if len(opt.state) == len(state) and all(
+            params[i] in opt.state and set(opt.state[params[i]]) == set(s)
+            and all(copy_back.fits_in_place(opt.state[params[i]][k], v) for k, v in s.items())
+            for i, s in state.items()):
+        pairs: list[tuple[Any, Any]] = []
+        scalars: list[tuple[dict[str, Any], str, Any]] = []
+        for i, s in state.items():
+            st = opt.state[params[i]]
+            for k, v in s.items():
+                if isinstance(v, copy_back.Ref):
+                    pairs.append((st[k], v.e))
+                elif isinstance(v, torch.Tensor):
+                    pairs.append((st[k], v))
+                else:
+                    scalars.append((st, k, v))
+        groups = host["param_groups"]
+        if len(groups) != len(opt.param_groups):
+            raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} has {len(opt.param_groups)}"
+                                       f" param groups, the snapshot {len(groups)}")
+
+        def set_host() -> None:
+            for st, k, v in scalars:
+                st[k] = v
+            for g, saved in zip(opt.param_groups, groups):
+                for k, v in saved.items():
+                    if k != "params":
+                        g[k] = v
+
+        return pairs, set_host
+    expanded = [expand_params(g) for g in host["param_groups"]]
+    clones: list[tuple[Any, Any]] = []  # (new tensor, snapshot value): one native copy
+    sd_state: dict[int, dict[str, Any]] = {}
+    for i, s in state.items():
+        d = sd_state[i] = {}
+        for k, v in s.items():
+            if isinstance(v, copy_back.Ref):
+                d[k] = copy_back.empty_like_entry(data, v.e)
+                clones.append((d[k], v.e))
+            elif isinstance(v, torch.Tensor):
+                d[k] = torch.empty_like(v)
+                clones.append((d[k], v))
+            else:
+                d[k] = v
+
+    def load() -> None:
+        try:
+            opt.load_state_dict({"state": sd_state, "param_groups": expanded})
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise IncompatibleSnapshot(
+                f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
+
+    return clones, load
