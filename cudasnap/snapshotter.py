@@ -239,9 +239,7 @@ class Snapshotter:
         try:
             self._copier.snapshot(step, t0, tl.boundaries, values)
         finally:
-            ev = self._early.boundary_event  # a flush waiting for this boundary (core.early)
-            if ev is not None:
-                ev.set()
+            self._early.boundary_done(step)  # a flush waiting for this boundary (core.early)
             # After the submit: a SIGTERM flush raised here waits for this very step.
             if self.guard is not None:
                 self.guard.on_boundary(step)

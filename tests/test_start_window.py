@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from helpers.trainlib import small_adam as _adam
 import cudasnap
 from cudasnap._testing import arena_gate
 from cudasnap.core import arena_exit, early
+from cudasnap.core.submit import Copier
 from cudasnap.storage import posix as store
 
 CHUNK = 64 << 10
@@ -173,15 +175,30 @@ def test_sigusr1_at_a_boundary_before_the_arena_is_ready(snap_env, gate, monkeyp
 
 def test_sigusr1_mid_step_before_the_arena_is_ready_writes_the_next_boundary(
         snap_env, gate, monkeypatch):
+    """The flush waits until boundary(3) has handed over its copy, not only until it
+    began: here the flush thread looks while boundary(3) is inside its copy hand-over
+    (the timeline already at 3), which made it flush before the copy existed and write
+    nothing (a flake under load before the wait compared EarlySaver.done_step)."""
     snap, model, opt = _unready_run(snap_env, 3, **_guarded(snap_env, monkeypatch))
     try:
         _step(model, opt)  # step 3 under way: the live state is no boundary's
-        waiting = threading.Event()
+        waiting, in_copy, looking = threading.Event(), threading.Event(), threading.Event()
         inner = early._wait_next_boundary
+        real_snapshot = Copier.snapshot
 
-        def spy(s, timeout):
+        def slow_snapshot(self: Copier, step: int, *a: object) -> None:
+            if step == 3:  # the timeline says 3 already; the copy is not handed over yet
+                in_copy.set()
+                looking.wait(60)
+                time.sleep(0.3)  # the flush thread checks meanwhile
+            real_snapshot(self, step, *a)
+
+        def spy(s, step, timeout):
             waiting.set()
-            return inner(s, 120.0)
+            in_copy.wait(60)
+            looking.set()
+            return inner(s, step, 120.0)
+        monkeypatch.setattr(Copier, "snapshot", slow_snapshot)
         monkeypatch.setattr(early, "_wait_next_boundary", spy)
         done, paths = _spy_flush(snap, monkeypatch)
         os.kill(os.getpid(), signal.SIGUSR1)

@@ -16,8 +16,9 @@ arena now ready. At most one step is lost either way. ``close()`` with nothing o
 the attempt saved says so in a WARNING (:meth:`EarlySaver.warn_if_nothing_saved`).
 
 Call order: the facade's ``flush()`` calls ``before_flush`` first, ``close()`` calls
-``at_close`` then ``warn_if_nothing_saved``; ``boundary()`` sets ``boundary_event`` (when
-one is there) after its copy. The copier records the skipped boundary (``Copier.live``,
+``at_close`` then ``warn_if_nothing_saved``; ``boundary()`` calls
+:meth:`EarlySaver.boundary_done` after its copy was handed over (it records the step and
+wakes a waiting flush). The copier records the skipped boundary (``Copier.live``,
 ``Copier.unprotected_thread``).
 
 An arena left at exit: :mod:`cudasnap.core.arena_exit`.
@@ -50,7 +51,19 @@ class EarlySaver:
         self._timeline, self._counters, self._flush_lock = timeline, counters, flush_lock
         self.wait_timeout_s = wait_timeout_s
         self.boundary_event: threading.Event | None = None  # set by the next boundary
+        # The step of the newest boundary() that returned past its copy (or skip): what a
+        # flush waiting for "the next boundary" compares with, not Timeline.last_step,
+        # which boundary() advances before its copy is handed over.
+        self.done_step: int | None = None
         self._saving = False  # a regrowth's flush inside save_now re-enters flush(): not again
+
+    def boundary_done(self, step: int) -> None:
+        """``boundary()``, after its copy was handed over (or skipped): a flush waiting for
+        the boundary after the newest one may go on."""
+        self.done_step = step
+        ev = self.boundary_event
+        if ev is not None:
+            ev.set()
 
     def _needs_arena(self) -> bool:
         """The newest boundary is in no arena and a flush could not copy it now."""
@@ -112,11 +125,11 @@ class EarlySaver:
             return
         if self.save_now(timeout, "flush requested"):
             return
-        copier = self._copier
-        if copier.live is None or not copier.live_dirty or self._keeper.arena is None \
-                or threading.get_ident() == copier.unprotected_thread:
+        live = self._copier.live  # read once: the boundary we wait past
+        if live is None or not self._copier.live_dirty or self._keeper.arena is None \
+                or threading.get_ident() == self._copier.unprotected_thread:
             return
-        _wait_next_boundary(self, self.wait_timeout_s if timeout is None else timeout)
+        _wait_next_boundary(self, live[0], self.wait_timeout_s if timeout is None else timeout)
 
     def at_close(self, keep: bool) -> None:
         """``close()`` before the arena was ready: the newest boundary goes into an arena
@@ -138,18 +151,18 @@ class EarlySaver:
                         st.skipped_not_ready)
 
 
-def _wait_next_boundary(early: EarlySaver, timeout: float) -> None:
-    """Until a boundary after the one in ``Copier.live`` ran (it snapshots into the arena
-    now ready, or, skipped, leaves its live state to copy), bounded by ``timeout``."""
-    copier, timeline = early._copier, early._timeline
-    step = copier.live[0] if copier.live is not None else timeline.last_step
+def _wait_next_boundary(early: EarlySaver, step: int, timeout: float) -> None:
+    """Until a boundary after ``step`` (the one in ``Copier.live``) has handed over its copy
+    (it snapshots into the arena now ready, or, skipped, leaves its live state to copy),
+    bounded by ``timeout``."""
+    copier = early._copier
     ev = threading.Event()
     early.boundary_event = ev  # before the check below: no boundary slips between
     deadline = time.monotonic() + timeout
     try:
         log.warning("cudasnap: flush requested mid-step before the staging arena was ready: "
                     "waiting up to %.0f s for the boundary after step %d", timeout, step)
-        while timeline.last_step == step:
+        while early.done_step is None or early.done_step <= step:
             left = deadline - time.monotonic()
             if left <= 0 or not ev.wait(left):
                 log.error("cudasnap: no boundary within %.0f s: the flush writes no newer "
