@@ -1,9 +1,9 @@
-"""Long fuzzing run of tests/test_fuzz.py (hypothesis): manifests, manifest files, arena
+"""Long fuzzing run of tests/format/test_fuzz.py (hypothesis): manifests, manifest files, arena
 files and host-state decoding.
 
     .venv/bin/python bench/fuzz.py [--examples N] [--seed S] [-k EXPR]
 
-Runs every property of tests/test_fuzz.py with N examples each (default 5000; the
+Runs every property of tests/format/test_fuzz.py with N examples each (default 5000; the
 suite uses 300, derandomized), random exploration (a seed is printed, so a failure can
 be replayed with --seed), and prints hypothesis's per-property statistics: how many
 inputs were refused with which SnapshotError, how many reached the data reader or a
@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("-k", default=None, help="pytest -k expression (a subset of properties)")
     a = ap.parse_args()
     env = {**os.environ, "CUDASNAP_FUZZ_EXAMPLES": str(max(a.examples, 501))}
-    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "test_fuzz.py"), "-q",
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "format" / "test_fuzz.py"), "-q",
            "-p", "no:cacheprovider", "--hypothesis-show-statistics",
            f"--hypothesis-seed={a.seed}"]
     if a.k:

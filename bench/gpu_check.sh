@@ -138,7 +138,7 @@ gpu_check_main() {
   export PYTHON=$PY  # tools/cudaemu/run.sh builds the emulator with it
   RUN=("$PY")        # how Python runs after the build (under the emulator: run.sh first)
   SKIP_WHY="" GPU_LINE=""
-  GPU_TEST_FILES=$(grep -l 'mark\.gpu' tests/test_*.py 2>/dev/null | tr '\n' ' ' || true)
+  GPU_TEST_FILES=$(grep -rl --include='test_*.py' --exclude-dir=cuda_emu 'mark\.gpu' tests 2>/dev/null | sort | tr '\n' ' ' || true)
   BUILD_DIR="$REPO/build/gpu-cmake"
   ARCHS=${CUDASNAP_CUDA_ARCHS:-90}
   if (( EMU )); then

@@ -18,7 +18,7 @@
 #                                                                               target 4   6   / 2
 #   demo      python -m cudasnap demo --json, 3 times                           target 6b  2   / 1
 #   peers     bench/peers.py --sizes 1 --repeats 2                              peers      20  / 3
-# Target 5 (snapshot_every=k, live JIT save) is tested in make test (tests/test_snapshot_every.py).
+# Target 5 (snapshot_every=k, live JIT save) is tested in make test (tests/core/test_snapshot_every.py).
 #
 # Output: DIR (default build/issue15-<UTC date-time>) holds <step>.log for each step and
 # run.log (timestamps, load, exit codes). Exit status: 0 when every step exited 0.

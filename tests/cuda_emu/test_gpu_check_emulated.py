@@ -6,9 +6,9 @@
   arena is page-locked; a refused ``cudaHostRegister`` (gVisor) is accepted with its
   reason printed, and the machine facts (/dev/shm, MADV_POPULATE_WRITE, versions) too;
 * a state over CUDASNAP_ARENA_SYNC_MAX_BYTES gets its arena in the background: a
-  boundary before ``arena_ready()`` is skipped (what tests/test_gpu_e2e.py's
+  boundary before ``arena_ready()`` is skipped (what tests/cuda/test_gpu_e2e.py's
   ``make_snap`` waits for), one after it snapshots;
-* a lazily-stated optimizer (tests/test_gpu_e2e.py ``LazyMomentum``) regrows the arena
+* a lazily-stated optimizer (tests/cuda/test_gpu_e2e.py ``LazyMomentum``) regrows the arena
   exactly once on the CUDA path: the old arena is unregistered before the new one is
   page-locked, step 0 goes to disk first;
 * ``gpu_bench.py --emulated`` runs with no kernels and judges no target.
@@ -30,7 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BENCH = REPO / "bench"
-for p in (str(REPO), str(BENCH), str(REPO / "tests")):
+for p in (str(REPO), str(BENCH), str(REPO / "tests"), str(REPO / "tests" / "cuda")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -109,7 +109,7 @@ def params_module(n: int, numel: int) -> torch.nn.Module:
 
 def test_a_boundary_before_the_background_arena_is_skipped(snap_env: Any, emu: Any,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Why tests/test_gpu_e2e.py's make_snap waits for arena_ready() (issue 21 item 2)."""
+    """Why tests/cuda/test_gpu_e2e.py's make_snap waits for arena_ready() (issue 21 item 2)."""
     import cudasnap
     from cudasnap._testing import arena_gate
 
@@ -135,7 +135,7 @@ def test_a_boundary_before_the_background_arena_is_skipped(snap_env: Any, emu: A
 
 
 def test_lazy_optimizer_regrows_the_arena_once_on_cuda(snap_env: Any, emu: Any) -> None:
-    """tests/test_gpu_e2e.py's regrowth check on the CUDA path (issue 21 item 3)."""
+    """tests/cuda/test_gpu_e2e.py's regrowth check on the CUDA path (issue 21 item 3)."""
     import cudasnap
     from cudasnap.storage import posix
 

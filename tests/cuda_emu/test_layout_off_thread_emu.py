@@ -1,4 +1,4 @@
-"""The CUDA path of tests/test_layout_off_thread.py under the emulated runtime (issue 26).
+"""The CUDA path of tests/core/test_layout_off_thread.py under the emulated runtime (issue 26).
 
 A state of 1,000+ tensors on the GPU: the first boundary hands the copy plan's build to a
 background thread, which also makes the CUDA copy engine and attaches the allocator

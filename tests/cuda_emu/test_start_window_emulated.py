@@ -1,4 +1,4 @@
-"""The CUDA path of tests/test_start_window.py (issue 23 item 2) under the emulated runtime.
+"""The CUDA path of tests/core/test_start_window.py (issue 23 item 2) under the emulated runtime.
 
 Before the arena is ready (the background set-up held by ``cudasnap._testing.arena_gate``),
 a ``close()`` or a ``flush()`` makes the arena on the calling thread, page-locks it

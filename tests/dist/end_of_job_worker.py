@@ -1,6 +1,6 @@
 """The end of a multi-rank job with one rank late to its last boundary (issue 23 item 1).
 
-Run under torchrun (gloo on CPU) by tests/test_end_of_job.py, directly or inside
+Run under torchrun (gloo on CPU) by tests/distributed/test_end_of_job.py, directly or inside
 ``cudasnap run``. Every rank trains STEPS steps, then does what the README asks at the
 end of a multi-rank job: ``snap.flush()`` on every rank, then ``snap.close()``.
 

@@ -1,6 +1,6 @@
 """Runs tests/dist/ddp_train.py under torchrun and collects what the ranks wrote.
 
-Used by tests/test_distributed.py and bench/distributed.py.
+Used by tests/distributed/test_distributed.py and bench/distributed.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ address (127.0.0.<n>); all share the snapshot directory and a FileStore per atte
 "node loss" is the SIGKILL of every process of the job once the victim rank died (a
 torchrun agent restarts its survivors' workers the same way) and the removal of the lost
 nodes' shared-memory directories; attempt 1 starts every rank again, the replaced nodes with
-new, empty shared memory and a new node id. (tests/test_node_loss_torchrun.py runs the same
+new, empty shared memory and a new node id. (tests/distributed/test_node_loss_torchrun.py runs the same
 with two real torchrun agents.)
 """
 from __future__ import annotations

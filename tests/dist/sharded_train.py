@@ -1,4 +1,4 @@
-"""Sharded training job for tests/test_sharded_dist.py (torchrun, gloo on CPU).
+"""Sharded training job for tests/distributed/test_sharded_dist.py (torchrun, gloo on CPU).
 
 MODE: "fsdp" (FSDP2 ``fully_shard`` on a 1-D mesh of every rank), "tp" (tensor
 parallel: colwise + rowwise Linear pair), "hsdp" (FSDP2 on a 2-D (replicate,

@@ -1,6 +1,6 @@
 """In-process multi-rank scenarios (torch.multiprocessing spawn + gloo on a FileStore).
 
-Faster than torchrun; used by tests/test_distributed.py for the agreement,
+Faster than torchrun; used by tests/distributed/test_distributed.py for the agreement,
 commit and restore-validation logic. Each rank writes BASE/<scenario>-rank-R.json.
 """
 from __future__ import annotations

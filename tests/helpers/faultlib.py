@@ -1,6 +1,6 @@
 """The fault matrix: damage snapshots every way we know, restore, and judge the outcome.
 
-Used by tests/test_faults.py (a bounded run) and bench/faults.py (the whole
+Used by tests/e2e/test_faults.py (a bounded run) and bench/faults.py (the whole
 matrix, more seeds, and the table in bench/RESULTS.md). Every case ends in a
 ``Case`` record:
 

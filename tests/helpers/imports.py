@@ -1,5 +1,5 @@
 """The package's modules and the cudasnap modules each one imports, read with ``ast``
-(tests/test_layers.py: floors; tests/test_import_graph.py: cycles).
+(tests/arch/test_layers.py: floors; tests/arch/test_import_graph.py: cycles).
 
 Every import statement counts: module level, inside functions and under
 ``if TYPE_CHECKING:``.

@@ -1,4 +1,4 @@
-"""Warm fork server for tests/test_run.py and tests/test_cli.py (run with sys.executable).
+"""Warm fork server for tests/supervisor/test_run.py and tests/tools/test_cli.py (run with sys.executable).
 
 A fresh Python process that imports torch and builds an optimizer costs
 seconds on the test machines; this one does it once and forks a training

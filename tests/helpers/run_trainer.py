@@ -1,4 +1,4 @@
-"""A training process for tests/test_run.py and tests/test_cli.py.
+"""A training process for tests/supervisor/test_run.py and tests/tools/test_cli.py.
 
 Runs as a script (``python run_trainer.py ...``) or, much faster, forked from
 the warm server in run_forkserver.py (``run_trainer.main(argv)``). The model,

@@ -1,4 +1,4 @@
-"""One rank of a multi-rank job flushing to an object-store URL (tests/test_s3_ranks.py).
+"""One rank of a multi-rank job flushing to an object-store URL (tests/storage/test_s3_ranks.py).
 
 ``python tests/helpers/s3_ranks.py SCENARIO RANK WORLD URL BASE``; the ranks meet through a
 gloo FileStore in BASE (``store-<scenario>``) and write BASE/<scenario>-rank-R.json and

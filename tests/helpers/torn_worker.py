@@ -1,4 +1,4 @@
-"""Fork server for the torn-state trials (tests/test_torn.py); run with sys.executable.
+"""Fork server for the torn-state trials (tests/e2e/test_torn.py); run with sys.executable.
 
 Importing torch costs seconds on the test machines, so this process imports
 everything once and forks one training process per command (the way a
@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # The trials kill at every phase from step 0 on: the arena (~5 MB x 3 slots) is made
-# at the first boundary, not by the background preparer (tests/test_arena_prep.py).
+# at the first boundary, not by the background preparer (tests/core/test_arena_prep.py).
 os.environ.setdefault("CUDASNAP_ARENA_SYNC_MAX_BYTES", str(1 << 30))
 sys.path.insert(0, str(HERE.parent.parent))
 sys.path.insert(0, str(HERE.parent))

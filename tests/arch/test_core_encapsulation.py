@@ -1,0 +1,223 @@
+"""Issues 12, 24: the Snapshotter is a facade over cudasnap/core's components; no one
+else reaches into it, and no component into another.
+
+* each ``cudasnap.core`` module imports alone (no hidden order dependency, no
+  import of the Snapshotter facade from below it);
+* code outside ``cudasnap/core`` and ``snapshotter.py`` uses only public attributes of a
+  Snapshotter (an AST check over ``snap._x`` / ``self._s._x`` / ``self.snapshotter._x``);
+* inside it, each component owns its state: no shared-field hub (``core/shared.py``,
+  mixins), no function taking the whole Snapshotter (``snap``), and no write of another
+  object's attribute but the reviewed ones below (an AST check of every assignment);
+* ``timeline.final_flush`` needs only its narrow ``ClosingSnapshots`` protocol;
+* the Snapshotter's environment is read through ``cudasnap.config.Settings``: a bad
+  value is a ConfigError naming the variable, and keyword arguments win.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cudasnap
+from cudasnap.core.timeline import final_flush
+from cudasnap.errors import ConfigError, SnapshotError
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "cudasnap"
+CORE_MODULES = sorted(f"cudasnap.core.{p.stem}" for p in (PKG / "core").glob("*.py")
+                      if p.stem != "__init__")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mod", ["cudasnap.core", *CORE_MODULES])
+def test_core_module_imports_alone(mod: str) -> None:
+    code = (f"import sys, {mod}\n"
+            "assert 'cudasnap.snapshotter' not in sys.modules, 'imports the facade'\n"
+            "assert 'cudasnap._C' not in sys.modules, 'loads the engine at import'\n"
+            + ("assert 'torch' not in sys.modules, 'imports torch'\n"
+               if mod == "cudasnap.core" else ""))
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_core_init_is_one_line() -> None:
+    assert (PKG / "core" / "__init__.py").read_text() == (
+        '"""The mechanisms behind Snapshotter: state, layout, fences, staging, restore, '
+        'timeline."""\n')
+
+
+def _snapshotter_ref(node: ast.expr) -> bool:
+    """``snap``, ``snapshotter``, ``self._s``, ``self.snap``, ``self.snapshotter``..."""
+    if isinstance(node, ast.Name):
+        return node.id in ("snap", "snapshotter")
+    return isinstance(node, ast.Attribute) and node.attr in ("_s", "snap", "_snap", "snapshotter")
+
+
+def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    return [(n.lineno, n.attr) for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+            and not n.attr.startswith("__") and _snapshotter_ref(n.value)]
+
+
+def test_private_use_finder_sees_the_old_adapter() -> None:
+    old = "def arenas(self):\n    return [self._s._arena, snap._inherited, self.snap.flush()]\n"
+    assert private_uses(ast.parse(old)) == [(2, "_arena"), (2, "_inherited")]
+
+
+def test_nothing_outside_the_core_reaches_into_a_snapshotter() -> None:
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG)
+        if rel.parts[0] in ("core", "build") or rel.name == "snapshotter.py":
+            continue
+        bad += [f"{rel}:{line}: .{attr}" for line, attr in private_uses(ast.parse(f.read_text()))]
+    assert not bad, "private Snapshotter fields used outside cudasnap/core:\n" + "\n".join(bad)
+
+
+# Writes of an attribute of another object than ``self`` in cudasnap/core and the facade
+# (the counters aside: plain data every component increments): (module, target) -> why.
+REVIEWED_WRITES = {
+    ("core/backend.py", "self.engine.wait_timeout_s"): "the native engine's setting, at birth",
+    ("core/early.py", "early.boundary_event"): "EarlySaver's own field, from its module's "
+                                               "_wait_next_boundary (kept a function for tests)",
+    ("core/fences.py", "copier.live_dirty"): "the forward hook inlines Copier.fence's no-op case",
+    ("core/staging.py", "prep.warmed"): "the keeper hands its preparer the warmed inherited arena",
+    ("core/submit.py", "self.state.step_values"): "boundary(step, **values) into the state",
+    ("core/submit.py", "lay.arena_ok"): "the copier's cached 'fits' answer, kept per plan",
+    ("snapshotter.py", "self.state.rng_sources"): "the rng_sources keyword",
+    ("core/state.py", "lt.owner"): "TrainingState's own LiveTensors",
+    ("core/state.py", "lt.shard"): "TrainingState's own LiveTensors",
+    ("core/state.py", "lt.tensor"): "TrainingState's own LiveTensors",
+}
+
+
+def foreign_writes(tree: ast.AST) -> list[str]:
+    """Targets ``x.attr = ...`` (also ``+=``, annotated, in tuples) whose ``x`` is not
+    ``self``/``cls``, nor the counters (``self._counters``, or a local ``c`` alias)."""
+    out = []
+    for n in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(n, ast.Assign):
+            targets = list(n.targets)
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
+            targets = [n.target]
+        for t in [e for t in targets
+                  for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]:
+            if not isinstance(t, ast.Attribute):
+                continue
+            base = t.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls", "c"):
+                continue
+            if isinstance(base, ast.Attribute) and base.attr == "_counters" \
+                    and isinstance(base.value, ast.Name) and base.value.id == "self":
+                continue
+            out.append(ast.unparse(t))
+    return out
+
+
+def test_foreign_write_finder_sees_a_reach_in() -> None:
+    code = ("def f(self, keeper, c):\n    keeper.arena = None\n    self.x = c.y = 1\n"
+            "    self._counters.skipped += 1\n    self._keeper.inherited = None\n")
+    assert foreign_writes(ast.parse(code)) == ["keeper.arena", "self._keeper.inherited"]
+
+
+def test_each_core_component_owns_its_state() -> None:
+    assert not (PKG / "core" / "shared.py").exists(), "the shared-field hub is back"
+    bad = []
+    for f in sorted((PKG / "core").glob("*.py")) + [PKG / "snapshotter.py"]:
+        rel = str(f.relative_to(PKG))
+        tree = ast.parse(f.read_text())
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and (n.name.endswith("Mixin") or n.name == "Fields"):
+                bad.append(f"{rel}:{n.lineno}: class {n.name} (state shared through a base)")
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                bad += [f"{rel}:{n.lineno}: {n.name}({a.arg}) takes the whole Snapshotter"
+                        for a in n.args.args + n.args.kwonlyargs
+                        if a.arg in ("snap", "snapshotter")]
+        bad += [f"{rel}: writes {t}" for t in foreign_writes(tree)
+                if (rel, t) not in REVIEWED_WRITES]
+    assert not bad, "\n".join(bad)
+
+
+class _Arena:
+    path = "/dev/shm/fake"
+
+
+class _Closing:
+    """Only what ``ClosingSnapshots`` declares."""
+
+    def __init__(self, arenas: list, fail: bool) -> None:
+        self._arenas, self._fail, self.calls = arenas, fail, []
+
+    def staged_arenas(self) -> list:
+        return self._arenas
+
+    def flush_if_new(self, wait_s: float = 60.0):
+        self.calls.append(wait_s)
+        if self._fail:
+            raise SnapshotError("disk full")
+        return None
+
+
+def test_final_flush_needs_only_the_narrow_protocol(caplog) -> None:
+    assert final_flush(_Closing([], fail=True)) is True  # no arena: nothing to flush
+    ok = _Closing([_Arena()], fail=False)
+    assert final_flush(ok) is True and ok.calls == [60.0]
+    bad = _Closing([_Arena()], fail=True)
+    assert final_flush(bad) is False  # the caller keeps the arena
+    assert "final flush failed" in caplog.text and "/dev/shm/fake" in caplog.text
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    m = nn.Linear(4, 4)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("name,value", [("CUDASNAP_WAIT_S", "soon"), ("CUDASNAP_HEALTH", "maybe"),
+                                        ("CUDASNAP_ARENA_SYNC_MAX_BYTES", "lots"),
+                                        ("RANK", "first")])
+def test_bad_environment_is_a_config_error_naming_it(snap_env, monkeypatch, name, value) -> None:
+    monkeypatch.setenv(name, value)
+    m, opt = _model()
+    with pytest.raises(ConfigError) as ei:
+        cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu")
+    assert name in str(ei.value) and repr(value) in str(ei.value)
+
+
+def test_environment_is_read_and_keyword_arguments_win(snap_env, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CUDASNAP_WAIT_S", "7")
+    monkeypatch.setenv("CUDASNAP_SHM_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("CUDASNAP_DIR", str(tmp_path / "env-dir"))
+    m, opt = _model()
+    with cudasnap.Snapshotter(m, opt, backend="cpu", shm_dir="/dev/shm",
+                              flush_on_close=False) as snap:
+        assert snap.wait_timeout_s == 7.0                        # from the environment
+        assert snap.job == snap_env.job                          # CUDASNAP_JOB
+        assert Path(snap.directory) == tmp_path / "env-dir"      # CUDASNAP_DIR
+        assert snap.arena_path.parent == Path("/dev/shm")        # the keyword wins
+    monkeypatch.setenv("CUDASNAP_HEALTH", "1")
+    with cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu", health=False, job="kw-" +
+                              snap_env.job, flush_on_close=False) as snap:
+        assert snap.guard is None and snap.job == "kw-" + snap_env.job
+
+
+def test_public_plan_and_staging_facts_replace_private_fields(snap_env) -> None:
+    """What bench/gpu_bench.py used to read from ``snap._layout`` / ``_cuda`` / ``_arena``."""
+    m, opt = _model()
+    with cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu", flush_on_close=False) as snap:
+        assert snap.stats()["layout"] is None and snap.staged_arenas() == []
+        snap.boundary(0)
+        assert snap.wait(60)
+        lay = snap.stats()["layout"]
+        assert lay["tensors"] == 2 and lay["copy_ranges"] >= 1  # weight, bias (SGD: no state)
+        assert lay["allocator_tracking"] is False and snap.copy_stream_handle() is None
+        (arena,) = snap.staged_arenas()
+        assert arena.slot_info(arena.newest_complete())["step"] == 0
