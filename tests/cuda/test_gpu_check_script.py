@@ -327,6 +327,31 @@ def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
 
 
 @pytest.mark.slow
+def test_watchdog_raise_swallowed_in_a_weakref_callback_is_raised_again(tmp_path):
+    """An alarm landing in a weakref callback is printed as "Exception ignored" and
+    dropped (CI: a --budget 1 run ended "complete", exit 0); the watchdog raises again."""
+    code = (
+        f"import sys, time, weakref; sys.path[:0] = [{str(BENCH.parent)!r}]\n"
+        "import gpu_bench as G\n"
+        "class O: pass\n"
+        "o = O()\n"
+        "r = weakref.ref(o, lambda _: time.sleep(2))\n"
+        "G.install_watchdog(None, 1)\n"
+        "try:\n"
+        "    del o\n"  # the callback sleeps through the alarm: its raise is unraisable
+        "    print('callback returned', flush=True)\n"
+        "    time.sleep(5)\n"
+        "    print('no alarm')\n"
+        "except G.BudgetExceeded:\n"
+        "    G.watchdog_caught()\n"
+        "    print('raised again')\n"
+    )
+    p = run([sys.executable, "-c", code], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["callback", "returned", "raised", "again"], (p.stdout, p.stderr)
+
+
+@pytest.mark.slow
 def test_bench_watchdog_prints_partial_results_and_exits_3(tmp_path):
     p = run([sys.executable, str(BENCH), "--cpu-smoke", "--budget", "1", "--boundaries",
              "100000000", "--out", str(tmp_path)], timeout=120)
