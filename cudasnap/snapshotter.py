@@ -166,8 +166,7 @@ class Snapshotter:
             log.warning("removed %d interrupted flush(es): %s", len(removed),
                         ", ".join(str(p).rstrip("/").rsplit("/", 1)[-1] for p in removed))
         self._closed = False
-        # Bound of every wait on a copy (fences, the next submit, close()).
-        self.wait_timeout_s = env.wait_s
+        self._wait_timeout_s = env.wait_s  # read-only: the components get it at birth
         if arena_sync_max_bytes is None:
             arena_sync_max_bytes = env.arena_sync_max_bytes
         # The components (docs/design.md §2.1); the keeper's two upward edges (a regrowth)
@@ -381,6 +380,11 @@ class Snapshotter:
         return self._restorer.last_restore()
 
     @property
+    def wait_timeout_s(self) -> float:
+        """Bound of every wait on a copy (fences, submit, close()): CUDASNAP_WAIT_S, read-only."""
+        return self._wait_timeout_s
+
+    @property
     def values(self) -> dict[str, Any]:
         """The ``boundary(step, **values)`` of the restored step ({} before a restore)."""
         return self.state.values
@@ -408,9 +412,8 @@ class Snapshotter:
         """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
         and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed).
 
-        A newest boundary not snapshotted (arena not ready, plan being built) is copied
-        first (cudasnap.core.early); a close() with none of the run's boundaries saved
-        logs a WARNING."""
+        A newest boundary not snapshotted (arena or plan not ready) is copied first
+        (cudasnap.core.early); a close() with no boundary saved logs a WARNING."""
         if self._closed:
             return
         if flush is None:

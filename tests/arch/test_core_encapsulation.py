@@ -200,6 +200,9 @@ def test_environment_is_read_and_keyword_arguments_win(snap_env, monkeypatch, tm
     with cudasnap.Snapshotter(m, opt, backend="cpu", shm_dir="/dev/shm",
                               flush_on_close=False) as snap:
         assert snap.wait_timeout_s == 7.0                        # from the environment
+        assert snap._copier.wait_timeout_s == 7.0                # what the fences use
+        with pytest.raises(AttributeError):                      # not silently ignored
+            snap.wait_timeout_s = 1.0  # type: ignore[misc]
         assert snap.job == snap_env.job                          # CUDASNAP_JOB
         assert Path(snap.directory) == tmp_path / "env-dir"      # CUDASNAP_DIR
         assert snap.arena_path.parent == Path("/dev/shm")        # the keyword wins
