@@ -206,7 +206,12 @@ class Restorer:
                              bytes_read):
                 data = storages.open_data(self.storage, ref, manifest, self.flush_threads,
                                           allow_foreign_owner=self.allow_foreign_owner)
-                return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
+                try:
+                    return self._apply(manifest["tensors"], manifest["host"], data,
+                                       str(ref.path))
+                finally:  # apply closes it once read; also when it fails before that
+                    if isinstance(data, posix.DataFile):
+                        data.close()
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""

@@ -657,3 +657,28 @@ def test_the_new_bindings_release_the_gil_without_python_objects(tmp_path):
                        text=True, timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 0, f"child exited {r.returncode}:\n{r.stdout}\n{r.stderr[-3000:]}"
     assert r.stdout.splitlines()[-1] == "ok"
+
+
+def test_the_data_file_is_closed_when_the_restore_fails_before_reading_it(snap_env,
+                                                                           monkeypatch):
+    """restore_dir closes the DataFile it opened however the apply ends, also when it fails
+    before apply's own ``with`` (no descriptor left to the garbage collector)."""
+    from cudasnap.core import restore as restore_mod
+
+    _snapshot(snap_env, 0)
+    opened: list[posix.DataFile] = []
+    real_open = storage.open_data
+
+    def spy(*a, **kw):
+        d = real_open(*a, **kw)
+        opened.append(d)
+        return d
+
+    def fail(self, *a, **kw):
+        raise CorruptSnapshot("injected before the apply")
+
+    monkeypatch.setattr(storage, "open_data", spy)
+    monkeypatch.setattr(restore_mod.Restorer, "_apply", fail)
+    _, step, _ = _restore(snap_env, 0, "closed")
+    assert step == 0 and opened and all(isinstance(d, posix.DataFile) for d in opened)
+    assert [d.fd for d in opened] == [-1] * len(opened)
