@@ -37,7 +37,7 @@ class FlushStats(TypedDict):
 
 
 # read_file_scatter / RestorePlan.run_file. The functional form: the engine has no class of
-# that name (tests/test_native_stub.py compares the stub's classes with the engine's).
+# that name (tests/native/test_native_stub.py compares the stub's classes with the engine's).
 ScatterStats = TypedDict("ScatterStats", {"bytes": int, "applied": int,  # noqa: UP013
                                           "seconds": float, "direct": bool})
 

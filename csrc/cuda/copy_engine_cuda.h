@@ -72,7 +72,7 @@ class CudaCopyEngine : public CopyEngine {
   // job was failed, and shutdown() skips calls that could block on the device.
   bool hung() const { return hung_.load(); }
   // TEST-ONLY: a host function sleeping this long runs on the copy stream
-  // before each snapshot's copies (tests/test_gpu_e2e.py): the copy then
+  // before each snapshot's copies (tests/cuda/test_gpu_e2e.py): the copy then
   // certainly overlaps the next step, so a missing fence is always caught.
   void set_test_copy_delay_us(uint64_t us) { test_delay_us_.store(us); }
   uint64_t copy_stream() const { return reinterpret_cast<uint64_t>(copy_stream_); }

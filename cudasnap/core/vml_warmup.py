@@ -10,7 +10,7 @@ not reproducible from step 0: observed here as AdamW's first ``exp_avg_sq.sqrt()
 computed as ``x * rsqrtps(x)`` (relative error up to 3.3e-4) on the main thread's half
 of a 512x512 weight in about 1 of 80 fresh processes on a loaded 2-core VM, so an
 uninterrupted run and a killed-and-resumed one differed although every snapshot was
-exact (tests/test_readme_quickstart.py).
+exact (tests/e2e/test_readme_quickstart.py).
 
 cudasnap promises a resume bitwise equal to a run that never failed, which needs the
 run itself to be reproducible: the Snapshotter's constructor calls :func:`warm` once
