@@ -59,6 +59,38 @@ Build-time variables (read by setup.py only): CUDASNAP_CUDA_ARCHS, CUDASNAP_REQU
 CUDASNAP_WITH_CUDA, CUDASNAP_BUILD_DIR, CUDASNAP_RECONFIGURE. Test-only fault hooks
 (``cudasnap._testing``, loaded through ``cudasnap._points`` when one is set):
 CUDASNAP_TEST_KILL_AT, CUDASNAP_TEST_DIE_IN_FLUSH.
+
+``Snapshotter`` keywords: defaults and checks (``check_options``, ``check_fresh_url``,
+``resolve_threads``); a keyword given wins over its variable. Each bad value is one
+``ConfigError`` naming it, raised before anything is made.
+
+==================== =================== ========================= =============================
+Keyword              Default             Check                     Variable
+==================== =================== ========================= =============================
+num_slots            2 (NUM_SLOTS)       int, 2 .. 8 - spare_slot  -
+spare_slot           True                -                         -
+keep                 3 (KEEP)            int >= 0 (0: keep all)    -
+chunk_bytes          4 MiB (CHUNK_BYTES) multiple of 4096, >= 4096 -
+backend              "auto"              one of BACKENDS           - (auto: Backend.resolve)
+snapshot_every       1                   int >= 1                  -
+rng_sources          RNG_SOURCES         a subset of RNG_SOURCES   -
+copy_threads         cores - 1, 1 .. 4   -                         - (resolve_threads)
+flush_threads        cores, 2 .. 8       -                         - (resolve_threads)
+directory            ./ckpt              URL: not with fresh       CUDASNAP_DIR
+fresh                False               see directory             CUDASNAP_FRESH
+shm_dir              /dev/shm            -                         CUDASNAP_SHM_DIR
+job                  from directory      -                         CUDASNAP_JOB
+health / watchdog_s  see the variables   -                         CUDASNAP_HEALTH / _WATCHDOG_S
+allow_foreign_owner  False               -                         CUDASNAP_ALLOW_FOREIGN_OWNER
+arena_sync_max_bytes 16 MiB              -                         CUDASNAP_ARENA_SYNC_MAX_BYTES
+node_replica         False               -                         CUDASNAP_NODE_REPLICA
+rank / world_size    torch.distributed   -                         RANK / WORLD_SIZE
+distributed          world_size > 1      -                         -
+replicas             "auto"              dist.groups               -
+policy / inject      none                triggers.policy / inject  CUDASNAP_POLICY / _INJECT
+flush_on_close       True                -                         -
+extra                None                -                         -
+==================== =================== ========================= =============================
 """
 from __future__ import annotations
 
@@ -66,8 +98,67 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
+
+# Snapshotter keyword defaults (see the table above).
+NUM_SLOTS = 2
+KEEP = 3
+CHUNK_BYTES = 4 << 20
+BACKENDS = ("auto", "cpu", "cuda")
+RNG_SOURCES = ("torch", "cuda", "numpy", "python")
+MAX_SLOTS = 8  # the arena header's slot table
+
+
+def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: int,
+                  backend: str, snapshot_every: Any, rng_sources: tuple[str, ...]) -> None:
+    """Raises ConfigError naming the first bad Snapshotter keyword."""
+    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) \
+            or snapshot_every < 1:
+        raise ConfigError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
+        raise ConfigError(f"num_slots must be an int >= 2, got {num_slots!r}")
+    if num_slots + bool(spare_slot) > MAX_SLOTS:
+        raise ConfigError(f"num_slots must be <= {MAX_SLOTS - bool(spare_slot)} (the arena "
+                          f"holds at most {MAX_SLOTS} slots, spare_slot={bool(spare_slot)}), "
+                          f"got {num_slots}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ConfigError(f"keep must be an int >= 0 (0 keeps every snapshot), got {keep!r}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) \
+            or chunk_bytes < 4096 or chunk_bytes % 4096:
+        raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
+    bad = set(rng_sources) - set(RNG_SOURCES)
+    if bad:
+        raise ConfigError(f"unknown rng_sources {sorted(bad)}; use torch, cuda, numpy, python")
+
+
+def check_fresh_url(directory: Any, url: bool, fresh: bool) -> None:
+    """An object-store URL (``url``: ``cudasnap.format.paths.is_url``) is never moved
+    aside: ``fresh`` is refused, at any world size.
+
+    Why refuse rather than move: an object store has no rename, so "aside" would be a
+    copy of every object under ``.old-<time>/`` and a delete of the originals, one
+    object at a time: minutes for a large snapshot, and a start killed half-way leaves
+    the old steps half copied and half deleted. The fresh start (core.timeline.move_aside)
+    moves local files only. A new URL prefix is a fresh start that costs nothing and
+    loses nothing."""
+    if url and fresh:
+        raise ConfigError(f"{directory}: fresh=True (CUDASNAP_FRESH, cudasnap run --fresh) "
+                          "cannot move object-store snapshots aside (no rename in an object "
+                          "store); start fresh under a new URL prefix instead, e.g. "
+                          f"{str(directory).rstrip('/')}-2")
+
+
+def resolve_threads(copy_threads: int | None, flush_threads: int | None,
+                    cores: int | None = None) -> tuple[int, int]:
+    """The "auto" (None or 0) thread counts, resolved once: the copy engine leaves a core
+    to the training thread (1 .. 4), the flusher takes the cores (2 .. 8)."""
+    n = cores or os.cpu_count() or 2
+    return (copy_threads or max(1, min(4, n - 1)), flush_threads or min(8, max(2, n)))
+
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

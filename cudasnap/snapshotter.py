@@ -20,10 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from . import config as cfg
 from .config import Settings
 from .core import vml_warmup
-from .core.options import check_options, check_url
-from .core.rng import RNG_SOURCES
 from .core.staging import supervisor_job
 from .core.state import TrainingState
 from .core.timeline import final_flush
@@ -33,8 +32,6 @@ from .format import paths
 from .storage import open_storage, posix
 
 log = logging.getLogger("cudasnap")
-
-DEFAULT_CHUNK = 4 << 20
 
 
 class Snapshotter:
@@ -107,19 +104,19 @@ class Snapshotter:
 
     def __init__(self, model: Any, optimizer: Any = None,
                  directory: str | os.PathLike | None = None,
-                 *, extra: Mapping[str, Any] | None = None, num_slots: int = 2,
+                 *, extra: Mapping[str, Any] | None = None, num_slots: int = cfg.NUM_SLOTS,
                  backend: str = "auto", copy_threads: int | None = None,
-                 flush_threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK,
-                 keep: int = 3, shm_dir: str | os.PathLike | None = None, job: str | None = None,
+                 flush_threads: int | None = None, chunk_bytes: int = cfg.CHUNK_BYTES,
+                 keep: int = cfg.KEEP, shm_dir: str | os.PathLike | None = None, job: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  health: bool | None = None, watchdog_s: float | None = None,
                  policy: Any = None, inject: str | None = None, distributed: bool | None = None,
-                 replicas: Any = "auto", rng_sources: tuple[str, ...] = RNG_SOURCES,
+                 replicas: Any = "auto", rng_sources: tuple[str, ...] = cfg.RNG_SOURCES,
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
                  arena_sync_max_bytes: int | None = None, snapshot_every: int = 1,
                  node_replica: bool | None = None) -> None:
-        check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
+        cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
                       chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
                       rng_sources=rng_sources)
         env = Settings.from_env()  # keyword arguments win over the environment
@@ -140,7 +137,7 @@ class Snapshotter:
         self.rank = rank if rank is not None else dist.get_rank() if dist_on else env.rank
         self.world_size = world_size if world_size is not None else \
             dist.get_world_size() if dist_on else env.world_size
-        check_url(directory, self.world_size, fresh)
+        cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = tuple(rng_sources)
         # Slots of the arena: the spare one lets snapshots go on while a flush holds a slot.
@@ -150,10 +147,7 @@ class Snapshotter:
         # Restore refuses snapshot files of another user unless this (or
         # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.storage.posix._check_trust.
         self.allow_foreign_owner = allow_foreign_owner
-        ncpu = os.cpu_count() or 2
-        # Leave a core to the training thread; copies run at lower priority anyway.
-        self.copy_threads = copy_threads or max(1, min(4, ncpu - 1))
-        self.flush_threads = flush_threads or min(8, max(2, ncpu))
+        self.copy_threads, self.flush_threads = cfg.resolve_threads(copy_threads, flush_threads)
         shm = Path(shm_dir) if shm_dir else env.shm_dir
         # The arena name carries the directory's identity (cudasnap.format.paths).
         self.job = job or supervisor_job(env.job, env.directory, env.supervised,

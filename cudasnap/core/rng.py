@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import RNG_SOURCES  # the option's one home
+
 log = logging.getLogger("cudasnap.state")
-
-
-RNG_SOURCES = ("torch", "cuda", "numpy", "python")
 
 
 def _bytes_tensor(v: Any) -> torch.Tensor:
