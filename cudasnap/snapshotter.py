@@ -117,8 +117,8 @@ class Snapshotter:
                  arena_sync_max_bytes: int | None = None, snapshot_every: int = 1,
                  node_replica: bool | None = None) -> None:
         cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
-                      chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
-                      rng_sources=rng_sources)
+                          chunk_bytes=chunk_bytes, backend=backend,
+                          snapshot_every=snapshot_every, rng_sources=rng_sources)
         env = Settings.from_env()  # keyword arguments win over the environment
         vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         fresh = env.fresh if fresh is None else bool(fresh)

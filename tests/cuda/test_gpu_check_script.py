@@ -305,23 +305,27 @@ def test_bench_without_gpu_exits_0_with_skip_message(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def _watchdog_probe(setup: str, body: str, on_raise: str, *paths: str):
+    """A child that arms gpu_bench's 1 s watchdog after ``setup``, runs ``body`` then
+    sleeps 5 s (printing "no alarm"), and runs ``on_raise`` when BudgetExceeded arrives."""
+    def indent(text: str) -> str:
+        return "".join(f"    {line}\n" for line in text.splitlines())
+
+    code = (f"import sys, time; sys.path[:0] = {[*paths, str(BENCH.parent)]!r}\n"
+            "import gpu_bench as G\n" + setup + "G.install_watchdog(None, 1)\n"
+            "try:\n" + indent(body) + "    time.sleep(5)\n    print('no alarm')\n"
+            "except G.BudgetExceeded:\n" + indent(on_raise))
+    return run([sys.executable, "-c", code], timeout=60)
+
+
 @pytest.mark.slow
 def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
     """The alarm must not raise inside an import (a C extension's init cannot carry the
     exception: CI saw torch's import abort the process); it fires once the import ends."""
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(1.6)\nDONE = True\n")
-    code = (
-        f"import sys, time; sys.path[:0] = [{str(tmp_path)!r}, {str(BENCH.parent)!r}]\n"
-        "import gpu_bench as G\n"
-        "G.install_watchdog(None, 1)\n"
-        "try:\n"
-        "    import slowmod\n"
-        "    time.sleep(5)\n"
-        "    print('no alarm')\n"
-        "except G.BudgetExceeded:\n"
-        "    print('raised after import', sys.modules['slowmod'].DONE)\n"
-    )
-    p = run([sys.executable, "-c", code], timeout=60)
+    p = _watchdog_probe("", "import slowmod",
+                        "print('raised after import', sys.modules['slowmod'].DONE)",
+                        str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "raised after import True", (p.stdout, p.stderr)
 
@@ -330,23 +334,11 @@ def test_watchdog_waits_for_a_running_import_to_finish(tmp_path):
 def test_watchdog_raise_swallowed_in_a_weakref_callback_is_raised_again(tmp_path):
     """An alarm landing in a weakref callback is printed as "Exception ignored" and
     dropped (CI: a --budget 1 run ended "complete", exit 0); the watchdog raises again."""
-    code = (
-        f"import sys, time, weakref; sys.path[:0] = [{str(BENCH.parent)!r}]\n"
-        "import gpu_bench as G\n"
-        "class O: pass\n"
-        "o = O()\n"
-        "r = weakref.ref(o, lambda _: time.sleep(2))\n"
-        "G.install_watchdog(None, 1)\n"
-        "try:\n"
-        "    del o\n"  # the callback sleeps through the alarm: its raise is unraisable
-        "    print('callback returned', flush=True)\n"
-        "    time.sleep(5)\n"
-        "    print('no alarm')\n"
-        "except G.BudgetExceeded:\n"
-        "    G.watchdog_caught()\n"
-        "    print('raised again')\n"
-    )
-    p = run([sys.executable, "-c", code], timeout=60)
+    p = _watchdog_probe(
+        "import weakref\nclass O: pass\no = O()\nr = weakref.ref(o, lambda _: time.sleep(2))\n",
+        # the callback sleeps through the alarm: its raise is unraisable
+        "del o\nprint('callback returned', flush=True)",
+        "G.watchdog_caught()\nprint('raised again')")
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["callback", "returned", "raised", "again"], (p.stdout, p.stderr)
 
