@@ -135,25 +135,29 @@ def dcp_async(flat: dict[str, Any], path: Path) -> tuple[float, float]:
 @contextlib.contextmanager
 def disk_path(mode: str) -> Iterator[None]:
     """Restores from disk inside take ``mode``'s path: "chunks" (``posix.DataFile``: each
-    chunk read, CRC32C-checked and copied into the live tensors; what
-    ``Restorer.restore_dir`` reads through ``storage.open_data``) or "whole"
-    (``storage.read_data``: the whole file into a buffer, then the copy; ``open_data``
-    replaced for the duration)."""
+    chunk read, CRC32C-checked and copied into the live tensors, the file's head read ahead
+    while the manifest is parsed; what ``Restorer.restore_dir`` reads through
+    ``storage.open_data``), "chunks_noahead" (the same without the read-ahead:
+    ``posix.READ_AHEAD_BYTES`` 0) or "whole" (``storage.read_data``: the whole file into a
+    buffer, then the copy, no read-ahead; ``open_data`` replaced for the duration)."""
     from cudasnap import storage
+    from cudasnap.storage import posix
 
-    saved = storage.open_data
+    saved, saved_ahead = storage.open_data, posix.READ_AHEAD_BYTES
     if mode == "whole":
         def open_data(store: Any, ref: Any, manifest: Any, threads: int = 4, *,
-                      allow_foreign_owner: bool | None = None) -> Any:
+                      allow_foreign_owner: bool | None = None, ahead: Any = None) -> Any:
             return store.read_data(ref, manifest, threads,
                                    allow_foreign_owner=allow_foreign_owner)
         storage.open_data = open_data
-    elif mode != "chunks":
+    elif mode not in ("chunks", "chunks_noahead"):
         raise ValueError(mode)
+    if mode != "chunks":
+        posix.READ_AHEAD_BYTES = 0
     try:
         yield
     finally:
-        storage.open_data = saved
+        storage.open_data, posix.READ_AHEAD_BYTES = saved, saved_ahead
 
 
 @contextlib.contextmanager
@@ -161,7 +165,8 @@ def breakdown(out: dict[str, float]) -> Iterator[None]:
     """Adds the seconds spent in the restore's stages to ``out``: manifest (load_manifest),
     read_verify (read_data: read + CRC32C of the whole file), scatter (DataFile.scatter:
     read + CRC32C + copy, chunk by chunk), apply (TrainingState.apply: checks, planning,
-    the copy, host state; includes scatter)."""
+    the copy, host state; includes scatter); and ahead_bytes, the bytes the scatter took
+    from the read-ahead instead of reading them."""
     from cudasnap.core.state import TrainingState
     from cudasnap.storage import posix
 
@@ -173,7 +178,10 @@ def breakdown(out: dict[str, float]) -> Iterator[None]:
         def run(*args: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kw)
+                got = fn(*args, **kw)
+                if key == "scatter" and isinstance(got, dict):
+                    out["ahead_bytes"] = out.get("ahead_bytes", 0.0) + got.get("ahead", 0)
+                return got
             finally:
                 out[key] = out.get(key, 0.0) + time.perf_counter() - t0
         return run
@@ -389,17 +397,19 @@ def run_case(size_gb: float, shape: str, a: Any, tmp: Path, with_peers: bool) ->
 def restore_only_case(res: dict[str, Any], a: Any, snap: Any, mk: Any, model: Any, opt: Any,
                       d: Path) -> dict[str, Any]:
     """``--restore-only``: one flush and one torch.save, then per repeat the restores from
-    disk (chunk by chunk, whole file), torch.load + copy and a raw read of data.bin, in
-    rotated order, each from a cold page cache; the arena is gone (no shm source)."""
+    disk (chunk by chunk with and without the read-ahead, whole file), torch.load + copy
+    and a raw read of data.bin, in rotated order, each from a cold page cache; the arena is
+    gone (no shm source)."""
     snap.flush()
     tpath = d / "torch.pt"
     torch_save(model, opt, tpath)
     snapdir = Path(snap.directory)
     latest = snapdir / (snapdir / "latest").read_text().strip()
     snap.close(flush=False)  # the arena goes with it: restores read the disk
-    kinds = ["disk", "disk_whole", "torch_load", "raw_read"]
+    kinds = ["disk", "disk_noahead", "disk_whole", "torch_load", "raw_read"]
+    modes = {"disk": "chunks", "disk_noahead": "chunks_noahead", "disk_whole": "whole"}
     rs: dict[str, list[float]] = {k: [] for k in kinds}
-    parts: dict[str, list[dict[str, float]]] = {"disk": [], "disk_whole": []}
+    parts: dict[str, list[dict[str, float]]] = {k: [] for k in modes}
     loads: list[float] = []
     sources: set[str] = set()
     for r in range(a.repeats):
@@ -412,7 +422,7 @@ def restore_only_case(res: dict[str, Any], a: Any, snap: Any, mk: Any, model: An
             elif kind == "raw_read":
                 rs[kind].append(raw_read(latest / "data.bin"))
             else:
-                dt, bd = disk_restore(mk, "chunks" if kind == "disk" else "whole", sources)
+                dt, bd = disk_restore(mk, modes[kind], sources)
                 rs[kind].append(dt)
                 parts[kind].append(bd)
             C.log(f"  repeat {r}: {kind} {rs[kind][-1]:.3f} s (load {loads[-1]:.1f})")
@@ -431,20 +441,25 @@ def report_restore_only(results: list[dict[str, Any]], a: Any) -> str:
         rs = r["restore"]
         gb = r["bytes"] / C.GB
         dk, wh, tl, raw = m(rs["disk"]), m(rs["disk_whole"]), m(rs["torch_load"]), m(rs["raw_read"])
-        rows.append([r["case"], r["tensors"], f(dk, " s"), f(gb / dk, " GB/s"), f(wh, " s"),
-                     f(tl, " s"), f(raw, " s"), f(C.ratio(tl, dk), "x"), f(C.ratio(tl, wh), "x"),
-                     f(C.ratio(raw, dk), "x"), "/".join(r["restore_sources"]["disk"]),
+        na = m(rs["disk_noahead"])
+        rows.append([r["case"], r["tensors"], f(dk, " s"), f(gb / dk, " GB/s"), f(na, " s"),
+                     f(wh, " s"), f(tl, " s"), f(raw, " s"), f(C.ratio(tl, dk), "x"),
+                     f(C.ratio(tl, na), "x"), f(C.ratio(tl, wh), "x"), f(C.ratio(raw, dk), "x"),
+                     "/".join(r["restore_sources"]["disk"]),
                      f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f}"])
     out = [C.print_table(
         "Restore from disk into the live model + optimizer (page cache evicted before each)",
-        ["case", "tensors", "cudasnap, chunk by chunk", "GB/s", "cudasnap, whole file (before)",
-         "torch.load+copy", "raw read of data.bin", "torch.load / chunks",
-         "torch.load / whole file", "raw / chunks", "sources", "load avg"], rows,
-        f"Medians of {a.repeats} repeats, the four in rotated order. Chunk by chunk: "
+        ["case", "tensors", "cudasnap, chunk by chunk", "GB/s", "same, no read-ahead",
+         "cudasnap, whole file (before)", "torch.load+copy", "raw read of data.bin",
+         "torch.load / chunks", "torch.load / no read-ahead", "torch.load / whole file",
+         "raw / chunks", "sources", "load avg"], rows,
+        f"Medians of {a.repeats} repeats, the five in rotated order. Chunk by chunk: "
         "storage.posix.DataFile (each chunk read into a small buffer, CRC32C-checked, then "
-        "copied into the live tensors); whole file: read_data (the file into a new buffer, "
-        "every chunk checked) then the copy; raw: one thread reading data.bin in 4 MiB "
-        "pieces into one buffer, nothing checked or copied.")]
+        "copied into the live tensors; the file's first 256 MiB read on a native thread "
+        "while the manifest is parsed and the copy planned, posix.READ_AHEAD_BYTES); no "
+        "read-ahead: the same with READ_AHEAD_BYTES 0; whole file: read_data (the file into "
+        "a new buffer, every chunk checked) then the copy; raw: one thread reading data.bin "
+        "in 4 MiB pieces into one buffer, nothing checked or copied.")]
     rows = []
     for r in results:
         bd = r["breakdown"]
@@ -455,13 +470,16 @@ def report_restore_only(results: list[dict[str, Any]], a: Any) -> str:
 
         ch_py = m([x["apply"] - x.get("scatter", 0.0) for x in bd["disk"]])
         wh_cp = m([x["apply"] for x in bd["disk_whole"]])
+        ahead = part("disk", "ahead_bytes")
         rows.append([r["case"], f(m(tot["disk"]), " s"), f(part("disk", "manifest"), " s"),
+                     f"{(ahead or 0) / 2**20:.0f} MiB",
                      f(part("disk", "scatter"), " s"), f(ch_py, " s"),
                      f(m(tot["disk_whole"]), " s"), f(part("disk_whole", "manifest"), " s"),
                      f(part("disk_whole", "read_verify"), " s"), f(wh_cp, " s")])
     out.append(C.print_table(
         "Where a restore from disk spends its time (medians)",
-        ["case", "chunks: total", "manifest", "read+verify+copy (scatter)",
+        ["case", "chunks: total", "manifest", "taken from the read-ahead",
+         "read+verify+copy (scatter)",
          "Python (checks, plan)", "whole file: total", "manifest", "read+verify (read_data)",
          "copy + Python (apply)"], rows,
         "total = restore_latest() of a fresh Snapshotter (listing, manifest, arena hold, "

@@ -57,6 +57,71 @@ void read_exact(int fd, uint8_t* dst, uint64_t n, uint64_t off, bool direct,
 
 }  // namespace
 
+void FileReadAhead::Free::operator()(uint8_t* p) const { std::free(p); }
+
+FileReadAhead::FileReadAhead(int fd, uint64_t limit, uint64_t piece)
+    : piece_(std::max<uint64_t>(piece, kAlign)) {
+  // Best effort throughout: whatever fails here leaves target 0 (nothing held) and
+  // says why in error(); the scatter then reads the whole file itself.
+  fd_ = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (fd_ < 0) {
+    error_ = std::string("dup: ") + std::strerror(errno);
+    return;
+  }
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    error_ = std::string("fstat: ") + std::strerror(errno);
+    return;
+  }
+  dev_ = static_cast<uint64_t>(st.st_dev);
+  ino_ = static_cast<uint64_t>(st.st_ino);
+  if (!S_ISREG(st.st_mode) || st.st_size <= 0 || limit == 0) return;
+  const uint64_t want = std::min(static_cast<uint64_t>(st.st_size), limit);
+  uint8_t* raw = nullptr;
+  if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign,
+                       (want + kAlign - 1) / kAlign * kAlign) != 0 || raw == nullptr) {
+    error_ = "no memory for " + std::to_string(want) + " bytes";
+    return;
+  }
+  buf_.reset(raw);
+  target_ = want;
+  thread_ = std::thread([this] { run(); });
+}
+
+FileReadAhead::~FileReadAhead() {
+  finish();
+  if (fd_ >= 0) (void)::close(fd_);
+}
+
+std::string FileReadAhead::error() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return error_;
+}
+
+void FileReadAhead::run() {
+  uint64_t off = 0;
+  while (off < target_ && !stop_.load(std::memory_order_acquire)) {
+    const ssize_t r = ::pread(fd_, buf_.get() + off, std::min(piece_, target_ - off),
+                              static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      const std::string why = r < 0 ? std::string(std::strerror(errno)) : "the file ended there";
+      std::lock_guard<std::mutex> g(mu_);
+      error_ = "pread at offset " + std::to_string(off) + ": " + why;
+      return;
+    }
+    off += static_cast<uint64_t>(r);
+    count_bytes_read(static_cast<uint64_t>(r));
+    got_.store(off, std::memory_order_release);
+  }
+}
+
+uint64_t FileReadAhead::finish() {
+  stop_.store(true, std::memory_order_release);
+  if (thread_.joinable()) thread_.join();
+  return held();
+}
+
 void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,
                          const std::vector<uint32_t>& crcs, const std::vector<HostSpan>& spans,
                          const ScatterOptions& opts, ScatterStats* stats) {
@@ -76,6 +141,18 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
   CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, static_cast<uint64_t>(st.st_size) == nbytes,
                       name << " is " << st.st_size << " bytes, the manifest says " << nbytes
                            << " (truncated or replaced)");
+  // The head read beside the caller's planning, if it is of this very file; its
+  // chunks are checked below like the ones read here.
+  const uint8_t* head = nullptr;
+  uint64_t head_n = 0;
+  if (opts.ahead != nullptr) {
+    const uint64_t held = opts.ahead->finish();
+    if (opts.ahead->dev() == static_cast<uint64_t>(st.st_dev) &&
+        opts.ahead->ino() == static_cast<uint64_t>(st.st_ino)) {
+      head = opts.ahead->data();
+      head_n = std::min(held, nbytes);
+    }
+  }
 
   // Every span checked before the first read (copy_spans' rules, the file as source).
   struct Range {
@@ -147,7 +224,7 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
 
   std::atomic<uint64_t> next{0};
   std::atomic<bool> stop{false};
-  std::atomic<uint64_t> read_bytes{0}, applied{0};
+  std::atomic<uint64_t> read_bytes{0}, applied{0}, from_head{0};
   std::atomic<int64_t> bad{-1};
   std::mutex bad_mu;
   uint32_t bad_stored = 0, bad_read = 0;
@@ -167,10 +244,17 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
       if (u >= units) return;
       const uint64_t c0 = u * per, c1 = std::min(nchunks, c0 + per);
       const uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
-      read_exact(fd, buf.get(), hi - lo, lo, direct, name);
-      read_bytes.fetch_add(hi - lo, std::memory_order_relaxed);
+      const uint8_t* base = nullptr;
+      if (hi <= head_n) {  // read already (FileReadAhead): checked below all the same
+        base = head + lo;
+        from_head.fetch_add(hi - lo, std::memory_order_relaxed);
+      } else {
+        read_exact(fd, buf.get(), hi - lo, lo, direct, name);
+        read_bytes.fetch_add(hi - lo, std::memory_order_relaxed);
+        base = buf.get();
+      }
       for (uint64_t c = c0; c < c1; ++c) {
-        const uint8_t* chunk = buf.get() + (c - c0) * chunk_bytes;
+        const uint8_t* chunk = base + (c - c0) * chunk_bytes;
         const uint64_t n = std::min(chunk_bytes, nbytes - c * chunk_bytes);
         const uint32_t crc = crc32c(0, chunk, n);
         if (crc != crcs[c]) {  // nothing of this chunk (or the rest of the unit) is copied
@@ -207,12 +291,14 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
     stop.store(true);
     if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
     stats->read_bytes = read_bytes.load();
+    stats->ahead_bytes = from_head.load();
     stats->applied_bytes = applied.load();
     stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
     throw;
   }
   if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
   stats->read_bytes = read_bytes.load();
+  stats->ahead_bytes = from_head.load();
   stats->applied_bytes = applied.load();
   stats->bad_chunk = bad.load();
   stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;

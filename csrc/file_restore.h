@@ -21,6 +21,8 @@
 //     Chunks that passed before the failure (on any thread) were copied:
 //     ScatterStats::applied_bytes, filled in on success and on failure, says how
 //     many bytes (0: the destinations are untouched);
+//   * a unit inside the bytes a FileReadAhead (ScatterOptions::ahead) holds of
+//     the same file is taken from it, not read again: checked the same way;
 //   * the file is fstat'ed first: a non-regular file, or one whose size is not
 //     `nbytes`, is CorruptSnapshot before a byte is read; a read that ends early
 //     is CorruptSnapshot; a failing read is FlushError (Io).
@@ -29,24 +31,83 @@
 // No Python: the bindings release the GIL around the call.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "host_copy.h"
 
 namespace cudasnap {
 
+// The head of a snapshot file, read on a thread of its own while the caller
+// parses the manifest and plans the copy (which need no byte of the data): the
+// restore's disk reads then start with its first Python line instead of after
+// them (issue 26). Nothing read here is trusted: read_verify_scatter checks
+// every chunk taken from it against the manifest's CRC32C like one it read
+// itself, and takes it only if the file it scatters is the one read here
+// (same device and inode).
+//
+// Call order: construct (the thread starts) -> finish() (stops after the
+// read in hand, joins; idempotent) -> data()/held() -> destroy. The destructor
+// finishes too. A failing read ends the thread quietly (error() says why): the
+// scatter then reads those bytes itself and reports what it finds.
+class FileReadAhead {
+ public:
+  // Reads [0, min(file size, limit)) of fd in `piece`-byte reads into a buffer
+  // of that size. The fd is dup'ed: the caller may close its own at once.
+  // A non-regular file, or a size 0, reads nothing.
+  FileReadAhead(int fd, uint64_t limit, uint64_t piece = 4ull << 20);
+  ~FileReadAhead();
+  FileReadAhead(const FileReadAhead&) = delete;
+  FileReadAhead& operator=(const FileReadAhead&) = delete;
+
+  // Stops the reader after its current read and waits for it; returns held().
+  uint64_t finish();
+  // Bytes [0, held()) of the file are in data() (only after finish()).
+  const uint8_t* data() const { return buf_.get(); }
+  uint64_t held() const { return got_.load(std::memory_order_acquire); }
+  uint64_t target() const { return target_; }  // what it set out to read
+  uint64_t dev() const { return dev_; }
+  uint64_t ino() const { return ino_; }
+  std::string error() const;  // why it stopped short, if it did ("" so far)
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  void run();
+
+  int fd_ = -1;
+  uint64_t target_ = 0;
+  uint64_t piece_ = 0;
+  uint64_t dev_ = 0, ino_ = 0;
+  std::unique_ptr<uint8_t, Free> buf_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> got_{0};
+  mutable std::mutex mu_;  // error_: the reader writes it, error() may read it meanwhile
+  std::string error_;
+  std::thread thread_;
+};
+
 struct ScatterOptions {
   int threads = 2;       // readers; each reads, verifies and copies its own units
   uint64_t io_bytes = 0;  // bytes per read: rounded down to whole chunks (0: one chunk)
   bool direct = false;   // O_DIRECT reads (no page cache copy); buffered where refused
   bool sequential = true;  // posix_fadvise(SEQUENTIAL): a larger kernel read-ahead
+  // The file's head read already (finished): units wholly inside [0, ahead->held())
+  // are verified and copied from it instead of being read. Ignored unless it read
+  // the same file (device and inode of fd's fstat).
+  FileReadAhead* ahead = nullptr;  // read_verify_scatter finishes it first
 };
 
 struct ScatterStats {
   uint64_t read_bytes = 0;     // file bytes read
   uint64_t applied_bytes = 0;  // bytes copied into the destinations
+  uint64_t ahead_bytes = 0;    // bytes taken from ScatterOptions::ahead instead of being read
   int64_t bad_chunk = -1;      // the chunk that failed its CRC32C (the lowest, if several)
   bool direct = false;         // O_DIRECT was in use
   double seconds = 0.0;

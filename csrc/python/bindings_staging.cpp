@@ -36,14 +36,17 @@ py::dict scatter_stats_dict(const ScatterStats& st) {
   d["applied"] = st.applied_bytes;
   d["seconds"] = st.seconds;
   d["direct"] = st.direct;
+  d["ahead"] = st.ahead_bytes;
   return d;
 }
 
-ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct) {
+ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct,
+                               FileReadAhead* ahead = nullptr) {
   ScatterOptions o;
   o.threads = threads;
   o.io_bytes = io_bytes;
   o.direct = direct;
+  o.ahead = ahead;
   return o;
 }
 
@@ -359,7 +362,7 @@ void init_flusher(py::module_& m) {
            [](PlannedCopy& p, int fd, const std::string& name, uint64_t nbytes,
               uint64_t chunk_bytes, const std::vector<uint32_t>& crcs,
               const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& extra, int threads,
-              uint64_t io_bytes, bool direct) {
+              uint64_t io_bytes, bool direct, FileReadAhead* ahead) {
              CUDASNAP_CHECK(!p.done, "RestorePlan.run_file: already run");
              CUDASNAP_CHECK(p.lo != 0 && p.size == nbytes,
                             "RestorePlan.run_file: planned for a buffer of "
@@ -372,7 +375,7 @@ void init_flusher(py::module_& m) {
              try {
                py::gil_scoped_release nogil;  // p.keep holds the destination tensors
                read_verify_scatter(fd, name, nbytes, chunk_bytes, crcs, spans,
-                                   scatter_options(threads, io_bytes, direct), &st);
+                                   scatter_options(threads, io_bytes, direct, ahead), &st);
              } catch (...) {
                p.applied = st.applied_bytes;
                if (p.applied > 0) bump_versions(p.plan);  // changed in place, if only partly
@@ -384,12 +387,28 @@ void init_flusher(py::module_& m) {
            },
            py::arg("fd"), py::arg("name"), py::arg("nbytes"), py::arg("chunk_bytes"),
            py::arg("crcs"), py::arg("extra"), py::arg("threads") = 2, py::arg("io_bytes") = 0,
-           py::arg("direct") = false,
+           py::arg("direct") = false, py::arg("ahead") = py::none(),
            "the planned byte copies (plan_pairs with lo, size = a buffer standing for the "
            "file), read from the open file `fd` chunk by chunk, each chunk CRC32C-checked "
            "before any byte of it is copied; `extra`: more (dst_ptr, file_offset, nbytes) "
            "spans (the bytes torch's copy_ will read from that buffer); marks the planned "
-           "destinations modified in place");
+           "destinations modified in place. `ahead`: a FileReadAhead of this file (finished "
+           "here; its bytes are checked like the ones read)");
+  py::class_<FileReadAhead>(m, "FileReadAhead",
+                            "the head of a file read on a thread of its own (best effort: "
+                            "`error` says why it stopped short); RestorePlan.run_file takes it")
+      .def(py::init<int, uint64_t, uint64_t>(), py::arg("fd"), py::arg("limit"),
+           py::arg("piece") = 4ull << 20,
+           "dups `fd` and starts reading [0, min(size, limit)) of it")
+      .def("finish",
+           [](FileReadAhead& a) {
+             py::gil_scoped_release nogil;
+             return a.finish();
+           },
+           "stops the reader after its current read, waits for it; returns the bytes held")
+      .def_property_readonly("held", &FileReadAhead::held)
+      .def_property_readonly("target", &FileReadAhead::target)
+      .def_property_readonly("error", &FileReadAhead::error);
   m.def("plan_pairs",
         [](py::list dsts, py::list srcs, py::dict dtypes, py::tuple plain_types,
            py::object src_type, uint64_t lo, uint64_t size) {

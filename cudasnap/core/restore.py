@@ -196,22 +196,29 @@ class Restorer:
         if isinstance(ref, posix.StoredSnapshot) and not (ref.path / paths.MANIFEST).exists() \
                 and any(ref.path.glob("rank-*")):
             ref = posix.StoredSnapshot(ref.step, self._single_rank_view(ref.path))
-        manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
-        name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
         # The background arena set-up (pre-faulting every slot) would take the cores, the
         # memory bandwidth and the mmap lock from the read, the CRC check and the copy:
         # held for the restore, as restore_slot does (issue 26: 0.51x -> ~0.9x torch.load).
+        # data.bin's head is read beside the manifest's parse and the copy's planning.
         with self._keeper.prep.paused():
-            with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}",
-                             bytes_read):
-                data = storages.open_data(self.storage, ref, manifest, self.flush_threads,
-                                          allow_foreign_owner=self.allow_foreign_owner)
-                try:
-                    return self._apply(manifest["tensors"], manifest["host"], data,
-                                       str(ref.path))
-                finally:  # apply closes it once read; also when it fails before that
-                    if isinstance(data, posix.DataFile):
-                        data.close()
+            ahead = storages.read_ahead(self.storage, ref, self.allow_foreign_owner)
+            try:
+                return self._restore_dir(ref, ahead)
+            finally:  # stops the reader however the restore ends (the DataFile does too)
+                if ahead is not None:
+                    ahead.finish()
+
+    def _restore_dir(self, ref: Any, ahead: Any | None) -> int:
+        manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
+        name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
+        with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", bytes_read):
+            data = storages.open_data(self.storage, ref, manifest, self.flush_threads,
+                                      allow_foreign_owner=self.allow_foreign_owner, ahead=ahead)
+            try:
+                return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
+            finally:  # apply closes it once read; also when it fails before that
+                if isinstance(data, posix.DataFile):
+                    data.close()
 
     def _single_rank_view(self, step_dir: Path) -> Path:
         """A multi-rank snapshot opened by one process: only replicated state loads."""

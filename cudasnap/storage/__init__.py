@@ -96,16 +96,29 @@ class PosixStorage:
                                allow_foreign_owner=allow_foreign_owner)
 
 
+def read_ahead(storage: StorageReader, ref: SnapshotRef,
+               allow_foreign_owner: bool | None = None) -> Any | None:
+    """For a local snapshot of a ``PosixStorage``: its data.bin's head read on a native
+    thread while the manifest is loaded (``posix.read_ahead``; pass it to ``open_data``);
+    None for any other storage."""
+    if isinstance(storage, PosixStorage) and isinstance(ref, posix.StoredSnapshot):
+        return posix.read_ahead(ref.path, allow_foreign_owner)
+    return None
+
+
 def open_data(storage: StorageReader, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
-              allow_foreign_owner: bool | None = None) -> posix.DataFile | torch.Tensor:
+              allow_foreign_owner: bool | None = None,
+              ahead: Any | None = None) -> posix.DataFile | torch.Tensor:
     """What a restore into the live state applies (``core.restore.Restorer.restore_dir``):
     for a local snapshot of a ``PosixStorage`` its data.bin opened and checked but not read
     (a ``posix.DataFile``: ``TrainingState.apply`` reads it chunk by chunk into the live
     tensors, each chunk CRC32C-checked before any byte of it is copied); for any other
     storage (an object store: ``FsspecStorage``, whose local paths name remote objects too)
-    ``storage.read_data(...)``, the whole data verified in a new tensor."""
+    ``storage.read_data(...)``, the whole data verified in a new tensor. ``ahead``: this
+    snapshot's ``read_ahead`` (the DataFile takes it over)."""
     if isinstance(storage, PosixStorage) and isinstance(ref, posix.StoredSnapshot):
-        return posix.DataFile(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner)
+        return posix.DataFile(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner,
+                              ahead=ahead)
     return storage.read_data(ref, manifest, threads, allow_foreign_owner=allow_foreign_owner)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.restore_files import CH, data_file, entry, restore_fresh, same_state, snapshot_to_disk, state_of, trained
 from torch import nn
 
 import cudasnap
@@ -37,21 +38,11 @@ from cudasnap.format import paths
 from cudasnap.storage import PosixStorage, posix
 
 ROOT = Path(__file__).resolve().parents[2]
-CH = 4096  # the smallest chunk a manifest allows: many chunks in a small file
 
 
 @pytest.fixture
 def C(native_C):
     return native_C
-
-
-def _file(C, tmp_path: Path, nbytes: int, chunk: int = CH, seed: int = 0) -> tuple[Path, np.ndarray,
-                                                                                     list[int]]:
-    """A file of ``nbytes`` random bytes written by the flusher; (path, bytes, chunk CRCs)."""
-    src = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    path = tmp_path / f"data-{seed}-{nbytes}.bin"
-    st = C.write_buffer_file(src.ctypes.data, nbytes, chunk, str(path), 2, 1 << 20, False)
-    return path, src, st["crc32c"]
 
 
 def _spans(nbytes: int, dst: np.ndarray, seed: int, chunk: int = CH
@@ -91,7 +82,7 @@ def _expected(src: np.ndarray, spans: list[tuple[int, int, int]], dst: np.ndarra
     (1, 0, False), (3, 0, False), (2, 3 * CH, False), (2, 0, True), (4, 2 * CH, True)])
 def test_read_file_scatter_copies_exactly_the_spans(C, tmp_path, threads, io_bytes, direct):
     nbytes = 37 * CH + 123  # a short last chunk
-    path, src, crcs = _file(C, tmp_path, nbytes)
+    path, src, crcs = data_file(C, tmp_path, nbytes)
     dst = np.full(nbytes, 0xAA, dtype=np.uint8)
     spans = _spans(nbytes, dst, seed=threads)
     read0 = C.io_bytes()[1]
@@ -110,7 +101,7 @@ def test_read_file_scatter_copies_exactly_the_spans(C, tmp_path, threads, io_byt
 @pytest.mark.parametrize("direct", [False, True])
 def test_a_chunk_larger_than_the_file(C, tmp_path, direct):
     """One chunk of 1 MiB for 5,000 bytes: the readers' buffers are the file's size."""
-    path, src, crcs = _file(C, tmp_path, 5000, chunk=1 << 20)
+    path, src, crcs = data_file(C, tmp_path, 5000, chunk=1 << 20)
     assert len(crcs) == 1
     dst = np.zeros(5000, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY)
@@ -126,7 +117,7 @@ def test_a_chunk_larger_than_the_file(C, tmp_path, direct):
 @pytest.mark.parametrize("bad", [0, 5, 12])
 def test_a_corrupt_chunk_copies_none_of_its_bytes(C, tmp_path, threads, bad):
     nbytes = 13 * CH  # chunk 12 is the last
-    path, src, crcs = _file(C, tmp_path, nbytes)
+    path, src, crcs = data_file(C, tmp_path, nbytes)
     with open(path, "r+b") as f:  # one flipped bit in the middle of chunk `bad`
         f.seek(bad * CH + CH // 2)
         b = f.read(1)
@@ -152,7 +143,7 @@ def test_a_corrupt_chunk_copies_none_of_its_bytes(C, tmp_path, threads, bad):
 
 def test_spans_and_the_file_are_checked_before_any_read(C, tmp_path):
     nbytes = 4 * CH
-    path, src, crcs = _file(C, tmp_path, nbytes)
+    path, src, crcs = data_file(C, tmp_path, nbytes)
     dst = np.full(nbytes, 0xAA, dtype=np.uint8)
     p = dst.ctypes.data
     read0 = C.io_bytes()[1]
@@ -190,24 +181,17 @@ def test_spans_and_the_file_are_checked_before_any_read(C, tmp_path):
         os.close(fd)
 
 
-def _entry(shape: list[int], dtype: str, offset: int) -> dict:
-    from cudasnap.format import manifest as M
-
-    stride = copy_back.contiguous_strides(shape)
-    return {"name": f"t{offset}", "group": "model:model", "dtype": dtype, "shape": shape,
-            "stride": stride, "storage_offset": 0, "offset": offset,
-            "nbytes": M.span_bytes(shape, stride, M._ITEMSIZE[dtype]), "phase": 1}
 
 
 def test_run_file_copies_the_plan_and_the_extra_spans(C, tmp_path):
     nbytes = 9 * CH
-    path, src, crcs = _file(C, tmp_path, nbytes)
+    path, src, crcs = data_file(C, tmp_path, nbytes)
     data = torch.empty(nbytes, dtype=torch.uint8)  # stands for the file
     dsts = [torch.zeros(3, 300), torch.zeros(1000, dtype=torch.float64),
             nn.Parameter(torch.zeros(17, dtype=torch.int16), requires_grad=False),
             torch.zeros(5, 7).t()]
-    entries = [_entry([3, 300], "float32", 0), _entry([1000], "float64", 3600),
-               _entry([17], "int16", 3 * CH + 2), _entry([7, 5], "float32", 8 * CH)]
+    entries = [entry([3, 300], "float32", 0), entry([1000], "float64", 3600),
+               entry([17], "int16", 3 * CH + 2), entry([7, 5], "float32", 8 * CH)]
     plan = C.plan_pairs(dsts, entries, copy_back._dtypes(), copy_back._PLAIN, torch.Tensor,
                         data.data_ptr(), nbytes)
     assert plan.slow == [3] and plan.count == 3  # the transposed destination: torch's copy_
@@ -241,12 +225,12 @@ def test_run_file_copies_the_plan_and_the_extra_spans(C, tmp_path):
 @pytest.mark.parametrize("bad, partly", [(0, False), (6, True)])
 def test_run_file_says_what_a_failed_chunk_left_behind(C, tmp_path, bad, partly):
     nbytes = 8 * CH
-    path, src, crcs = _file(C, tmp_path, nbytes)
+    path, src, crcs = data_file(C, tmp_path, nbytes)
     crcs = list(crcs)
     crcs[bad] ^= 1  # the table disagrees with chunk `bad`
     data = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.full((nbytes // 4,), 7.0)
-    plan = C.plan_pairs([dst], [_entry([nbytes // 4], "float32", 0)], copy_back._dtypes(),
+    plan = C.plan_pairs([dst], [entry([nbytes // 4], "float32", 0)], copy_back._dtypes(),
                         copy_back._PLAIN, torch.Tensor, data.data_ptr(), nbytes)
     v0 = dst._version
     fd = os.open(path, os.O_RDONLY)
@@ -262,61 +246,6 @@ def test_run_file_says_what_a_failed_chunk_left_behind(C, tmp_path, bad, partly)
 
 
 # ----------------------------------------------------------- through a Snapshotter
-class Odd(nn.Module):
-    """Odd dtypes, a zero-size parameter, a non-contiguous and an expanded buffer, tied
-    weights, and ``n`` more small parameters."""
-
-    def __init__(self, n: int = 0) -> None:
-        super().__init__()
-        self.a = nn.Linear(33, 17)
-        self.b = nn.Linear(17, 33)
-        self.b.weight = nn.Parameter(self.a.weight.detach().t().clone())
-        self.tied = self.a  # the same module twice: tied parameters
-        self.h16 = nn.Parameter(torch.randn(129).half())
-        self.bf = nn.Parameter(torch.randn(3, 65).bfloat16())
-        self.f64 = nn.Parameter(torch.randn(77, dtype=torch.float64))
-        self.cplx = nn.Parameter(torch.randn(11, dtype=torch.complex64))
-        self.empty = nn.Parameter(torch.zeros(0, 5))
-        self.register_buffer("i8", torch.randint(-100, 100, (301,), dtype=torch.int8))
-        self.register_buffer("u8", torch.randint(0, 255, (5, 7), dtype=torch.uint8))
-        self.register_buffer("flags", torch.rand(97) > 0.5)
-        self.register_buffer("i64", torch.randint(0, 10**12, (13,)))
-        self.register_buffer("nc", torch.randn(9, 14).t())  # non-contiguous
-        self.register_buffer("ex", torch.randn(6, 1).expand(6, 8))  # expanded (stride 0)
-        self.more = nn.ParameterList([nn.Parameter(torch.randn(5 + i % 7)) for i in range(n)])
-
-
-def _trained(n: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = Odd(n)
-    params = [p for p in m.parameters() if p.is_floating_point() or p.is_complex()]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    return m, opt
-
-
-def _state(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    for i, s in opt.state_dict()["state"].items():
-        for k, v in s.items():
-            out[f"opt.{i}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
-    return out
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous()
-    return t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert _bits(a[k]) == _bits(b[k]), k
-
-
 @pytest.fixture
 def chunked(monkeypatch):
     """Records each scatter of a restore from disk (``Restorer.restore_dir`` ->
@@ -338,53 +267,16 @@ def _whole(mp: pytest.MonkeyPatch) -> None:
     """Restores from disk take the whole-file path (``storage.read_data``: the data into a
     new buffer, then the copy), the reference the chunk-by-chunk path is compared with."""
     mp.setattr(storage, "open_data", lambda store, ref, m, threads=4, *,
-               allow_foreign_owner=None: store.read_data(
+               allow_foreign_owner=None, ahead=None: store.read_data(
                    ref, m, threads, allow_foreign_owner=allow_foreign_owner))
-
-
-def _snapshot(snap_env, n: int, steps: int = 1) -> tuple[dict[str, torch.Tensor], list[Path]]:
-    """``steps`` snapshots on disk (the arena removed); the state of the last one."""
-    m, opt = _trained(n, seed=0)
-    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, chunk_bytes=CH, keep=steps + 1)
-    dirs = []
-    try:
-        snap.arena_ready(60)
-        for step in range(steps):
-            if step:
-                for p in m.parameters():
-                    if p.grad is not None:
-                        p.grad = torch.randn_like(p)
-                opt.step()
-            snap.boundary(step)
-            assert snap.wait(60)
-            dirs.append(Path(snap.flush()))
-        want = _state(m, opt)
-    finally:
-        snap.close(flush=False)
-    return want, dirs
-
-
-def _restore(snap_env, n: int, job: str, fresh_optimizer: bool = False
-             ) -> tuple[dict[str, torch.Tensor], int, cudasnap.Snapshotter]:
-    m, opt = _trained(n, seed=1)  # other values: the restore must overwrite them all
-    if fresh_optimizer:
-        params = [p for p in m.parameters() if p.is_floating_point() or p.is_complex()]
-        opt = torch.optim.AdamW(params, lr=1e-2)
-    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, chunk_bytes=CH,
-                                job=snap_env.sub_job(job))
-    try:
-        got = snap.restore_latest()
-        return _state(m, opt), got, snap
-    finally:
-        snap.close(flush=False)
 
 
 @pytest.mark.parametrize("n", [0, 400], ids=["few", "many"])
 @pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["in-place", "new-optimizer"])
 def test_chunked_restore_is_bitwise_the_whole_file_restore(snap_env, chunked, n,
                                                            fresh_optimizer):
-    want, _ = _snapshot(snap_env, n)
-    got, step, _ = _restore(snap_env, n, "chunks", fresh_optimizer)
+    want, _ = snapshot_to_disk(snap_env, n)
+    got, step, _ = restore_fresh(snap_env, n, "chunks", fresh_optimizer)
     assert step == 1 and len(chunked) == 1
     scattered = chunked[0]
     assert scattered["applied"] > 0
@@ -392,18 +284,18 @@ def test_chunked_restore_is_bitwise_the_whole_file_restore(snap_env, chunked, n,
     assert scattered["extra"], "no byte range read for torch's copies"
     with pytest.MonkeyPatch.context() as mp:
         _whole(mp)
-        old, step_old, _ = _restore(snap_env, n, "whole", fresh_optimizer)
+        old, step_old, _ = restore_fresh(snap_env, n, "whole", fresh_optimizer)
     assert len(chunked) == 1
     assert step_old == 1
-    _same(got, want)
-    _same(got, old)
+    same_state(got, want)
+    same_state(got, old)
 
 
 def test_a_destination_torch_must_copy_to_reads_the_whole_file_first(snap_env, monkeypatch,
                                                                       chunked):
     """Where the chunk-by-chunk path cannot go (a CUDA or sharded destination: here forced
     with apply.scatters), the whole file is read and checked first, then copied; closed after."""
-    want, _ = _snapshot(snap_env, 20)
+    want, _ = snapshot_to_disk(snap_env, 20)
     opened: list[posix.DataFile] = []
     reads: list[int] = []
     real_init, real_read = posix.DataFile.__init__, posix.DataFile.read
@@ -415,14 +307,14 @@ def test_a_destination_torch_must_copy_to_reads_the_whole_file_first(snap_env, m
     monkeypatch.setattr(posix.DataFile, "__init__", init)
     monkeypatch.setattr(posix.DataFile, "read", lambda self: reads.append(1) or real_read(self))
     monkeypatch.setattr(apply_mod, "scatters", lambda state, lts, tensors: False)
-    got, step, _ = _restore(snap_env, 20, "fallback")
+    got, step, _ = restore_fresh(snap_env, 20, "fallback")
     assert step == 1 and reads == [1] and not chunked
     assert opened and all(f.fd == -1 for f in opened)  # closed once read
-    _same(got, want)
+    same_state(got, want)
 
 
 def test_scatters_only_for_plain_cpu_unsharded_state():
-    m, opt = _trained(3, seed=0)
+    m, opt = trained(3, seed=0)
     st = state_mod.TrainingState(m, opt)
     lts = st.live_tensors()
     plain = [{"name": "x", "group": "model:model"}]
@@ -435,7 +327,7 @@ def test_scatters_only_for_plain_cpu_unsharded_state():
 def test_a_late_corrupt_chunk_falls_back_to_the_older_snapshot_bitwise(snap_env, chunked):
     """The newest snapshot's last chunk is damaged: its earlier chunks reach the live
     tensors, then the restore goes on to the older snapshot, which overwrites them all."""
-    want_last, dirs = _snapshot(snap_env, 50, steps=2)
+    want_last, dirs = snapshot_to_disk(snap_env, 50, steps=2)
     data = dirs[1] / paths.DATA
     size = data.stat().st_size
     with open(data, "r+b") as f:
@@ -444,25 +336,25 @@ def test_a_late_corrupt_chunk_falls_back_to_the_older_snapshot_bitwise(snap_env,
         f.seek(size - 10)
         f.write(bytes([b[0] ^ 0x01]))
     # the state of step 0, for comparison: restore it from its own directory
-    m0, o0 = _trained(50, seed=1)
+    m0, o0 = trained(50, seed=1)
     s0 = cudasnap.Snapshotter(m0, o0, directory=snap_env.dir, chunk_bytes=CH,
                               job=snap_env.sub_job("ref"))
     try:
         assert s0.restore_dir(dirs[0]) == 0
-        want0 = _state(m0, o0)
+        want0 = state_of(m0, o0)
     finally:
         s0.close(flush=False)
     chunked.clear()
-    got, step, snap = _restore(snap_env, 50, "fallback-old")
+    got, step, snap = restore_fresh(snap_env, 50, "fallback-old")
     assert step == 1  # step 0 restored: resume at 1
     assert [c["applied"] > 0 for c in chunked] == [True]  # step 0's scatter (step 1's raised)
-    _same(got, want0)
+    same_state(got, want0)
     assert snap.last_restore()["where"] == str(dirs[0])
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["first-chunk", "last-chunk"])
 def test_the_exception_says_whether_earlier_chunks_were_applied(snap_env, chunked, last):
-    _, dirs = _snapshot(snap_env, 50)
+    _, dirs = snapshot_to_disk(snap_env, 50)
     data = dirs[0] / paths.DATA
     at = data.stat().st_size - 10 if last else 10
     with open(data, "r+b") as f:
@@ -470,8 +362,8 @@ def test_the_exception_says_whether_earlier_chunks_were_applied(snap_env, chunke
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x01]))
-    m, opt = _trained(50, seed=1)
-    before = _state(m, opt)
+    m, opt = trained(50, seed=1)
+    before = state_of(m, opt)
     st = state_mod.TrainingState(m, opt)
     manifest = posix.load_manifest(dirs[0] / paths.MANIFEST)
     f = posix.DataFile(dirs[0], manifest, 1)  # one reader: the chunks in order
@@ -480,13 +372,13 @@ def test_the_exception_says_whether_earlier_chunks_were_applied(snap_env, chunke
     assert ei.value.partly_applied is last  # type: ignore[attr-defined]
     assert f.fd == -1
     if not last:
-        _same(_state(m, opt), before)  # nothing reached the live state
+        same_state(state_of(m, opt), before)  # nothing reached the live state
 
 
 def test_a_half_applied_snapshot_with_nothing_older_is_reported(snap_env):
     """Restorer._apply records ``partly_applied``: with no other snapshot to restore,
     restore_latest says the live state is no longer the initial one (not a silent step 0)."""
-    _, dirs = _snapshot(snap_env, 50)
+    _, dirs = snapshot_to_disk(snap_env, 50)
     data = dirs[0] / paths.DATA
     size = data.stat().st_size
     with open(data, "r+b") as f:
@@ -494,7 +386,7 @@ def test_a_half_applied_snapshot_with_nothing_older_is_reported(snap_env):
         b = f.read(1)
         f.seek(size - 10)
         f.write(bytes([b[0] ^ 0x01]))
-    m, opt = _trained(50, seed=1)
+    m, opt = trained(50, seed=1)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, chunk_bytes=CH,
                                 job=snap_env.sub_job("half"))
     try:
@@ -525,7 +417,7 @@ def test_a_half_applied_snapshot_is_reported_after_a_coordinated_round(snap_env,
     """Through the coordinator (its restore_dir of a rank directory), a snapshot that failed
     half-way with nothing restored raises as restore_latest does alone; a damaged first
     chunk copied nothing: the round's 0 stands, the live state untouched."""
-    _, dirs = _snapshot(snap_env, 50)
+    _, dirs = snapshot_to_disk(snap_env, 50)
     data = dirs[0] / paths.DATA
     at = data.stat().st_size - 10 if last else 10
     with open(data, "r+b") as f:
@@ -533,8 +425,8 @@ def test_a_half_applied_snapshot_is_reported_after_a_coordinated_round(snap_env,
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x01]))
-    m, opt = _trained(50, seed=1)
-    before = _state(m, opt)
+    m, opt = trained(50, seed=1)
+    before = state_of(m, opt)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, chunk_bytes=CH,
                                 job=snap_env.sub_job("vote"))
     try:
@@ -544,14 +436,14 @@ def test_a_half_applied_snapshot_is_reported_after_a_coordinated_round(snap_env,
                 snap.restore_latest()
         else:
             assert snap.restore_latest() == 0
-            _same(_state(m, opt), before)
+            same_state(state_of(m, opt), before)
         assert len(chunked) == 0  # the scatter raised
     finally:
         snap.close(flush=False)
 
 
 def test_data_file_checks_before_any_read(snap_env, C):
-    _, dirs = _snapshot(snap_env, 0)
+    _, dirs = snapshot_to_disk(snap_env, 0)
     d = dirs[0]
     manifest = posix.load_manifest(d / paths.MANIFEST)
     read0 = C.io_bytes()[1]
@@ -595,17 +487,17 @@ def test_data_file_checks_before_any_read(snap_env, C):
 
 
 def test_apply_holds_the_cyclic_gc_off_and_restores_it(snap_env, chunked, monkeypatch):
-    _snapshot(snap_env, 0)
+    snapshot_to_disk(snap_env, 0)
     seen: list[bool] = []
     real = apply_mod._apply_state
     monkeypatch.setattr(apply_mod, "_apply_state",
                         lambda *a: seen.append(gc.isenabled()) or real(*a))
     assert gc.isenabled()
-    _restore(snap_env, 0, "gc-on")
+    restore_fresh(snap_env, 0, "gc-on")
     assert seen == [False] and gc.isenabled()
     gc.disable()
     try:
-        _restore(snap_env, 0, "gc-off")
+        restore_fresh(snap_env, 0, "gc-off")
         assert not gc.isenabled()  # left as the caller had it
     finally:
         gc.enable()
@@ -644,8 +536,12 @@ def test_the_new_bindings_release_the_gil_without_python_objects(tmp_path):
                       "nbytes": n // 4 * 4}}
                 plan = C.plan_pairs([t], [e], copy_back._dtypes(), copy_back._PLAIN,
                                     torch.Tensor, data.data_ptr(), n)
-                plan.run_file(fd, path, n, CH, crcs, [(data.data_ptr() + n - 5, n - 5, 5)], 2)
-                assert plan.applied == n // 4 * 4 + 5
+                ahead = C.FileReadAhead(fd, n // 2, 4096)
+                st = plan.run_file(fd, path, n, CH, crcs, [(data.data_ptr() + n - 5, n - 5, 5)],
+                                   2, 0, False, ahead)
+                assert plan.applied == n // 4 * 4 + 5 and st["ahead"] <= n // 2
+                assert ahead.finish() == ahead.held and ahead.error == ""
+                del ahead  # the reader joined: freed with the GIL held, no Python inside
             finally:
                 os.close(fd)
         ts = [threading.Thread(target=lambda: [once() for _ in range(10)]) for _ in range(3)]
@@ -665,7 +561,7 @@ def test_the_data_file_is_closed_when_the_restore_fails_before_reading_it(snap_e
     before apply's own ``with`` (no descriptor left to the garbage collector)."""
     from cudasnap.core import restore as restore_mod
 
-    _snapshot(snap_env, 0)
+    snapshot_to_disk(snap_env, 0)
     opened: list[posix.DataFile] = []
     real_open = storage.open_data
 
@@ -679,6 +575,6 @@ def test_the_data_file_is_closed_when_the_restore_fails_before_reading_it(snap_e
 
     monkeypatch.setattr(storage, "open_data", spy)
     monkeypatch.setattr(restore_mod.Restorer, "_apply", fail)
-    _, step, _ = _restore(snap_env, 0, "closed")
+    _, step, _ = restore_fresh(snap_env, 0, "closed")
     assert step == 0 and opened and all(isinstance(d, posix.DataFile) for d in opened)
     assert [d.fd for d in opened] == [-1] * len(opened)
