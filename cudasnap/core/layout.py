@@ -18,8 +18,9 @@ a later boundary adopts the plan after a full native check that the state did no
 change under the build (else it builds again, on the training thread).
 
 Call order: the ``Copier`` calls :meth:`Layouts.for_boundary` at each boundary it copies
-(:meth:`Layouts.current` for the JIT live copy, the early saver, ``coverage()``), then
-:meth:`Layouts.running_job` once the engine accepted the job; :meth:`Layouts.job_done`
+(:meth:`Layouts.current` for the JIT live copy, the early saver, ``coverage()``); when
+it returned None (a build started) :meth:`Layouts.start_build` as the boundary's last act;
+then :meth:`Layouts.running_job` once the engine accepted the job; :meth:`Layouts.job_done`
 when it retired that job, :meth:`Layouts.hold_draining` for a refused one on a hung GPU;
 ``close()`` calls :meth:`Layouts.join_build` before the engine stops and
 :meth:`Layouts.release_at_close` after. The fences (optimizer load hooks), a restore and
@@ -30,7 +31,6 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,13 +72,16 @@ class Layouts:
         self.running: Layout | None = None  # the running copy's: it holds the planned storages
         self.draining: tuple[Layout, ...] = ()  # failed copies' until the engine drained them
         self.building: _Build | None = None  # a plan being built off the training thread
+        self.spare: _Build | None = None  # a build thread started ahead, waiting (prestart)
 
     def invalidate(self) -> None:
         """The copy plan is rebuilt at the next boundary (see Snapshotter.invalidate_layout);
         the running copy keeps reading the old tensors, which stay alive until it completes.
         A build running off the training thread is dropped (it may predate the change)."""
         self.layout = None
-        self.building = None
+        b, self.building = self.building, None
+        if b is not None:
+            b.drop()
 
     def coverage(self) -> dict[str, Any]:
         """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
@@ -188,6 +191,7 @@ class Layouts:
         if b is not None:
             if defer and b.thread.is_alive():
                 return None
+            b.go.set()  # a build not let go yet (start_build) runs now
             b.thread.join()
             self.building = None
             built = b.adopt()
@@ -195,10 +199,35 @@ class Layouts:
                 self.layout = built
                 return built
         elif defer and self._large(lay):
-            self.building = _Build(self)
+            self.building, self.spare = self.spare or _Build(self), None
             return None
         self.layout = self._build_layout()
         return self.layout
+
+    def prestart(self) -> None:
+        """Construction: when the state will be large once the optimizers stepped, the
+        first build's thread is started now, parked until that boundary asks for it
+        (``Thread.start`` at the boundary waits for the new thread to be scheduled: up
+        to several ms on a busy machine, while an arena set-up runs beside it).
+        Expected count: the model's tensors, the optimizers' state entries, and two per
+        parameter of an optimizer without state yet (Adam's moments)."""
+        n = self._count_state()
+        for opt in self.state.optimizers.values():
+            if not opt.state:
+                n += 2 * sum(len(g["params"]) for g in opt.param_groups)
+        if n >= self.OFF_THREAD_MIN_TENSORS and self.spare is None:
+            self.spare = _Build(self)
+
+    def _count_state(self) -> int:
+        """Tensors of the state, counted without walking them: the modules' parameters
+        and buffers, the optimizers' state entries."""
+        n = 0
+        for mod in self.state.models.values():
+            for m in mod.modules():
+                n += len(m._parameters) + len(m._buffers)
+        for opt in self.state.optimizers.values():
+            n += sum(len(s) for s in opt.state.values())
+        return n
 
     def _large(self, old: Layout | None) -> bool:
         """Whether a new plan of the state is built off the training thread: the old
@@ -206,13 +235,7 @@ class Layouts:
         the tensors: modules' parameters and buffers, the optimizers' state entries)."""
         if old is not None:
             return len(old.tensors) >= self.OFF_THREAD_MIN_TENSORS
-        n = 0
-        for mod in self.state.models.values():
-            for m in mod.modules():
-                n += len(m._parameters) + len(m._buffers)
-        for opt in self.state.optimizers.values():
-            n += sum(len(s) for s in opt.state.values())
-        return n >= self.OFF_THREAD_MIN_TENSORS
+        return self._count_state() >= self.OFF_THREAD_MIN_TENSORS
 
     # ------------------------------------------------- how long plans are held
     def running_job(self, lay: Layout) -> None:
@@ -261,9 +284,22 @@ class Layouts:
     def join_build(self, timeout: float) -> None:
         """``close()``, before the engine stops: a plan still being built (it may be
         making the engine) is waited for, bounded, and dropped."""
+        spare, self.spare = self.spare, None
+        if spare is not None:  # never asked for: ends at once
+            spare.drop()
+            spare.thread.join(timeout)
         b, self.building = self.building, None
         if b is not None:
+            b.drop()
             b.thread.join(timeout)
+
+    def start_build(self) -> None:
+        """The boundary that started a build off the training thread is done: the build
+        runs from now (until then its thread waits, so the rest of that boundary never
+        waits a GIL switch interval, 5 ms, behind it)."""
+        b = self.building
+        if b is not None:
+            b.go.set()
 
     def release_at_close(self, drained: bool) -> None:
         """close(): the engine is stopped; ``drained``: no copy can still read the state."""
@@ -292,15 +328,23 @@ class _Build:
     def __init__(self, layouts: Layouts) -> None:
         self.layout: Layout | None = None
         self.error: BaseException | None = None
+        self.go = threading.Event()  # set by Layouts.start_build (or a wait for the build)
+        self.dropped = False
         self.thread = threading.Thread(target=self._run, args=(layouts,), daemon=True,
                                        name="cudasnap-layout")
         self.thread.start()
 
+    def drop(self) -> None:
+        """The build is not wanted (invalidate, close): a thread still waiting for ``go``
+        ends without building; one already building finishes and is not adopted."""
+        self.dropped = True
+        self.go.set()
+
     def _run(self, layouts: Layouts) -> None:
-        # Thread.start() returns once this thread runs: hand the GIL back at once so the
-        # boundary that started the build returns first (else it waits a switch
-        # interval, 5 ms, for the GIL).
-        time.sleep(0)
+        # Waits (the GIL released) until the boundary that started it is done.
+        self.go.wait()
+        if self.dropped:
+            return
         try:
             self.layout = layouts._build_layout()
         except BaseException as e:  # noqa: BLE001 - re-raised by the build on the training thread

@@ -37,6 +37,8 @@ from ..storage.progress import bytes_read, io_progress
 from .timeline import resume_message
 
 if TYPE_CHECKING:
+    from cudasnap._C import FileReadAhead
+
     from .counters import Counters
     from .layout import Layouts
     from .staging import ArenaKeeper
@@ -208,7 +210,7 @@ class Restorer:
                 if ahead is not None:
                     ahead.finish()
 
-    def _restore_dir(self, ref: Any, ahead: Any | None) -> int:
+    def _restore_dir(self, ref: Any, ahead: FileReadAhead | None) -> int:
         manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
         name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
         with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", bytes_read):

@@ -94,6 +94,7 @@ class Copier:
             self.live = (step, b"".join(self.host_suffix(step)))
             self.live_deferred = True
             self._counters.record_boundary(t0)
+            self._layouts.start_build()  # last: the build runs beside training, not this
             return
         try:
             suffix = self.host_suffix(step)

@@ -29,7 +29,7 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing cudasnap.storage loads neither torch nor _C
     import torch
 
-    from cudasnap._C import Arena
+    from cudasnap._C import Arena, FileReadAhead
 
     from ..format.manifest import Manifest
     from .fsspec import FsspecStorage, RemoteSnapshot, SnapshotRef
@@ -97,7 +97,7 @@ class PosixStorage:
 
 
 def read_ahead(storage: StorageReader, ref: SnapshotRef,
-               allow_foreign_owner: bool | None = None) -> Any | None:
+               allow_foreign_owner: bool | None = None) -> FileReadAhead | None:
     """For a local snapshot of a ``PosixStorage``: its data.bin's head read on a native
     thread while the manifest is loaded (``posix.read_ahead``; pass it to ``open_data``);
     None for any other storage."""
@@ -108,7 +108,7 @@ def read_ahead(storage: StorageReader, ref: SnapshotRef,
 
 def open_data(storage: StorageReader, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
               allow_foreign_owner: bool | None = None,
-              ahead: Any | None = None) -> posix.DataFile | torch.Tensor:
+              ahead: FileReadAhead | None = None) -> posix.DataFile | torch.Tensor:
     """What a restore into the live state applies (``core.restore.Restorer.restore_dir``):
     for a local snapshot of a ``PosixStorage`` its data.bin opened and checked but not read
     (a ``posix.DataFile``: ``TrainingState.apply`` reads it chunk by chunk into the live

@@ -90,7 +90,7 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
 
-    from cudasnap._C import Arena, RestorePlan, ScatterStats, SlotInfo
+    from cudasnap._C import Arena, FileReadAhead, RestorePlan, ScatterStats, SlotInfo
 
 log = logging.getLogger("cudasnap.storage.posix")
 
@@ -261,7 +261,8 @@ SCATTER_DIRECT = False
 READ_AHEAD_BYTES = 256 << 20
 
 
-def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None) -> Any | None:
+def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None
+               ) -> FileReadAhead | None:
     """Starts reading the head of ``snapshot_dir``'s data.bin on a native thread
     (``_C.FileReadAhead``) before its manifest is read; hand it to ``DataFile(ahead=)``.
 
@@ -307,7 +308,8 @@ class DataFile:
     """
 
     def __init__(self, snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
-                 allow_foreign_owner: bool | None = None, ahead: Any | None = None) -> None:
+                 allow_foreign_owner: bool | None = None,
+                 ahead: FileReadAhead | None = None) -> None:
         self.fd = -1
         self.ahead = ahead
         data = manifest["data"]

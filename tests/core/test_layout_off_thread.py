@@ -265,3 +265,67 @@ def test_close_after_a_deferred_rebuild_saves_that_step(snap_env):
         assert _same(_state(m2, opt2), want)
     finally:
         fresh.close()
+
+
+def _layout_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cudasnap-layout"]
+
+
+@pytest.mark.parametrize("stepped", [True, False], ids=["stepped", "before-the-first-step"])
+def test_the_first_build_thread_is_started_at_construction_not_at_the_boundary(
+        snap_env, monkeypatch, stepped):
+    """Thread.start() at the boundary waits for the new thread to be scheduled (up to
+    16 ms measured beside an arena set-up on 2 cores): the first build's thread is started
+    parked by the constructor, also before the optimizer made its state (counted as
+    two tensors per parameter), and the boundary only lets it go."""
+    if stepped:
+        m, opt = _trained(600)
+    else:
+        torch.manual_seed(0)
+        m = Many(600)  # 601 model tensors; AdamW adds 2 (+ a step) per parameter later
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    before = set(_layout_threads())
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        parked = [t for t in _layout_threads() if t not in before]
+        assert len(parked) == 1 and parked[0].is_alive()
+        if not stepped:
+            _step(m, opt)
+        started: list[str] = []
+        real_start = threading.Thread.start
+
+        def spy(self):
+            started.append(self.name)
+            return real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", spy)
+        snap.boundary(0)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert snap.stats()["skipped_layout"] == 1
+        assert "cudasnap-layout" not in started, "the boundary started a build thread"
+        assert snap.wait(60) and snap.last_step == 0  # the live state of step 0, copied
+        _step(m, opt)
+        snap.boundary(1)  # adopts the parked thread's plan
+        assert snap.wait(60)
+        parked[0].join(60)
+        assert not parked[0].is_alive()
+    finally:
+        snap.close(flush=False)
+
+
+def test_a_parked_build_thread_ends_with_close_and_small_states_park_none(snap_env):
+    before = set(_layout_threads())
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    parked = [t for t in _layout_threads() if t not in before]
+    assert len(parked) == 1
+    snap.close(flush=False)  # never asked for: it ends without building
+    parked[0].join(60)
+    assert not parked[0].is_alive()
+    small_m, small_opt = _trained(10)
+    snap = cudasnap.Snapshotter(small_m, small_opt, directory=snap_env.dir / "small",
+                                backend="cpu")
+    try:
+        assert [t for t in _layout_threads() if t not in before and t.is_alive()] == []
+    finally:
+        snap.close(flush=False)
