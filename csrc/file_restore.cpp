@@ -85,7 +85,13 @@ FileReadAhead::FileReadAhead(int fd, uint64_t limit, uint64_t piece)
   }
   buf_.reset(raw);
   target_ = want;
-  thread_ = std::thread([this] { run(); });
+  try {
+    thread_ = std::thread([this] { run(); });
+  } catch (const std::exception& e) {  // no thread (EAGAIN): nothing is read ahead
+    error_ = std::string("no reader thread: ") + e.what();
+    target_ = 0;
+    buf_.reset();
+  }
 }
 
 FileReadAhead::~FileReadAhead() {
@@ -99,6 +105,15 @@ std::string FileReadAhead::error() const {
 }
 
 void FileReadAhead::run() {
+  try {
+    read_head();
+  } catch (const std::exception& e) {  // (a message's allocation): never past the thread
+    std::lock_guard<std::mutex> g(mu_);
+    error_ = std::string("reader failed: ") + e.what();
+  }
+}
+
+void FileReadAhead::read_head() {
   uint64_t off = 0;
   while (off < target_ && !stop_.load(std::memory_order_acquire)) {
     const ssize_t r = ::pread(fd_, buf_.get() + off, std::min(piece_, target_ - off),
@@ -118,8 +133,16 @@ void FileReadAhead::run() {
 
 uint64_t FileReadAhead::finish() {
   stop_.store(true, std::memory_order_release);
+  std::lock_guard<std::mutex> g(join_mu_);  // two callers: one joins, the other waits
   if (thread_.joinable()) thread_.join();
   return held();
+}
+
+void FileReadAhead::release() {
+  finish();
+  std::lock_guard<std::mutex> g(join_mu_);
+  got_.store(0, std::memory_order_release);
+  buf_.reset();
 }
 
 void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,

@@ -52,9 +52,12 @@ namespace cudasnap {
 // (same device and inode).
 //
 // Call order: construct (the thread starts) -> finish() (stops after the
-// read in hand, joins; idempotent) -> data()/held() -> destroy. The destructor
-// finishes too. A failing read ends the thread quietly (error() says why): the
-// scatter then reads those bytes itself and reports what it finds.
+// read in hand, joins; idempotent, from any thread) -> data()/held() ->
+// release() (frees the buffer: held() is 0 after it) -> destroy. The destructor
+// finishes too, but may then wait for one read with the caller's locks held (the
+// bindings' finish()/release() release the GIL): finish first. A failing read,
+// or no thread to read with, ends it quietly (error() says why): the scatter
+// then reads those bytes itself and reports what it finds.
 class FileReadAhead {
  public:
   // Reads [0, min(file size, limit)) of fd in `piece`-byte reads into a buffer
@@ -67,6 +70,8 @@ class FileReadAhead {
 
   // Stops the reader after its current read and waits for it; returns held().
   uint64_t finish();
+  // finish(), then frees the buffer (nothing is held after it).
+  void release();
   // Bytes [0, held()) of the file are in data() (only after finish()).
   const uint8_t* data() const { return buf_.get(); }
   uint64_t held() const { return got_.load(std::memory_order_acquire); }
@@ -80,6 +85,7 @@ class FileReadAhead {
     void operator()(uint8_t* p) const;
   };
   void run();
+  void read_head();
 
   int fd_ = -1;
   uint64_t target_ = 0;
@@ -88,6 +94,7 @@ class FileReadAhead {
   std::unique_ptr<uint8_t, Free> buf_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> got_{0};
+  std::mutex join_mu_;     // finish() from two threads: one joins
   mutable std::mutex mu_;  // error_: the reader writes it, error() may read it meanwhile
   std::string error_;
   std::thread thread_;

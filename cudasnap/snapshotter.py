@@ -183,11 +183,11 @@ class Snapshotter:
             attach_triggers(parts, self.dist, self.guard)  # before a trigger can flush
             if self.guard is not None:
                 self.guard.start()
+            self._layouts.prestart()  # last: a large state's first build thread, parked
         except BaseException:
             self._keeper.shutdown(min(60.0, self.wait_timeout_s))
             self._lock.release()
             raise
-        self._layouts.prestart()  # last: a large state's first build thread, parked
 
     def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
                        health: bool | None, policy: Any, inject: str | None,

@@ -294,22 +294,22 @@ void init_flusher(py::module_& m) {
         [](int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,
            const std::vector<uint32_t>& crcs,
            const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, int threads,
-           uint64_t io_bytes, bool direct) {
+           uint64_t io_bytes, bool direct, FileReadAhead* ahead) {
           std::vector<HostSpan> v = host_spans(spans);
           ScatterStats st;
           {
             py::gil_scoped_release nogil;
             read_verify_scatter(fd, name, nbytes, chunk_bytes, crcs, v,
-                                scatter_options(threads, io_bytes, direct), &st);
+                                scatter_options(threads, io_bytes, direct, ahead), &st);
           }
           return scatter_stats_dict(st);
         },
         py::arg("fd"), py::arg("name"), py::arg("nbytes"), py::arg("chunk_bytes"),
         py::arg("crcs"), py::arg("spans"), py::arg("threads") = 2, py::arg("io_bytes") = 0,
-        py::arg("direct") = false,
+        py::arg("direct") = false, py::arg("ahead") = py::none(),
         "reads the open file `fd` chunk by chunk, checks each chunk's CRC32C, then copies "
         "its bytes named by the (dst_ptr, file_offset, nbytes) spans; CorruptSnapshot on a "
-        "bad chunk (none of its bytes copied)");
+        "bad chunk (none of its bytes copied). `ahead`: a FileReadAhead of this file");
   m.def("verify_buffer",
         [](uint64_t ptr, uint64_t nbytes, uint64_t chunk_bytes, const std::vector<uint32_t>& crcs,
            int threads) {
@@ -406,6 +406,12 @@ void init_flusher(py::module_& m) {
              return a.finish();
            },
            "stops the reader after its current read, waits for it; returns the bytes held")
+      .def("release",
+           [](FileReadAhead& a) {
+             py::gil_scoped_release nogil;
+             a.release();
+           },
+           "finish(), then frees the buffer (held is 0 after it)")
       .def_property_readonly("held", &FileReadAhead::held)
       .def_property_readonly("target", &FileReadAhead::target)
       .def_property_readonly("error", &FileReadAhead::error);

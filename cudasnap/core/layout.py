@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,7 @@ class Layouts:
         self.draining: tuple[Layout, ...] = ()  # failed copies' until the engine drained them
         self.building: _Build | None = None  # a plan being built off the training thread
         self.spare: _Build | None = None  # a build thread started ahead, waiting (prestart)
+        self.dropped: list[_Build] = []  # dropped builds that may still run (joined at close)
 
     def invalidate(self) -> None:
         """The copy plan is rebuilt at the next boundary (see Snapshotter.invalidate_layout);
@@ -82,6 +84,7 @@ class Layouts:
         b, self.building = self.building, None
         if b is not None:
             b.drop()
+            self.dropped = [d for d in self.dropped if d.thread.is_alive()] + [b]
 
     def coverage(self) -> dict[str, Any]:
         """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
@@ -215,8 +218,15 @@ class Layouts:
         for opt in self.state.optimizers.values():
             if not opt.state:
                 n += 2 * sum(len(g["params"]) for g in opt.param_groups)
-        if n >= self.OFF_THREAD_MIN_TENSORS and self.spare is None:
+        if n < self.OFF_THREAD_MIN_TENSORS or self.spare is not None:
+            return
+        try:
             self.spare = _Build(self)
+        except RuntimeError as e:  # no thread to spare ("can't start new thread"): the
+            log.debug("layout: no build thread started ahead (%s)", e)  # boundary starts it
+            return
+        # The parked thread holds the Layouts only weakly, and ends when they are collected.
+        weakref.finalize(self, self.spare.drop)
 
     def _count_state(self) -> int:
         """Tensors of the state, counted without walking them: the modules' parameters
@@ -292,6 +302,9 @@ class Layouts:
         if b is not None:
             b.drop()
             b.thread.join(timeout)
+        dropped, self.dropped = self.dropped, []
+        for d in dropped:  # invalidated while building: it may still make the engine
+            d.thread.join(timeout)
 
     def start_build(self) -> None:
         """The boundary that started a build off the training thread is done: the build
@@ -330,8 +343,8 @@ class _Build:
         self.error: BaseException | None = None
         self.go = threading.Event()  # set by Layouts.start_build (or a wait for the build)
         self.dropped = False
-        self.thread = threading.Thread(target=self._run, args=(layouts,), daemon=True,
-                                       name="cudasnap-layout")
+        self.thread = threading.Thread(target=self._run, args=(weakref.ref(layouts),),
+                                       daemon=True, name="cudasnap-layout")
         self.thread.start()
 
     def drop(self) -> None:
@@ -340,10 +353,12 @@ class _Build:
         self.dropped = True
         self.go.set()
 
-    def _run(self, layouts: Layouts) -> None:
-        # Waits (the GIL released) until the boundary that started it is done.
+    def _run(self, ref: weakref.ref[Layouts]) -> None:
+        # Waits (the GIL released) until the boundary that started it is done; holds the
+        # Layouts (and so the state) only weakly meanwhile.
         self.go.wait()
-        if self.dropped:
+        layouts = ref()
+        if self.dropped or layouts is None:
             return
         try:
             self.layout = layouts._build_layout()

@@ -208,7 +208,7 @@ class Restorer:
                 return self._restore_dir(ref, ahead)
             finally:  # stops the reader however the restore ends (the DataFile does too)
                 if ahead is not None:
-                    ahead.finish()
+                    ahead.release()
 
     def _restore_dir(self, ref: Any, ahead: FileReadAhead | None) -> int:
         manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)

@@ -90,11 +90,13 @@ class Copier:
             # A large state's plan is being built off the training thread (Layouts):
             # until the next optimizer step the live state IS this step, which a flush,
             # trigger, wait() or close() meanwhile copies (copy_live).
-            self._counters.skipped_layout += 1
-            self.live = (step, b"".join(self.host_suffix(step)))
-            self.live_deferred = True
-            self._counters.record_boundary(t0)
-            self._layouts.start_build()  # last: the build runs beside training, not this
+            try:
+                self._counters.skipped_layout += 1
+                self.live = (step, b"".join(self.host_suffix(step)))
+                self.live_deferred = True
+                self._counters.record_boundary(t0)
+            finally:  # last: the build runs beside training, not beside this boundary
+                self._layouts.start_build()
             return
         try:
             suffix = self.host_suffix(step)

@@ -269,7 +269,8 @@ def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None
     Best effort: None where there is no regular data.bin of this user's to read (the
     DataFile's own checks then say what is wrong). Nothing read is trusted before
     ``DataFile.scatter`` checked each chunk against the manifest's CRC32C, and only if it
-    is the very file (device, inode) the DataFile opened. ``finish()`` it when done."""
+    is the very file (device, inode) the DataFile opened. ``release()`` it when done (the
+    DataFile does): its buffer is freed then, not when it is collected."""
     if READ_AHEAD_BYTES <= 0:
         return None
     path = Path(snapshot_dir) / DATA
@@ -283,7 +284,7 @@ def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None
             return None
         _check_trust(path, st, allow_foreign_owner)
         return native().FileReadAhead(fd, READ_AHEAD_BYTES)
-    except (SnapshotError, OSError):
+    except (SnapshotError, OSError, MemoryError):
         return None
     finally:
         os.close(fd)  # the reader has its own descriptor
@@ -295,16 +296,16 @@ class DataFile:
     The restore (``TrainingState.apply``) either reads it chunk by chunk straight into
     the live tensors (``scatter``: each chunk's CRC32C checked in a small buffer before
     any byte of it is copied; no buffer of the file's size, one pass over the memory) or,
-    where a destination is not a plain CPU tensor, whole into a new buffer (``read``:
-    ``read_data``'s path, which opens the file again as read_data does). ``scatter`` reads
-    the file the checks ran on: it is opened without following symlinks and must be the
+    where a destination is not a plain CPU tensor, whole into a new buffer (``read``: the
+    same chunk-by-chunk check, the buffer as the one destination). Both read the file the
+    checks ran on: it is opened without following symlinks and must be the
     regular file ``lstat`` saw, of this user's, of the manifest's size (read_data's
     checks), all checked on the open file too. Close it (``close``, or ``with``) when
     done; the restore closes it once read.
 
     ``ahead``: a ``read_ahead`` of this snapshot, started before the manifest was read;
-    ``scatter`` takes the bytes it holds instead of reading them again (checked the same
-    way, and only if it read this very file); ``read`` and ``close`` stop it.
+    ``scatter`` and ``read`` take the bytes it holds instead of reading them again (checked
+    the same way, and only if it read this very file), then stop it; so does ``close``.
     """
 
     def __init__(self, snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
@@ -339,13 +340,18 @@ class DataFile:
             raise
 
     def read(self) -> torch.Tensor:
-        """The whole file in a new uint8 tensor, every chunk CRC32C-verified (``read_data``)."""
+        """The whole file in a new uint8 tensor, every chunk CRC32C-verified before any byte
+        of it is copied there (read from this open file, the head from the read-ahead)."""
         import torch
 
-        self._stop_ahead()  # this path reads the whole file itself
         buf = torch.empty(self.nbytes, dtype=torch.uint8)
-        native().read_file_verified(str(self.path), buf.data_ptr(), self.nbytes, self.chunk_bytes,
-                                    self.crcs, self.threads)
+        try:
+            native().read_file_scatter(self.fd, str(self.path), self.nbytes, self.chunk_bytes,
+                                       self.crcs, [(buf.data_ptr(), 0, self.nbytes)],
+                                       self.threads, SCATTER_IO_BYTES, SCATTER_DIRECT,
+                                       self.ahead)
+        finally:
+            self._stop_ahead()
         return buf
 
     def scatter(self, plan: RestorePlan, extra: list[tuple[int, int, int]]) -> ScatterStats:
@@ -368,10 +374,14 @@ class DataFile:
             self._stop_ahead()
 
     def _stop_ahead(self) -> None:
-        """Stops the read-ahead (if any) and lets go of its buffer."""
+        """Stops the read-ahead (if any) and frees its buffer."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             ahead.finish()
+            if ahead.error:
+                log.debug("read-ahead of %s stopped at byte %d: %s", self.path, ahead.held,
+                          ahead.error)
+            ahead.release()
 
     def close(self) -> None:
         self._stop_ahead()

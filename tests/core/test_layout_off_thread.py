@@ -329,3 +329,61 @@ def test_a_parked_build_thread_ends_with_close_and_small_states_park_none(snap_e
         assert [t for t in _layout_threads() if t not in before and t.is_alive()] == []
     finally:
         snap.close(flush=False)
+
+
+def test_a_deferring_boundary_that_raises_still_lets_its_build_go(snap_env, monkeypatch):
+    """The boundary's host state failing after the build was asked for: the build still
+    runs (it is let go in a ``finally``), and the next boundary adopts it."""
+    from cudasnap.core.submit import Copier
+
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    try:
+        real = Copier.host_suffix
+        calls = []
+
+        def fail_once(self, step):
+            calls.append(step)
+            if len(calls) == 1:
+                raise RuntimeError("injected: host state unreadable")
+            return real(self, step)
+
+        monkeypatch.setattr(Copier, "host_suffix", fail_once)
+        with pytest.raises(RuntimeError, match="injected"):
+            snap.boundary(0)
+        b = snap._layouts.building
+        assert b is not None and b.go.is_set(), "the build was left parked"
+        b.thread.join(60)
+        assert b.layout is not None  # it built
+        _step(m, opt)
+        snap.boundary(1)
+        assert snap.wait(60) and snap.last_step == 1 and snap.stats()["snapshots"] >= 1
+    finally:
+        snap.close(flush=False)
+
+
+def test_close_joins_a_build_dropped_while_it_ran(snap_env, monkeypatch):
+    """invalidate_layout() during a background build drops it; close() still waits for its
+    thread (it may be making the copy engine)."""
+    gate = threading.Event()
+    real = Layouts._build_layout
+
+    def slow(self):
+        if threading.current_thread().name == "cudasnap-layout":
+            gate.wait(60)
+        return real(self)
+
+    monkeypatch.setattr(Layouts, "_build_layout", slow)
+    m, opt = _trained(600)
+    snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
+    b = None
+    try:
+        snap.boundary(0)
+        b = snap._layouts.building
+        assert b is not None
+        snap.invalidate_layout()  # dropped while it runs (held at the gate)
+        assert snap._layouts.building is None and b in snap._layouts.dropped
+        threading.Timer(0.2, gate.set).start()
+    finally:
+        snap.close(flush=False)
+    assert b is not None and not b.thread.is_alive(), "close() returned before the build ended"

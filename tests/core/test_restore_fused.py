@@ -541,7 +541,14 @@ def test_the_new_bindings_release_the_gil_without_python_objects(tmp_path):
                                    2, 0, False, ahead)
                 assert plan.applied == n // 4 * 4 + 5 and st["ahead"] <= n // 2
                 assert ahead.finish() == ahead.held and ahead.error == ""
-                del ahead  # the reader joined: freed with the GIL held, no Python inside
+                ahead.release()
+                assert ahead.held == 0
+                spare = C.FileReadAhead(fd, n)  # read whole by the whole-file path
+                dst2 = np.zeros(n, dtype=np.uint8)
+                C.read_file_scatter(fd, path, n, CH, crcs, [(dst2.ctypes.data, 0, n)], 2, 0,
+                                    False, spare)
+                assert np.array_equal(dst2, src)
+                del ahead, spare  # the readers joined: freed with the GIL held
             finally:
                 os.close(fd)
         ts = [threading.Thread(target=lambda: [once() for _ in range(10)]) for _ in range(3)]

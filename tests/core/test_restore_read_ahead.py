@@ -66,6 +66,8 @@ def test_the_read_ahead_holds_the_files_head(C, tmp_path, limit):
     assert _held_all(ahead) == ahead.target == ahead.held
     assert ahead.error == ""
     assert ahead.finish() == ahead.target  # idempotent
+    ahead.release()  # the buffer freed: nothing held any more
+    assert (ahead.held, ahead.finish()) == (0, 0)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -193,6 +195,8 @@ def test_a_restore_from_disk_reads_ahead_and_ends_bitwise_equal(snap_env, monkey
 
     def scatter(self, plan, extra):
         handed = self.ahead is not None  # by restore_dir (unless READ_AHEAD_BYTES is 0)
+        if handed:  # a loaded machine may not have scheduled the reader yet: let it read
+            _held_all(self.ahead)
         st = real_scatter(self, plan, extra)
         assert self.ahead is None  # stopped and let go once the scatter is done
         scattered.append({"handed": handed, **st})
@@ -225,6 +229,10 @@ class _Spy:
         self.finished += 1
         return self.real.finish()
 
+    def release(self) -> None:
+        self.finished += 1
+        self.real.release()
+
 
 def test_the_read_ahead_is_stopped_when_its_snapshot_fails(snap_env, monkeypatch):
     """The newest snapshot's manifest is damaged: the restore falls back to the older one,
@@ -248,3 +256,32 @@ def test_the_read_ahead_is_stopped_when_its_snapshot_fails(snap_env, monkeypatch
     _, step, _ = restore_fresh(snap_env, 0, "fallback")
     assert step == 1  # the older snapshot (step 0), resumed at 1
     assert len(spies) == 1 and spies[0].finished >= 1
+
+
+def test_the_whole_file_read_takes_the_head_from_the_read_ahead(C, snap_env, monkeypatch):
+    """``DataFile.read`` (a destination torch must copy to: CUDA, sharded) reads the open,
+    checked file chunk by chunk into one new buffer, the head from the read-ahead."""
+    _, dirs = snapshot_to_disk(snap_env, 400)
+    d = dirs[-1]
+    manifest = posix.load_manifest(d / paths.MANIFEST)
+    seen: list[dict] = []
+    real = C.read_file_scatter
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(C, "read_file_scatter", spy)
+    ahead = posix.read_ahead(d)
+    assert ahead is not None
+    _held_all(ahead)
+    f = posix.DataFile(d, manifest, ahead=ahead)
+    try:
+        got = f.read()
+        assert f.ahead is None and ahead.held == 0  # stopped and freed
+    finally:
+        f.close()
+    want = np.fromfile(d / paths.DATA, dtype=np.uint8)
+    assert np.array_equal(got.numpy(), want)
+    assert len(want) <= posix.READ_AHEAD_BYTES  # a small file: all of it read ahead
+    assert len(seen) == 1 and (seen[0]["ahead"], seen[0]["bytes"]) == (len(want), 0)
