@@ -52,10 +52,12 @@ print("survived", flush=True)
 
 
 @pytest.mark.slow
-def test_a_child_started_with_the_variable_gets_the_hooks(tmp_path: Path) -> None:
+def test_a_child_started_with_the_variable_gets_the_hooks(tmp_path: Path, snap_env) -> None:
     """Nothing imports cudasnap._testing in the child: _points loads it because the
-    environment asks, and the kill point of the flush fires."""
+    environment asks, and the kill point of the flush fires. The children's arenas (kept
+    at exit, as for a restart) are named by snap_env's job, which removes them after."""
     env = dict(os.environ, CUDASNAP_TEST_KILL_AT="latest", PYTHONPATH=str(REPO))
+    assert env["CUDASNAP_JOB"] == snap_env.job
     r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ck")], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == -9 and "survived" not in r.stdout, (r.returncode, r.stderr[-2000:])
