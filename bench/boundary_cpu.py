@@ -29,6 +29,13 @@ comes back to caches other work has filled: most of the 4,000-tensor median is
 that (constant native work, e.g. comparing 8 KB of RNG state, costs 5-10x more
 then), not boundary()'s own work.
 
+``--first N``: only the first boundary, of N fresh Snapshotters per tensor count over
+the same state, each timed right after its constructor (the arena set-up then runs
+beside it): median, max and how many took over 5 ms of wall time, with their thread CPU.
+With ``--no-prestart`` as well, the same with ``Layouts.prestart`` turned off (the
+build's thread then started inside that boundary, as before d20e052), alternating with
+the default in the same process: both under the same load.
+
 ``--against DIR``: before/after in one session: every (repeat, tensor count) runs
 twice, alternating, in a fresh process: once with ``PYTHONPATH=DIR`` (e.g. a
 checkout of main with its extension built) and once with this tree; the table
@@ -154,6 +161,45 @@ def compare(a: argparse.Namespace) -> None:
                   f"{r['alloc_after_step_us']:.0f} us", flush=True)
 
 
+def first_only(ntensors: int, trials: int, compare_no_prestart: bool) -> dict[str, Any]:
+    """``--first``: the first boundary of ``trials`` fresh Snapshotters (see the docstring);
+    {mode: {"wall_ms": [...], "cpu_ms": [...]}} for "prestart" (and "no_prestart")."""
+    import torch
+
+    import cudasnap
+    from cudasnap.core.layout import Layouts
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(max(1, ntensors // 4))]
+    model = torch.nn.ParameterList(params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    modes = ["prestart", "no_prestart"] if compare_no_prestart else ["prestart"]
+    out: dict[str, Any] = {m: {"wall_ms": [], "cpu_ms": []} for m in modes}
+    real = Layouts.prestart
+    for i in range(trials):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            Layouts.prestart = real if mode == "prestart" else (lambda self: None)  # type: ignore[method-assign]
+            try:
+                with tempfile.TemporaryDirectory() as d:
+                    snap = cudasnap.Snapshotter(model, opt, directory=d, health=False,
+                                                job=f"bbf-{os.getpid()}-{ntensors}-{i}-{mode}",
+                                                flush_on_close=False)
+                    try:
+                        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                        snap.boundary(0)
+                        out[mode]["wall_ms"].append((time.perf_counter_ns() - t0) / 1e6)
+                        out[mode]["cpu_ms"].append((time.thread_time_ns() - c0) / 1e6)
+                        snap.wait()
+                    finally:
+                        snap.close(flush=False)
+            finally:
+                Layouts.prestart = real  # type: ignore[method-assign]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tensors", default="8,4000,40000")
@@ -172,7 +218,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--restart", action="store_true",
                    help="time the boundaries after a restore_latest() of a previous attempt's "
                         "snapshot (a restart), the first one included")
+    p.add_argument("--first", type=int, default=0, metavar="N",
+                   help="only the first boundary, of N fresh Snapshotters per tensor count")
+    p.add_argument("--no-prestart", action="store_true",
+                   help="with --first: also time it without Layouts.prestart, alternating")
     a = p.parse_args(argv)
+    if a.first:
+        for n in [int(x) for x in a.tensors.split(",")]:
+            res = first_only(n, a.first, a.no_prestart)
+            for mode, r in res.items():
+                w, c = r["wall_ms"], r["cpu_ms"]
+                over = sum(x > 5.0 for x in w)
+                print(json.dumps({"tensors": n, "mode": mode, **r}) if a.json else
+                      f"{n:>6} tensors, first boundary, {mode}: median {statistics.median(w):.2f} ms, "
+                      f"max {max(w):.2f} ms (its CPU {c[w.index(max(w))]:.2f}), {over} of {len(w)} "
+                      f"over 5 ms; thread CPU median {statistics.median(c):.2f} ms", flush=True)
+        return
     if a.against:
         compare(a)
         return
