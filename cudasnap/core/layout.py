@@ -28,6 +28,7 @@ when it retired that job, :meth:`Layouts.hold_draining` for a refused one on a h
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
@@ -55,6 +56,20 @@ log = logging.getLogger("cudasnap")
 # Layouts of copies a closed Snapshotter left running on a hung GPU: the DMA may
 # still read their storages, so they are never freed (process lifetime, logged).
 _ABANDONED: list[Layout] = []
+
+# Builds whose thread may be running at interpreter exit (a script ending without close()
+# right after a deferring boundary) are waited for first: a daemon thread coming back from
+# a native call (GIL released) during finalization is unwound by pthread_exit through C++
+# frames, which aborts the process ("terminate called without an active exception"), as
+# for the arena set-up (core.arena_preparer._stop_at_exit).
+_BUILDS: weakref.WeakSet[_Build] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_at_exit(timeout: float = 30.0) -> None:
+    for b in list(_BUILDS):
+        b.drop()  # a parked one ends at once; a running one finishes its build
+        b.thread.join(timeout)
 
 
 class Layouts:
@@ -346,6 +361,7 @@ class _Build:
         self.thread = threading.Thread(target=self._run, args=(weakref.ref(layouts),),
                                        daemon=True, name="cudasnap-layout")
         self.thread.start()
+        _BUILDS.add(self)
 
     def drop(self) -> None:
         """The build is not wanted (invalidate, close): a thread still waiting for ``go``
