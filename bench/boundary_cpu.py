@@ -57,20 +57,25 @@ import time
 from typing import Any
 
 
-def run(ntensors: int, boundaries: int, every: int, spin: bool = False,
-        rescan_every: int | None = None, restart: bool = False) -> dict[str, Any]:
+def adam_state(ntensors: int) -> tuple[Any, Any]:
+    """``ntensors`` state tensors: AdamW over ``ntensors / 4`` small parameters, stepped once."""
     import torch
 
-    import cudasnap
-
     torch.manual_seed(0)
-    nparams = max(1, ntensors // 4)
-    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(nparams)]
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(max(1, ntensors // 4))]
     model = torch.nn.ParameterList(params)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
+    return model, opt
+
+
+def run(ntensors: int, boundaries: int, every: int, spin: bool = False,
+        rescan_every: int | None = None, restart: bool = False) -> dict[str, Any]:
+    import cudasnap
+
+    model, opt = adam_state(ntensors)
     with tempfile.TemporaryDirectory() as d:
         kw: dict[str, Any] = {"snapshot_every": every} if every != 1 else {}
         job = f"bb-{os.getpid()}-{ntensors}"
@@ -164,18 +169,10 @@ def compare(a: argparse.Namespace) -> None:
 def first_only(ntensors: int, trials: int, compare_no_prestart: bool) -> dict[str, Any]:
     """``--first``: the first boundary of ``trials`` fresh Snapshotters (see the docstring);
     {mode: {"wall_ms": [...], "cpu_ms": [...]}} for "prestart" (and "no_prestart")."""
-    import torch
-
     import cudasnap
     from cudasnap.core.layout import Layouts
 
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(max(1, ntensors // 4))]
-    model = torch.nn.ParameterList(params)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
+    model, opt = adam_state(ntensors)
     modes = ["prestart", "no_prestart"] if compare_no_prestart else ["prestart"]
     out: dict[str, Any] = {m: {"wall_ms": [], "cpu_ms": []} for m in modes}
     real = Layouts.prestart

@@ -68,8 +68,7 @@ _BUILDS: weakref.WeakSet[_Build] = weakref.WeakSet()
 @atexit.register
 def _join_at_exit(timeout: float = 30.0) -> None:
     for b in list(_BUILDS):
-        b.drop()  # a parked one ends at once; a running one finishes its build
-        b.thread.join(timeout)
+        b.stop(timeout)
 
 
 class Layouts:
@@ -309,17 +308,12 @@ class Layouts:
     def join_build(self, timeout: float) -> None:
         """``close()``, before the engine stops: a plan still being built (it may be
         making the engine) is waited for, bounded, and dropped."""
-        spare, self.spare = self.spare, None
-        if spare is not None:  # never asked for: ends at once
-            spare.drop()
-            spare.thread.join(timeout)
-        b, self.building = self.building, None
-        if b is not None:
-            b.drop()
-            b.thread.join(timeout)
-        dropped, self.dropped = self.dropped, []
-        for d in dropped:  # invalidated while building: it may still make the engine
-            d.thread.join(timeout)
+        # The spare was never asked for (it ends at once); a dropped one was invalidated
+        # while building (it may still be making the engine).
+        builds = [b for b in (self.spare, self.building, *self.dropped) if b is not None]
+        self.spare, self.building, self.dropped = None, None, []
+        for b in builds:
+            b.stop(timeout)
 
     def start_build(self) -> None:
         """The boundary that started a build off the training thread is done: the build
@@ -368,6 +362,12 @@ class _Build:
         ends without building; one already building finishes and is not adopted."""
         self.dropped = True
         self.go.set()
+
+    def stop(self, timeout: float) -> None:
+        """``drop``, then waits (bounded) for the thread: a parked one ends at once, a
+        running one finishes its build."""
+        self.drop()
+        self.thread.join(timeout)
 
     def _run(self, ref: weakref.ref[Layouts]) -> None:
         # Waits (the GIL released) until the boundary that started it is done; holds the
