@@ -39,7 +39,11 @@ class Snapshotter:
 
     Args:
         model: a ``torch.nn.Module`` or a dict of them (names prefix tensor names).
-        optimizer: a ``torch.optim.Optimizer``, a dict of them, or None.
+        optimizer: a ``torch.optim.Optimizer``, a dict of them, or None. A wrapper
+            that steps other optimizers (torchtitan's ``OptimizersContainer``,
+            accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)
+            is replaced by the optimizers it holds (``<key>.<i>`` when several); one
+            that holds no state after its first step is refused (ConfigError).
         directory: where flushed snapshots go (created 0700; checked writable now);
             default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. An fsspec URL
             (``s3://bucket/prefix``) stores snapshots in an object store, single-rank,

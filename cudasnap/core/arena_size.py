@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from . import module_state
+
 MIN_META = 1 << 20
 PAGE = 4096
 
@@ -76,9 +78,8 @@ def estimate_state_bytes(state: Any) -> tuple[int, int]:
         count += 1
 
     for mod in state.models.values():
-        for t in mod.state_dict(keep_vars=True).values():
-            if isinstance(t, torch.Tensor):
-                add(t)
+        for _, t, _ in module_state.entries(mod):
+            add(t)
     for opt in state.optimizers.values():
         slots = _opt_slots(opt)
         for g in opt.param_groups:

@@ -28,6 +28,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import optim_wrap
+
 if TYPE_CHECKING:
     from .state import TrainingState
     from .submit import Copier
@@ -110,9 +112,21 @@ def install(state: TrainingState, copier: Copier, invalidate: Callable[[], None]
     def before_load(*_: Any) -> None:
         copier.fence(1)  # never let load_state_dict race a running copy
 
+    def first_step(key: str) -> Callable[..., None]:
+        done = [False]
+
+        def step_post(o: Any, *_: Any) -> None:
+            if compiling():  # traced: the check is Python over the parameters
+                return
+            if not done[0]:  # once: is this a container cudasnap cannot see into?
+                done[0] = True
+                optim_wrap.check_stepped(key, o)
+        return step_post
+
     hooks: list[Any] = []
-    for opt in state.optimizers.values():
+    for okey, opt in state.optimizers.items():
         hooks.append(opt.register_step_pre_hook(step_pre))
+        hooks.append(opt.register_step_post_hook(first_step(okey)))
         hooks.append(opt.register_load_state_dict_pre_hook(before_load))
         hooks.append(opt.register_load_state_dict_post_hook(lambda *_: invalidate()))
     for mod in state.models.values():

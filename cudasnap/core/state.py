@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ConfigError
 from . import apply as apply_mod
-from . import sharded, values
+from . import module_state, optim_wrap, sharded, values
 from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
 from .rng import RNG_SOURCES, capture_rng
 
@@ -40,9 +40,22 @@ def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, 
     raise ConfigError(f"{what} must be a {kind.__name__} or a dict of them, got {type(obj).__name__}")
 
 
+def _optimizer_mapping(obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if optim_wrap.is_optimizer_like(obj):
+        return {"optim": obj}
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str) or not optim_wrap.is_optimizer_like(v):
+                raise ConfigError(f"optimizer[{k!r}] must be a Optimizer, got {type(v).__name__}")
+        return dict(obj)
+    raise ConfigError(f"optimizer must be a Optimizer or a dict of them, got {type(obj).__name__}")
+
+
 # Wrapper modules whose attribute name get_state_dict leaves out of a key (torch.compile,
 # activation checkpointing, FSDP1); DDP's ``module`` only under a DistributedDataParallel.
-_WRAPPER_ATOMS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+_WRAPPER_ATOMS = module_state.WRAPPER_ATOMS
 
 
 def dcp_fqn(module: torch.nn.Module, key: str) -> str:
@@ -68,7 +81,9 @@ class TrainingState:
         self.models = _as_mapping(model, "model", torch.nn.Module, "model")
         if not self.models:
             raise ConfigError("Snapshotter needs a torch.nn.Module (or a dict of them) as model")
-        self.optimizers = _as_mapping(optimizer, "optim", torch.optim.Optimizer, "optimizer")
+        # Wrappers (torchtitan's OptimizersContainer, accelerate's AcceleratedOptimizer,
+        # Lightning's LightningOptimizer) are replaced by the optimizers they step.
+        self.optimizers, self.wrapped = optim_wrap.flatten(_optimizer_mapping(optimizer))
         self.extra: dict[str, Any] = {}
         for key, obj in (extra or {}).items():
             if not isinstance(key, str):
@@ -92,25 +107,24 @@ class TrainingState:
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
         for mkey, mod in self.models.items():
-            for name, t in mod.state_dict(keep_vars=True).items():
-                if isinstance(t, torch.Tensor):
-                    check_tensor(f"{mkey}.{name}", t)
+            for name, t, _ in module_state.live(mod):
+                check_tensor(f"{mkey}.{name}", t)
+            module_state.check(mkey, mod)
 
     # ----------------------------------------------------------- layout
     def live_tensors(self) -> list[LiveTensor]:
         out: list[LiveTensor] = []
         by_id: dict[int, LiveTensor] = {}
         for mkey, mod in self.models.items():
-            buffers = {id(b) for b in mod.buffers()}
-            for name, t in mod.state_dict(keep_vars=True).items():
-                if not isinstance(t, torch.Tensor):
-                    continue
+            # The parameters and buffers themselves, never state_dict()'s values (a hook
+            # may return copies: cudasnap.core.module_state).
+            for name, t, is_buffer in module_state.live(mod):
                 full = f"{mkey}.{name}"
                 if id(t) in by_id:  # tied weights: one copy, two names
                     by_id[id(t)].aliases.append(full)
                     continue
                 # Keep the Parameter object itself: `p.data = x` then shows as a moved pointer.
-                lt = LiveTensor(full, f"model:{mkey}", t, 0 if id(t) in buffers else 1)
+                lt = LiveTensor(full, f"model:{mkey}", t, 0 if is_buffer else 1)
                 by_id[id(t)] = lt
                 out.append(lt)
         for okey, opt in self.optimizers.items():
@@ -126,6 +140,7 @@ class TrainingState:
                     else:
                         scalars.append((idx, k))
             self._scalar_keys[okey] = scalars
+        optim_wrap.check_wrappers(self.wrapped)
         for lt in out:  # at layout build (and construction), never per boundary
             check_tensor(lt.name, lt.tensor)
             if type(lt.tensor) not in _PLAIN and sharded.is_dtensor(lt.tensor):
@@ -143,10 +158,9 @@ class TrainingState:
         tensors. No LiveTensor, no checks: the periodic re-scan compares identities only
         (``Layout.rescan``; ``live_tensors()`` takes ~105 ms at 40,000 tensors).
 
-        A model whose modules all save their state the default way (no
-        ``_save_to_state_dict`` override, no state_dict hooks) is walked module by module
-        in ``state_dict`` order (each module's parameters, then its persistent buffers,
-        then its children); any other model is one piece, its ``state_dict()``.
+        Models are walked module by module in ``live_tensors``' order (each module's
+        parameters, then its persistent buffers, then its children: the default
+        ``state_dict`` order, whatever hooks the modules have).
         ``dedup``: drop repeats of an object (tied weights; the layout lists them once);
         without it a repeat is a difference."""
         seen: set[int] = set()
@@ -159,16 +173,12 @@ class TrainingState:
                 out = [t for t in out if id(t) not in seen and not seen.add(id(t))]  # type: ignore[func-returns-value]
             return out
 
-        base = torch.nn.Module._save_to_state_dict
         for mod in self.models.values():
-            mods = list(mod.modules())
-            if any(type(m)._save_to_state_dict is not base or m._state_dict_hooks
-                   or m._state_dict_pre_hooks or getattr(m, "_state_dict_post_hooks", None)
-                   for m in mods) or len(mods) != sum(1 for _ in mod.modules(remove_duplicate=False)):
-                yield keep(mod.state_dict(keep_vars=True).values())
+            if len(list(mod.modules())) != sum(1 for _ in mod.modules(remove_duplicate=False)):
+                yield keep(t for _, t, _ in module_state.entries(mod))  # a module reached twice
                 continue
             part: list[Any] = []
-            for m in mods:
+            for m in mod.modules():
                 nonp = m._non_persistent_buffers_set
                 part += keep(m._parameters.values())
                 part += keep(v for k, v in m._buffers.items() if k not in nonp)
@@ -195,7 +205,7 @@ class TrainingState:
         fqn_of: dict[int, str] = {}
         multi = len(self.models) > 1
         for mkey, mod in self.models.items():
-            for key in mod.state_dict(keep_vars=True):
+            for key, _, _ in module_state.live(mod):
                 fqn = dcp_fqn(mod, key)
                 if fqn != key:
                     renamed[f"{mkey}.{key}"] = f"{mkey}.{fqn}"

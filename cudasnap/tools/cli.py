@@ -196,6 +196,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    from ..format import paths
     from ..storage import posix
     from .export import (
         check_export_target,
@@ -219,7 +220,9 @@ def cmd_export(a: argparse.Namespace) -> int:
         print(f"wrote {export_dcp(a.directory, a.to_file, step=a.step)}")
         return 0
     snaps = [s for s in posix.list_snapshots(a.directory) if a.step is None or s.step == a.step]
-    if snaps:  # the checksums first, for a message with the file, chunk and hex CRCs
+    if snaps and (snaps[0].path / paths.MANIFEST).is_file():
+        # the checksums first, for a message with the file, chunk and hex CRCs (a multi-rank
+        # step's files are verified, rank by rank, as export_torch reads them)
         ok, msg = _verify_one(snaps[0].path, _NoProgress())
         if not ok:
             raise CorruptSnapshot(f"step {snaps[0].step} fails its checksum: {msg}")

@@ -18,13 +18,16 @@ metadata lists each key with the storage of the first: no tensor is written twic
   ``optim.state.<param index>.<key>``.
 
 Every ``extra`` object's state goes under its own name (``extra={"dataloader": dl}`` ->
-``dataloader.*``), rank 0's copy (extra state is per rank). Only the first form exists for a
+``dataloader.*``): rank 0's copy, plus the keys only other ranks have (extra state is per
+rank: torchtitan's dataloader saves ``dp_rank_<N>`` on rank N, and its loader asks for every
+rank's). Only the first form exists for a
 snapshot without recorded FQNs (taken before this export learnt them) or with several models
 or optimizers (keys then prefixed by their ``Snapshotter`` names).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,8 +94,10 @@ def _scheduler_extra(extra: dict[str, Any]) -> str | None:
 
 
 def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict[str, Any],
-         step: int) -> DcpKeys:
-    """The keys of every tensor chunk entry and host value (see the module doc)."""
+         step: int, other_hosts: Sequence[dict[str, Any]] = ()) -> DcpKeys:
+    """The keys of every tensor chunk entry and host value (see the module doc).
+    ``host``: rank 0's host state; ``other_hosts``: the other ranks', whose ``extra`` keys
+    rank 0 lacks are added (per-rank state: torchtitan's ``dataloader.dp_rank_<N>``)."""
     import torch
 
     renamed, param_fqns = _names(manifest)
@@ -188,6 +193,13 @@ def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict
     for name, ent in extra.items():
         if isinstance(ent, dict) and "state" in ent:
             put({name: ent["state"]}, f"extra[{name!r}]")
+    for other in other_hosts:  # keys only another rank has (rank 0's copy wins a clash)
+        for name, ent in (other.get("extra") or {}).items():
+            if isinstance(ent, dict) and "state" in ent:
+                for k, v in _flatten({name: ent["state"]}).items():
+                    if k not in taken:
+                        taken.add(k)
+                        out.objects[k] = v
     if titan:
         sched = _scheduler_extra(extra)
         if sched is not None and sched != TORCHTITAN_SCHEDULER:

@@ -82,15 +82,26 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
     works; optimizer entries follow ``Optimizer.state_dict()`` (state keyed by
     parameter index, param_groups). The export is a torch (pickle) file by
     design: it is for the user's own loader; cudasnap's own format never pickles.
+
+    A multi-rank snapshot (a committed step) is gathered offline: sharded tensors
+    (FSDP2, tensor parallel) are assembled into full ones, replicas read once; host
+    state is rank 0's, and ``"extra_by_rank"`` holds every rank's ``extra`` (per-rank
+    state such as a dataloader's position).
     """
     import torch
 
     check_export_target(directory, to_file)
-    tensors, m = load_tensors(directory, step)
+    step_, ranks = load_shards(directory, step)
+    chunks = _chunks(ranks)
+    tensors = {name: _assemble(name, ent) for name, ent in chunks.items()}
+    m = ranks[0]["manifest"]
+    m_tensors = [{"name": name, **{k: ent[k] for k in ("group", "aliases", "param_index",
+                                                        "state_key")}}
+                 for name, ent in chunks.items()]
     host = codec.decode(m["host"], "host")
     models: dict[str, dict[str, Any]] = {}
     optims: dict[str, dict[str, Any]] = {}
-    for e in m["tensors"]:
+    for e in m_tensors:
         group = e.get("group", "")
         kind, _, key = group.partition(":")
         if kind == "model":
@@ -110,6 +121,11 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
            "optimizer": optims.get("optim", optims),
            "extra": {k: v.get("state") for k, v in host.get("extra", {}).items()},
            "cudasnap_manifest": json.loads(json.dumps({k: m[k] for k in ("step", "format_version")}))}
+    if len(ranks) > 1 or int(m.get("world_size", 1)) > 1:
+        out["extra_by_rank"] = {
+            r["rank"]: {k: v.get("state") for k, v in
+                        codec.decode(r["manifest"]["host"], "host").get("extra", {}).items()}
+            for r in ranks}
     return atomic_output(Path(to_file), lambda tmp: torch.save(out, tmp))
 
 

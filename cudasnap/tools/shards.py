@@ -5,7 +5,7 @@ per-rank local tensors (:func:`load_shards`, only a committed step); the distinc
 of each tensor across ranks (:func:`_chunks`) and a full tensor laid out from them
 (:func:`_assemble`, :func:`full_tensors`).
 
-Call order: cudasnap.tools.export (``export_torch``: ``load_tensors``;
+Call order: cudasnap.tools.export (``export_torch`` and
 ``export_safetensors``: ``_step_dir`` -> ``load_shards`` -> ``_chunks`` -> ``_assemble``) and
 cudasnap.tools.export_dcp (``load_shards`` -> ``_chunks``, then cudasnap.tools.dcp_keys).
 """

@@ -16,12 +16,49 @@ import torch.distributed as dist
 from tests.dist.spawn_worker import _pg
 
 
+class FusedQKV(torch.nn.Module):
+    """q, k and v in one parameter, split into ``wq``/``wk``/``wv`` by a state_dict hook and
+    fused again by a load pre-hook, as torchtitan's llama3 attention does: its state_dict
+    holds tensors built from the parameter (copies under FSDP2), never the parameter."""
+
+    def __init__(self, d: int = 16, h: int = 6) -> None:
+        super().__init__()
+        self.wqkv = torch.nn.Parameter(torch.randn(3 * h, d) / 4)
+        self._register_state_dict_hook(FusedQKV._split)
+        self._register_load_state_dict_pre_hook(FusedQKV._fuse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ self.wqkv.t()).chunk(3, dim=-1)
+        return torch.tanh(q * k + v)
+
+    @staticmethod
+    def _split(mod: Any, sd: dict[str, Any], prefix: str, _: Any) -> None:
+        w = sd.pop(prefix + "wqkv")
+        for name, part in zip(("wq", "wk", "wv"), w.chunk(3, dim=0)):
+            sd[prefix + name] = part
+
+    @staticmethod
+    def _fuse(sd: dict[str, Any], prefix: str, *_: Any) -> None:
+        if prefix + "wq" in sd:
+            sd[prefix + "wqkv"] = torch.cat([sd.pop(prefix + n) for n in ("wq", "wk", "wv")])
+
+
 def build(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The same module tree (names) for both kinds: FSDP2 (13 hidden: uneven shards) or TP
-    (14 hidden: DTensor's rowwise matmul needs even shards)."""
+    (14 hidden: DTensor's rowwise matmul needs even shards). ``fused``: FSDP2 over a model
+    whose state_dict is not its parameters (FusedQKV)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
+    if kind == "fused":
+        from torch.distributed.fsdp import fully_shard
+
+        model = torch.nn.Sequential(FusedQKV(), torch.nn.Linear(6, 4))
+        model.register_buffer("seen", torch.zeros(3))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     h = 13 if kind == "fsdp" else 14
     model = torch.nn.Sequential(torch.nn.Linear(16, h), torch.nn.Tanh(), torch.nn.Linear(h, 4))
     model.register_buffer("seen", torch.zeros(3))  # plain state beside the DTensors
@@ -48,6 +85,7 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().numpy().copy()
 
     out = {f"m.{k}": full(v) for k, v in model.state_dict().items()}
+    out.update((f"p.{n}", full(p)) for n, p in model.named_parameters())
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k, v in st.items():
@@ -57,7 +95,7 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, snap: Any) -> None:
     for step in steps:
-        g = torch.Generator().manual_seed(100 * (dist.get_rank() if snap.kind == "fsdp" else 0)
+        g = torch.Generator().manual_seed(100 * (dist.get_rank() if snap.kind != "tp" else 0)
                                           + step)
         x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -140,7 +178,7 @@ def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
     base = Path(base_s)
     for sc in scenarios:
         try:
-            if sc in ("fsdp", "tp"):
+            if sc in ("fsdp", "tp", "fused"):
                 res = save_rollback_restore(base, rank, world, sc)
             elif sc == "mismatch":
                 res = mismatch(base, rank, world)

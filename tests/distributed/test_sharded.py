@@ -1,6 +1,8 @@
 """Sharded (DTensor) state on a 2-rank CPU mesh, in-process (spawn + gloo): FSDP2 and
 tensor-parallel snapshots restore bit for bit by rollback(), from shared memory and
-from disk; a snapshot restored into another mesh is refused naming both meshes."""
+from disk, also for a model whose state_dict hook splits a fused parameter into copies
+(``fused``: the real parameter is snapshotted, issue 32); a snapshot restored into
+another mesh is refused naming both meshes."""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, l
     from tests.dist import sharded_worker
 
     base = tmp_path_factory.mktemp("sharded")
-    scenarios = ["fsdp", "tp", "mismatch"]
+    scenarios = ["fsdp", "tp", "mismatch", "fused"]
     mp.spawn(sharded_worker.worker, args=(WORLD, str(base), scenarios), nprocs=WORLD, join=True)
     out = {}
     for sc in scenarios:
@@ -43,7 +45,7 @@ def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+@pytest.mark.parametrize("kind", ["fsdp", "tp", "fused"])
 def test_sharded_state_restores_bitwise(spawned, kind: str) -> None:
     base, res = spawned
     for rank, r in enumerate(res[kind]):
@@ -137,6 +139,36 @@ def test_export_dcp_loads_resharded_into_one_process(spawned, tmp_path: Path) ->
     torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 4)).backward()
     opt.step()
     assert int(opt.state[names["0.weight"]]["step"]) == 5
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "fused"])
+def test_export_torch_gathers_a_multi_rank_snapshot(spawned, tmp_path: Path, kind: str) -> None:
+    """``export --to torch`` of a 2-rank snapshot: the full tensors (it raised a
+    CorruptSnapshot for a sound snapshot, issue 32), the real parameters of the fused model
+    (loadable by its load pre-hook's path too), every rank's extra."""
+    import torch
+
+    from cudasnap.tools.cli import main
+
+    base, _ = spawned
+    out = tmp_path / "full.pt"
+    assert main(["export", str(base / f"{kind}_save"), "--to", "torch", str(out)]) == 0
+    got = torch.load(out, weights_only=False)
+    assert got["step"] == 3 and sorted(got["extra_by_rank"]) == [0, 1]
+    ref = _npz(base, kind, "step3", 0)
+    params = {k[2:] for k in ref if k.startswith("p.")}
+    assert params <= set(got["model"]), (sorted(got["model"]), params)
+    for k in params:
+        assert np.array_equal(got["model"][k].numpy(), ref[f"p.{k}"]), k
+    assert np.array_equal(got["model"]["seen"].numpy(), ref["m.seen"])
+    if kind == "fused":
+        from tests.dist.sharded_worker import FusedQKV
+
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(FusedQKV(), torch.nn.Linear(6, 4))
+        model.register_buffer("seen", torch.zeros(3))
+        model.load_state_dict(got["model"])
+        assert np.array_equal(model[0].wqkv.detach().numpy(), ref["p.0.wqkv"])
 
 
 @pytest.mark.parametrize("bad, why", [
