@@ -51,6 +51,26 @@ def _emit(tag: str, out: str | None, arrays: dict | None, info: dict) -> None:
     print(f"{tag} " + json.dumps(info), flush=True)
 
 
+def _hook_split(mod, dim: int, parts: int) -> None:
+    """Makes ``mod``'s state_dict hold copies of its weight in ``parts`` pieces (as
+    torchtitan's fused q/k/v hook does) and a load pre-hook fuse them again (issue 32: a
+    snapshot of those copies resumed silently wrong)."""
+    import torch
+
+    def split(m, sd, prefix, _):
+        w = sd.pop(prefix + "weight")
+        for i, piece in enumerate(w.chunk(parts, dim=dim)):
+            sd[f"{prefix}weight_{i}"] = piece.clone()
+
+    def fuse(sd, prefix, *_):
+        if prefix + "weight_0" in sd:
+            sd[prefix + "weight"] = torch.cat([sd.pop(f"{prefix}weight_{i}")
+                                               for i in range(parts)], dim=dim)
+
+    mod._register_state_dict_hook(split)
+    mod._register_load_state_dict_pre_hook(fuse)
+
+
 def _lightning_fit(a: argparse.Namespace, mode: str, out: str) -> None:
     import torch
     import torch.nn.functional as F
@@ -82,6 +102,8 @@ def _lightning_fit(a: argparse.Namespace, mode: str, out: str) -> None:
     ds = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
     loader = ResumableDataLoader(ds, batch_size=4, shuffle=True)  # 10 batches per epoch
     model = Tiny()
+    if a.hooked:
+        _hook_split(model.net[0], 0, 2)
     callbacks: list = []
     snap_cb = None
     if mode != "ref":
@@ -145,6 +167,8 @@ def _hf_fit(a: argparse.Namespace, mode: str, out: str, resume: bool = True) -> 
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                      resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
     model = GPT2LMHeadModel(cfg)  # randomly initialised from a config: no download
+    if a.hooked:
+        _hook_split(model.transformer.h[0].attn.c_attn, 1, 3)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (40, 16), generator=g)
 
@@ -216,6 +240,7 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--ref-out", default=None, help="first run uninterrupted, without cudasnap")
     ap.add_argument("--kill-at", type=int, default=-1, help="SIGKILL after this global step")
     ap.add_argument("--raise-at", type=int, default=-1, help="raise after this global step")
+    ap.add_argument("--hooked", action="store_true", help="a state_dict hook returns copies")
     a = ap.parse_args(argv)
     if a.framework == "lightning":
         if a.ref_out:
@@ -271,15 +296,19 @@ def _differing(a: dict, b: dict) -> list[str]:
 
 
 @pytest.mark.slow
-def test_lightning_kill_resume_is_bitwise(snap_env) -> None:
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "state-dict-hook"])
+def test_lightning_kill_resume_is_bitwise(snap_env, hooked: bool) -> None:
     """SIGKILLed mid-epoch (step 13), resumed in a new process; that run fails with an
-    exception at an epoch end (step 20) and is resumed by a fresh Trainer."""
+    exception at an epoch end (step 20) and is resumed by a fresh Trainer. ``hooked``: the
+    model's state_dict holds copies of a weight (a split hook)."""
     _need_lightning()
     tmp = snap_env.tmp
     ref_npz = tmp / "ref.npz"
-    _run(tmp, "lightning", "crash", "--kill-at", "13", "--ref-out", str(ref_npz), killed=True)
+    hk = ("--hooked",) if hooked else ()
+    _run(tmp, "lightning", "crash", "--kill-at", "13", "--ref-out", str(ref_npz), *hk,
+         killed=True)
     assert ref_npz.exists()
-    r = _run(tmp, "lightning", "resume", "--raise-at", "20")["RESULT"]
+    r = _run(tmp, "lightning", "resume", "--raise-at", "20", *hk)["RESULT"]
     # Restored from the shared-memory slot the failed run left, at the step after it.
     assert r["source"] == "shm" and r["restored"] == 20
     assert r["calls"] == 30 - 20  # exactly the remaining optimizer steps were trained
@@ -294,16 +323,19 @@ def test_lightning_kill_resume_is_bitwise(snap_env) -> None:
 
 
 @pytest.mark.slow
-def test_hf_kill_resume_is_bitwise(snap_env) -> None:
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "state-dict-hook"])
+def test_hf_kill_resume_is_bitwise(snap_env, hooked: bool) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed "
                         "(see requirements-extras.txt)")
     pytest.importorskip("accelerate", reason="accelerate (needed by transformers.Trainer) "
                         "is not installed")
     tmp = snap_env.tmp
     ref_npz = tmp / "ref.npz"
-    pre = _run(tmp, "hf", "crash", "--kill-at", "13", "--ref-out", str(ref_npz), killed=True)
+    hk = ("--hooked",) if hooked else ()
+    pre = _run(tmp, "hf", "crash", "--kill-at", "13", "--ref-out", str(ref_npz), *hk,
+               killed=True)
     assert pre["PRE"] == {"resume_checkpoint": None}  # a fresh directory: nothing to resume
-    out = _run(tmp, "hf", "resume")
+    out = _run(tmp, "hf", "resume", *hk)
     r = out["RESULT"]
     assert r["source"] == "shm" and r["restored"] == 13
     assert r["calls"] == 30 - 13 and r["global_step"] == 30 and r["epoch"] == 3.0
