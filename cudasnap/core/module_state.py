@@ -10,15 +10,18 @@ format converters, FSDP2's DTensor ops on a sharded parameter). A snapshot of su
 copy is taken once and never refreshed, and a restore into it never reaches the
 parameter: a silently wrong resume (issue 32).
 
-Names: a tensor's name is its ``state_dict`` key where ``state_dict`` returns that very
-object (so hooks that only rename, e.g. activation checkpointing's, keep the names
-``get_state_dict`` uses), else its path in the module tree (``layers.0.attention.wqkv``).
+Names: a tensor's path in the module tree, less the attribute names of wrappers whose
+own ``state_dict`` hook drops them (activation checkpointing, FSDP1): the ``state_dict``
+key wherever ``state_dict`` returns the tensor itself, and ``layers.0.attention.wqkv``
+where a hook splits it. cudasnap never calls ``state_dict()`` on the model: a hook may
+make it a collective (torchtitan's hook all-gathers the sharded ``wqkv``), which one
+rank, or a background thread, must never run alone.
 
 ``check`` refuses, naming the module, what cannot be restored bit for bit from the
-parameters and buffers: a module keeping state in ``get_extra_state``, and a
-``state_dict`` entry that is neither a parameter or buffer, a view of one, nor made by a
-hook or override of a module that owns parameters or buffers (e.g. packed weights held
-in a plain attribute).
+parameters and buffers: a module keeping state in ``get_extra_state``, and a tensor that
+a ``_save_to_state_dict`` override of a module owning no parameters or buffers emits
+(packed weights held in a plain attribute). State dict hooks are taken for what they
+are meant to be, functions of the parameters (logged at INFO).
 """
 from __future__ import annotations
 
@@ -65,14 +68,6 @@ def custom(m: torch.nn.Module) -> bool:
                 or type(m).get_extra_state is not _BASE_EXTRA)
 
 
-def any_custom(mod: torch.nn.Module) -> bool:
-    return any(custom(m) for m in mod.modules())
-
-
-def _clean(path: str) -> str:
-    return ".".join(a for a in path.split(".") if a and a not in WRAPPER_ATOMS)
-
-
 def _storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
     from . import sharded
 
@@ -84,67 +79,69 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
         return None
 
 
-def names(mod: torch.nn.Module) -> dict[int, list[str]]:
-    """``id(tensor) -> its state_dict keys`` (in order; a tied tensor has several) for the
-    parameters and buffers ``state_dict`` returns as themselves (only needed for a model
-    with a custom module: for the others every key is the tensor's path)."""
-    out: dict[int, list[str]] = {}
-    for key, v in mod.state_dict(keep_vars=True).items():
-        if isinstance(v, torch.Tensor):
-            out.setdefault(id(v), []).append(key)
-    return out
+def _emitted(m: torch.nn.Module) -> dict[str, Any]:
+    """What ``m``'s own ``_save_to_state_dict`` override emits (no hooks, no children)."""
+    dest: dict[str, Any] = {}
+    m._save_to_state_dict(dest, "", True)
+    return dest
 
 
 def check(mkey: str, mod: torch.nn.Module) -> None:
     """ConfigError naming the module whose state a snapshot of its parameters and
-    buffers would not restore (see the module docstring). Metadata and one
-    ``state_dict()``; only does work for a model with a custom module."""
-    customs = [(p, m) for p, m in mod.named_modules(remove_duplicate=False) if custom(m)]
-    if not customs:
-        return
-    for path, m in customs:
+    buffers would not restore (see the module docstring). Never calls ``state_dict()``:
+    a hook may make it a collective (torchtitan's fused q/k/v hook all-gathers the
+    sharded parameter), which no rank may run alone or off the training thread. State
+    dict hooks are taken as what they are meant to be, functions of the parameters; a
+    ``_save_to_state_dict`` override is called on its own module."""
+    derived: list[str] = []
+    for path, m in mod.named_modules(remove_duplicate=False):
+        if not custom(m):
+            continue
+        where = f"{mkey}.{path}" if path else mkey
         if type(m).get_extra_state is not _BASE_EXTRA:
-            where = f"{mkey}.{path}" if path else mkey
             raise ConfigError(
                 f"module {where!r} ({type(m).__qualname__}) keeps state in get_extra_state(), "
                 "outside its parameters and buffers: cudasnap snapshots parameters, buffers "
                 "and optimizer state and cannot restore that state bit for bit; keep it in a "
                 "buffer, or snapshot that module with torch.distributed.checkpoint")
-    walked = {id(t) for _, t, _ in entries(mod)}
-    storages = {_storage_key(t) for _, t, _ in entries(mod)} - {None}
-    owners = [(_clean(p), m) for p, m in customs
-              if any(True for _ in entries(m))]  # hooks of modules that hold tensors
-    derived: list[str] = []
-    for key, v in mod.state_dict(keep_vars=True).items():
-        if not isinstance(v, torch.Tensor) or id(v) in walked:
+        if type(m)._save_to_state_dict is _BASE_SAVE:
+            if m._state_dict_hooks or getattr(m, "_state_dict_post_hooks", None):
+                derived.append(where)
             continue
-        if _storage_key(v) in storages:
-            continue  # a view of a parameter or buffer: restored through it
-        ck = _clean(key)
-        if any(not p or ck == p or ck.startswith(p + ".") for p, _ in owners):
-            derived.append(key)
-            continue
-        raise ConfigError(
-            f"{mkey}.{key} in the state_dict of model {mkey!r} is neither a parameter nor a "
-            "buffer of it (a state_dict hook or _save_to_state_dict override of a module with "
-            "no parameters or buffers made it, e.g. packed weights): cudasnap snapshots the "
-            "tensors training writes and cannot restore this one bit for bit; keep that state "
-            "in a parameter or buffer")
+        own = [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        ids = {id(t) for t in own}
+        storages = {_storage_key(t) for t in own} - {None}
+        for key, v in _emitted(m).items():
+            if not isinstance(v, torch.Tensor) or id(v) in ids or _storage_key(v) in storages:
+                continue
+            if not own:
+                raise ConfigError(
+                    f"{where}.{key} in the state_dict of model {mkey!r} is neither a parameter "
+                    f"nor a buffer ({type(m).__qualname__}._save_to_state_dict makes it, and "
+                    "the module has none, e.g. packed weights): cudasnap snapshots the tensors "
+                    "training writes and cannot restore this one bit for bit; keep that state "
+                    "in a parameter or buffer")
+            derived.append(where)
     if derived:
-        log.info("model %r: %d state_dict entr%s (%s%s) are made by hooks from the parameters; "
-                 "cudasnap snapshots and restores the parameters themselves", mkey, len(derived),
-                 "y" if len(derived) == 1 else "ies", ", ".join(derived[:4]),
+        log.info("model %r: the state_dict of %d module(s) (%s%s) is made by hooks or overrides "
+                 "from their parameters; cudasnap snapshots and restores the parameters "
+                 "themselves", mkey, len(derived), ", ".join(derived[:4]),
                  ", ..." if len(derived) > 4 else "")
 
 
 def live(mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     """(name, tensor, is buffer) of the tensors a snapshot holds of ``mod``, repeats
-    included, named as the module docstring says."""
-    if not any_custom(mod):
+    included: the path, less the attribute names of the wrappers whose state_dict hooks
+    drop them from the keys (activation checkpointing, FSDP1), so a name is the
+    ``state_dict`` key wherever ``state_dict`` returns the tensor itself."""
+    if not any(a in _RENAMED for m in mod.modules() for a in m._modules):
         return list(entries(mod))
-    keys = names(mod)
-    out = []
-    for path, t, buf in entries(mod):
-        left = keys.get(id(t))
-        out.append((left.pop(0) if left else path, t, buf))
-    return out
+    return [(_drop_renamed(path), t, buf) for path, t, buf in entries(mod)]
+
+
+# Wrapper attributes that the wrapper's own state_dict hook drops from the keys.
+_RENAMED = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def _drop_renamed(path: str) -> str:
+    return ".".join(a for a in path.split(".") if a not in _RENAMED)

@@ -170,3 +170,33 @@ def test_compiled_and_checkpoint_wrapped_fused_model_resumes_bitwise(snap_env) -
     assert snap2.restore_latest() == 2
     snap2.close()  # (step 1 flushed: resume at 2)
     assert _same(want, _params(inner2, opt2)) == []
+
+
+def test_cudasnap_never_calls_the_models_state_dict(snap_env) -> None:
+    """torchtitan's fused q/k/v hook all-gathers the sharded parameter: its state_dict() is a
+    collective, which one rank alone (a flush, a background layout build) would hang in.
+    Construction, boundaries, flush, restore and the layout never call it."""
+    class Collective(Fused):
+        @staticmethod
+        def _split(mod: Any, sd: dict[str, Any], prefix: str, _: Any) -> None:
+            raise AssertionError("state_dict() called: a collective on one rank")
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Collective(True), torch.nn.Linear(4, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, job=snap_env.job,
+                                health=False)
+    _train(model, opt, range(3), snap)
+    snap.wait()
+    snap.flush()
+    want = _params(model, opt)
+    snap.close()
+    model2, opt2 = build()
+    snap2 = cudasnap.Snapshotter(model2, opt2, directory=snap_env.dir, job=snap_env.job + "b",
+                                 health=False)
+    assert snap2.restore_latest() == 3
+    snap2.close()
+    assert _same(want, _params(model2, opt2)) == []

@@ -133,7 +133,7 @@ def test_verify_and_export_of_an_empty_directory_fail_cleanly(snap_env, capsys):
     assert "no snapshots in" in capsys.readouterr().err
     assert cli.main(["export", str(snap_env.dir), "--to", "torch", str(snap_env.tmp / "x.pt")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cudasnap export: error: no snapshot in") and "Traceback" not in err
+    assert err.startswith("cudasnap export: error: no committed snapshot in") and "Traceback" not in err
     assert not (snap_env.tmp / "x.pt").exists()
 
 
