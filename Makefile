@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build emu demo test test-fast test-emulated lint compile-check bench-deps clean
+.PHONY: all venv build emu titan demo test test-fast test-emulated lint compile-check bench-deps clean
 
 all: build
 
@@ -23,6 +23,16 @@ venv: $(STAMP)
 
 build: $(STAMP)
 	CUDASNAP_CUDA_ARCHS="$(CUDA_ARCHS)" $(BIN)/python setup.py -q build_ext --inplace
+
+# torchtitan and its own requirements for tests/e2e/test_torchtitan.py, beside the venv
+# (requirements-titan.txt says why not in it).
+TITAN := build/titan-site
+$(TITAN)/.stamp: requirements-titan.txt $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --upgrade --target $(TITAN) \
+		-r requirements-titan.txt
+	touch $@
+
+titan: $(TITAN)/.stamp
 
 # The emulated CUDA runtime (tools/cudaemu) the CUDA tests run under.
 emu: $(STAMP)
@@ -44,7 +54,7 @@ compile-check: $(STAMP)
 
 # Two lanes: every test on the CPU, then the CUDA path (tests/cuda_emu) in its own
 # process under the emulated CUDA runtime, with the real CUDA build of torch on top.
-test: build emu lint compile-check
+test: build emu titan lint compile-check
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory test-emulated
 

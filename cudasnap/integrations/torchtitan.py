@@ -1,0 +1,95 @@
+"""cudasnap as torchtitan's checkpoint manager (torchtitan 0.3.0, package ``torchtitan``).
+
+torchtitan's ``Trainer`` builds its checkpointer from ``config.checkpoint`` with every object
+a resume needs and calls it at fixed points of ``train()``: ``load()`` before the loop (the
+data iterator is made after it), ``save(step)`` after each step's optimizer and LR-scheduler
+step, ``close()`` at the end. ``CudaSnapCheckpointManager`` is that checkpointer: no line of
+the trainer changes, a config function picks it::
+
+    from torchtitan.models.llama3.config_registry import llama3_8b
+    from cudasnap.integrations.torchtitan import CudaSnapCheckpointManager
+
+    def llama3_8b_cudasnap():
+        cfg = llama3_8b()
+        cfg.checkpoint = CudaSnapCheckpointManager.Config(enable=True)
+        return cfg
+
+(``--module my_cfg --config llama3_8b_cudasnap``.) What it snapshots, at every ``save``:
+
+* the model parts' parameters and buffers (FSDP2 / TP local shards, the fused ``wqkv``
+  parameter itself, never the split copies its ``state_dict`` hook makes),
+* the optimizer state of every optimizer the ``OptimizersContainer`` steps,
+* ``lr_scheduler`` (the ``LRSchedulersContainer``), ``dataloader`` (each rank's position:
+  ``dp_rank_<N>``), ``train_state`` (the Trainer's ``step`` and ``ntokens_seen``), RNG states.
+
+``load()`` restores the newest snapshot every rank holds (shared memory first, then disk)
+and sets ``trainer.step`` to its step, so the loop goes on at the next one; torchtitan's
+steps count from 1 and are used as they are. At the last step every rank flushes (a
+committed snapshot on disk). Run it under ``cudasnap run -- torchrun --max-restarts=0 ...``
+(see README, "torchtitan").
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan.components.checkpointer import BaseCheckpointManager
+
+from ..snapshotter import Snapshotter
+
+log = logging.getLogger("cudasnap.torchtitan")
+
+
+class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
+    """torchtitan checkpoint manager backed by a cudasnap ``Snapshotter`` (module doc)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):  # type: ignore[misc]
+        folder: str = "cudasnap"
+        """Snapshot directory, relative to the trainer's dump folder (or absolute);
+        ``$CUDASNAP_DIR`` (set by ``cudasnap run``) wins."""
+
+        snapshot_every: int = 1
+        """Copy every k-th step to host memory (a trigger still saves the live state)."""
+
+    def __init__(self, config: Any, *, dataloader: Any, model_parts: list[Any],
+                 optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
+                 sd_adapter: Any = None, base_folder: str = "") -> None:
+        self.enable = bool(config.enable)
+        self.save_future = None
+        if not self.enable:
+            return
+        models = ({"model": model_parts[0]} if len(model_parts) == 1 else
+                  {f"model.{i}": m for i, m in enumerate(model_parts)})
+        extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **states}
+        if dataloader is not None:
+            extra["dataloader"] = dataloader
+        directory = os.environ.get("CUDASNAP_DIR") or os.path.join(base_folder, config.folder)
+        self.snap = Snapshotter(models, optimizers, directory=directory, extra=extra,
+                                snapshot_every=config.snapshot_every)
+        self.restored: int | None = None
+
+    def _load(self, step: int = -1) -> bool:
+        if step != -1:
+            log.warning("cudasnap restores the newest snapshot; step %d asked for is ignored",
+                        step)
+        start = self.snap.restore_latest()
+        self.restored = start - 1 if start else None
+        return bool(start)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        self.snap.boundary(curr_step)
+        if last_step:
+            self.snap.flush()  # every rank reaches the last step: a committed snapshot
+        return True
+
+    def _maybe_wait_for_staging(self) -> None:
+        pass  # the optimizer's step pre-hook fences the running copy
+
+    def _wait_for_saving(self) -> None:
+        pass
+
+    def _close(self) -> None:
+        self.snap.close()

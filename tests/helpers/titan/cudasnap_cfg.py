@@ -1,0 +1,38 @@
+"""The torchtitan config of the README's integration: the llama3 debug model with cudasnap
+as its checkpoint manager (``--module tests.helpers.titan.cudasnap_cfg --config
+llama3_debugmodel_cudasnap``). ``TT_KILL_STEP``/``TT_KILL_RANK``: that rank SIGKILLs itself
+once that step's snapshot is COMPLETE, in the first attempt only."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+from cudasnap.integrations.torchtitan import CudaSnapCheckpointManager
+
+_save = CudaSnapCheckpointManager._save
+
+
+def _save_then_maybe_die(self, curr_step: int, last_step: bool = False) -> bool:
+    done = _save(self, curr_step, last_step)
+    first = os.environ.get("CUDASNAP_RESTART", "0") == "0" and \
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first and str(curr_step) == os.environ.get("TT_KILL_STEP") and \
+            str(torch.distributed.get_rank()) == os.environ.get("TT_KILL_RANK"):
+        self.snap.wait()
+        print(f"KILL step={curr_step} rank={torch.distributed.get_rank()} at={time.time():.3f}",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return done
+
+
+CudaSnapCheckpointManager._save = _save_then_maybe_die  # type: ignore[method-assign]
+
+
+def llama3_debugmodel_cudasnap():
+    cfg = llama3_debugmodel()
+    cfg.checkpoint = CudaSnapCheckpointManager.Config(enable=True)
+    return cfg
