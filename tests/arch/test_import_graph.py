@@ -146,7 +146,9 @@ def test_imports_alone_in_a_fresh_interpreter(mod: str) -> None:
 NOT_IMPORTABLE_ALONE = {"cudasnap.__main__"}
 # Optional extras: a module needing one is imported only when it is installed.
 EXTRAS = {"cudasnap.integrations.hf": "transformers", "cudasnap.integrations.lightning": "lightning",
-          "cudasnap.storage.fsspec": "fsspec"}
+          "cudasnap.storage.fsspec": "fsspec",
+          # build/titan-site, off sys.path here: imported by tests/e2e/test_torchtitan.py
+          "cudasnap.integrations.torchtitan": "torchtitan"}
 
 _IMPORT_EACH = r"""
 import importlib, importlib.util, json, os, sys, traceback
