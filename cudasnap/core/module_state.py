@@ -129,6 +129,14 @@ def check(mkey: str, mod: torch.nn.Module) -> None:
                  ", ..." if len(derived) > 4 else "")
 
 
+def hooked(mod: torch.nn.Module) -> list[str]:
+    """Paths of the modules whose ``state_dict`` keys or values are not their parameters'
+    (a state_dict hook or ``_save_to_state_dict`` override), less the wrappers whose hook
+    only drops their own attribute name: a DCP export holds the parameters, under their
+    own names, which such a module's loader may not ask for."""
+    return [p for p, m in mod.named_modules() if custom(m) and not _RENAMED & set(m._modules)]
+
+
 def live(mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     """(name, tensor, is buffer) of the tensors a snapshot holds of ``mod``, repeats
     included: the path, less the attribute names of the wrappers whose state_dict hooks

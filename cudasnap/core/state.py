@@ -199,8 +199,9 @@ class TrainingState:
         ``{"model": {tensor name: DCP name}}`` for the names that differ (wrappers' prefixes;
         DCP name = ``<model key>.<fqn>``) and ``{"optim": {optimizer key: [parameter FQN or
         None, in the optimizer's parameter order]}}`` (the model key prefixed when there are
-        several models; None for a parameter of no registered model). Built with the
-        layout, never per boundary."""
+        several models; None for a parameter of no registered model), and ``"hooked"``:
+        ``{model key: [module paths]}`` whose state_dict a hook builds (only when there are
+        any). Built with the layout, never per boundary."""
         renamed: dict[str, str] = {}
         fqn_of: dict[int, str] = {}
         multi = len(self.models) > 1
@@ -214,7 +215,11 @@ class TrainingState:
                                   else dcp_fqn(mod, key))
         optim = {okey: [fqn_of.get(id(p)) for p in _param_order(opt)]
                  for okey, opt in self.optimizers.items()}
-        return {"model": renamed, "optim": optim}
+        out: dict[str, Any] = {"model": renamed, "optim": optim}
+        hooked = {mkey: h for mkey, mod in self.models.items() if (h := module_state.hooked(mod))}
+        if hooked:  # modules whose state_dict is built by hooks (export --to dcp warns)
+            out["hooked"] = hooked
+        return out
 
     # ------------------------------------------------------- host state
     def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, Any]:

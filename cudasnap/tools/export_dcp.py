@@ -75,6 +75,16 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
     chunks = _chunks(ranks)
     m0 = ranks[0]["manifest"]
     host = codec.decode(m0["host"], "host")
+    hooked = (m0.get("dcp_names") or {}).get("hooked") or {}
+    if isinstance(hooked, dict) and hooked:
+        mods = [f"{k}.{p}" if p else k for k, ps in hooked.items() for p in ps]
+        log.warning(
+            "export --to dcp: the state_dict of %s is built by hooks from the parameters (e.g. "
+            "torchtitan's fused wqkv split into wq/wk/wv); the export holds the parameters under "
+            "their own names, which a loader asking for the hook's keys will not find (it fails "
+            "naming a missing key). To continue in such a framework: restore the snapshot into "
+            "the model (restore_latest) and save with the framework's own checkpoint",
+            ", ".join(mods[:4]) + (", ..." if len(mods) > 4 else ""))
     others = [codec.decode(r["manifest"]["host"], "host") for r in ranks[1:]]
     keys = dcp_keys.plan(chunks, m0, host, step_, others)
     order = sorted({r["rank"] for r in ranks})

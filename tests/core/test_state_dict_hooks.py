@@ -200,3 +200,23 @@ def test_cudasnap_never_calls_the_models_state_dict(snap_env) -> None:
     assert snap2.restore_latest() == 3
     snap2.close()
     assert _same(want, _params(model2, opt2)) == []
+
+
+def test_export_dcp_of_a_hooked_model_says_what_a_loader_will_miss(snap_env, tmp_path,
+                                                                  caplog) -> None:
+    """The export holds the parameter (wqkv) under its own name; a loader asking for the
+    hook's keys (wq/wk/wv) would miss them: said at export, naming the module."""
+    import logging
+
+    from cudasnap.tools.export import export_dcp
+
+    model, opt = _build(True)
+    snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, job=snap_env.job,
+                                health=False)
+    _train(model, opt, range(2), snap)
+    snap.close()  # flushes step 1
+    with caplog.at_level(logging.WARNING, logger="cudasnap.export"):
+        export_dcp(snap_env.dir, tmp_path / "dcp")
+    assert "state_dict of model.0 is built by hooks" in caplog.text, caplog.text
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert "hooked" not in TrainingState(plain, None).dcp_names()
