@@ -13,39 +13,12 @@ import torch
 import cudasnap
 from cudasnap.core.state import TrainingState
 from cudasnap.errors import ConfigError
-
-
-class Fused(torch.nn.Module):
-    """``wqkv`` in one parameter; its state_dict holds ``wq``/``wk``/``wv`` (``copy``: new
-    tensors, as DTensor ops and converters make; else views of the parameter)."""
-
-    def __init__(self, copy: bool = True) -> None:
-        super().__init__()
-        self.wqkv = torch.nn.Parameter(torch.randn(12, 8))
-        self.norm = torch.nn.LayerNorm(4)
-        self.copy = copy
-        self._register_state_dict_hook(Fused._split)
-        self._register_load_state_dict_pre_hook(Fused._fuse)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (x @ self.wqkv.t()).chunk(3, dim=-1)
-        return self.norm(q * k + v)
-
-    @staticmethod
-    def _split(mod: Any, sd: dict[str, Any], prefix: str, _: Any) -> None:
-        w = sd.pop(prefix + "wqkv")
-        for name, part in zip(("wq", "wk", "wv"), w.chunk(3, dim=0)):
-            sd[prefix + name] = part.clone() if mod.copy else part
-
-    @staticmethod
-    def _fuse(sd: dict[str, Any], prefix: str, *_: Any) -> None:
-        if prefix + "wq" in sd:
-            sd[prefix + "wqkv"] = torch.cat([sd.pop(prefix + n) for n in ("wq", "wk", "wv")])
+from tests.helpers.fused import FusedQKV as Fused
 
 
 def _build(copy: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Fused(copy), torch.nn.Linear(4, 2))
+    model = torch.nn.Sequential(Fused(8, 4, copy), torch.nn.Linear(4, 2))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -151,7 +124,7 @@ def test_compiled_and_checkpoint_wrapped_fused_model_resumes_bitwise(snap_env) -
 
     def build() -> tuple[Any, Any, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        inner = torch.nn.Sequential(checkpoint_wrapper(Fused(True)), torch.nn.Linear(4, 2))
+        inner = torch.nn.Sequential(checkpoint_wrapper(Fused(8, 4)), torch.nn.Linear(4, 2))
         return inner, torch.compile(inner, backend="eager"), torch.optim.AdamW(
             inner.parameters(), lr=1e-2)
 
@@ -183,7 +156,7 @@ def test_cudasnap_never_calls_the_models_state_dict(snap_env) -> None:
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(Collective(True), torch.nn.Linear(4, 2))
+        model = torch.nn.Sequential(Collective(8, 4), torch.nn.Linear(4, 2))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = build()

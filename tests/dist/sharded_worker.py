@@ -14,39 +14,13 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.spawn_worker import _pg
-
-
-class FusedQKV(torch.nn.Module):
-    """q, k and v in one parameter, split into ``wq``/``wk``/``wv`` by a state_dict hook and
-    fused again by a load pre-hook, as torchtitan's llama3 attention does: its state_dict
-    holds tensors built from the parameter (copies under FSDP2), never the parameter."""
-
-    def __init__(self, d: int = 16, h: int = 6) -> None:
-        super().__init__()
-        self.wqkv = torch.nn.Parameter(torch.randn(3 * h, d) / 4)
-        self._register_state_dict_hook(FusedQKV._split)
-        self._register_load_state_dict_pre_hook(FusedQKV._fuse)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (x @ self.wqkv.t()).chunk(3, dim=-1)
-        return torch.tanh(q * k + v)
-
-    @staticmethod
-    def _split(mod: Any, sd: dict[str, Any], prefix: str, _: Any) -> None:
-        w = sd.pop(prefix + "wqkv")
-        for name, part in zip(("wq", "wk", "wv"), w.chunk(3, dim=0)):
-            sd[prefix + name] = part
-
-    @staticmethod
-    def _fuse(sd: dict[str, Any], prefix: str, *_: Any) -> None:
-        if prefix + "wq" in sd:
-            sd[prefix + "wqkv"] = torch.cat([sd.pop(prefix + n) for n in ("wq", "wk", "wv")])
+from tests.helpers.fused import FusedQKV
 
 
 def build(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The same module tree (names) for both kinds: FSDP2 (13 hidden: uneven shards) or TP
     (14 hidden: DTensor's rowwise matmul needs even shards). ``fused``: FSDP2 over a model
-    whose state_dict is not its parameters (FusedQKV)."""
+    whose state_dict is not its parameters (tests.helpers.fused.FusedQKV)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)

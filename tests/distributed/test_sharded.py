@@ -162,7 +162,7 @@ def test_export_torch_gathers_a_multi_rank_snapshot(spawned, tmp_path: Path, kin
         assert np.array_equal(got["model"][k].numpy(), ref[f"p.{k}"]), k
     assert np.array_equal(got["model"]["seen"].numpy(), ref["m.seen"])
     if kind == "fused":
-        from tests.dist.sharded_worker import FusedQKV
+        from tests.helpers.fused import FusedQKV
 
         torch.manual_seed(5)
         model = torch.nn.Sequential(FusedQKV(), torch.nn.Linear(6, 4))
