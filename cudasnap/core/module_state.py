@@ -26,7 +26,7 @@ are meant to be, functions of the parameters (logged at INFO).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,9 +62,10 @@ def entries(mod: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
 
 def custom(m: torch.nn.Module) -> bool:
     """Whether ``m``'s ``state_dict`` may differ from its parameters and buffers: a
-    state_dict hook, a ``_save_to_state_dict`` override or ``get_extra_state``."""
+    state_dict (post) hook, a ``_save_to_state_dict`` override or ``get_extra_state``. A
+    pre-hook (FSDP2 registers one on every sharded module) sees no dict and changes none."""
     return bool(type(m)._save_to_state_dict is not _BASE_SAVE or m._state_dict_hooks
-                or m._state_dict_pre_hooks or getattr(m, "_state_dict_post_hooks", None)
+                or getattr(m, "_state_dict_post_hooks", None)
                 or type(m).get_extra_state is not _BASE_EXTRA)
 
 
@@ -129,12 +130,45 @@ def check(mkey: str, mod: torch.nn.Module) -> None:
                  ", ..." if len(derived) > 4 else "")
 
 
+# Export views: module class -> fn(module) -> {parameter path relative to the module:
+# {"kind": ..., "names": [the state_dict keys a hook makes of it, relative], ...}}.
+# Registered by an integration (cudasnap.integrations.torchtitan: FusedQKVLinear); a DCP
+# export writes those keys, computed from the parameter (cudasnap.tools.dcp_views).
+VIEW_PROVIDERS: dict[type, Callable[[torch.nn.Module], dict[str, dict[str, Any]]]] = {}
+
+
+def register_views(cls: type, fn: Callable[[torch.nn.Module], dict[str, dict[str, Any]]]
+                   ) -> None:
+    """Declares how ``cls``'s state_dict hook derives its keys from its parameters, in a
+    form ``cudasnap export --to dcp`` can compute offline (a ``kind`` it knows)."""
+    VIEW_PROVIDERS[cls] = fn
+
+
+def views(mod: torch.nn.Module) -> list[tuple[str, str, dict[str, Any]]]:
+    """(module path, parameter path relative to it, view spec) of the registered modules."""
+    if not VIEW_PROVIDERS:
+        return []
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for path, m in mod.named_modules():
+        fn = VIEW_PROVIDERS.get(type(m))
+        if fn is not None:
+            out.extend((path, rel, spec) for rel, spec in fn(m).items())
+    return out
+
+
+def drop_renamed(path: str) -> str:
+    """``path`` less the wrapper attribute names their own hooks drop (a tensor's name)."""
+    return _drop_renamed(path)
+
+
 def hooked(mod: torch.nn.Module) -> list[str]:
     """Paths of the modules whose ``state_dict`` keys or values are not their parameters'
     (a state_dict hook or ``_save_to_state_dict`` override), less the wrappers whose hook
-    only drops their own attribute name: a DCP export holds the parameters, under their
-    own names, which such a module's loader may not ask for."""
-    return [p for p, m in mod.named_modules() if custom(m) and not _RENAMED & set(m._modules)]
+    only drops their own attribute name and the modules with registered views: a DCP export
+    holds the parameters, under their own names, which such a module's loader may not ask
+    for."""
+    return [p for p, m in mod.named_modules() if custom(m) and not _RENAMED & set(m._modules)
+            and type(m) not in VIEW_PROVIDERS]
 
 
 def live(mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:

@@ -219,6 +219,15 @@ class TrainingState:
         hooked = {mkey: h for mkey, mod in self.models.items() if (h := module_state.hooked(mod))}
         if hooked:  # modules whose state_dict is built by hooks (export --to dcp warns)
             out["hooked"] = hooked
+        views: dict[str, Any] = {}
+        for mkey, mod in self.models.items():
+            for path, rel, spec in module_state.views(mod):
+                name = f"{mkey}.{module_state.drop_renamed(f'{path}.{rel}' if path else rel)}"
+                base = dcp_fqn(mod, path) if path else ""
+                views[name] = {**spec, "names": [f"{mkey}.{base}.{n}" if base else f"{mkey}.{n}"
+                                                 for n in spec["names"]]}
+        if views:  # keys a hook makes of these tensors, computed by the export
+            out["views"] = views
         return out
 
     # ------------------------------------------------------- host state

@@ -37,9 +37,31 @@ from typing import Any
 
 from torchtitan.components.checkpointer import BaseCheckpointManager
 
+from ..core import module_state
 from ..snapshotter import Snapshotter
 
 log = logging.getLogger("cudasnap.torchtitan")
+
+
+def _fused_qkv_views(m: Any) -> dict[str, dict[str, Any]]:
+    """FusedQKVLinear's ``wqkv`` as its state_dict hook splits it (cudasnap.tools.dcp_views),
+    so ``cudasnap export --to dcp`` holds the ``wq``/``wk``/``wv`` keys torchtitan's
+    CheckpointManager asks for."""
+    out = {}
+    for param in ("weight", "bias"):
+        if getattr(m.wqkv, param, None) is not None:
+            out[f"wqkv.{param}"] = {"kind": "fused_qkv", "head_dim": int(m.head_dim),
+                                    "heads_per_kv": int(m.heads_per_kv),
+                                    "names": [f"{w}.{param}" for w in ("wq", "wk", "wv")]}
+    return out
+
+
+try:
+    from torchtitan.models.common.attention import FusedQKVLinear
+except ImportError:  # another torchtitan layout: its export keeps the fused name (and says so)
+    log.debug("torchtitan without FusedQKVLinear: no export views registered")
+else:
+    module_state.register_views(FusedQKVLinear, _fused_qkv_views)
 
 
 class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]

@@ -22,7 +22,7 @@ from .._native import native
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import torch_dtype
-from .shards import _chunks, load_shards
+from .shards import _assemble, _chunks, load_shards
 
 log = logging.getLogger("cudasnap.export")
 
@@ -125,6 +125,20 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
         data[idx] = buf
         items[order[0]].append(WriteItem(index=idx, type=WriteItemType.BYTE_IO))
         md[k] = BytesStorageMetadata()
+    views = (m0.get("dcp_names") or {}).get("views") or {}
+    for name, spec in (views.items() if isinstance(views, dict) else ()):
+        if name not in chunks or not isinstance(spec, dict):
+            continue  # (a view of a tensor this snapshot lacks)
+        from . import dcp_views
+
+        full = _assemble(name, chunks[name])
+        for key, part in zip(spec.get("names") or [], dcp_views.compute(full, spec, name)):
+            # get_state_dict's name, and torchtitan's (model keys at the top level)
+            forms = [k for k in (key, key.partition(".")[2] if keys.fqn_keys else None)
+                     if k and k not in md]
+            if forms:
+                add_tensor(forms, list(part.shape), part.dtype,
+                           [((0,) * part.dim(), order[0], part)])
     for k, first in keys.same_as.items():
         aliases.setdefault(MetadataIndex(first), []).append(MetadataIndex(k))
         md[k] = md[first]

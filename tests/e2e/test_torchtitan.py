@@ -165,3 +165,43 @@ def test_torchrun_restart_with_cudasnap_never_hangs(assets: Path, reference: Pat
     else:
         assert "connectFullMesh failed" in log, log[-6000:]
     assert secs < 240, secs
+
+
+def test_torchtitans_checkpoint_manager_continues_from_the_dcp_export(assets: Path,
+                                                                      tmp_path: Path) -> None:
+    """``cudasnap export --to dcp`` of a torchtitan snapshot loads in torchtitan's own
+    CheckpointManager (``--checkpoint.initial_load_path``: its model keys ``wq``/``wk``/``wv``
+    computed from the fused parameter, its flattened optimizer, LR scheduler, every rank's
+    dataloader position, ``train_state``) and continues to step 8 bitwise as from
+    torchtitan's own checkpoint of the same step."""
+    steps = ["--training.steps", "8"]
+    own = ["--checkpoint.enable", "--checkpoint.interval", str(STEPS),
+           "--checkpoint.no-last_save_model_only"]
+    base = _torchrun(assets, tmp_path / "own", ("llama3", "llama3_debugmodel"), 0)
+    rc, log, _ = _run(base + own, _env(tmp_path, "ttown"))
+    assert rc == 0, log[-4000:]
+    rc, log, _ = _run(base + own + steps, _env(tmp_path, "ttown2", TT_DUMP=str(tmp_path / "a")))
+    assert rc == 0 and "Loading the checkpoint" in log, log[-4000:]
+
+    snap = _torchrun(assets, tmp_path / "snap", CUDASNAP_CFG, 0)
+    rc, log, _ = _run(snap, _env(tmp_path, f"ttx{os.getpid()}",
+                                 CUDASNAP_DIR=str(tmp_path / "ckpt")))
+    assert rc == 0, log[-4000:]
+    exp = subprocess.run([sys.executable, "-m", "cudasnap", "export", str(tmp_path / "ckpt"),
+                          "--to", "dcp", str(tmp_path / "dcp")], env=_env(tmp_path, "x"),
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    assert "built by hooks" not in exp.stderr  # the fused q/k/v keys are in the export
+    cont = _torchrun(assets, tmp_path / "cont", ("llama3", "llama3_debugmodel"), 0)
+    rc, log, _ = _run(cont + ["--checkpoint.enable", "--checkpoint.initial_load_path",
+                              str(tmp_path / "dcp"), "--checkpoint.no-initial_load_model_only"]
+                      + steps, _env(tmp_path, "ttcont", TT_DUMP=str(tmp_path / "b")))
+    assert rc == 0 and "Loading the checkpoint" in log, log[-4000:]
+    import torch
+
+    for rank in (0, 1):
+        a, b = _load(tmp_path / "a", rank), _load(tmp_path / "b", rank)
+        assert a["info"]["step"] == b["info"]["step"] == 8
+        differ = [k for k in a["tensors"] if not torch.equal(a["tensors"][k], b["tensors"][k])]
+        assert differ == [], f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+        assert a["info"] == b["info"], (rank, a["info"], b["info"])
