@@ -205,3 +205,39 @@ def test_torchtitans_checkpoint_manager_continues_from_the_dcp_export(assets: Pa
         differ = [k for k in a["tensors"] if not torch.equal(a["tensors"][k], b["tensors"][k])]
         assert differ == [], f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:3]}"
         assert a["info"] == b["info"], (rank, a["info"], b["info"])
+
+
+def test_fused_qkv_view_matches_torchtitans_own_split_with_grouped_heads(tmp_path: Path) -> None:
+    """The export's ``fused_qkv`` view against torchtitan's ``_split_qkv_on_save`` itself,
+    with grouped-query heads (4 query heads per KV head; the debug model has 1) and a bias;
+    a damaged spec is a CorruptSnapshot."""
+    why = _have_titan()
+    if why:
+        pytest.skip(why)
+    code = r"""
+import types, torch
+from torchtitan.models.common.attention import FusedQKVLinear
+from cudasnap.tools.dcp_views import compute
+from cudasnap.errors import CorruptSnapshot
+hd, hpk, n_kv = 8, 4, 3
+mod = types.SimpleNamespace(head_dim=hd, heads_per_kv=hpk, r_dim=hpk + 2)
+w = torch.randn(n_kv * (hpk + 2) * hd, 5)
+b = torch.randn(n_kv * (hpk + 2) * hd)
+sd = {"wqkv.weight": w, "wqkv.bias": b}
+FusedQKVLinear._split_qkv_on_save(mod, sd, "", None)
+for param, t in (("weight", w), ("bias", b)):
+    spec = {"kind": "fused_qkv", "head_dim": hd, "heads_per_kv": hpk,
+            "names": [f"{x}.{param}" for x in ("wq", "wk", "wv")]}
+    for name, got in zip(spec["names"], compute(t, spec, "t")):
+        assert torch.equal(got, sd[name]), name
+for bad in ({"head_dim": 0}, {"kind": "other"}, {"names": ["a"]}, {"head_dim": 7}):
+    try:
+        compute(w, {**spec, **bad}, "t")
+    except CorruptSnapshot:
+        continue
+    raise AssertionError(bad)
+print("OK")
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path, "x"), cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stderr[-3000:]
