@@ -24,6 +24,8 @@ CUDASNAP_POLICY                 str      unset      trigger policy overrides ("t
 CUDASNAP_WAIT_S                 float>0  120        bound of every wait on a copy (fences, close)
 CUDASNAP_FRESH                  bool     0          move existing snapshots aside, start at step 0
 CUDASNAP_ALLOW_FOREIGN_OWNER    bool     0          load snapshot files owned by another user
+CUDASNAP_REQUIRE_RESUME         bool     0          refuse to start over at step 0 when the job made
+                                                    progress that no rank can restore
 CUDASNAP_ALLOW_TORCH_MISMATCH   bool     0          load an extension built for another torch
 CUDASNAP_PEER_TIMEOUT_S         float>0  10         a silent peer rank is dead after this
 CUDASNAP_FLUSH_TIMEOUT_S        float>0  25         every wait of a distributed flush round ends by then
@@ -82,6 +84,7 @@ shm_dir              /dev/shm            -                         CUDASNAP_SHM_
 job                  from directory      -                         CUDASNAP_JOB
 health / watchdog_s  see the variables   -                         CUDASNAP_HEALTH / _WATCHDOG_S
 allow_foreign_owner  False               -                         CUDASNAP_ALLOW_FOREIGN_OWNER
+require_resume       False               -                         CUDASNAP_REQUIRE_RESUME
 arena_sync_max_bytes 16 MiB              -                         CUDASNAP_ARENA_SYNC_MAX_BYTES
 node_replica         False               -                         CUDASNAP_NODE_REPLICA
 rank / world_size    torch.distributed   -                         RANK / WORLD_SIZE
@@ -236,6 +239,7 @@ class Settings:
     wait_s: float = 120.0
     fresh: bool = False
     allow_foreign_owner: bool = False
+    require_resume: bool = False
     allow_torch_mismatch: bool = False
     peer_timeout_s: float = 10.0
     flush_timeout_s: float = 25.0
@@ -278,6 +282,7 @@ class Settings:
             wait_s=env_float(e, "CUDASNAP_WAIT_S", 120.0) or 120.0,
             fresh=bool(env_bool(e, "CUDASNAP_FRESH")),
             allow_foreign_owner=bool(env_bool(e, "CUDASNAP_ALLOW_FOREIGN_OWNER")),
+            require_resume=bool(env_bool(e, "CUDASNAP_REQUIRE_RESUME")),
             allow_torch_mismatch=bool(env_bool(e, "CUDASNAP_ALLOW_TORCH_MISMATCH")),
             peer_timeout_s=env_float(e, "CUDASNAP_PEER_TIMEOUT_S", 10.0) or 10.0,
             flush_timeout_s=env_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", 25.0) or 25.0,

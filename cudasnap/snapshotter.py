@@ -104,6 +104,9 @@ class Snapshotter:
             COMPLETE snapshot is copied in the background into the shared memory of a
             partner rank on another node, and a replaced node's ranks restore from it
             (cudasnap.dist.replica; README "Node loss"). Default $CUDASNAP_NODE_REPLICA.
+        require_resume: ``restore_latest()`` raises instead of starting over at step 0
+            when the job made progress no rank can restore (logged at ERROR either way).
+            Default $CUDASNAP_REQUIRE_RESUME.
     """
 
     def __init__(self, model: Any, optimizer: Any = None,
@@ -119,7 +122,7 @@ class Snapshotter:
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
                  arena_sync_max_bytes: int | None = None, snapshot_every: int = 1,
-                 node_replica: bool | None = None) -> None:
+                 node_replica: bool | None = None, require_resume: bool | None = None) -> None:
         cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
                           chunk_bytes=chunk_bytes, backend=backend,
                           snapshot_every=snapshot_every, rng_sources=rng_sources)
@@ -177,6 +180,8 @@ class Snapshotter:
                      copy_threads=self.copy_threads, flush_threads=self.flush_threads,
                      wait_timeout_s=self.wait_timeout_s, snapshot_every=self.snapshot_every,
                      allow_foreign_owner=self.allow_foreign_owner, fresh=fresh,
+                     require_resume=env.require_resume if require_resume is None
+                     else bool(require_resume),
                      wait_copy=lambda timeout: self._copier.wait_job(timeout),
                      flush=lambda: self.flush(wait=False))
         (self._counters, self._timeline, self._backend, self._layouts, self._keeper,

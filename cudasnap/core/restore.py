@@ -80,11 +80,12 @@ class Restorer:
     def __init__(self, state: TrainingState, storage: Any, keeper: ArenaKeeper, copier: Copier,
                  layouts: Layouts, timeline: Timeline, counters: Counters, *, rank: int,
                  flush_threads: int, wait_timeout_s: float,
-                 allow_foreign_owner: bool | None) -> None:
+                 allow_foreign_owner: bool | None, require_resume: bool = False) -> None:
         self.state, self.storage, self._keeper, self._copier = state, storage, keeper, copier
         self._layouts, self._timeline, self._counters = layouts, timeline, counters
         self.rank, self.flush_threads, self.wait_timeout_s = rank, flush_threads, wait_timeout_s
         self.allow_foreign_owner = allow_foreign_owner
+        self.require_resume = require_resume
         self.partly_applied: str | None = None  # a snapshot that failed half-way through
         self._resume_logged = False
         self._dist: Any = None
@@ -124,6 +125,7 @@ class Restorer:
                                 resume_message(nxt - 1, r.get("source"), r.get("where")))
             else:
                 self._refuse_partly_applied()
+                self._starting_over(getattr(self._dist, "lost", None))
             return nxt
         candidates: list[tuple[int, int, str, Any]] = []
         self.partly_applied = None
@@ -162,7 +164,22 @@ class Restorer:
             return got + 1
         c.restore = {"source": None, "step": None, "seconds": 0.0, "where": None}
         self._refuse_partly_applied()
+        self._starting_over(None)
         return 0
+
+    def _starting_over(self, lost: str | None) -> None:
+        """Nothing restored: never a silent step 0 when the job made progress (issue 35).
+        ``lost``: what the ranks' vote saw in memory and could not assemble. Logged at
+        ERROR; SnapshotError with ``require_resume``."""
+        seen = "; ".join(x for x in (lost, self.storage.progress_evidence()) if x)
+        if not seen:
+            return  # a fresh job
+        msg = (f"rank {self.rank}: starting over at step 0, although the job made progress "
+               f"that cannot be restored: {seen}")
+        if self.require_resume:
+            raise SnapshotError(msg + " (require_resume / CUDASNAP_REQUIRE_RESUME refuses to "
+                                "start over; pass fresh=True to start over on purpose)")
+        log.error("%s (require_resume=True or CUDASNAP_REQUIRE_RESUME=1 refuses instead)", msg)
 
     def _refuse_partly_applied(self) -> None:
         """Nothing was restored: CorruptSnapshot if a snapshot failed half-way through being

@@ -47,7 +47,7 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
          chunk_bytes: int, job: str, rank: int, world_size: int, directory: Path, keep: int,
          copy_threads: int, flush_threads: int, wait_timeout_s: float, snapshot_every: int,
          allow_foreign_owner: bool | None, fresh: bool, wait_copy: Callable[[float], bool],
-         flush: Callable[[], Any]) -> Components:
+         flush: Callable[[], Any], require_resume: bool = False) -> Components:
     c = Counters()
     tl = Timeline()
     be = Backend(backend, copy_threads, wait_timeout_s, arena_path)
@@ -70,7 +70,8 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
                       flush_threads=flush_threads)
     restorer = Restorer(state, storage, keeper, cp, lays, tl, c, rank=rank,
                         flush_threads=flush_threads, wait_timeout_s=wait_timeout_s,
-                        allow_foreign_owner=allow_foreign_owner)
+                        allow_foreign_owner=allow_foreign_owner,
+                        require_resume=require_resume and not fresh)
     early = EarlySaver(keeper, cp, lays, tl, c, flush_lock, wait_timeout_s=wait_timeout_s)
     keeper.open_inherited()
     if fresh:

@@ -161,6 +161,11 @@ class Coordinator:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
         return self.vote.restore()
 
+    @property
+    def lost(self) -> str | None:
+        """What the last restore saw in memory and could not assemble (None: nothing)."""
+        return self.vote.lost
+
     def stop(self) -> None:
         """Stops the threads (``close()``). A clean close (not while an exception
         propagates) with this rank's final snapshot committed ends its heartbeat with

@@ -57,6 +57,7 @@ class RestoreVote:
                  replica: Replicator | None = None) -> None:
         self.kv, self.local, self.events = kv, local, events
         self.replica = replica
+        self.lost: str | None = None  # set by restore() (see _say_lost)
         self._copies: dict[int, dict[int, list[int]]] = {}  # holder rank -> src -> steps
         self.rank, self.world = local.rank, local.world_size
         self.replica_groups = replica_groups
@@ -157,6 +158,7 @@ class RestoreVote:
             peers = self._with_copies(n, peers)
         shm_common = set.intersection(*peers)
         candidates = sorted(set(committed) | shm_common, reverse=True)
+        self.lost = None
         errors: list[str] = []
         applied = None
         for step in candidates:
@@ -174,6 +176,7 @@ class RestoreVote:
             votes = [self.kv.wait(f"restore/{n}/{step}/{r}", self.timeout_s)
                      for r in range(self.world)]
             if all(v == "1" for v in votes):
+                self._say_lost(peers, step)
                 source = self.local.restore_source()
                 self.events("restored", step=step, source=source)
                 if self.replica is not None and source == "disk":
@@ -191,8 +194,35 @@ class RestoreVote:
         if applied is not None:
             raise SnapshotError(f"rank {self.rank} loaded step {applied}, but no step is loadable "
                                 f"on every rank; the live state is no longer the initial one")
+        self._say_lost(peers, None)
         self.events("restored", step=None, source=None)
         return 0
+
+    def _say_lost(self, peers: list[set[int]], step: int | None) -> None:
+        """Steps some rank holds in memory, newer than the one restored (``step``; None:
+        nothing), that cannot be assembled because other ranks have no copy of them and
+        they are not committed on disk: logged at ERROR naming the steps and the ranks
+        (never a silent step 0, issue 35), at INFO for the usual one step a rank that died
+        mid-step lacks; ``lost`` keeps the words for the restorer."""
+        held = set().union(*peers)
+        newer = sorted(s for s in held if step is None or s > step)
+        if not newer:
+            return
+        top = newer[-1]
+        missing = [r for r, p in enumerate(peers) if top not in p]
+        holders = [r for r, p in enumerate(peers) if top in p]
+        lost = (f"step {top} is in the memory of rank(s) {holders} but rank(s) {missing} "
+                "have no copy of it (own arena or a partner node's) and it is not committed "
+                "on disk")
+        # A rank that died mid-step holds one step less: the promised replay of <= 1 step.
+        # Louder when more is lost, or a rank's memory is gone altogether (its node lost).
+        if step is not None and top - step <= 1 and all(peers):
+            log.info("rank %d: %s; restored step %d", self.rank, lost, step)
+            return
+        self.lost = lost
+        log.error("rank %d: %s; %s", self.rank, lost,
+                  f"restored the older step {step} instead ({top - step} step(s) lost)"
+                  if step is not None else "no step is loadable on every rank")
 
     def _check_world(self, step: int, saved_world: int, saved_groups: object,
                      where: str) -> None:

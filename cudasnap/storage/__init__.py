@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
 from ..format.paths import is_url
-from . import posix
+from . import listing, posix
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing cudasnap.storage loads neither torch nor _C
@@ -59,6 +59,10 @@ class StorageReader(Protocol):
                   allow_foreign_owner: bool | None = None) -> torch.Tensor:
         """The data of ``ref`` as a uint8 tensor, every chunk CRC-verified."""
 
+    def progress_evidence(self) -> str | None:
+        """What says the job made progress here (flush log, step directories, ``latest``),
+        or None (``listing.progress_evidence``)."""
+
 
 class PosixStorage:
     """StorageWriter and StorageReader of a local directory (``cudasnap.storage.posix``)."""
@@ -77,6 +81,9 @@ class PosixStorage:
 
     def list_snapshots(self) -> list[posix.StoredSnapshot]:
         return posix.list_snapshots(self.local_dir)
+
+    def progress_evidence(self) -> str | None:
+        return listing.progress_evidence(self.local_dir, posix.list_snapshots(self.local_dir))
 
     @staticmethod
     def _local(ref: SnapshotRef) -> posix.StoredSnapshot:

@@ -210,6 +210,12 @@ class FsspecStorage:
         out.sort(key=lambda s: s.step, reverse=True)
         return out
 
+    def progress_evidence(self) -> str | None:
+        """The flush log of this host's state directory, the step prefixes in the store."""
+        from . import listing
+
+        return listing.progress_evidence(self.local_dir, self.list_snapshots())
+
     def clean_partial(self) -> list[str]:
         """Removes steps without COMMIT (killed flushes), except those of a writer still at
         work (``remote_ranks.writer_in_progress``); then rebuilds the local index."""

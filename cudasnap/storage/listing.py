@@ -120,6 +120,26 @@ def read_flush_log(directory: Path) -> list[dict[str, Any]]:
     return out
 
 
+def progress_evidence(directory: Path, steps: list[Any]) -> str | None:
+    """What says a job in ``directory`` made progress (its flush log, step directories
+    ``steps`` listed by the storage, committed or not, its ``latest`` pointer), or None:
+    a restore that finds nothing loadable then must not start over silently (issue 35)."""
+    out = []
+    flushed = [r["step"] for r in read_flush_log(directory)
+               if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
+    if flushed:
+        out.append(f"{FLUSH_LOG} records {len(flushed)} flush(es), the newest of step "
+                   f"{max(flushed)}")
+    if steps:
+        names = sorted((int(s.step) for s in steps), reverse=True)
+        out.append("step directories of step(s) " + ", ".join(map(str, names[:4]))
+                   + (", ..." if len(names) > 4 else "") + " (none loadable on every rank)")
+    latest = read_latest(directory) if Path(directory).is_dir() else None
+    if latest:
+        out.append(f"'latest' names {latest}")
+    return "; ".join(out) or None
+
+
 def prune(directory: Path, keep: int) -> None:
     """Keeps the newest ``keep`` committed snapshots and the one ``latest`` names."""
     if keep <= 0:

@@ -93,6 +93,57 @@ def _restore(base: Path, rank: int, world: int, name: str, directory: Path,
     return res
 
 
+def _lost_memory(base: Path, rank: int, world: int, name: str) -> dict[str, Any]:
+    """Both ranks reach step 3 in shared memory, nothing is flushed; rank 1's memory is lost
+    (its arena removed, as with its node and its partner's copy). The restore must not start
+    over silently: ERROR naming the step and the rank, SnapshotError with require_resume."""
+    import logging
+
+    import cudasnap
+
+    _pg(base, name, rank, world)
+    job = f"{base.name}-{name}"
+    model, opt = _model()
+    snap = cudasnap.Snapshotter(model, opt, directory=base / name, job=job, health=False)
+    _train(model, opt, rank, range(4), snap)
+    arena = snap.arena_path
+    snap.close(keep_arena=True)
+    dist.barrier()
+    if rank == 1:
+        arena.unlink()
+    dist.barrier()
+    errors: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("cudasnap").addHandler(handler)
+    res: dict[str, Any] = {}
+    try:
+        model, opt = _model()
+        snap = cudasnap.Snapshotter(model, opt, directory=base / name, job=job, health=False)
+        res["start"] = snap.restore_latest()
+        snap.close(keep_arena=True)
+        dist.barrier()
+        model, opt = _model()
+        snap = cudasnap.Snapshotter(model, opt, directory=base / name, job=job, health=False,
+                                    require_resume=True)
+        try:
+            res["strict"] = snap.restore_latest()
+        except cudasnap.SnapshotError as e:
+            res["strict_error"] = str(e)
+        snap.close()
+    finally:
+        logging.getLogger("cudasnap").removeHandler(handler)
+    res["errors"] = errors
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
 def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
     torch.set_num_threads(1)
     os.environ.pop("CUDASNAP_HEALTH", None)
@@ -110,6 +161,8 @@ def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
                 res = _restore(base, rank, world, sc, base / "save_sharded", None)
             elif sc == "world1_sharded":  # also run in the test process (world 1)
                 res = _restore(base, rank, world, sc, base / "sharded_copy", None)
+            elif sc == "lost_memory":
+                res = _lost_memory(base, rank, world, sc)
             elif sc == "world1_replicated":
                 res = _restore(base, rank, world, sc, base / "save_replicated", "all")
             else:

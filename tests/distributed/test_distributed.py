@@ -200,6 +200,21 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, l
 
 
 @pytest.mark.slow
+def test_a_step_no_rank_can_assemble_is_never_a_silent_step_0(tmp_path: Path) -> None:
+    """Rank 1's memory lost, nothing on disk (issue 35): every rank starts over only with
+    an ERROR naming the step and the rank that lacks it; require_resume refuses instead."""
+    res = _spawn(tmp_path, 2, ["lost_memory"])["lost_memory"]
+    for rank, r in enumerate(res):
+        assert r["start"] == 0, r
+        said = [e for e in r["errors"] if "starting over at step 0" in e]
+        assert said and "step 3 is in the memory of rank(s) [0] but rank(s) [1]" in said[0], r
+        assert "strict" not in r and "require_resume" in r["strict_error"], r
+        assert "step 3 is in the memory" in r["strict_error"], r
+    for p in Path("/dev/shm").glob(f"cudasnap-{tmp_path.name}-*"):
+        p.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
 def test_spawn_agreed_step_commit_and_join(spawned) -> None:
     base, res = spawned
     r0, r1 = res["save_sharded"]
