@@ -39,11 +39,8 @@ class Snapshotter:
 
     Args:
         model: a ``torch.nn.Module`` or a dict of them (names prefix tensor names).
-        optimizer: a ``torch.optim.Optimizer``, a dict of them, or None. A wrapper
-            that steps other optimizers (torchtitan's ``OptimizersContainer``,
-            accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)
-            is replaced by the optimizers it holds (``<key>.<i>`` when several); one
-            that holds no state after its first step is refused (ConfigError).
+        optimizer: a ``torch.optim.Optimizer``, a dict of them, or None; a wrapper of
+            others is replaced by them (cudasnap.core.optim_wrap).
         directory: where flushed snapshots go (created 0700; checked writable now);
             default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. An fsspec URL
             (``s3://bucket/prefix``) stores snapshots in an object store, single-rank,
@@ -104,9 +101,8 @@ class Snapshotter:
             COMPLETE snapshot is copied in the background into the shared memory of a
             partner rank on another node, and a replaced node's ranks restore from it
             (cudasnap.dist.replica; README "Node loss"). Default $CUDASNAP_NODE_REPLICA.
-        require_resume: ``restore_latest()`` raises instead of starting over at step 0
-            when the job made progress no rank can restore (logged at ERROR either way).
-            Default $CUDASNAP_REQUIRE_RESUME.
+        require_resume: ``restore_latest()`` raises instead of starting over when the
+            job made progress nothing can restore. Default $CUDASNAP_REQUIRE_RESUME.
     """
 
     def __init__(self, model: Any, optimizer: Any = None,

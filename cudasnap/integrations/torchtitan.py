@@ -37,6 +37,7 @@ from typing import Any
 
 from torchtitan.components.checkpointer import BaseCheckpointManager
 
+from ..config import Settings
 from ..core import module_state
 from ..snapshotter import Snapshotter
 
@@ -88,7 +89,7 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         extra: dict[str, Any] = {"lr_scheduler": lr_schedulers, **states}
         if dataloader is not None:
             extra["dataloader"] = dataloader
-        directory = os.environ.get("CUDASNAP_DIR") or os.path.join(base_folder, config.folder)
+        directory = Settings.from_env().directory or os.path.join(base_folder, config.folder)
         self.snap = Snapshotter(models, optimizers, directory=directory, extra=extra,
                                 snapshot_every=config.snapshot_every)
         self.restored: int | None = None
