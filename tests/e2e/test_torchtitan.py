@@ -74,6 +74,11 @@ def _torchrun(assets: Path, out: Path, config: tuple[str, str], restarts: int) -
 CUDASNAP_CFG = ("tests.helpers.titan.cudasnap_cfg", "llama3_debugmodel_cudasnap")
 
 
+def _remove_arenas(job: str) -> None:
+    for p in Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm")).glob(f"cudasnap-{job}-*"):
+        p.unlink(missing_ok=True)
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: float = 400) -> tuple[int, str, float]:
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -119,11 +124,15 @@ def test_kill_under_cudasnap_run_resumes_bitwise(assets: Path, reference: Path,
     rng = random.Random()
     kill_step, victim = rng.randint(2, STEPS - 1), rng.randint(0, 1)
     print(f"kill step {kill_step}, rank {victim}")
-    env = _env(tmp_path, f"tt{os.getpid()}-{kill_step}{victim}", TT_DUMP=str(tmp_path / "dump"),
+    job = f"tt{os.getpid()}-{kill_step}{victim}"
+    env = _env(tmp_path, job, TT_DUMP=str(tmp_path / "dump"),
                TT_KILL_STEP=str(kill_step), TT_KILL_RANK=str(victim))
     cmd = [sys.executable, "-m", "cudasnap", "run", "--dir", str(tmp_path / "ckpt"),
            "--max-restarts", "2", "--", *_torchrun(assets, tmp_path / "out", CUDASNAP_CFG, 0)]
-    rc, log, secs = _run(cmd, env)
+    try:
+        rc, log, secs = _run(cmd, env)
+    finally:
+        _remove_arenas(job)
     assert rc == 0, log[-6000:]
     assert f"KILL step={kill_step} rank={victim}" in log, log[-3000:]
     resumed = re.findall(r"rank (\d): resuming at step (\d+) from the snapshot of step (\d+) "
@@ -154,10 +163,15 @@ def test_torchrun_restart_with_cudasnap_never_hangs(assets: Path, reference: Pat
     0.3.0 on gloo reconnects to the previous attempt's addresses now and then, with or
     without cudasnap; README: use ``cudasnap run -- torchrun --max-restarts=0``). Never a
     hang: the whole run is bounded."""
-    env = _env(tmp_path, f"ttr{os.getpid()}", TT_DUMP=str(tmp_path / "dump"),
+    job = f"ttr{os.getpid()}"
+    env = _env(tmp_path, job, TT_DUMP=str(tmp_path / "dump"),
                TT_KILL_STEP="3", TT_KILL_RANK="1", CUDASNAP_HEALTH="1",
                CUDASNAP_DIR=str(tmp_path / "ckpt"))
-    rc, log, secs = _run(_torchrun(assets, tmp_path / "out", CUDASNAP_CFG, 1), env, timeout=300)
+    try:
+        rc, log, secs = _run(_torchrun(assets, tmp_path / "out", CUDASNAP_CFG, 1), env,
+                             timeout=300)
+    finally:  # a failed restart leaves its arenas (a rerun would resume from them)
+        _remove_arenas(job)
     assert "KILL step=3 rank=1" in log, log[-3000:]
     if rc == 0:
         assert "resuming at step 4" in log, log[-3000:]
@@ -184,8 +198,11 @@ def test_torchtitans_checkpoint_manager_continues_from_the_dcp_export(assets: Pa
     assert rc == 0 and "Loading the checkpoint" in log, log[-4000:]
 
     snap = _torchrun(assets, tmp_path / "snap", CUDASNAP_CFG, 0)
-    rc, log, _ = _run(snap, _env(tmp_path, f"ttx{os.getpid()}",
-                                 CUDASNAP_DIR=str(tmp_path / "ckpt")))
+    try:
+        rc, log, _ = _run(snap, _env(tmp_path, f"ttx{os.getpid()}",
+                                     CUDASNAP_DIR=str(tmp_path / "ckpt")))
+    finally:
+        _remove_arenas(f"ttx{os.getpid()}")
     assert rc == 0, log[-4000:]
     exp = subprocess.run([sys.executable, "-m", "cudasnap", "export", str(tmp_path / "ckpt"),
                           "--to", "dcp", str(tmp_path / "dcp")], env=_env(tmp_path, "x"),
