@@ -35,9 +35,6 @@ from ..errors import ConfigError
 
 log = logging.getLogger("cudasnap")
 
-# Wrapper modules whose attribute name state_dict-renaming hooks leave out of a key
-# (torch.compile, activation checkpointing, FSDP1).
-WRAPPER_ATOMS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 _BASE_SAVE = torch.nn.Module._save_to_state_dict
 _BASE_EXTRA = torch.nn.Module.get_extra_state
 
@@ -156,11 +153,6 @@ def views(mod: torch.nn.Module) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-def drop_renamed(path: str) -> str:
-    """``path`` less the wrapper attribute names their own hooks drop (a tensor's name)."""
-    return _drop_renamed(path)
-
-
 def hooked(mod: torch.nn.Module) -> list[str]:
     """Paths of the modules whose ``state_dict`` keys or values are not their parameters'
     (a state_dict hook or ``_save_to_state_dict`` override), less the wrappers whose hook
@@ -178,12 +170,13 @@ def live(mod: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     ``state_dict`` key wherever ``state_dict`` returns the tensor itself."""
     if not any(a in _RENAMED for m in mod.modules() for a in m._modules):
         return list(entries(mod))
-    return [(_drop_renamed(path), t, buf) for path, t, buf in entries(mod)]
+    return [(drop_renamed(path), t, buf) for path, t, buf in entries(mod)]
 
 
 # Wrapper attributes that the wrapper's own state_dict hook drops from the keys.
 _RENAMED = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
-def _drop_renamed(path: str) -> str:
+def drop_renamed(path: str) -> str:
+    """``path`` less the wrapper attribute names their own hooks drop (a tensor's name)."""
     return ".".join(a for a in path.split(".") if a not in _RENAMED)

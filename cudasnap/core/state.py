@@ -55,7 +55,7 @@ def _optimizer_mapping(obj: Any) -> dict[str, Any]:
 
 # Wrapper modules whose attribute name get_state_dict leaves out of a key (torch.compile,
 # activation checkpointing, FSDP1); DDP's ``module`` only under a DistributedDataParallel.
-_WRAPPER_ATOMS = module_state.WRAPPER_ATOMS
+_WRAPPER_ATOMS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
 def dcp_fqn(module: torch.nn.Module, key: str) -> str:

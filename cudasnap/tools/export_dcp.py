@@ -22,6 +22,7 @@ from .._native import native
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import torch_dtype
+from . import dcp_views
 from .shards import _assemble, _chunks, load_shards
 
 log = logging.getLogger("cudasnap.export")
@@ -129,8 +130,6 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
     for name, spec in (views.items() if isinstance(views, dict) else ()):
         if name not in chunks or not isinstance(spec, dict):
             continue  # (a view of a tensor this snapshot lacks)
-        from . import dcp_views
-
         full = _assemble(name, chunks[name])
         for key, part in zip(spec.get("names") or [], dcp_views.compute(full, spec, name)):
             # get_state_dict's name, and torchtitan's (model keys at the top level)
