@@ -64,8 +64,11 @@ test: build emu titan lint compile-check
 test-fast: build
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# A test of the emulated lane that runs longer than this (s) fails with every thread's stack.
+EMU_TEST_TIMEOUT ?= 300
+
 test-emulated: build emu
-	tools/cudaemu/run.sh $(BIN)/python -m pytest -q tests/cuda_emu
+	tools/cudaemu/run.sh $(BIN)/python -m pytest -q -o timeout=$(EMU_TEST_TIMEOUT) tests/cuda_emu
 
 # The peers bench/peers.py compares against (torchsnapshot, DLRover), outside the venv.
 bench-deps: $(STAMP)
