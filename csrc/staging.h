@@ -216,6 +216,7 @@ class Arena {
 
   // cudaHostRegister bookkeeping (set by the CUDA backend).
   bool cuda_registered = false;
+  int cuda_device = -1;  // the device it was page-locked or allocated for (-1: none)
   // Set by the CUDA backend when it registers the mapping (register_arena):
   // undoes the registration. ~Arena calls it before unmapping, so a range is
   // never left registered after its mapping is gone (a later mapping at the

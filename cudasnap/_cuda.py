@@ -81,7 +81,8 @@ def pin_arena(arena: Arena, device: int) -> tuple[Arena, str | None]:
                 "process-private pinned arena instead: snapshots will NOT survive a crash "
                 "of this process (no flush by the supervisor)", reason)
     priv = C.create_private_pinned_arena(arena.num_slots, arena.data_capacity,
-                                         arena.meta_capacity, arena.chunk_bytes, arena.job)
+                                         arena.meta_capacity, arena.chunk_bytes, arena.job,
+                                         int(device))
     if arena.newest_complete() < 0:
         arena.unlink()  # an empty file would only hold shared memory
     return priv, str(reason)

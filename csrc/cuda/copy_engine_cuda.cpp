@@ -14,27 +14,11 @@
 #include "../thread_pool.h"
 #include "capture_mode.h"
 #include "cuda_backend.h"
+#include "device_guard.h"
 
 namespace cudasnap {
 
 namespace {
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) : device_(device) {
-    CUDASNAP_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device_) CUDASNAP_CUDA_CHECK(cudaSetDevice(device_));
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0 && prev_ != device_) (void)cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int device_;
-  int prev_ = -1;
-};
 
 constexpr uint64_t kParallelCrcBytes = 32ull << 20;  // below this one thread is faster
 
@@ -126,9 +110,7 @@ CudaCopyEngine::~CudaCopyEngine() {
 void CudaCopyEngine::release_cuda() noexcept {
   // At interpreter exit the runtime may already be unloading: ignore errors.
   CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});  // cudaFreeHost: see capture_mode.h
-  int prev = -1;
-  (void)cudaGetDevice(&prev);
-  (void)cudaSetDevice(device_);
+  DeviceGuard dev(device_, DeviceGuard::NoThrow{});
   const bool hung = hung_.load();
   for (int r = 0; r < kRing; ++r) {
     // Event and stream destruction return at once even with work pending.
@@ -148,7 +130,6 @@ void CudaCopyEngine::release_cuda() noexcept {
   }
   if (copy_stream_) (void)cudaStreamDestroy(copy_stream_);
   copy_stream_ = nullptr;
-  if (prev >= 0) (void)cudaSetDevice(prev);
   (void)cudaGetLastError();
 }
 

@@ -2,12 +2,14 @@
 
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
 
 #include "../error.h"
 #include "capture_mode.h"
+#include "device_guard.h"
 
 namespace cudasnap {
 
@@ -51,6 +53,8 @@ void release_on_unmap(Arena& arena) noexcept {
   if (!forget_registration(arena, &abandoned)) return;
   if (abandoned) return;  // see note_dma_abandoned()
   CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});
+  // ~Arena may run on any thread (GC, atexit): no context on device 0 from there.
+  DeviceGuard dev(arena.cuda_device >= 0 ? arena.cuda_device : 0, DeviceGuard::NoThrow{});
   if (cudaHostUnregister(arena.base()) != cudaSuccess) (void)cudaGetLastError();
 }
 
@@ -61,13 +65,20 @@ std::string cuda_err(cudaError_t st) {
 }
 
 thread_local std::string t_alloc_error;
+thread_local int t_alloc_device = -1;     // create_private_pinned_arena's device
+std::map<void*, int> g_pinned_device;     // under g_reg_mu: each private arena's device
 
 // Both run on the arena preparer thread as well as the trainer's: relaxed
-// capture mode, so a graph capture running meanwhile is not invalidated.
+// capture mode, so a graph capture running meanwhile is not invalidated. Each
+// makes its arena's device current (DeviceGuard): a thread whose current device
+// is still 0 would otherwise make a context on GPU 0.
 void* pinned_alloc(uint64_t bytes) {
   void* p = nullptr;
   // Not throwing: an unusable runtime is reported by cudaHostAlloc's own error below.
   CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});
+  int device = t_alloc_device;
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) device = 0;
+  DeviceGuard dev(device, DeviceGuard::NoThrow{});
   cudaError_t st = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
   if (st != cudaSuccess) {
     (void)cudaGetLastError();
@@ -76,12 +87,25 @@ void* pinned_alloc(uint64_t bytes) {
     t_alloc_error = os.str();
     return nullptr;
   }
+  std::lock_guard<std::mutex> g(g_reg_mu);
+  g_pinned_device[p] = device;
   return p;
 }
 
 void pinned_free(void* p) {
   if (!p) return;
+  int device = -1;
+  {
+    std::lock_guard<std::mutex> g(g_reg_mu);
+    auto it = g_pinned_device.find(p);
+    if (it != g_pinned_device.end()) {
+      device = it->second;
+      g_pinned_device.erase(it);
+    }
+  }
   CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) device = 0;
+  DeviceGuard dev(device, DeviceGuard::NoThrow{});
   // At exit the runtime may be gone: nothing to report to.
   if (cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
 }
@@ -112,11 +136,11 @@ RegisterResult register_arena(Arena& arena, int device) {
   // The arena preparer registers on its own thread while the trainer may be
   // capturing a CUDA graph: in Global mode this call would invalidate it.
   CaptureModeGuard relaxed;
-  int prev = -1;
-  CUDASNAP_CUDA_CHECK(cudaGetDevice(&prev));
-  if (prev != device) CUDASNAP_CUDA_CHECK(cudaSetDevice(device));
-  cudaError_t st = cudaHostRegister(arena.base(), arena.total_bytes(), flags);
-  if (prev != device) (void)cudaSetDevice(prev);
+  cudaError_t st;
+  {
+    DeviceGuard dev(device);
+    st = cudaHostRegister(arena.base(), arena.total_bytes(), flags);
+  }
   if (st != cudaSuccess) {
     (void)cudaGetLastError();  // registration errors are not sticky
     std::ostringstream os;
@@ -132,6 +156,7 @@ RegisterResult register_arena(Arena& arena, int device) {
     g_registered.insert(arena.serial());
     arena.release_registration = &release_on_unmap;  // ~Arena unregisters first
     arena.cuda_registered = true;
+    arena.cuda_device = device;
   }
   r.ok = true;
   return r;
@@ -145,18 +170,22 @@ void note_dma_abandoned(Arena& arena) noexcept {
 void unregister_arena(Arena& arena) {
   if (!forget_registration(arena)) return;  // not ours (e.g. a private pinned arena)
   CaptureModeGuard relaxed;
+  DeviceGuard dev(arena.cuda_device >= 0 ? arena.cuda_device : 0);
   CUDASNAP_CUDA_CHECK(cudaHostUnregister(arena.base()));
 }
 
 std::shared_ptr<Arena> create_private_pinned_arena(int num_slots, uint64_t data_capacity,
                                                    uint64_t meta_capacity, uint64_t chunk_bytes,
-                                                   const std::string& job) {
+                                                   const std::string& job, int device) {
   t_alloc_error.clear();
+  if (device < 0) CUDASNAP_CUDA_CHECK(cudaGetDevice(&device));
+  t_alloc_device = device;
   std::shared_ptr<Arena> a;
   try {
     a = Arena::create_private(num_slots, data_capacity, meta_capacity, chunk_bytes, job,
                               &pinned_alloc, &pinned_free);
   } catch (const Error&) {
+    t_alloc_device = -1;
     if (!t_alloc_error.empty()) {
       std::string msg = "private pinned staging arena: " + t_alloc_error;
       t_alloc_error.clear();
@@ -164,7 +193,9 @@ std::shared_ptr<Arena> create_private_pinned_arena(int num_slots, uint64_t data_
     }
     throw;
   }
+  t_alloc_device = -1;
   a->cuda_registered = true;  // pinned: usable for asynchronous DMA
+  a->cuda_device = device;
   return a;
 }
 

@@ -42,11 +42,13 @@ void unregister_arena(Arena& arena);
 // unregister_arena() still unregisters: the caller decided.
 void note_dma_abandoned(Arena& arena) noexcept;
 // A process-private staging arena in cudaHostAlloc'd pinned memory (the
-// fallback when register_arena fails). It does not outlive the process.
+// fallback when register_arena fails), allocated and freed with `device` (< 0:
+// the current device) current, whatever thread frees it. It does not outlive
+// the process.
 // cudaHostAlloc / cudaFreeHost run in relaxed capture mode.
 std::shared_ptr<Arena> create_private_pinned_arena(int num_slots, uint64_t data_capacity,
                                                    uint64_t meta_capacity, uint64_t chunk_bytes,
-                                                   const std::string& job);
+                                                   const std::string& job, int device = -1);
 
 // Attaches a process-global AllocatorRegistry (a leaked singleton: torch has
 // no way to detach a trace tracker) to the CUDA caching allocator, then seeds

@@ -217,7 +217,7 @@ void init_cuda_backend(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("create_private_pinned_arena", &create_private_pinned_arena, py::arg("num_slots"),
         py::arg("data_capacity"), py::arg("meta_capacity"), py::arg("chunk_bytes"),
-        py::arg("job") = "", py::call_guard<py::gil_scoped_release>());
+        py::arg("job") = "", py::arg("device") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("attach_allocator_tracker", &attach_allocator_tracker, py::arg("auto_drain") = 16384,
         py::call_guard<py::gil_scoped_release>());
   m.def("attached_allocator_registry", &attached_allocator_registry);

@@ -26,7 +26,7 @@ class _RefusingNative:
         self.registered.append((arena.path, device))
         return False, REASON
 
-    def create_private_pinned_arena(self, num_slots, capacity, meta_capacity, chunk, job):
+    def create_private_pinned_arena(self, num_slots, capacity, meta_capacity, chunk, job, device=-1):
         return self._C.Arena.create(self._private_path, num_slots, capacity, meta_capacity,
                                     chunk, job, False)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -52,8 +54,51 @@ class Emu:
         """The stream runs nothing more until :meth:`release` (deterministic "in flight")."""
         self.fault(f"hold:{self.stream_id(stream)}")
 
+    def hold_at(self, stream: int, n: int) -> None:
+        """The stream runs ``n`` more data ops (copies, kernels, busy ops; the event
+        records and waits between them run too), then stops before the next data op
+        until :meth:`release`: a hold point between a copy's phases."""
+        self.fault(f"hold_at:{self.stream_id(stream)}:{n}")
+
     def release(self) -> None:
         self.fault("release")
+
+    def waiters(self, stream: int) -> int:
+        """Streams and host threads now blocked waiting for ``stream``."""
+        fn = self.lib.cudaemu_waiters
+        fn.argtypes = [ctypes.c_ulonglong]
+        return int(fn(self.stream_id(stream)))
+
+    def busy(self, stream: int, us: int) -> None:
+        """``us`` microseconds of device work on ``stream`` (a kernel that takes time)."""
+        fn = self.lib.cudaemu_busy
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+        assert fn(stream, us) == 0
+
+    def release_when(self, stream: int, done: Callable[[], bool],
+                     timeout: float = 60.0) -> threading.Thread:
+        """Starts a thread that releases the held ``stream`` as soon as something waits
+        for it (a fence or dependency doing its job) or ``done()`` turns true (the code
+        under test went on without waiting). Which came first decides what the test
+        sees; neither is a race: nothing else moves while the stream is held. Returns the
+        thread (``.blocked``: whether something waited)."""
+        t = threading.Thread(target=self._release_when, args=(stream, done, timeout),
+                             daemon=True)
+        t.blocked = False  # type: ignore[attr-defined]
+        t.start()
+        return t
+
+    def _release_when(self, stream: int, done: Callable[[], bool], timeout: float) -> None:
+        me = threading.current_thread()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.waiters(stream) > 0:
+                me.blocked = True  # type: ignore[attr-defined]
+                break
+            if done():
+                break
+            time.sleep(0.002)
+        self.release()
 
     def is_pinned(self, addr: int, nbytes: int) -> bool:
         return bool(self._pinned(addr, nbytes))

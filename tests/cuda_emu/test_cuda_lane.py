@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,15 @@ def test_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> None:
         snap._copier.fence = lambda phase: None  # the hooks call it: now they order nothing
         train_step(model, opt, 1)
         want = state_bytes(snap)
-        emu.hold(snap._cuda.engine.copy_stream)
-        try:
-            snap.boundary(1)
-            train_step(model, opt, 1001)  # not fenced: lands before the held copy
-        finally:
-            emu.release()
+        copy = snap._cuda.engine.copy_stream
+        emu.hold(copy)
+        snap.boundary(1)
+        stepped = threading.Event()
+        waiter = emu.release_when(copy, stepped.is_set)
+        train_step(model, opt, 1001)  # not fenced: lands before the held copy
+        stepped.set()
+        waiter.join(60)
+        assert not waiter.blocked, "the unfenced step waited for the copy stream"
         assert snap.wait(timeout=60)
         info, got = read_slot(snap._arena, snap._arena.newest_complete())
         assert info["step"] == 1

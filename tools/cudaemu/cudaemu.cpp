@@ -49,6 +49,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -75,8 +77,18 @@ namespace {
 
 struct Capture;
 
+// What an op is, for hold points (hold_at counts data ops) and the timing model.
+enum class Kind { Other, Wait, Copy, Kernel, Busy, Record };
+
+// Timing-model links of a device: copies in one direction share one.
+enum Link { kD2H = 0, kH2D = 1, kD2D = 2, kPageable = 3, kLinks = 4 };
+
 struct Op {
   std::function<void()> fn;       // the work (null for markers)
+  Kind kind = Kind::Other;
+  int link = -1;                   // a copy's link (timing model)
+  uint64_t bytes = 0;              // a copy's size (timing model)
+  uint64_t dur_ns = 0;             // a kernel's or busy op's duration (kernel_us, busy)
   struct Stream* wait_on = nullptr;  // or: wait for this stream to reach wait_seq
   uint64_t wait_seq = 0;
   std::string api;                 // for sticky-fault matching
@@ -95,6 +107,7 @@ struct Stream {
   uint64_t done = 0;  // ops finished so far
   bool running = false;
   bool destroyed = false;
+  int waiters = 0;    // streams and host threads now waiting for this stream
   std::thread worker;
   // capture
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -115,6 +128,7 @@ struct Graph {
 };
 
 struct Event {
+  int device = 0;
   unsigned flags = 0;
   Stream* s = nullptr;
   uint64_t seq = 0;
@@ -136,15 +150,43 @@ struct Fault {
   int host_alloc_err = 0;
   uint64_t copy_delay_us = 0;
   unsigned long long hold = 0;  // stream id whose queue does not advance (0: none)
+  // hold_at: stream hold_at_id runs hold_at_left more data ops (copies, kernels, busy
+  // ops; markers and waits between them run), then stops before the next data op.
+  unsigned long long hold_at_id = 0;
+  uint64_t hold_at_left = 0;
+  uint64_t kernel_us = 0;  // each kernel launched from now on runs this long
+};
+
+// The timing model (CUDAEMU_TIMING=<profile>): copies take bytes / bandwidth of their
+// link, kernels their duration; a link is shared by every stream of its device (one
+// copy at a time per link, so concurrent copies split its bandwidth). size_scale: each
+// byte copied counts as that many (a small state stands for a large one at the same
+// modelled time); time_scale stretches every modelled duration. It never gives a GPU
+// figure: benches compare against the model's own ideal.
+struct Timing {
+  bool on = false;
+  std::string profile;
+  double gbps[kLinks] = {0, 0, 0, 0};  // decimal GB/s per link
+  uint64_t kernel_ns = 0;              // a kernel launch with no duration of its own
+  double size_scale = 1.0;
+  double time_scale = 1.0;
 };
 
 struct Emu {
   std::mutex mu;               // everything below
   std::condition_variable cv;  // queue and progress changes
   int ndev = 1;
-  uint64_t mem_total = 16ull << 30;
-  uint64_t mem_used = 0;
+  uint64_t mem_total = 16ull << 30;  // per device
+  uint64_t mem_used = 0;             // all devices (device_bytes)
+  std::vector<uint64_t> dev_used;    // per device
   std::map<uintptr_t, size_t> dev_allocs;
+  std::map<uintptr_t, int> dev_of;   // allocation -> its device
+  // Primary contexts: 1 once a call that needs one ran with the device current
+  // (or cudaSetDevice / cuDevicePrimaryCtxRetain named it), as the runtime does.
+  std::unique_ptr<std::atomic<int>[]> ctx;
+  Timing timing;
+  std::vector<std::array<int64_t, kLinks>> link_free;  // per device: link busy until (ns)
+  std::atomic<uint64_t> overruns{0};  // ops whose host work outlasted their modelled time
   std::map<uintptr_t, Pinned> pinned;
   std::vector<Stream*> legacy;   // per device
   std::vector<Stream*> streams;  // every stream ever made (never freed)
@@ -160,6 +202,7 @@ struct Emu {
 };
 
 void apply_fault(Emu& e, const std::string& spec);
+bool set_timing(Emu& e, const std::string& profile);
 }  // namespace
 
 // nvml.cpp: the NVML faults (keys "nvml_*").
@@ -173,7 +216,17 @@ Emu& emu() {
     if (const char* v = std::getenv("CUDAEMU_DEVICES")) x->ndev = std::max(1, atoi(v));
     if (const char* v = std::getenv("CUDAEMU_MEM_MB")) x->mem_total = strtoull(v, nullptr, 10) << 20;
     if (const char* v = std::getenv("CUDAEMU_TRACE")) x->trace = *v && *v != '0';
+    if (const char* v = std::getenv("CUDAEMU_KERNEL_US")) x->fault.kernel_us = strtoull(v, nullptr, 10);
     if (const char* v = std::getenv("CUDAEMU_FAULTS")) apply_fault(*x, v);
+    x->ctx.reset(new std::atomic<int>[static_cast<size_t>(x->ndev)]);
+    for (int d = 0; d < x->ndev; ++d) x->ctx[d].store(0);
+    x->dev_used.assign(static_cast<size_t>(x->ndev), 0);
+    x->link_free.assign(static_cast<size_t>(x->ndev), {0, 0, 0, 0});
+    if (const char* v = std::getenv("CUDAEMU_TIMING_SIZE_SCALE")) x->timing.size_scale = std::max(1e-9, atof(v));
+    if (const char* v = std::getenv("CUDAEMU_TIMING_TIME_SCALE")) x->timing.time_scale = std::max(1e-9, atof(v));
+    if (const char* v = std::getenv("CUDAEMU_TIMING"))
+      if (*v && std::strcmp(v, "off") != 0 && !set_timing(*x, v))
+        fprintf(stderr, "cudaemu: unknown timing profile '%s' (known: h200, h100)\n", v);
     for (int d = 0; d < x->ndev; ++d) {
       auto* s = new Stream();
       s->device = d;
@@ -210,9 +263,20 @@ void apply_fault(Emu& e, const std::string& specs) {
     } else if (key == "hold") {
       e.fault.hold = strtoull(val.c_str(), nullptr, 0);
       e.cv.notify_all();
+    } else if (key == "hold_at") {  // hold_at:ID:N
+      size_t c2 = val.find(':');
+      e.fault.hold_at_id = strtoull(val.c_str(), nullptr, 0);
+      e.fault.hold_at_left = c2 == std::string::npos ? 0 : strtoull(val.c_str() + c2 + 1, nullptr, 10);
+      e.cv.notify_all();
     } else if (key == "release") {
       e.fault.hold = 0;
+      e.fault.hold_at_id = 0;
       e.cv.notify_all();
+    } else if (key == "kernel_us") {
+      e.fault.kernel_us = strtoull(val.c_str(), nullptr, 10);
+    } else if (key == "timing") {
+      if (val == "off") e.timing.on = false;
+      else if (!set_timing(e, val)) fprintf(stderr, "cudaemu: unknown timing profile '%s'\n", val.c_str());
     } else if (key == "mem_mb") {
       e.mem_total = strtoull(val.c_str(), nullptr, 10) << 20;
     } else if (key == "clear") {
@@ -225,6 +289,24 @@ void apply_fault(Emu& e, const std::string& specs) {
       fprintf(stderr, "cudaemu: unknown fault '%s' ignored\n", spec.c_str());
     }
   }
+}
+
+// Profiles: link bandwidths and a default kernel duration. h200 is calibrated to the
+// 2026-12-04 H200 run (bench/RESULTS.md: pinned D2H 55 GB/s, H2D taken equal); the
+// pageable and device-to-device rates are typical figures (not measured here).
+bool set_timing(Emu& e, const std::string& profile) {
+  Timing& t = e.timing;
+  if (profile == "h200") {
+    t.gbps[kD2H] = 55.0, t.gbps[kH2D] = 55.0, t.gbps[kD2D] = 2000.0, t.gbps[kPageable] = 20.0;
+  } else if (profile == "h100") {
+    t.gbps[kD2H] = 50.0, t.gbps[kH2D] = 50.0, t.gbps[kD2D] = 1500.0, t.gbps[kPageable] = 18.0;
+  } else {
+    return false;
+  }
+  t.kernel_ns = 5000;  // a typical small kernel: 5 us
+  t.profile = profile;
+  t.on = true;
+  return true;
 }
 
 thread_local int t_device = 0;
@@ -247,6 +329,12 @@ cudaError_t ret(cudaError_t st) {
   } while (0)
 
 bool valid_device(int d) { return d >= 0 && d < emu().ndev; }
+
+// A runtime call that needs a context makes the current device's primary context.
+void touch_ctx(int d) {
+  if (valid_device(d)) emu().ctx[d].store(1);
+}
+#define EMU_CTX() touch_ctx(t_device)
 
 Stream* resolve(cudaStream_t s) {
   Emu& e = emu();
@@ -285,29 +373,77 @@ const Pinned* pinned_at(Emu& e, uintptr_t p, size_t n, uintptr_t* base = nullptr
 
 // ------------------------------------------------------------ stream work
 
+bool is_data(const Op& op) {
+  return op.kind == Kind::Copy || op.kind == Kind::Kernel || op.kind == Kind::Busy;
+}
+
+// `s` may not run its next op now (hold, hold_at). Caller holds mu.
+bool held_locked(Emu& e, Stream* s) {
+  if (e.fault.hold == s->id) return true;
+  return e.fault.hold_at_id == s->id && e.fault.hold_at_left == 0 && is_data(s->q.front());
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void sleep_until_ns(int64_t t) {
+  int64_t d = t - now_ns();
+  if (d > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(d));
+}
+
+// The modelled [begin, end) of `op` on `s` (steady-clock ns; caller holds mu), or
+// {0, 0} when the op takes no modelled time. A copy waits for its link.
+std::pair<int64_t, int64_t> schedule_locked(Emu& e, Stream* s, const Op& op) {
+  const Timing& t = e.timing;
+  int64_t now = now_ns();
+  if (op.kind == Kind::Kernel || op.kind == Kind::Busy) {
+    uint64_t ns = op.dur_ns ? op.dur_ns : (t.on && op.kind == Kind::Kernel ? t.kernel_ns : 0);
+    if (!ns) return {0, 0};
+    return {now, now + static_cast<int64_t>(double(ns) * (t.on ? t.time_scale : 1.0))};
+  }
+  if (op.kind != Kind::Copy || !t.on || op.link < 0 || t.gbps[op.link] <= 0) return {0, 0};
+  double ns = double(op.bytes) * t.size_scale / t.gbps[op.link] * t.time_scale;  // GB/s = B/ns
+  int64_t& free_at = e.link_free[static_cast<size_t>(s->device)][static_cast<size_t>(op.link)];
+  int64_t begin = std::max(now, free_at);
+  free_at = begin + static_cast<int64_t>(ns);
+  return {begin, free_at};
+}
+
 void worker_loop(Stream* s) {
   Emu& e = emu();
   std::unique_lock<std::mutex> lk(e.mu);
   for (;;) {
-    e.cv.wait(lk, [&] { return !s->q.empty() && e.fault.hold != s->id; });
+    e.cv.wait(lk, [&] { return !s->q.empty() && !held_locked(e, s); });
     Op op = std::move(s->q.front());
     s->q.pop_front();
+    if (e.fault.hold_at_id == s->id && is_data(op) && e.fault.hold_at_left) --e.fault.hold_at_left;
     if (op.wait_on) {
       Stream* t = op.wait_on;
       uint64_t seq = op.wait_seq;
+      ++t->waiters;
       e.cv.wait(lk, [&] { return t->done >= seq; });
+      --t->waiters;
     } else if (op.fn) {
       bool fail = false;
       if (!op.api.empty() && op.api == e.fault.sticky_api && e.fault.sticky_n &&
           op.api_n == e.fault.sticky_n)
         fail = true;
       uint64_t delay = op.delay_us;
+      auto [begin, end] = schedule_locked(e, s, op);
       lk.unlock();
       if (fail) {
         e.sticky.store(cudaErrorIllegalAddress);
       } else if (!e.sticky.load()) {  // a faulted context runs nothing more
         if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+        if (begin) sleep_until_ns(begin);
         op.fn();
+        if (end) {
+          if (now_ns() > end + 200000) e.overruns.fetch_add(1);  // host work over the model
+          sleep_until_ns(end);
+        }
       }
       lk.lock();
     }
@@ -354,7 +490,9 @@ cudaError_t sync_stream(Stream* s) {
   Emu& e = emu();
   std::unique_lock<std::mutex> lk(e.mu);
   uint64_t target = s->enq;
+  ++s->waiters;
   e.cv.wait(lk, [&] { return s->done >= target; });
+  --s->waiters;
   int st = e.sticky.load();
   return static_cast<cudaError_t>(st);
 }
@@ -364,11 +502,13 @@ cudaError_t sync_all() {
   std::unique_lock<std::mutex> lk(e.mu);
   std::vector<std::pair<Stream*, uint64_t>> targets;
   for (Stream* s : e.streams) targets.emplace_back(s, s->enq);
+  for (auto& [s, t] : targets) ++s->waiters;
   e.cv.wait(lk, [&] {
     for (auto& [s, t] : targets)
       if (s->done < t) return false;
     return true;
   });
+  for (auto& [s, t] : targets) --s->waiters;
   return static_cast<cudaError_t>(e.sticky.load());
 }
 
@@ -457,6 +597,7 @@ Side classify_locked(Emu& e, const void* p, size_t n) {
 
 cudaError_t do_copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
                     cudaStream_t stream, bool async, const char* api) {
+  EMU_CTX();
   EMU_STICKY();
   if (n == 0) return cudaSuccess;
   if (!dst || !src) return ret(cudaErrorInvalidValue);
@@ -494,6 +635,16 @@ cudaError_t do_copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
   bool pageable = ds == Side::Pageable || ss == Side::Pageable;
   Op op;
   op.fn = [dst, src, n] { std::memmove(dst, src, n); };
+  op.kind = Kind::Copy;
+  op.bytes = n;
+  if (pageable)
+    op.link = kPageable;
+  else if (ss == Side::Device && ds == Side::Device)
+    op.link = kD2D;
+  else if (ss == Side::Device)
+    op.link = kD2H;
+  else if (ds == Side::Device)
+    op.link = kH2D;
   op.api = api;
   op.api_n = count_call(api);
   {
@@ -506,7 +657,9 @@ cudaError_t do_copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
   if (st != cudaSuccess) return ret(st);
   if (seq && (!async || pageable)) {
     std::unique_lock<std::mutex> lk(e.mu);
+    ++s->waiters;
     e.cv.wait(lk, [&] { return s->done >= seq; });
+    --s->waiters;
     if (e.sticky.load()) return ret(static_cast<cudaError_t>(e.sticky.load()));
   }
   return cudaSuccess;
@@ -599,11 +752,13 @@ EMU_API cudaError_t cudaSetDevice(int device) {
   EMU_STICKY();
   if (!valid_device(device)) return ret(cudaErrorInvalidDevice);
   t_device = device;
+  touch_ctx(device);  // since CUDA 12.0 cudaSetDevice initialises the primary context
   return cudaSuccess;
 }
 
 EMU_API cudaError_t cudaInitDevice(int device, unsigned int, unsigned int) {
   if (!valid_device(device)) return ret(cudaErrorInvalidDevice);
+  touch_ctx(device);
   return cudaSuccess;
 }
 
@@ -773,6 +928,7 @@ EMU_API cudaError_t cudaProfilerStart(void) { return cudaSuccess; }
 EMU_API cudaError_t cudaProfilerStop(void) { return cudaSuccess; }
 
 EMU_API cudaError_t cudaDeviceSynchronize(void) {
+  EMU_CTX();
   EMU_STICKY();
   EMU_UNSAFE("cudaDeviceSynchronize");
   return ret(sync_all());
@@ -783,6 +939,7 @@ EMU_API cudaError_t cudaDeviceReset(void) { return ret(sync_all()); }
 // -------------------------------------------------------------- memory
 
 EMU_API cudaError_t cudaMalloc(void** p, size_t size) {
+  EMU_CTX();
   EMU_STICKY();
   if (!p) return ret(cudaErrorInvalidValue);
   EMU_UNSAFE("cudaMalloc");
@@ -792,22 +949,26 @@ EMU_API cudaError_t cudaMalloc(void** p, size_t size) {
   size_t rounded = (size + 4095) & ~size_t(4095);
   {
     std::lock_guard<std::mutex> g(e.mu);
-    if (e.mem_used + rounded > e.mem_total) return ret(cudaErrorMemoryAllocation);
+    if (e.dev_used[size_t(t_device)] + rounded > e.mem_total) return ret(cudaErrorMemoryAllocation);
     e.mem_used += rounded;
+    e.dev_used[size_t(t_device)] += rounded;
   }
   void* m = mmap(nullptr, rounded, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   std::lock_guard<std::mutex> g(e.mu);
   if (m == MAP_FAILED) {
     e.mem_used -= rounded;
+    e.dev_used[size_t(t_device)] -= rounded;
     return ret(cudaErrorMemoryAllocation);
   }
   e.dev_allocs[reinterpret_cast<uintptr_t>(m)] = rounded;
+  e.dev_of[reinterpret_cast<uintptr_t>(m)] = t_device;
   *p = m;
   return cudaSuccess;
 }
 
 EMU_API cudaError_t cudaFree(void* p) {
+  EMU_CTX();
   EMU_STICKY();
   if (!p) return cudaSuccess;  // the classic context-initialisation call
   EMU_UNSAFE("cudaFree");
@@ -822,21 +983,28 @@ EMU_API cudaError_t cudaFree(void* p) {
     size = it->second;
     e.dev_allocs.erase(it);
     e.mem_used -= size;
+    auto d = e.dev_of.find(reinterpret_cast<uintptr_t>(p));
+    if (d != e.dev_of.end()) {
+      e.dev_used[size_t(d->second)] -= size;
+      e.dev_of.erase(d);
+    }
   }
   munmap(p, size);
   return cudaSuccess;
 }
 
 EMU_API cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total) {
+  EMU_CTX();
   EMU_STICKY();
   Emu& e = emu();
   std::lock_guard<std::mutex> g(e.mu);
-  if (free_b) *free_b = e.mem_total - e.mem_used;
+  if (free_b) *free_b = e.mem_total - e.dev_used[size_t(t_device)];
   if (total) *total = e.mem_total;
   return cudaSuccess;
 }
 
 EMU_API cudaError_t cudaHostAlloc(void** p, size_t size, unsigned int flags) {
+  EMU_CTX();
   EMU_STICKY();
   if (!p) return ret(cudaErrorInvalidValue);
   EMU_UNSAFE("cudaHostAlloc");
@@ -858,6 +1026,7 @@ EMU_API cudaError_t cudaMallocHost(void** p, size_t size) {
 }
 
 EMU_API cudaError_t cudaFreeHost(void* p) {
+  EMU_CTX();
   EMU_STICKY();
   if (!p) return cudaSuccess;
   EMU_UNSAFE("cudaFreeHost");
@@ -877,6 +1046,7 @@ EMU_API cudaError_t cudaFreeHost(void* p) {
 }
 
 EMU_API cudaError_t cudaHostRegister(void* p, size_t size, unsigned int flags) {
+  EMU_CTX();
   EMU_STICKY();
   if (!p || size == 0) return ret(cudaErrorInvalidValue);
   EMU_UNSAFE("cudaHostRegister");
@@ -900,6 +1070,7 @@ EMU_API cudaError_t cudaHostRegister(void* p, size_t size, unsigned int flags) {
 }
 
 EMU_API cudaError_t cudaHostUnregister(void* p) {
+  EMU_CTX();
   EMU_STICKY();
   EMU_UNSAFE("cudaHostUnregister");
   Emu& e = emu();
@@ -911,6 +1082,7 @@ EMU_API cudaError_t cudaHostUnregister(void* p) {
 }
 
 EMU_API cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int flags) {
+  EMU_CTX();
   EMU_STICKY();
   if (!dev || flags != 0) return ret(cudaErrorInvalidValue);
   Emu& e = emu();
@@ -933,6 +1105,7 @@ EMU_API cudaError_t cudaHostGetFlags(unsigned int* flags, void* host) {
 }
 
 EMU_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* ptr) {
+  EMU_CTX();
   EMU_STICKY();
   if (!a) return ret(cudaErrorInvalidValue);
   Emu& e = emu();
@@ -942,7 +1115,8 @@ EMU_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const voi
   a->device = -2;
   if (in_device(e, u, 1)) {
     a->type = cudaMemoryTypeDevice;
-    a->device = 0;
+    auto it = e.dev_of.upper_bound(u);
+    a->device = it == e.dev_of.begin() ? 0 : std::prev(it)->second;
     a->devicePointer = const_cast<void*>(ptr);
   } else if (pinned_at(e, u, 1)) {
     a->type = cudaMemoryTypeHost;
@@ -986,6 +1160,7 @@ EMU_API cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src,
 }
 
 EMU_API cudaError_t cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t stream) {
+  EMU_CTX();
   EMU_STICKY();
   if (n == 0) return cudaSuccess;
   Emu& e = emu();
@@ -995,6 +1170,9 @@ EMU_API cudaError_t cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t s
   }
   Op op;
   op.fn = [p, value, n] { std::memset(p, value, n); };
+  op.kind = Kind::Copy;  // a device write at memory speed
+  op.link = kD2D;
+  op.bytes = n;
   op.api = "cudaMemsetAsync";
   op.api_n = count_call("cudaMemsetAsync");
   return ret(enqueue(resolve(stream), std::move(op)));
@@ -1010,6 +1188,7 @@ EMU_API cudaError_t cudaMemset(void* p, int value, size_t n) {
 // --------------------------------------------------------------- streams
 
 static cudaError_t make_stream(cudaStream_t* out, unsigned flags, int priority) {
+  EMU_CTX();
   EMU_STICKY();
   if (!out) return ret(cudaErrorInvalidValue);
   Emu& e = emu();
@@ -1043,6 +1222,7 @@ EMU_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 
 EMU_API cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  EMU_CTX();
   EMU_STICKY();
   EMU_UNSAFE("cudaStreamSynchronize");
   Stream* s = resolve(stream);
@@ -1054,6 +1234,7 @@ EMU_API cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 EMU_API cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  EMU_CTX();
   EMU_STICKY();
   EMU_UNSAFE("cudaStreamQuery");
   Stream* s = resolve(stream);
@@ -1088,6 +1269,7 @@ EMU_API cudaError_t cudaStreamGetId(cudaStream_t stream, unsigned long long* id)
 }
 
 EMU_API cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
+  EMU_CTX();
   EMU_STICKY();
   if (!fn) return ret(cudaErrorInvalidValue);
   Op op;
@@ -1098,6 +1280,7 @@ EMU_API cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, voi
 
 EMU_API cudaError_t cudaStreamAddCallback(cudaStream_t stream, cudaStreamCallback_t cb, void* data,
                                           unsigned int) {
+  EMU_CTX();
   EMU_STICKY();
   if (!cb) return ret(cudaErrorInvalidValue);
   Op op;
@@ -1111,7 +1294,9 @@ EMU_API cudaError_t cudaStreamAddCallback(cudaStream_t stream, cudaStreamCallbac
 EMU_API cudaError_t cudaEventCreateWithFlags(cudaEvent_t* ev, unsigned int flags) {
   EMU_STICKY();
   if (!ev) return ret(cudaErrorInvalidValue);
+  EMU_CTX();
   auto* x = new Event();
+  x->device = t_device;
   x->flags = flags;
   *ev = reinterpret_cast<cudaEvent_t>(x);
   return cudaSuccess;
@@ -1127,6 +1312,7 @@ EMU_API cudaError_t cudaEventDestroy(cudaEvent_t ev) {
 }
 
 EMU_API cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned int) {
+  EMU_CTX();
   EMU_STICKY();
   if (!event) return ret(cudaErrorInvalidResourceHandle);
   auto* ev = reinterpret_cast<Event*>(event);
@@ -1141,7 +1327,10 @@ EMU_API cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t str
     return cudaSuccess;
   }
   if (s->legacy && implicit_capture_locked(e, s->device)) return ret(cudaErrorStreamCaptureImplicit);
+  if (ev->device != s->device) return ret(cudaErrorInvalidResourceHandle);  // as CUDA refuses it
   Op op;
+  op.kind = Kind::Record;
+  op.api = "cudaEventRecord";
   op.fn = [ev] { ev->t = std::chrono::steady_clock::now(); };
   ev->captured.reset();
   ev->s = s;
@@ -1154,6 +1343,7 @@ EMU_API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 
 EMU_API cudaError_t cudaEventQuery(cudaEvent_t event) {
+  EMU_CTX();
   EMU_STICKY();
   if (!event) return ret(cudaErrorInvalidResourceHandle);
   EMU_UNSAFE("cudaEventQuery");
@@ -1165,6 +1355,7 @@ EMU_API cudaError_t cudaEventQuery(cudaEvent_t event) {
 }
 
 EMU_API cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  EMU_CTX();
   EMU_STICKY();
   if (!event) return ret(cudaErrorInvalidResourceHandle);
   EMU_UNSAFE("cudaEventSynchronize");
@@ -1175,7 +1366,9 @@ EMU_API cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!ev->s) return cudaSuccess;
   Stream* s = ev->s;
   uint64_t seq = ev->seq;
+  ++s->waiters;
   e.cv.wait(lk, [&] { return s->done >= seq; });
+  --s->waiters;
   return static_cast<cudaError_t>(e.sticky.load());
 }
 
@@ -1192,6 +1385,7 @@ EMU_API cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b
 }
 
 EMU_API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  EMU_CTX();
   EMU_STICKY();
   if (!event) return ret(cudaErrorInvalidResourceHandle);
   auto* ev = reinterpret_cast<Event*>(event);
@@ -1230,6 +1424,7 @@ EMU_API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, 
 // --------------------------------------------------------------- capture
 
 EMU_API cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+  EMU_CTX();
   EMU_STICKY();
   Stream* s = resolve(stream);
   if (s->legacy) return ret(cudaErrorStreamCaptureUnsupported);
@@ -1313,6 +1508,7 @@ EMU_API cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* m
 
 EMU_API cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph,
                                                   unsigned long long) {
+  EMU_CTX();
   EMU_STICKY();
   if (!exec || !graph) return ret(cudaErrorInvalidValue);
   auto* gx = new Graph(*reinterpret_cast<Graph*>(graph));
@@ -1328,6 +1524,7 @@ EMU_API cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t grap
 EMU_API cudaError_t cudaGraphUpload(cudaGraphExec_t, cudaStream_t) { return cudaSuccess; }
 
 EMU_API cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  EMU_CTX();
   EMU_STICKY();
   if (!exec) return ret(cudaErrorInvalidValue);
   Stream* s = resolve(stream);
@@ -1397,6 +1594,7 @@ EMU_API cudaError_t __cudaPopCallConfiguration(dim3* grid, dim3* block, size_t* 
 
 EMU_API cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args,
                                      size_t shmem, cudaStream_t stream) {
+  EMU_CTX();
   EMU_STICKY();
   if (!func) return ret(cudaErrorInvalidDeviceFunction);
   if (block.x * block.y * block.z > 1024 || block.x * block.y * block.z == 0 ||
@@ -1410,8 +1608,15 @@ EMU_API cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, vo
     if (it == e.kernels.end()) return ret(cudaErrorInvalidDeviceFunction);
     name = it->second;
   }
+  Stream* target = resolve(stream);
+  if (target->device != t_device) return ret(cudaErrorInvalidResourceHandle);  // as CUDA refuses it
   e.kernel_launches.fetch_add(1);
   Op op;
+  op.kind = Kind::Kernel;
+  {
+    std::lock_guard<std::mutex> g(e.mu);
+    op.dur_ns = e.fault.kernel_us * 1000;
+  }
   op.api = "cudaLaunchKernel";
   op.api_n = count_call("cudaLaunchKernel");
   if (name.find("cudasnap") != std::string::npos && name.find("gather_kernel") != std::string::npos) {
@@ -1424,9 +1629,9 @@ EMU_API cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, vo
                     reinterpret_cast<const void*>(descs[i].src), descs[i].nbytes);
     };
   } else {
-    op.fn = [] {};  // kernels are not emulated: their launch only takes a queue place
+    op.fn = [] {};  // kernels are not emulated: a launch takes a queue place (and kernel_us)
   }
-  return ret(enqueue(resolve(stream), std::move(op)));
+  return ret(enqueue(target, std::move(op)));
 }
 
 // CUDA 13's launch path (crt/host_runtime.h): the stub asks __cudaGetKernel for
@@ -1515,11 +1720,12 @@ EMU_API CUresultEmu cuDeviceGet(int* dev, int ordinal) {
 EMU_API CUresultEmu cuDevicePrimaryCtxGetState(int dev, unsigned* flags, int* active) {
   if (!valid_device(dev)) return 101;
   if (flags) *flags = 0;
-  if (active) *active = 1;  // the emulated context always exists
+  if (active) *active = emu().ctx[dev].load();  // torch asks before it switches device
   return 0;
 }
 EMU_API CUresultEmu cuDevicePrimaryCtxRetain(void** ctx, int dev) {
   if (!ctx || !valid_device(dev)) return 101;
+  touch_ctx(dev);
   *ctx = reinterpret_cast<void*>(uintptr_t(0x1000 + dev));
   return 0;
 }
@@ -1530,7 +1736,10 @@ EMU_API CUresultEmu cuCtxGetCurrent(void** ctx) {
 }
 EMU_API CUresultEmu cuCtxSetCurrent(void* ctx) {
   auto d = static_cast<int>(reinterpret_cast<uintptr_t>(ctx) - 0x1000);
-  if (ctx && valid_device(d)) t_device = d;
+  if (ctx && valid_device(d)) {
+    t_device = d;
+    touch_ctx(d);
+  }
   return 0;
 }
 EMU_API CUresultEmu cuCtxGetDevice(int* dev) {
@@ -1563,6 +1772,7 @@ namespace {
 struct PhysHandle {
   size_t size = 0;
   uintptr_t mapped_at = 0;
+  int device = 0;
 };
 std::map<unsigned long long, PhysHandle> g_handles;  // under emu().mu
 unsigned long long g_next_handle = 1;
@@ -1598,10 +1808,11 @@ EMU_API CUresultEmu cuMemCreate(unsigned long long* h, size_t size, const void*,
   if (!h || size == 0 || size % kGranularity) return 1;
   Emu& e = emu();
   std::lock_guard<std::mutex> g(e.mu);
-  if (e.mem_used + size > e.mem_total) return 2;
+  if (e.dev_used[size_t(t_device)] + size > e.mem_total) return 2;
   e.mem_used += size;
+  e.dev_used[size_t(t_device)] += size;
   *h = g_next_handle++;
-  g_handles[*h] = PhysHandle{size, 0};
+  g_handles[*h] = PhysHandle{size, 0, t_device};
   return 0;
 }
 
@@ -1611,6 +1822,7 @@ EMU_API CUresultEmu cuMemRelease(unsigned long long h) {
   auto it = g_handles.find(h);
   if (it == g_handles.end()) return 1;
   e.mem_used -= it->second.size;
+  e.dev_used[size_t(it->second.device)] -= it->second.size;
   g_handles.erase(it);  // its mapping, if any, stays until cuMemUnmap (as in the driver)
   return 0;
 }
@@ -1627,6 +1839,7 @@ EMU_API CUresultEmu cuMemMap(uintptr_t ptr, size_t size, size_t offset, unsigned
   if (m == MAP_FAILED) return 2;
   it->second.mapped_at = ptr;
   e.dev_allocs[ptr] = size;
+  e.dev_of[ptr] = it->second.device;
   return 0;
 }
 
@@ -1641,6 +1854,7 @@ EMU_API CUresultEmu cuMemUnmap(uintptr_t ptr, size_t size) {
     if (it == e.dev_allocs.end()) return 1;
     size_t n = it->second;
     e.dev_allocs.erase(it);
+    e.dev_of.erase(p);
     for (auto& [k, ph] : g_handles)
       if (ph.mapped_at == p) ph.mapped_at = 0;
     mmap(reinterpret_cast<void*>(p), n, PROT_NONE,
@@ -1723,6 +1937,46 @@ EMU_API int cudaemu_fault(const char* spec) {
   return 0;
 }
 
+// Streams and host threads now waiting for the stream with id `id` (a stream's
+// cudaStreamWaitEvent or legacy-stream dependency, a synchronising call): lets a
+// test release a held stream exactly when something blocks on it.
+EMU_API int cudaemu_waiters(unsigned long long id) {
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  for (Stream* s : e.streams)
+    if (s->id == id) return s->waiters;
+  return -1;
+}
+
+// Enqueues `us` microseconds of device work on `stream` (a stand-in for a kernel of
+// that length: forward/backward compute in the timing model and the lane's tests).
+EMU_API int cudaemu_busy(cudaStream_t stream, unsigned long long us) {
+  EMU_CTX();
+  Op op;
+  op.kind = Kind::Busy;
+  op.dur_ns = us * 1000;
+  op.fn = [] {};
+  op.api = "cudaemu_busy";
+  return enqueue(resolve(stream), std::move(op));
+}
+
+// The timing profile in force ("" when off) and its figures, for benches to print.
+EMU_API const char* cudaemu_timing(double* d2h, double* h2d, double* d2d, double* pageable,
+                                   double* size_scale, double* time_scale) {
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  const Timing& t = e.timing;
+  if (d2h) *d2h = t.gbps[kD2H];
+  if (h2d) *h2d = t.gbps[kH2D];
+  if (d2d) *d2d = t.gbps[kD2D];
+  if (pageable) *pageable = t.gbps[kPageable];
+  if (size_scale) *size_scale = t.size_scale;
+  if (time_scale) *time_scale = t.time_scale;
+  static std::string name;
+  name = t.on ? t.profile : "";
+  return name.c_str();
+}
+
 // 1: this process runs under the emulator.
 EMU_API int cudaemu_active(void) { return 1; }
 
@@ -1736,6 +1990,17 @@ EMU_API unsigned long long cudaemu_counter(const char* name) {
   if (n == "device_allocations") return e.dev_allocs.size();
   if (n == "device_bytes") return e.mem_used;
   if (n == "captures") return e.captures.size();
+  if (n == "contexts") {  // bit d: device d has a primary context
+    unsigned long long m = 0;
+    for (int d = 0; d < e.ndev; ++d)
+      if (e.ctx[d].load()) m |= 1ull << d;
+    return m;
+  }
+  if (n == "timing_overruns") return e.overruns.load();
+  if (n.rfind("device_bytes:", 0) == 0) {
+    int d = atoi(n.c_str() + 13);
+    return valid_device(d) ? e.dev_used[size_t(d)] : 0;
+  }
   auto it = e.api_calls.find(n);
   return it == e.api_calls.end() ? 0 : it->second;
 }

@@ -1,0 +1,178 @@
+"""Held-out mutations of the CUDA path: the emulated lane must fail on each, every time.
+
+Each mutant is one textual change to a source file (an ordering mistake a CUDA
+programmer makes). For each, a scratch copy of the working tree is made, mutated, its
+extension built from scratch, and the emulated lane (``tests/cuda_emu``, per-test
+timeout) run in it: the mutant is *killed* when the lane fails. ``--baseline`` first runs
+the unmutated copy, which must pass. Exit status 0 only when the baseline (if asked)
+passes and every mutant is killed.
+
+    .venv/bin/python tools/cudaemu/mutants.py                 # every mutant, whole lane
+    .venv/bin/python tools/cudaemu/mutants.py --only no-ready-wait --tests tests/cuda_emu/test_ordering.py
+    .venv/bin/python tools/cudaemu/mutants.py --list
+
+The last line printed is one JSON object: {"mutants": {name: "killed" | "SURVIVED" |
+"error: ..."}, "baseline": ..., "seconds": ...}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE = "csrc/cuda/copy_engine_cuda.cpp"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once
+    new: str
+    why: str
+
+
+MUTANTS = [
+    Mutant("no-ready-wait", ENGINE,
+           "    CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));\n", "",
+           "the copy stream does not wait for the compute stream's ready event"),
+    Mutant("no-step-fence", "cudasnap/core/fences.py",
+           "            return\n        copier.fence(1)\n", "            return\n",
+           "the optimizer-step pre-hook no longer fences (Python)"),
+    Mutant("done-before-phase-1", ENGINE,
+           "    issue(*plan, 1, data, data_dev, ring, desc_used, &w->marks);\n"
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n",
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n"
+           "    issue(*plan, 1, data, data_dev, ring, desc_used, &w->marks);\n",
+           "the done event is recorded before the phase-1 copies are issued"),
+    Mutant("fence-without-wait", ENGINE,
+           "  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));\n  return true;\n",
+           "  return true;\n",
+           "fence() returns without cudaStreamWaitEvent"),
+    Mutant("blocking-copy-stream", ENGINE,
+           "cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking)",
+           "cudaStreamCreateWithFlags(&copy_stream_, cudaStreamDefault)",
+           "the copy stream is a blocking stream (the legacy default stream joins it)"),
+    Mutant("done-on-compute-stream", ENGINE,
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n    {\n",
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));\n    {\n",
+           "the done event is recorded on the compute stream"),
+]
+
+
+def tree_files(root: Path) -> list[str]:
+    """The working tree as git sees it: tracked and untracked, not ignored."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root,
+                         check=True, capture_output=True).stdout
+    return [f for f in out.decode().split("\0") if f and (root / f).is_file()]
+
+
+def scratch_copy(dest: Path) -> None:
+    for f in tree_files(REPO):
+        d = dest / f
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, d)
+    (dest / ".venv").symlink_to(REPO / ".venv")  # the same interpreter and packages
+
+
+def mutate(dest: Path, m: Mutant) -> None:
+    p = dest / m.path
+    text = p.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise RuntimeError(f"mutant {m.name}: its text occurs {n} times in {m.path} "
+                           "(the source changed: update tools/cudaemu/mutants.py)")
+    p.write_text(text.replace(m.old, m.new))
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float) -> int:
+    with log.open("ab") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n".encode())
+        f.flush()
+        try:
+            return subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            f.write(b"\n(timed out)\n")
+            return 124
+
+
+def trial(m: Mutant | None, tests: list[str], work: Path, test_timeout: int,
+          keep: bool) -> tuple[str, float]:
+    """Builds and runs the lane in a fresh scratch copy, mutated by ``m`` (None: as is)."""
+    name = m.name if m else "baseline"
+    dest = work / name
+    log = work / f"{name}.log"
+    t0 = time.monotonic()
+    scratch_copy(dest)
+    if m:
+        mutate(dest, m)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDASNAP_", "CUDAEMU_"))}
+    env["PYTHONPATH"] = str(dest)  # the scratch copy's cudasnap, never the editable install
+    env["CUDASNAP_BUILD_DIR"] = str(dest / "build" / "cmake")
+    py = str(dest / ".venv" / "bin" / "python")
+    if run([py, "setup.py", "-q", "build_ext", "--inplace"], dest, env, log, 1800) != 0:
+        return f"error: build failed (see {log})", time.monotonic() - t0
+    rc = run([str(dest / "tools/cudaemu/run.sh"), py, "-m", "pytest", "-q", "-x",
+              "-p", "no:cacheprovider", "-o", f"timeout={test_timeout}", *tests],
+             dest, env, log, 3600)
+    if not keep:
+        shutil.rmtree(dest, ignore_errors=True)
+    if m is None:
+        verdict = "passed" if rc == 0 else f"FAILED (rc {rc}, see {log})"
+    else:
+        verdict = "killed" if rc != 0 else "SURVIVED"
+    return verdict, time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[], help="run this mutant (repeatable)")
+    ap.add_argument("--tests", nargs="*", default=["tests/cuda_emu"],
+                    help="test paths of the lane (default: all of tests/cuda_emu)")
+    ap.add_argument("--baseline", action="store_true", help="also run the unmutated copy")
+    ap.add_argument("--test-timeout", type=int, default=120, help="per-test timeout (s)")
+    ap.add_argument("--work", default=None, help="scratch folder (default: a new temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    a = ap.parse_args(argv)
+    if a.list:
+        for m in MUTANTS:
+            print(f"{m.name:24s} {m.path}: {m.why}")
+        return 0
+    chosen = [m for m in MUTANTS if not a.only or m.name in a.only]
+    unknown = set(a.only) - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutant(s): {sorted(unknown)}")
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="cudasnap-mutants-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    result: dict[str, object] = {"work": str(work)}
+    ok = True
+    if a.baseline:
+        verdict, secs = trial(None, a.tests, work, a.test_timeout, a.keep)
+        print(f"baseline: {verdict} ({secs:.0f} s)", flush=True)
+        result["baseline"] = verdict
+        ok = verdict == "passed"
+    verdicts = {}
+    for m in chosen:
+        verdict, secs = trial(m, a.tests, work, a.test_timeout, a.keep)
+        print(f"{m.name}: {verdict} ({secs:.0f} s) - {m.why}", flush=True)
+        verdicts[m.name] = verdict
+        ok = ok and verdict == "killed"
+    result["mutants"] = verdicts
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
