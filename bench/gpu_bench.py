@@ -38,6 +38,7 @@ as "fact <name>: <value>" lines; exit 0 when it proved all of that, 1 if not.
 
     python bench/gpu_bench.py [--budget 420] [--quick] [--sections a,b,c,d] [--out DIR]
     python bench/gpu_bench.py --emulated ...   (under tools/cudaemu/run.sh)
+    python bench/gpu_bench.py --emulated --timing h200 [--quick] [--json]   (bench/modelled.py)
     python bench/gpu_bench.py --preflight [--preflight-device cuda|cpu]
 """
 from __future__ import annotations
@@ -115,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--emulated", action="store_true",
                    help="smoke run under the emulated CUDA runtime (tools/cudaemu): tiny sizes, "
                         "state changed by copies, no kernels; not GPU figures, no verdicts")
+    p.add_argument("--timing", default=None, metavar="PROFILE",
+                   help="with --emulated: the emulator's timing model (h200, h100) instead of "
+                        "the smoke run: (a) and (b) as ratios against the model's ideal "
+                        "(bench/modelled.py); never GPU figures")
+    p.add_argument("--json", action="store_true",
+                   help="with --timing: print only the result's JSON object (last line)")
     p.add_argument("--preflight", action="store_true",
                    help="run the preflight only (see below) and exit")
     p.add_argument("--preflight-device", default="cuda", choices=["cuda", "cpu"],
@@ -137,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.c_numel = 16384
     if a.emulated and a.cpu_smoke:
         p.error("--emulated and --cpu-smoke exclude each other")
+    if a.timing and not a.emulated:
+        p.error("--timing models a GPU on the emulator: it needs --emulated")
     if a.emulated:
         a.sizes, a.repeats = [8 * MiB, 32 * MiB], 2
         a.batches, a.pairs, a.block = [1], 2, 3
@@ -1219,6 +1228,15 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             a = parse_args(argv + ["--emulated"])
         EMULATED = a.emulated
+        if a.timing:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import modelled
+
+            out = modelled.run(a.timing, a.quick)
+            if not a.json:
+                print(modelled.table(out), flush=True)
+            print(json.dumps(out), flush=True)
+            return 0
     res = Results(a.out, a.budget)
     install_watchdog(res, a.budget)
     status, rc = "complete", 0

@@ -194,3 +194,23 @@ def test_bench_emulated_smoke_judges_nothing(tmp_path: Path, emu: Any) -> None:
     assert res["b"][0]["snapshots"] > 0 and res["b"][0]["skipped"] == 0, res["b"]
     txt = (tmp_path / "gpu_results.txt").read_text()
     assert "NOT GPU figures" in txt and " PASS" not in txt and " MISS" not in txt, txt
+
+
+def test_bench_timing_model_reproduces_the_gpu_tables_shape(emu: Any) -> None:
+    """``--emulated --timing h200`` (bench/modelled.py): the 2026-12-04 H200 table's shape,
+    as ratios against the model's own ideal: a plain pinned copy runs at the link rate,
+    a snapshot is COMPLETE well below its DMA rate, and every-step snapshots of a
+    GPT-2-small-sized state stall the step. The JSON says it is modelled."""
+    p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py"), "--emulated", "--timing",
+                        "h200", "--quick", "--json"], capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["modelled"] is True and out["model"]["profile"] == "h200"
+    assert out["model"]["d2h_gbps"] == 55.0
+    for row in out["a"]:
+        assert 0.5 <= row["pinned_vs_link"] <= 1.02, row  # the model holds the link rate
+        assert row["dma_vs_link"] <= 1.02, row
+        assert row["complete_vs_link"] < row["dma_vs_link"], row  # host work after the DMA
+    b = out["b"]
+    assert b["ideal_ratio"] > 1.0  # 1.49 GB at 55 GB/s is longer than the 25 ms window
+    assert b["ratio"] >= b["ideal_ratio"] * 0.97, b  # every-step snapshots stall the step

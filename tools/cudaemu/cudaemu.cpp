@@ -274,6 +274,10 @@ void apply_fault(Emu& e, const std::string& specs) {
       e.cv.notify_all();
     } else if (key == "kernel_us") {
       e.fault.kernel_us = strtoull(val.c_str(), nullptr, 10);
+    } else if (key == "size_scale") {
+      e.timing.size_scale = std::max(1e-9, atof(val.c_str()));
+    } else if (key == "time_scale") {
+      e.timing.time_scale = std::max(1e-9, atof(val.c_str()));
     } else if (key == "timing") {
       if (val == "off") e.timing.on = false;
       else if (!set_timing(e, val)) fprintf(stderr, "cudaemu: unknown timing profile '%s'\n", val.c_str());
