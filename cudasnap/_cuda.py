@@ -79,7 +79,10 @@ def pin_arena(arena: Arena, device: int) -> tuple[Arena, str | None]:
         return arena, None
     log.warning("cudasnap: cannot page-lock the shared-memory staging arena (%s); using a "
                 "process-private pinned arena instead: snapshots will NOT survive a crash "
-                "of this process (no flush by the supervisor)", reason)
+                "of this process (no flush by the supervisor; stats()['staging'] says "
+                "survives_crash False). Fix: raise the locked-memory limit (`ulimit -l "
+                "unlimited`, the container's memlock), or run where cudaHostRegister of "
+                "shared memory is allowed (not gVisor)", reason)
     priv = C.create_private_pinned_arena(arena.num_slots, arena.data_capacity,
                                          arena.meta_capacity, arena.chunk_bytes, arena.job,
                                          int(device))

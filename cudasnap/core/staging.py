@@ -97,6 +97,8 @@ class ArenaKeeper:
         s: dict[str, Any] = {"staging": None if a is None else {
             "path": a.path, "bytes": a.total_bytes, "shared": a.shared,
             "page_locked": a.cuda_registered, "huge_pages": a.huge_pages,
+            # False: a process-private arena (a crash of this process loses the snapshot).
+            "survives_crash": bool(a.shared),
             # Why the arena is process-private (cudaHostRegister of the shared file refused).
             "fallback_reason": self.prep.fallback_reason or (
                 cuda.fallback_reason if cuda is not None else None)}}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -213,8 +214,11 @@ def test_gather_kernel_copies_small_ranges(snap_env: Any, emu: Any) -> None:
         snap.close()
 
 
-def test_pinned_fallback_when_registration_is_refused(snap_env: Any, emu: Any) -> None:
-    """cudaHostRegister refused (as under gVisor): a private pinned arena, with the reason."""
+def test_pinned_fallback_when_registration_is_refused(snap_env: Any, emu: Any,
+                                                     caplog: Any) -> None:
+    """cudaHostRegister refused (as under gVisor): a private pinned arena, said loudly (a
+    WARNING with the reason and the fix; stats() shows it)."""
+    caplog.set_level(logging.WARNING, logger="cudasnap")
     emu.fault("host_register:801")  # cudaErrorNotSupported
     model, opt = build()
     snap = make_snap(model, opt, snap_env.dir, snap_env.job)
@@ -223,6 +227,11 @@ def test_pinned_fallback_when_registration_is_refused(snap_env: Any, emu: Any) -
         reason = snap._cuda.fallback_reason
         assert reason and "cudaHostRegister" in reason and "cudaErrorNotSupported" in reason
         assert not snap._arena.shared
+        staging = snap.stats()["staging"]
+        assert staging["survives_crash"] is False and "cudaHostRegister" in staging["fallback_reason"]
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING
+                  and "NOT survive a crash" in r.getMessage()]
+        assert warned and "Fix:" in warned[0].getMessage(), caplog.text
         assert emu.is_pinned(snap._arena.data_ptr(0), 1)  # cudaHostAlloc'd
         assert snap.flush() is not None  # the in-process flush still works
     finally:
@@ -295,6 +304,29 @@ def test_expandable_segments(snap_env: Any, emu: Any) -> None:
     res = last_json(child)
     assert res["checked"] == 2 and res["tracking"], res
     assert res["expandable_segments"] >= 1, res
+
+
+def test_expandable_segments_with_a_tensor_over_several_mappings(snap_env: Any, emu: Any) -> None:
+    """A 72 MiB parameter spans several physical mappings of one expandable segment (the
+    emulator once refused such copies: "invalid argument"); snapshots stay exact."""
+    child = run_child("expandable", "--dir", snap_env.dir, "--job", snap_env.job, "--out", "-",
+                      "--big-mib", "72",
+                      env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-3000:]
+    res = last_json(child)
+    assert res["checked"] == 2 and res["tracking"] and res["expandable_segments"] >= 1, res
+
+
+def test_cuda_malloc_async_backend(snap_env: Any, emu: Any) -> None:
+    """torch's cudaMallocAsync allocator backend: the trace hook needs the native caching
+    allocator, so tracking is off (said once, with the reason) and copy plans are checked
+    against the named tensors; every snapshot is still the state at its boundary."""
+    child = run_child("expandable", "--dir", snap_env.dir, "--job", snap_env.job, "--out", "-",
+                      env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-3000:]
+    res = last_json(child)
+    assert res["checked"] == 2 and not res["tracking"], res
+    assert "allocator tracking unavailable" in child.stderr and "cudaMallocAsync" in child.stderr
 
 
 # ------------------------------------------------------------------ children
@@ -396,8 +428,17 @@ def child_xid(a: argparse.Namespace) -> None:
 
 def child_expandable(a: argparse.Namespace) -> None:
     model, opt = build(seed=0)
+    if a.big_mib:  # a parameter larger than one mapping of an expandable segment
+        model.big = torch.nn.Parameter(torch.zeros(a.big_mib << 18, device="cuda"))
+        opt = type(opt)(model.parameters())
     snap = make_snap(model, opt, Path(a.dir), a.job)
-    checked = run_steps_checked(snap, model, opt, steps=3)
+    start = 0
+    if a.big_mib:  # a large arena is made in the background, from the first boundary on
+        train_step(model, opt, 0)
+        snap.boundary(0)
+        assert snap.arena_ready(120)
+        start = 1
+    checked = run_steps_checked(snap, model, opt, steps=3, start=start)
     reg = snap._cuda.registry
     segs = list(reg.segments(0)) if reg is not None else []
     print(json.dumps({"checked": checked, "tracking": reg is not None,
@@ -413,6 +454,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--job", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--big-mib", type=int, default=0)
     a = ap.parse_args(argv)
     os.environ["CUDASNAP_JOB"] = a.job
     {"crash": child_crash, "resume": child_resume, "sticky": child_sticky, "xid": child_xid,
