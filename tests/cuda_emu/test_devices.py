@@ -112,10 +112,17 @@ def test_torch_sees_the_emulated_devices(emu: Any) -> None:
     assert r.returncode == 0 and r.stdout.strip() == str(DEVICES), r.stderr
 
 
-@pytest.mark.parametrize("mode", ["set_device", "no-set-device", "no-set-device+refused+preparer", "no-set-device+preparer"])
-def test_a_rank_on_cuda3_makes_no_context_on_devices_0_to_2(emu: Any, mode: str) -> None:
-    base = run_child("plain")
-    assert base["end"] == [3], f"torch alone (baseline) made contexts on {base['end']}"
+@pytest.fixture(scope="module")
+def torch_alone() -> dict[str, Any]:
+    """The baseline: the same training on cuda:3 without cudasnap."""
+    return run_child("plain")
+
+
+@pytest.mark.parametrize("mode", ["set_device", "no-set-device", "no-set-device+preparer",
+                                  "no-set-device+refused+preparer"])
+def test_a_rank_on_cuda3_makes_no_context_on_devices_0_to_2(emu: Any, mode: str,
+                                                             torch_alone: dict[str, Any]) -> None:
+    assert torch_alone["end"] == [3], f"torch alone made contexts on {torch_alone['end']}"
     got = run_child(mode)
     assert got["backend"] == "cuda"
     assert got["private_pinned"] == ("refused" in mode)
@@ -140,6 +147,7 @@ def pin_on_a_thread(directory: str) -> dict[str, Any]:
     import threading
 
     import torch
+
     from cudasnap._cuda import native, pin_arena
 
     torch.empty(1, device="cuda:3")
