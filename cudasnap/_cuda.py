@@ -220,6 +220,19 @@ class CudaBackend:
 
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
+    def join(self, streams: list[Any]) -> None:
+        """The current stream waits for the work queued so far on each of ``streams``
+        (events, no host block): a copy ordered after the current stream then follows
+        their writes as well. A stream of another device is a ConfigError."""
+        import torch
+
+        cur = torch.cuda.current_stream(self.device)
+        for s in streams:
+            if s.device != self.device:
+                raise ConfigError(f"writer stream {s} is on {s.device}, the state on {self.device}")
+            if s.cuda_stream != cur.cuda_stream:
+                cur.wait_stream(s)
+
     def capturing(self) -> bool:
         """Whether this device's current stream is capturing a CUDA graph, counting the
         legacy default stream while a blocking stream captures: its work would join that

@@ -84,19 +84,13 @@ class Snapshotter:
         health: start the health monitor, signal handlers and watchdog
             (default: on when running under ``cudasnap run`` or CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
-        arena_sync_max_bytes: staging arenas whose slots hold up to this many bytes of
-            snapshot data in all are made at the first boundary, on the training
-            thread (small models snapshot from step 0 on); larger ones, and the
-            pre-fault / page-locking of an arena left by a previous process, are
-            prepared on a background thread from construction on (see
-            cudasnap.core.arena_prep): boundaries before it is ready are skipped and
-            counted in ``stats()["skipped_not_ready"]`` (CPU backend: an arena left by
-            a previous process takes snapshots from the first boundary, its pre-fault
-            runs beside them). A ``flush()``, trigger or ``close()`` before it is ready
-            makes it right then and snapshots the live state of the last boundary
-            (``stats()["early_saves"]``; cudasnap.core.early). Default 16 MiB or
-            $CUDASNAP_ARENA_SYNC_MAX_BYTES. ``bench/start_window.py`` measures the
-            window (construction -> first protected step) by state size.
+        arena_sync_max_bytes: arenas up to this many bytes of slot data are made at the
+            first boundary on the training thread; larger ones (and the pre-fault of a
+            left arena) on a background thread from construction on
+            (cudasnap.core.arena_prep): boundaries before that are skipped
+            (``stats()["skipped_not_ready"]``); a flush, trigger or ``close()`` then
+            snapshots the live state (cudasnap.core.early). Default 16 MiB or
+            $CUDASNAP_ARENA_SYNC_MAX_BYTES (``bench/start_window.py``).
         node_replica: node-loss protection in distributed mode: each rank's newest
             COMPLETE snapshot is copied in the background into the shared memory of a
             partner rank on another node, and a replaced node's ranks restore from it
@@ -254,6 +248,12 @@ class Snapshotter:
         than ``wait_timeout_s`` abandons that snapshot (logged) instead of hanging.
         """
         self._copier.fence(1)
+
+    def add_writer_stream(self, stream: Any) -> None:
+        """``stream`` (a ``torch.cuda.Stream``) writes the state besides the one calling
+        ``boundary()`` (a step or CUDA-graph replay run there): each copy waits for its
+        queued work, each fence (hooks, ``fence()``) holds it too. CPU backend: ignored."""
+        self._copier.add_writer(stream)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the running snapshot is COMPLETE (True) or the timeout passes."""

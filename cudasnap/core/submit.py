@@ -62,6 +62,17 @@ class Copier:
         self.live_deferred = False
         self.unprotected_thread: int | None = None  # last boundary skipped for want of an arena
         self._host_text: HostText | None = None  # made at the first boundary
+        self._writers: list[Any] = []  # CUDA streams besides the current one that write state
+
+    def add_writer(self, stream: Any) -> None:
+        """``stream`` (a ``torch.cuda.Stream``) writes the state besides the current
+        stream: each copy also waits for its queued work, each fence also holds it."""
+        import torch
+
+        if not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"writer streams are torch.cuda.Stream objects, got {type(stream)!r}")
+        if all(s.cuda_stream != stream.cuda_stream for s in self._writers):
+            self._writers.append(stream)
 
     # --------------------------------------------------------------- stage()
     def snapshot(self, step: int, t0: int, boundaries: int, values: dict[str, Any]) -> None:
@@ -167,6 +178,8 @@ class Copier:
             return None
         be = self._backend
         stream = be.cuda.current_stream() if be.cuda is not None else 0
+        if self._writers and be.cuda is not None:
+            be.cuda.join(self._writers)  # the copy follows their queued writes too
         try:
             # begin_write() inside refuses a slot a concurrent flush leased since
             # the pick (the arena's own lock orders the two): StagingError.
@@ -213,7 +226,10 @@ class Copier:
         t0 = time.perf_counter_ns()
         cuda = self._backend.cuda
         stream = cuda.current_stream() if cuda is not None else 0
-        if not self._backend.engine.fence(job, phase, stream):
+        ok = self._backend.engine.fence(job, phase, stream)
+        for s in self._writers if cuda is not None else ():
+            ok = self._backend.engine.fence(job, phase, int(s.cuda_stream)) and ok
+        if not ok:
             self._counters.abandoned += 1
             log.error("snapshot of step %d abandoned: its copy did not reach phase %d within "
                       "%.0f s (copier stalled or GPU hung); the previous snapshot stays the "

@@ -69,30 +69,38 @@ class Emu:
         fn.argtypes = [ctypes.c_ulonglong]
         return int(fn(self.stream_id(stream)))
 
+    def waiting(self, stream: int) -> bool:
+        """Whether ``stream`` is stopped at a wait for another stream."""
+        fn = self.lib.cudaemu_waiting
+        fn.argtypes = [ctypes.c_ulonglong]
+        return int(fn(self.stream_id(stream))) == 1
+
     def busy(self, stream: int, us: int) -> None:
         """``us`` microseconds of device work on ``stream`` (a kernel that takes time)."""
         fn = self.lib.cudaemu_busy
         fn.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         assert fn(stream, us) == 0
 
-    def release_when(self, stream: int, done: Callable[[], bool],
-                     timeout: float = 60.0) -> threading.Thread:
+    def release_when(self, stream: int, done: Callable[[], bool], timeout: float = 60.0,
+                     waiter: int | None = None) -> threading.Thread:
         """Starts a thread that releases the held ``stream`` as soon as something waits
-        for it (a fence or dependency doing its job) or ``done()`` turns true (the code
-        under test went on without waiting). Which came first decides what the test
-        sees; neither is a race: nothing else moves while the stream is held. Returns the
-        thread (``.blocked``: whether something waited)."""
-        t = threading.Thread(target=self._release_when, args=(stream, done, timeout),
+        for it (a fence or dependency doing its job; with ``waiter``: as soon as that
+        stream stops at a wait) or ``done()`` turns true (the code under test went on
+        without waiting). Which came first decides what the test sees; neither is a
+        race: nothing else moves while the stream is held. Returns the thread
+        (``.blocked``: whether something waited)."""
+        t = threading.Thread(target=self._release_when, args=(stream, done, timeout, waiter),
                              daemon=True)
         t.blocked = False  # type: ignore[attr-defined]
         t.start()
         return t
 
-    def _release_when(self, stream: int, done: Callable[[], bool], timeout: float) -> None:
+    def _release_when(self, stream: int, done: Callable[[], bool], timeout: float,
+                      waiter: int | None) -> None:
         me = threading.current_thread()
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.waiters(stream) > 0:
+            if self.waiting(waiter) if waiter is not None else self.waiters(stream) > 0:
                 me.blocked = True  # type: ignore[attr-defined]
                 break
             if done():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 from emu_train import build, diff, pattern, state_bytes, train_step
 from helpers.slots import read_slot
@@ -145,4 +146,92 @@ def test_kernels_that_take_time_keep_the_step_queued_at_the_boundary(
             assert info["step"] == i and not diff(got, want)
     finally:
         emu.fault("kernel_us:0")
+        snap.close()
+
+
+# ------------------------------------------------------------ side streams
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_step_queued_on_a_side_stream_before_the_boundary(snap_env: Any, emu: Any,
+                                                            registered: bool) -> None:
+    """The optimizer step ran on a user stream and is still queued there (held) when
+    boundary() is called on the default stream. With ``add_writer_stream`` the copy
+    waits for it; without (negative control) the copy runs ahead and the slot holds
+    the state from before the step."""
+    model, opt, snap = started(snap_env)
+    side = torch.cuda.Stream()
+    if registered:
+        snap.add_writer_stream(side)
+    try:
+        train_step(model, opt, 1)
+        side.wait_stream(torch.cuda.current_stream())
+        src = [pattern(tuple(p.shape), 80 + i, 1).pin_memory() for i, p in
+               enumerate(model.parameters())]
+        emu.hold(side.cuda_stream)
+        returned = threading.Event()
+        t = emu.release_when(side.cuda_stream, returned.is_set)
+        with torch.cuda.stream(side), torch.no_grad():
+            for p, s in zip(model.parameters(), src):
+                p.copy_(s, non_blocking=True)  # the step's writes, queued behind the hold
+        snap.boundary(1)  # on the default stream
+        assert snap.wait(timeout=60)
+        returned.set()
+        t.join(60)
+        torch.cuda.synchronize()
+        want = state_bytes(snap)  # the state after the side stream's step
+        info, got = newest_slot(snap)
+        assert info["step"] == 1
+        if registered:
+            assert t.blocked and not diff(got, want), diff(got, want)
+        else:
+            assert not t.blocked and diff(got, want), "the copy waited for an unknown stream"
+    finally:
+        snap.close()
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_graph_replayed_on_a_side_stream_after_the_fence(snap_env: Any, emu: Any,
+                                                           registered: bool) -> None:
+    """A captured step replayed on a side stream while the copy is held, after the
+    documented ``snap.fence()`` on the default stream. With ``add_writer_stream`` the
+    side stream waits for the copy; without (negative control) the replay overtakes it."""
+    from test_cuda_graph_step import GraphStep
+
+    model, opt, snap = started(snap_env)
+    side = torch.cuda.Stream()
+    if registered:
+        snap.add_writer_stream(side)
+    try:
+        step = GraphStep(snap)
+        step.refill(7)
+        step.graph.replay()
+        want = state_bytes(snap)
+        copy = snap._cuda.engine.copy_stream
+        emu.hold(copy)
+        snap.boundary(1)
+        step.refill(8)
+        snap.fence()  # on the default stream (which then waits: not what is tested)
+        replayed = threading.Event()
+        t = emu.release_when(copy, replayed.is_set, waiter=side.cuda_stream)
+        with torch.cuda.stream(side):
+            step.graph.replay()
+        side.synchronize()
+        replayed.set()
+        t.join(60)
+        assert snap.wait(timeout=60)
+        info, got = newest_slot(snap)
+        assert info["step"] == 1
+        if registered:
+            assert t.blocked and not diff(got, want), diff(got, want)
+        else:
+            assert not t.blocked and sorted(diff(got, want)) == sorted(want)
+    finally:
+        snap.close()
+
+
+def test_a_writer_stream_must_be_a_cuda_stream(snap_env: Any, emu: Any) -> None:
+    model, opt, snap = started(snap_env)
+    try:
+        with pytest.raises(TypeError, match="torch.cuda.Stream"):
+            snap.add_writer_stream(object())
+    finally:
         snap.close()

@@ -123,6 +123,7 @@ struct Stream {
   bool running = false;
   bool destroyed = false;
   int waiters = 0;    // streams and host threads now waiting for this stream
+  bool waiting = false;  // this stream's head is a wait not yet satisfied
   std::thread worker;
   // capture
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -452,7 +453,9 @@ void worker_loop(Stream* s) {
       Stream* t = op.wait_on;
       uint64_t seq = op.wait_seq;
       ++t->waiters;
+      s->waiting = true;
       e.cv.wait(lk, [&] { return t->done >= seq; });
+      s->waiting = false;
       --t->waiters;
     } else if (op.fn) {
       bool fail = false;
@@ -2085,6 +2088,15 @@ EMU_API int cudaemu_waiters(unsigned long long id) {
   std::lock_guard<std::mutex> g(e.mu);
   for (Stream* s : e.streams)
     if (s->id == id) return s->waiters;
+  return -1;
+}
+
+// 1 while the stream with id `id` is stopped at a wait for another stream.
+EMU_API int cudaemu_waiting(unsigned long long id) {
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  for (Stream* s : e.streams)
+    if (s->id == id) return s->waiting ? 1 : 0;
   return -1;
 }
 

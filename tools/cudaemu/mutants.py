@@ -66,6 +66,13 @@ MUTANTS = [
            "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n    {\n",
            "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));\n    {\n",
            "the done event is recorded on the compute stream"),
+    Mutant("no-writer-join", "cudasnap/core/submit.py",
+           "            be.cuda.join(self._writers)", "            pass",
+           "the copy does not wait for the registered writer streams (Python)"),
+    Mutant("no-writer-fence", "cudasnap/core/submit.py",
+           "        for s in self._writers if cuda is not None else ():",
+           "        for s in ():",
+           "fences do not hold the registered writer streams (Python)"),
 ]
 
 
