@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 # CUDA architectures for the CUDA backend (CMake syntax); 90 = H100/H200.
 CUDA_ARCHS ?= 90
 
-.PHONY: all venv build emu titan demo test test-fast test-emulated lint compile-check bench-deps clean
+.PHONY: all venv build emu titan demo test test-fast test-emulated mutants lint compile-check bench-deps clean
 
 all: build
 
@@ -57,6 +57,7 @@ compile-check: $(STAMP)
 test: build emu titan lint compile-check
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory test-emulated
+	$(MAKE) --no-print-directory mutants
 
 # The edit-test loop: the CPU tests not marked slow (81 s on 2 quiet cores, 2026-12-04;
 # a test over ~1.5 s there is marked slow), against 15-25 min for `make test`, which
@@ -69,6 +70,11 @@ EMU_TEST_TIMEOUT ?= 300
 
 test-emulated: build emu
 	tools/cudaemu/run.sh $(BIN)/python -m pytest -q -o timeout=$(EMU_TEST_TIMEOUT) tests/cuda_emu
+
+# Held-out mistakes of the CUDA path (tools/cudaemu/mutants.py): the lane's ordering tests must
+# fail on each, in a scratch copy built once; the unmutated copy must pass.
+mutants: build emu
+	$(BIN)/python tools/cudaemu/mutants.py --baseline
 
 # The peers bench/peers.py compares against (torchsnapshot, DLRover), outside the venv.
 bench-deps: $(STAMP)

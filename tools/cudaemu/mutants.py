@@ -1,9 +1,10 @@
 """Held-out mutations of the CUDA path: the emulated lane must fail on each, every time.
 
 Each mutant is one textual change to a source file (an ordering mistake a CUDA
-programmer makes). For each, a scratch copy of the working tree is made, mutated, its
-extension built from scratch, and the emulated lane (``tests/cuda_emu``, per-test
-timeout) run in it: the mutant is *killed* when the lane fails. ``--baseline`` first runs
+programmer makes). A scratch copy of the working tree is made and built once; each
+mutant is applied there, the extension rebuilt (incrementally), the emulated lane's
+tests run (per-test timeout), and the change reverted: the mutant is *killed* when the
+lane fails. ``--baseline`` first runs
 the unmutated copy, which must pass. Exit status 0 only when the baseline (if asked)
 passes and every mutant is killed.
 
@@ -118,32 +119,52 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: floa
             return 124
 
 
-def trial(m: Mutant | None, tests: list[str], work: Path, test_timeout: int,
-          keep: bool) -> tuple[str, float]:
-    """Builds and runs the lane in a fresh scratch copy, mutated by ``m`` (None: as is)."""
-    name = m.name if m else "baseline"
-    dest = work / name
-    log = work / f"{name}.log"
-    t0 = time.monotonic()
-    scratch_copy(dest)
-    if m:
-        mutate(dest, m)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDASNAP_", "CUDAEMU_"))}
-    env["PYTHONPATH"] = str(dest)  # the scratch copy's cudasnap, never the editable install
-    env["CUDASNAP_BUILD_DIR"] = str(dest / "build" / "cmake")
-    py = str(dest / ".venv" / "bin" / "python")
-    if run([py, "setup.py", "-q", "build_ext", "--inplace"], dest, env, log, 1800) != 0:
-        return f"error: build failed (see {log})", time.monotonic() - t0
-    rc = run([str(dest / "tools/cudaemu/run.sh"), py, "-m", "pytest", "-q", "-x",
-              "-p", "no:cacheprovider", "-o", f"timeout={test_timeout}", *tests],
-             dest, env, log, 3600)
-    if not keep:
-        shutil.rmtree(dest, ignore_errors=True)
-    if m is None:
-        verdict = "passed" if rc == 0 else f"FAILED (rc {rc}, see {log})"
-    else:
-        verdict = "killed" if rc != 0 else "SURVIVED"
-    return verdict, time.monotonic() - t0
+class Scratch:
+    """One scratch copy of the working tree, built once; each mutant is applied in place,
+    rebuilt incrementally (the same path keeps CMake's cache valid: only the mutated
+    file recompiles) and reverted after its run."""
+
+    def __init__(self, work: Path, test_timeout: int) -> None:
+        self.dest = work / "tree"
+        self.log = work / "mutants.log"
+        self.test_timeout = test_timeout
+        scratch_copy(self.dest)
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("CUDASNAP_", "CUDAEMU_"))}
+        self.env["PYTHONPATH"] = str(self.dest)  # the scratch copy's cudasnap, not the editable one
+        self.env["CUDASNAP_BUILD_DIR"] = str(self.dest / "build" / "cmake")
+        self.py = str(self.dest / ".venv" / "bin" / "python")
+
+    def build(self) -> bool:
+        return run([self.py, "setup.py", "-q", "build_ext", "--inplace"], self.dest, self.env,
+                   self.log, 1800) == 0
+
+    def lane(self, tests: list[str]) -> int:
+        return run([str(self.dest / "tools/cudaemu/run.sh"), self.py, "-m", "pytest", "-q", "-x",
+                    "-p", "no:cacheprovider", "-o", f"timeout={self.test_timeout}", *tests],
+                   self.dest, self.env, self.log, 3600)
+
+    def trial(self, m: Mutant | None, tests: list[str]) -> tuple[str, float]:
+        """The lane's verdict on the tree mutated by ``m`` (None: as it is)."""
+        t0 = time.monotonic()
+        path = self.dest / m.path if m else None
+        original = path.read_text() if path else ""
+        with self.log.open("a") as f:
+            f.write(f"\n===== {m.name if m else 'baseline'}\n")
+        try:
+            if m:
+                mutate(self.dest, m)
+            if not self.build():
+                return f"error: build failed (see {self.log})", time.monotonic() - t0
+            rc = self.lane(tests)
+        finally:
+            if path:
+                path.write_text(original)
+        if m is None:
+            verdict = "passed" if rc == 0 else f"FAILED (rc {rc}, see {self.log})"
+        else:
+            verdict = "killed" if rc != 0 else "SURVIVED"
+        return verdict, time.monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,19 +195,22 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     result: dict[str, object] = {"work": str(work)}
     ok = True
+    scratch = Scratch(work, a.test_timeout)
     if a.baseline:
-        verdict, secs = trial(None, a.tests, work, a.test_timeout, a.keep)
+        verdict, secs = scratch.trial(None, a.tests)
         print(f"baseline: {verdict} ({secs:.0f} s)", flush=True)
         result["baseline"] = verdict
         ok = verdict == "passed"
     verdicts = {}
     for m in chosen:
-        verdict, secs = trial(m, a.tests, work, a.test_timeout, a.keep)
+        verdict, secs = scratch.trial(m, a.tests)
         print(f"{m.name}: {verdict} ({secs:.0f} s) - {m.why}", flush=True)
         verdicts[m.name] = verdict
         ok = ok and verdict == "killed"
     result["mutants"] = verdicts
     result["seconds"] = round(time.monotonic() - t0, 1)
+    if not a.keep:
+        shutil.rmtree(scratch.dest, ignore_errors=True)
     print(json.dumps(result))
     return 0 if ok else 1
 
