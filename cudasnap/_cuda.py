@@ -112,6 +112,7 @@ class CudaBackend:
         self.registry: AllocatorRegistry | None = None
         self.tracker_error: str | None = None
         self.fallback_reason: str | None = None  # why the arena is process-private
+        self._copy_stream: Any = None  # the engine's copy stream as a torch stream (follow)
         self._arenas: list[Arena] = []  # arenas we cudaHostRegister'ed (held until unregistered)
         self._closed = False
         if track:
@@ -220,18 +221,32 @@ class CudaBackend:
 
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def join(self, streams: list[Any]) -> None:
-        """The current stream waits for the work queued so far on each of ``streams``
-        (events, no host block): a copy ordered after the current stream then follows
-        their writes as well. A stream of another device is a ConfigError."""
+    def check_writer(self, stream: Any) -> None:
+        """ConfigError unless ``stream`` is on this backend's device."""
+        if stream.device != self.device:
+            raise ConfigError(f"writer stream {stream} is on {stream.device}, the state on "
+                              f"{self.device}")
+
+    def follow(self, streams: list[Any]) -> str | None:
+        """The copy stream waits for the work queued so far on each of ``streams`` (events,
+        no host block; the trainer's streams are left alone): the next snapshot's copies,
+        queued after this, also follow their writes. Returns why not (a stream is
+        capturing a CUDA graph: an event recorded there would join the copy stream to
+        the capture), or None."""
         import torch
 
-        cur = torch.cuda.current_stream(self.device)
         for s in streams:
-            if s.device != self.device:
-                raise ConfigError(f"writer stream {s} is on {s.device}, the state on {self.device}")
-            if s.cuda_stream != cur.cuda_stream:
-                cur.wait_stream(s)
+            self.check_writer(s)
+            with torch.cuda.stream(s):
+                if torch.cuda.is_current_stream_capturing():
+                    return f"writer stream {s} is capturing a CUDA graph"
+        copy = self._copy_stream
+        if copy is None or copy.cuda_stream != self.engine.copy_stream:
+            copy = self._copy_stream = torch.cuda.ExternalStream(self.engine.copy_stream,
+                                                                 device=self.device)
+        for s in streams:
+            copy.wait_stream(s)
+        return None
 
     def capturing(self) -> bool:
         """Whether this device's current stream is capturing a CUDA graph, counting the

@@ -83,6 +83,9 @@ CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
     std::promise<cudaError_t> mode_set;
     std::future<cudaError_t> mode_status = mode_set.get_future();
     completion_ = std::thread([this, &mode_set] {
+      // This device first: the thread's first runtime call would otherwise make a
+      // context on device 0 (a new thread's current device).
+      if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
       cudaError_t st = cudaThreadExchangeStreamCaptureMode(&mode);
       if (st != cudaSuccess) (void)cudaGetLastError();
@@ -366,6 +369,7 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
   } catch (...) {
     if (issued) {
       // Never leave a DMA running into a slot we give up on (bounded wait).
+      DeviceGuard dev(device_, DeviceGuard::NoThrow{});  // the drain event: this device's
       CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});  // cudaEventQuery
       cudaEvent_t drain = nullptr;
       bool drained = false;

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -168,9 +169,11 @@ void note_dma_abandoned(Arena& arena) noexcept {
 }
 
 void unregister_arena(Arena& arena) {
-  if (!forget_registration(arena)) return;  // not ours (e.g. a private pinned arena)
+  // The guards first: once forgotten, nothing else would unregister the range.
   CaptureModeGuard relaxed;
-  DeviceGuard dev(arena.cuda_device >= 0 ? arena.cuda_device : 0);
+  std::optional<DeviceGuard> dev;
+  if (arena.cuda_device >= 0) dev.emplace(arena.cuda_device);  // else: never registered here
+  if (!forget_registration(arena)) return;  // not ours (e.g. a private pinned arena)
   CUDASNAP_CUDA_CHECK(cudaHostUnregister(arena.base()));
 }
 

@@ -23,14 +23,20 @@ using PrimaryCtxGetState = int (*)(int dev, unsigned* flags, int* active);
 inline PrimaryCtxGetState primary_ctx_get_state() {
   static PrimaryCtxGetState fn = [] {
     void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
     cudaError_t st = cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &p, 12000,
                                                       cudaEnableDefault, &q);
-#else
+    const bool found = q == cudaDriverEntryPointSuccess;
+#elif CUDART_VERSION >= 12000
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
     cudaError_t st = cudaGetDriverEntryPoint("cuDevicePrimaryCtxGetState", &p, cudaEnableDefault, &q);
+    const bool found = q == cudaDriverEntryPointSuccess;
+#else  // CUDA 11.x (torch cu118 wheels): no query result
+    cudaError_t st = cudaGetDriverEntryPoint("cuDevicePrimaryCtxGetState", &p, cudaEnableDefault);
+    const bool found = p != nullptr;
 #endif
-    if (st != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+    if (st != cudaSuccess || !found || !p) {
       (void)cudaGetLastError();
       return PrimaryCtxGetState{nullptr};
     }

@@ -71,6 +71,8 @@ class Copier:
 
         if not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"writer streams are torch.cuda.Stream objects, got {type(stream)!r}")
+        if self._backend.cuda is not None:
+            self._backend.cuda.check_writer(stream)
         if all(s.cuda_stream != stream.cuda_stream for s in self._writers):
             self._writers.append(stream)
 
@@ -170,16 +172,21 @@ class Copier:
                 return None
             if arena is keeper.arena:
                 lay.arena_ok = (id(arena), int(arena.meta_capacity))
+        be = self._backend
+        if self._writers and be.cuda is not None:
+            why = be.cuda.follow(self._writers)  # the copy follows their queued writes too
+            if why is not None:
+                self._counters.skipped += 1
+                log.warning("step %d not snapshotted: %s; call boundary() outside graph "
+                            "capture", step, why)
+                return None
         with self.slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
         if slot < 0:
             self._counters.skipped += 1
             log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
             return None
-        be = self._backend
         stream = be.cuda.current_stream() if be.cuda is not None else 0
-        if self._writers and be.cuda is not None:
-            be.cuda.join(self._writers)  # the copy follows their queued writes too
         try:
             # begin_write() inside refuses a slot a concurrent flush leased since
             # the pick (the arena's own lock orders the two): StagingError.

@@ -69,6 +69,19 @@ class Emu:
         fn.argtypes = [ctypes.c_ulonglong]
         return int(fn(self.stream_id(stream)))
 
+    def parked(self, stream: int) -> bool:
+        """Whether ``stream`` sits idle at its hold point with work queued (everything
+        before the hold point, markers included, has run)."""
+        fn = self.lib.cudaemu_parked
+        fn.argtypes = [ctypes.c_ulonglong]
+        return int(fn(self.stream_id(stream))) == 1
+
+    def wait_parked(self, stream: int, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while not self.parked(stream):
+            assert time.monotonic() < end, "the stream never reached its hold point"
+            time.sleep(0.002)
+
     def waiting(self, stream: int) -> bool:
         """Whether ``stream`` is stopped at a wait for another stream."""
         fn = self.lib.cudaemu_waiting

@@ -100,7 +100,8 @@ def test_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> None:
         emu.hold(copy)
         snap.boundary(1)
         stepped = threading.Event()
-        waiter = emu.release_when(copy, stepped.is_set)
+        waiter = emu.release_when(copy, stepped.is_set,
+                                  waiter=torch.cuda.current_stream().cuda_stream)
         train_step(model, opt, 1001)  # not fenced: lands before the held copy
         stepped.set()
         waiter.join(60)

@@ -203,9 +203,10 @@ def misuse() -> dict[str, Any]:
     with torch.cuda.device(2):
         other = rt.cudaEventRecord(ev, vp(s2.cuda_stream))
         rt.cudaGetLastError()
-        wait = rt.cudaStreamWaitEvent(vp(s2.cuda_stream), ev, 0)
     with torch.cuda.device(1):
         same = rt.cudaEventRecord(ev, vp(s1.cuda_stream))
+    with torch.cuda.device(2):  # a recorded event of device 1 orders a stream of device 2
+        wait = rt.cudaStreamWaitEvent(vp(s2.cuda_stream), ev, 0)
     x = torch.empty(1 << 20, device="cuda:1")
     return {"record_other_device": other, "record_same_device": same, "wait_cross": wait,
             "mem_on_1": rt.cudaemu_counter(b"device_bytes:1") >= x.nbytes,

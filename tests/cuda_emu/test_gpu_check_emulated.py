@@ -208,8 +208,9 @@ def test_bench_timing_model_reproduces_the_gpu_tables_shape(emu: Any) -> None:
     assert out["modelled"] is True and out["model"]["profile"] == "h200"
     assert out["model"]["d2h_gbps"] == 55.0
     for row in out["a"]:
-        assert 0.5 <= row["pinned_vs_link"] <= 1.02, row  # the model holds the link rate
-        assert row["dma_vs_link"] <= 1.02, row
+        assert row["pinned_vs_link"] <= 1.02 and row["dma_vs_link"] <= 1.02, row  # never faster
+        if row["mib_modelled"] >= 4096:  # 78 ms modelled: a loaded host cannot halve it
+            assert row["pinned_vs_link"] >= 0.5, row
         assert row["complete_vs_link"] < row["dma_vs_link"], row  # host work after the DMA
     b = out["b"]
     assert b["ideal_ratio"] > 1.0  # 1.49 GB at 55 GB/s is longer than the 25 ms window

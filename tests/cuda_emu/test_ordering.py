@@ -5,8 +5,10 @@ On a GPU the optimizer step's kernels are still queued on the compute stream whe
 copies. Here a stream is *held* (it runs nothing more) or stopped at a *hold point* (after
 a copy's phase 0), and released the moment something waits for it
 (``Emu.release_when``): a correct ordering makes some stream or thread wait, a broken one
-lets the code under test run on, and the slot then holds the wrong bytes. Nothing depends
-on timing: while a stream is held no work of it moves. Each test is paired with the
+lets the code under test run on, and the slot then holds the wrong bytes. The release
+watches one named stream (``waiter=``: stopped at a wait), never a count that unrelated
+device-wide synchronisation could raise. Nothing depends on timing: while a stream is
+held no work of it moves. Each test is paired with the
 mutant of tools/cudaemu/mutants.py that it must catch.
 """
 from __future__ import annotations
@@ -59,7 +61,8 @@ def test_the_copy_waits_for_compute_queued_before_the_boundary(snap_env: Any, em
                enumerate(model.parameters())]
         emu.hold(compute.cuda_stream)
         returned = threading.Event()
-        t = emu.release_when(compute.cuda_stream, returned.is_set)
+        t = emu.release_when(compute.cuda_stream, returned.is_set,
+                             waiter=snap._cuda.engine.copy_stream)
         with torch.no_grad():
             for p, s in zip(model.parameters(), src):
                 p.copy_(s, non_blocking=True)  # queued behind the hold
@@ -71,8 +74,9 @@ def test_the_copy_waits_for_compute_queued_before_the_boundary(snap_env: Any, em
         info, got = newest_slot(snap)
         assert info["step"] == 1
         assert not diff(got, want), f"the copy ran before the queued step: {diff(got, want)}"
-        assert t.blocked, "nothing waited for the held compute stream"
+        assert t.blocked, "the copy stream did not wait for the held compute stream"
     finally:
+        emu.release()
         snap.close()
 
 
@@ -88,8 +92,12 @@ def test_the_next_step_waits_for_phase_1_of_the_copy(snap_env: Any, emu: Any) ->
         emu.hold_at(copy, 1)  # phase 0 is one range (Net.stat): the hold point is after it
         snap.boundary(1)
         assert snap._cuda.engine.last_memcpy_calls >= 2, "phase 0 and 1 were not apart"
+        # Phase 0 copied and its event recorded before the step runs: the forward's fence
+        # then waits for nothing, and only the optimizer step's fence can stop the stream.
+        emu.wait_parked(copy)
         stepped = threading.Event()
-        t = emu.release_when(copy, stepped.is_set)
+        t = emu.release_when(copy, stepped.is_set,
+                             waiter=torch.cuda.current_stream().cuda_stream)
         train_step(model, opt, 1001)  # forward (phase 0 is copied) then optimizer step
         stepped.set()
         t.join(60)
@@ -99,6 +107,7 @@ def test_the_next_step_waits_for_phase_1_of_the_copy(snap_env: Any, emu: Any) ->
         assert not diff(got, want), f"the step overtook the copy: {diff(got, want)}"
         assert t.blocked, "the optimizer step did not wait for the copy"
     finally:
+        emu.release()
         snap.close()
 
 
@@ -114,7 +123,7 @@ def test_compute_after_the_boundary_does_not_wait_for_the_copy(snap_env: Any, em
         emu.hold(copy)
         snap.boundary(1)
         wrote = threading.Event()
-        t = emu.release_when(copy, wrote.is_set)
+        t = emu.release_when(copy, wrote.is_set, waiter=torch.cuda.current_stream().cuda_stream)
         other.copy_(torch.full((1024,), 7.0))  # a forward's activations, say
         wrote.set()
         t.join(60)
@@ -122,14 +131,16 @@ def test_compute_after_the_boundary_does_not_wait_for_the_copy(snap_env: Any, em
         assert not t.blocked, "compute waited for the snapshot copy: no overlap"
         assert torch.equal(other.cpu(), torch.full((1024,), 7.0))
     finally:
+        emu.release()
         snap.close()
 
 
 def test_kernels_that_take_time_keep_the_step_queued_at_the_boundary(
         snap_env: Any, emu: Any) -> None:
-    """With kernels that take time (CUDAEMU_KERNEL_US / kernel_us), torch's own launches
-    are still running when boundary() submits; the snapshot still equals the state at
-    the boundary, every step."""
+    """Smoke: with kernels that take time (CUDAEMU_KERNEL_US / kernel_us), torch's own
+    launches are still running when boundary() submits (they write no snapshotted state:
+    the orderings are decided by the tests above); every snapshot equals the state at
+    its boundary."""
     model, opt, snap = started(snap_env)
     try:
         emu.fault("kernel_us:20000")
@@ -168,7 +179,8 @@ def test_a_step_queued_on_a_side_stream_before_the_boundary(snap_env: Any, emu: 
                enumerate(model.parameters())]
         emu.hold(side.cuda_stream)
         returned = threading.Event()
-        t = emu.release_when(side.cuda_stream, returned.is_set)
+        t = emu.release_when(side.cuda_stream, returned.is_set,
+                             waiter=snap._cuda.engine.copy_stream)
         with torch.cuda.stream(side), torch.no_grad():
             for p, s in zip(model.parameters(), src):
                 p.copy_(s, non_blocking=True)  # the step's writes, queued behind the hold
@@ -185,6 +197,7 @@ def test_a_step_queued_on_a_side_stream_before_the_boundary(snap_env: Any, emu: 
         else:
             assert not t.blocked and diff(got, want), "the copy waited for an unknown stream"
     finally:
+        emu.release()
         snap.close()
 
 
@@ -225,6 +238,7 @@ def test_a_graph_replayed_on_a_side_stream_after_the_fence(snap_env: Any, emu: A
         else:
             assert not t.blocked and sorted(diff(got, want)) == sorted(want)
     finally:
+        emu.release()
         snap.close()
 
 

@@ -95,13 +95,15 @@ struct Capture;
 // What an op is, for hold points (hold_at counts data ops) and the timing model.
 enum class Kind { Other, Wait, Copy, Kernel, Busy, Record };
 
-// Timing-model links of a device: copies in one direction share one.
+// Timing-model links of a device: copies in one direction share one (pageable copies
+// too, at the pageable rate); kPageable indexes only that rate.
 enum Link { kD2H = 0, kH2D = 1, kD2D = 2, kPageable = 3, kLinks = 4 };
 
 struct Op {
   std::function<void()> fn;       // the work (null for markers)
   Kind kind = Kind::Other;
   int link = -1;                   // a copy's link (timing model)
+  bool pageable = false;           // ... at the pageable rate
   uint64_t bytes = 0;              // a copy's size (timing model)
   uint64_t dur_ns = 0;             // a kernel's or busy op's duration (kernel_us, busy)
   struct Stream* wait_on = nullptr;  // or: wait for this stream to reach wait_seq
@@ -124,6 +126,7 @@ struct Stream {
   bool destroyed = false;
   int waiters = 0;    // streams and host threads now waiting for this stream
   bool waiting = false;  // this stream's head is a wait not yet satisfied
+  bool in_op = false;    // the worker is running a popped op
   std::thread worker;
   // capture
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -197,6 +200,8 @@ struct Emu {
   std::vector<uint64_t> dev_used;    // per device
   std::map<uintptr_t, size_t> dev_allocs;
   std::map<uintptr_t, int> dev_of;   // allocation -> its device
+  std::map<uintptr_t, size_t> reserved;  // cuMemAddressReserve ranges (expandable segments)
+  uint64_t kernel_us_env = 0;        // CUDAEMU_KERNEL_US: what "clear" goes back to
   // Primary contexts: 1 once a call that needs one ran with the device current
   // (or cudaSetDevice / cuDevicePrimaryCtxRetain named it), as the runtime does.
   std::unique_ptr<std::atomic<int>[]> ctx;
@@ -232,7 +237,8 @@ Emu& emu() {
     if (const char* v = std::getenv("CUDAEMU_DEVICES")) x->ndev = std::max(1, atoi(v));
     if (const char* v = std::getenv("CUDAEMU_MEM_MB")) x->mem_total = strtoull(v, nullptr, 10) << 20;
     if (const char* v = std::getenv("CUDAEMU_TRACE")) x->trace = *v && *v != '0';
-    if (const char* v = std::getenv("CUDAEMU_KERNEL_US")) x->fault.kernel_us = strtoull(v, nullptr, 10);
+    if (const char* v = std::getenv("CUDAEMU_KERNEL_US")) x->kernel_us_env = strtoull(v, nullptr, 10);
+    x->fault.kernel_us = x->kernel_us_env;
     if (const char* v = std::getenv("CUDAEMU_FAULTS")) apply_fault(*x, v);
     x->ctx.reset(new std::atomic<int>[static_cast<size_t>(x->ndev)]);
     for (int d = 0; d < x->ndev; ++d) x->ctx[d].store(0);
@@ -301,6 +307,7 @@ void apply_fault(Emu& e, const std::string& specs) {
       e.mem_total = strtoull(val.c_str(), nullptr, 10) << 20;
     } else if (key == "clear") {
       e.fault = Fault{};
+      e.fault.kernel_us = e.kernel_us_env;
       e.sticky.store(0);
       e.cv.notify_all();
       cudaemu_nvml_fault("nvml_clear", "");
@@ -381,6 +388,12 @@ bool in_device(Emu& e, uintptr_t p, size_t n) {
   --it;
   if (p < it->first || p >= it->first + it->second) return false;
   uintptr_t end = it->first + it->second;
+  if (p + n <= end) return true;
+  // Several mappings: only side by side inside one reservation (cuMemAddressReserve).
+  auto r = e.reserved.upper_bound(it->first);
+  if (r == e.reserved.begin()) return false;
+  --r;
+  if (it->first < r->first || p + n > r->first + r->second) return false;
   while (p + n > end) {
     ++it;
     if (it == e.dev_allocs.end() || it->first != end) return false;
@@ -433,8 +446,10 @@ std::pair<int64_t, int64_t> schedule_locked(Emu& e, Stream* s, const Op& op) {
     if (!ns) return {0, 0};
     return {now, now + static_cast<int64_t>(double(ns) * (t.on ? t.time_scale : 1.0))};
   }
-  if (op.kind != Kind::Copy || !t.on || op.link < 0 || t.gbps[op.link] <= 0) return {0, 0};
-  double ns = double(op.bytes) * t.size_scale / t.gbps[op.link] * t.time_scale;  // GB/s = B/ns
+  if (op.kind != Kind::Copy || !t.on || op.link < 0) return {0, 0};
+  double rate = op.pageable ? t.gbps[kPageable] : t.gbps[op.link];
+  if (rate <= 0) return {0, 0};
+  double ns = double(op.bytes) * t.size_scale / rate * t.time_scale;  // GB/s = B/ns
   int64_t& free_at = e.link_free[static_cast<size_t>(s->device)][static_cast<size_t>(op.link)];
   int64_t begin = std::max(now, free_at);
   free_at = begin + static_cast<int64_t>(ns);
@@ -448,6 +463,7 @@ void worker_loop(Stream* s) {
     e.cv.wait(lk, [&] { return !s->q.empty() && !held_locked(e, s); });
     Op op = std::move(s->q.front());
     s->q.pop_front();
+    s->in_op = true;
     if (e.fault.hold_at_id == s->id && is_data(op) && e.fault.hold_at_left) --e.fault.hold_at_left;
     if (op.wait_on) {
       Stream* t = op.wait_on;
@@ -479,6 +495,7 @@ void worker_loop(Stream* s) {
       lk.lock();
     }
     ++s->done;
+    s->in_op = false;
     e.cv.notify_all();
   }
 }
@@ -668,9 +685,8 @@ cudaError_t do_copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
   op.fn = [dst, src, n] { std::memmove(dst, src, n); };
   op.kind = Kind::Copy;
   op.bytes = n;
-  if (pageable)
-    op.link = kPageable;
-  else if (ss == Side::Device && ds == Side::Device)
+  op.pageable = pageable;
+  if (ss == Side::Device && ds == Side::Device)
     op.link = kD2D;
   else if (ss == Side::Device)
     op.link = kD2H;
@@ -898,7 +914,7 @@ EMU_API cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int 
     case cudaDevAttrAsyncEngineCount: v = 2; break;
     case cudaDevAttrPciBusId: v = p.pciBusID; break;
     case cudaDevAttrL2CacheSize: v = p.l2CacheSize; break;
-    case cudaDevAttrMemoryPoolsSupported: v = 0; break;
+    case cudaDevAttrMemoryPoolsSupported: v = 1; break;
     case cudaDevAttrIntegrated: v = 0; break;
     case cudaDevAttrManagedMemory: v = 1; break;
     case cudaDevAttrConcurrentManagedAccess: v = 1; break;
@@ -969,32 +985,41 @@ EMU_API cudaError_t cudaDeviceReset(void) { return ret(sync_all()); }
 
 // -------------------------------------------------------------- memory
 
-EMU_API cudaError_t cudaMalloc(void** p, size_t size) {
-  EMU_CTX();
-  EMU_STICKY();
-  if (!p) return ret(cudaErrorInvalidValue);
-  EMU_UNSAFE("cudaMalloc");
+namespace {
+// Device memory of `dev` (cudaMalloc, cudaMallocAsync).
+cudaError_t malloc_on(int dev, void** p, size_t size) {
   *p = nullptr;
   if (size == 0) return cudaSuccess;
   Emu& e = emu();
   size_t rounded = (size + 4095) & ~size_t(4095);
   {
     std::lock_guard<std::mutex> g(e.mu);
-    if (e.dev_used[size_t(t_device)] + rounded > e.mem_total) return ret(cudaErrorMemoryAllocation);
+    if (e.dev_used[size_t(dev)] + rounded > e.mem_total) return ret(cudaErrorMemoryAllocation);
     e.mem_used += rounded;
-    e.dev_used[size_t(t_device)] += rounded;
+    e.dev_used[size_t(dev)] += rounded;
   }
   void* m = mmap(nullptr, rounded, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   std::lock_guard<std::mutex> g(e.mu);
   if (m == MAP_FAILED) {
     e.mem_used -= rounded;
-    e.dev_used[size_t(t_device)] -= rounded;
+    e.dev_used[size_t(dev)] -= rounded;
     return ret(cudaErrorMemoryAllocation);
   }
   e.dev_allocs[reinterpret_cast<uintptr_t>(m)] = rounded;
-  e.dev_of[reinterpret_cast<uintptr_t>(m)] = t_device;
+  e.dev_of[reinterpret_cast<uintptr_t>(m)] = dev;
   *p = m;
+  return cudaSuccess;
+}
+}  // namespace
+
+EMU_API cudaError_t cudaMalloc(void** p, size_t size) {
+  EMU_CTX();
+  EMU_STICKY();
+  if (!p) return ret(cudaErrorInvalidValue);
+  EMU_UNSAFE("cudaMalloc");
+  cudaError_t st = malloc_on(t_device, p, size);
+  if (st != cudaSuccess) return st;
   return cudaSuccess;
 }
 
@@ -1011,6 +1036,9 @@ EMU_API cudaError_t cudaFree(void* p) {
     std::lock_guard<std::mutex> g(e.mu);
     auto it = e.dev_allocs.find(reinterpret_cast<uintptr_t>(p));
     if (it == e.dev_allocs.end()) return ret(cudaErrorInvalidValue);
+    auto r = e.reserved.upper_bound(it->first);  // a cuMemMap'd range: not cudaMalloc's
+    if (r != e.reserved.begin() && it->first < std::prev(r)->first + std::prev(r)->second)
+      return ret(cudaErrorInvalidValue);
     size = it->second;
     e.dev_allocs.erase(it);
     e.mem_used -= size;
@@ -1087,13 +1115,17 @@ EMU_API cudaError_t cudaMemPoolSetAccess(cudaMemPool_t pool, const cudaMemAccess
 }
 
 EMU_API cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
+  EMU_STICKY();
   EMU_CTX();
+  if (!p) return ret(cudaErrorInvalidValue);
+  int dev;
   {
     std::lock_guard<std::mutex> g(emu().mu);
     Stream* s = resolve(stream);
     if (s->cap != cudaStreamCaptureStatusNone) return ret(cudaErrorNotSupported);  // not emulated
+    dev = s->device;
   }
-  return cudaMalloc(p, size);
+  return malloc_on(dev, p, size);  // stream-ordered: legal while another thread captures
 }
 
 EMU_API cudaError_t cudaMallocFromPoolAsync(void** p, size_t size, cudaMemPool_t pool,
@@ -1940,10 +1972,16 @@ EMU_API CUresultEmu cuMemAddressReserve(uintptr_t* ptr, size_t size, size_t alig
   if (a > u) munmap(m, a - u);
   if (a + size < u + size + align) munmap(reinterpret_cast<void*>(a + size), u + size + align - a - size);
   *ptr = a;
+  std::lock_guard<std::mutex> g(emu().mu);
+  emu().reserved[a] = size;
   return 0;
 }
 
 EMU_API CUresultEmu cuMemAddressFree(uintptr_t ptr, size_t size) {
+  {
+    std::lock_guard<std::mutex> g(emu().mu);
+    emu().reserved.erase(ptr);
+  }
   return munmap(reinterpret_cast<void*>(ptr), size) == 0 ? 0 : 1;
 }
 
@@ -2088,6 +2126,15 @@ EMU_API int cudaemu_waiters(unsigned long long id) {
   std::lock_guard<std::mutex> g(e.mu);
   for (Stream* s : e.streams)
     if (s->id == id) return s->waiters;
+  return -1;
+}
+
+// 1 while the stream with id `id` is parked by hold / hold_at with work queued.
+EMU_API int cudaemu_parked(unsigned long long id) {
+  Emu& e = emu();
+  std::lock_guard<std::mutex> g(e.mu);
+  for (Stream* s : e.streams)
+    if (s->id == id) return !s->in_op && !s->q.empty() && held_locked(e, s) ? 1 : 0;
   return -1;
 }
 

@@ -13,8 +13,9 @@ passes and every mutant is killed.
     .venv/bin/python tools/cudaemu/mutants.py --only no-ready-wait --tests tests/cuda_emu/test_ordering.py
     .venv/bin/python tools/cudaemu/mutants.py --list
 
-The last line printed is one JSON object: {"mutants": {name: "killed" | "SURVIVED" |
-"error: ..."}, "baseline": ..., "seconds": ...}.
+The last line printed is one JSON object: {"mutants": {name: "killed by <tests>" |
+"SURVIVED" | "error: ..."}, "baseline": ..., "seconds": ...}. Killed means a test of the
+lane failed on the mutant (a crash or timeout with no failed test is an error).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ MUTANTS = [
            "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));\n    {\n",
            "the done event is recorded on the compute stream"),
     Mutant("no-writer-join", "cudasnap/core/submit.py",
-           "            be.cuda.join(self._writers)", "            pass",
+           "            why = be.cuda.follow(self._writers)", "            why = None",
            "the copy does not wait for the registered writer streams (Python)"),
     Mutant("no-writer-fence", "cudasnap/core/submit.py",
            "        for s in self._writers if cuda is not None else ():",
@@ -107,16 +108,22 @@ def mutate(dest: Path, m: Mutant) -> None:
     p.write_text(text.replace(m.old, m.new))
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float) -> int:
-    with log.open("ab") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n".encode())
-        f.flush()
-        try:
-            return subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            f.write(b"\n(timed out)\n")
-            return 124
+def run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float) -> tuple[int, str]:
+    """Runs ``cmd``, appending its output to ``log``; returns (exit status, output)."""
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=timeout)
+        rc, out = p.returncode, p.stdout.decode(errors="replace")
+    except subprocess.TimeoutExpired as e:
+        rc, out = 124, (e.stdout or b"").decode(errors="replace") + "\n(timed out)\n"
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n{out}")
+    return rc, out
+
+
+def failed_tests(out: str) -> list[str]:
+    """The tests pytest's summary names as failed (assertion or error in a test)."""
+    return [ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
 
 
 class Scratch:
@@ -137,9 +144,9 @@ class Scratch:
 
     def build(self) -> bool:
         return run([self.py, "setup.py", "-q", "build_ext", "--inplace"], self.dest, self.env,
-                   self.log, 1800) == 0
+                   self.log, 1800)[0] == 0
 
-    def lane(self, tests: list[str]) -> int:
+    def lane(self, tests: list[str]) -> tuple[int, str]:
         return run([str(self.dest / "tools/cudaemu/run.sh"), self.py, "-m", "pytest", "-q", "-x",
                     "-p", "no:cacheprovider", "-o", f"timeout={self.test_timeout}", *tests],
                    self.dest, self.env, self.log, 3600)
@@ -156,14 +163,19 @@ class Scratch:
                 mutate(self.dest, m)
             if not self.build():
                 return f"error: build failed (see {self.log})", time.monotonic() - t0
-            rc = self.lane(tests)
+            rc, out = self.lane(tests)
         finally:
             if path:
                 path.write_text(original)
+        failed = failed_tests(out)
         if m is None:
             verdict = "passed" if rc == 0 else f"FAILED (rc {rc}, see {self.log})"
-        else:
-            verdict = "killed" if rc != 0 else "SURVIVED"
+        elif rc == 0:
+            verdict = "SURVIVED"
+        elif failed:  # a test failed on it: killed (by which test, for the record)
+            verdict = "killed by " + ", ".join(f.rsplit("::", 1)[-1] for f in failed)
+        else:  # a crash, a timeout or a collection error is not a test catching it
+            verdict = f"error: the lane ended with rc {rc} and no failed test (see {self.log})"
         return verdict, time.monotonic() - t0
 
 
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict, secs = scratch.trial(m, a.tests)
         print(f"{m.name}: {verdict} ({secs:.0f} s) - {m.why}", flush=True)
         verdicts[m.name] = verdict
-        ok = ok and verdict == "killed"
+        ok = ok and verdict.startswith("killed")
     result["mutants"] = verdicts
     result["seconds"] = round(time.monotonic() - t0, 1)
     if not a.keep:
