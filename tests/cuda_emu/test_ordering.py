@@ -48,6 +48,15 @@ def newest_slot(snap: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return read_slot(snap._arena, snap._arena.newest_complete())
 
 
+def slot_diff(snap: Any, step: int, want: dict[str, torch.Tensor]) -> list[str]:
+    """Once the copy is COMPLETE: the tensors of the newest slot (of ``step``) that differ
+    from ``want``."""
+    assert snap.wait(timeout=60)
+    info, got = newest_slot(snap)
+    assert info["step"] == step
+    return diff(got, want)
+
+
 def test_the_copy_waits_for_compute_queued_before_the_boundary(snap_env: Any, emu: Any) -> None:
     """The optimizer step's writes are still queued (compute stream held) when boundary()
     submits the copy: the copy stream must wait for them (the `ready` event).
@@ -71,9 +80,8 @@ def test_the_copy_waits_for_compute_queued_before_the_boundary(snap_env: Any, em
         returned.set()
         t.join(60)
         want = state_bytes(snap)  # the live state now: the step's writes have run
-        info, got = newest_slot(snap)
-        assert info["step"] == 1
-        assert not diff(got, want), f"the copy ran before the queued step: {diff(got, want)}"
+        bad = slot_diff(snap, 1, want)
+        assert not bad, f"the copy ran before the queued step: {bad}"
         assert t.blocked, "the copy stream did not wait for the held compute stream"
     finally:
         emu.release()
@@ -101,10 +109,8 @@ def test_the_next_step_waits_for_phase_1_of_the_copy(snap_env: Any, emu: Any) ->
         train_step(model, opt, 1001)  # forward (phase 0 is copied) then optimizer step
         stepped.set()
         t.join(60)
-        assert snap.wait(timeout=60)
-        info, got = newest_slot(snap)
-        assert info["step"] == 1
-        assert not diff(got, want), f"the step overtook the copy: {diff(got, want)}"
+        bad = slot_diff(snap, 1, want)
+        assert not bad, f"the step overtook the copy: {bad}"
         assert t.blocked, "the optimizer step did not wait for the copy"
     finally:
         emu.release()
@@ -152,9 +158,7 @@ def test_kernels_that_take_time_keep_the_step_queued_at_the_boundary(
                 x.add_(1)  # 5 kernels of 20 ms queued ahead of the boundary
             snap.boundary(i)
             train_step(model, opt, 1000 + i)
-            assert snap.wait(timeout=60)
-            info, got = newest_slot(snap)
-            assert info["step"] == i and not diff(got, want)
+            assert not slot_diff(snap, i, want)
     finally:
         emu.fault("kernel_us:0")
         snap.close()
@@ -190,12 +194,11 @@ def test_a_step_queued_on_a_side_stream_before_the_boundary(snap_env: Any, emu: 
         t.join(60)
         torch.cuda.synchronize()
         want = state_bytes(snap)  # the state after the side stream's step
-        info, got = newest_slot(snap)
-        assert info["step"] == 1
+        bad = slot_diff(snap, 1, want)
         if registered:
-            assert t.blocked and not diff(got, want), diff(got, want)
+            assert t.blocked and not bad, bad
         else:
-            assert not t.blocked and diff(got, want), "the copy waited for an unknown stream"
+            assert not t.blocked and bad, "the copy waited for an unknown stream"
     finally:
         emu.release()
         snap.close()
@@ -230,13 +233,11 @@ def test_a_graph_replayed_on_a_side_stream_after_the_fence(snap_env: Any, emu: A
         side.synchronize()
         replayed.set()
         t.join(60)
-        assert snap.wait(timeout=60)
-        info, got = newest_slot(snap)
-        assert info["step"] == 1
+        bad = slot_diff(snap, 1, want)
         if registered:
-            assert t.blocked and not diff(got, want), diff(got, want)
+            assert t.blocked and not bad, bad
         else:
-            assert not t.blocked and sorted(diff(got, want)) == sorted(want)
+            assert not t.blocked and sorted(bad) == sorted(want)
     finally:
         emu.release()
         snap.close()

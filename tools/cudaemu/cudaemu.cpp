@@ -986,6 +986,19 @@ EMU_API cudaError_t cudaDeviceReset(void) { return ret(sync_all()); }
 // -------------------------------------------------------------- memory
 
 namespace {
+// Drops the allocation `it` from the books (caller holds mu, then unmaps); its size.
+size_t forget_alloc_locked(Emu& e, std::map<uintptr_t, size_t>::iterator it) {
+  size_t size = it->second;
+  auto d = e.dev_of.find(it->first);
+  if (d != e.dev_of.end()) {
+    e.dev_used[size_t(d->second)] -= size;
+    e.dev_of.erase(d);
+  }
+  e.dev_allocs.erase(it);
+  e.mem_used -= size;
+  return size;
+}
+
 // Device memory of `dev` (cudaMalloc, cudaMallocAsync).
 cudaError_t malloc_on(int dev, void** p, size_t size) {
   *p = nullptr;
@@ -1039,14 +1052,7 @@ EMU_API cudaError_t cudaFree(void* p) {
     auto r = e.reserved.upper_bound(it->first);  // a cuMemMap'd range: not cudaMalloc's
     if (r != e.reserved.begin() && it->first < std::prev(r)->first + std::prev(r)->second)
       return ret(cudaErrorInvalidValue);
-    size = it->second;
-    e.dev_allocs.erase(it);
-    e.mem_used -= size;
-    auto d = e.dev_of.find(reinterpret_cast<uintptr_t>(p));
-    if (d != e.dev_of.end()) {
-      e.dev_used[size_t(d->second)] -= size;
-      e.dev_of.erase(d);
-    }
+    size = forget_alloc_locked(e, it);
   }
   munmap(p, size);
   return cudaSuccess;
@@ -1154,14 +1160,7 @@ EMU_API cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
       std::lock_guard<std::mutex> g(x.mu);
       auto it = x.dev_allocs.find(reinterpret_cast<uintptr_t>(p));
       if (it == x.dev_allocs.end()) return;
-      size = it->second;
-      x.dev_allocs.erase(it);
-      x.mem_used -= size;
-      auto d = x.dev_of.find(reinterpret_cast<uintptr_t>(p));
-      if (d != x.dev_of.end()) {
-        x.dev_used[size_t(d->second)] -= size;
-        x.dev_of.erase(d);
-      }
+      size = forget_alloc_locked(x, it);
     }
     munmap(p, size);
   };
