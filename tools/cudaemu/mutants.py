@@ -123,7 +123,8 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: floa
 
 def failed_tests(out: str) -> list[str]:
     """The tests pytest's summary names as failed (assertion or error in a test)."""
-    return [ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    return [ln.split()[1] for ln in out.splitlines()
+            if ln.startswith(("FAILED tests/", "ERROR tests/"))]
 
 
 class Scratch:
