@@ -82,11 +82,12 @@ class Emu:
             assert time.monotonic() < end, "the stream never reached its hold point"
             time.sleep(0.002)
 
-    def waiting(self, stream: int) -> bool:
-        """Whether ``stream`` is stopped at a wait for another stream."""
+    def waiting(self, stream: int, on: int | None = None) -> bool:
+        """Whether ``stream`` is stopped at a wait for stream ``on`` (None: any stream)."""
         fn = self.lib.cudaemu_waiting
-        fn.argtypes = [ctypes.c_ulonglong]
-        return int(fn(self.stream_id(stream))) == 1
+        fn.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
+        other = 0 if on is None else self.stream_id(on)
+        return int(fn(self.stream_id(stream), other)) == 1
 
     def busy(self, stream: int, us: int) -> None:
         """``us`` microseconds of device work on ``stream`` (a kernel that takes time)."""
@@ -98,7 +99,7 @@ class Emu:
                      waiter: int | None = None) -> threading.Thread:
         """Starts a thread that releases the held ``stream`` as soon as something waits
         for it (a fence or dependency doing its job; with ``waiter``: as soon as that
-        stream stops at a wait) or ``done()`` turns true (the code under test went on
+        stream stops at a wait for the held one) or ``done()`` turns true (the code under test went on
         without waiting). Which came first decides what the test sees; neither is a
         race: nothing else moves while the stream is held. Returns the thread
         (``.blocked``: whether something waited)."""
@@ -113,7 +114,7 @@ class Emu:
         me = threading.current_thread()
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.waiting(waiter) if waiter is not None else self.waiters(stream) > 0:
+            if self.waiting(waiter, stream) if waiter is not None else self.waiters(stream) > 0:
                 me.blocked = True  # type: ignore[attr-defined]
                 break
             if done():
