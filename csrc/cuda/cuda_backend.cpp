@@ -169,11 +169,15 @@ void note_dma_abandoned(Arena& arena) noexcept {
 }
 
 void unregister_arena(Arena& arena) {
-  // The guards first: once forgotten, nothing else would unregister the range.
+  {
+    std::lock_guard<std::mutex> g(g_reg_mu);
+    if (!g_registered.count(arena.serial())) return;  // not ours (e.g. a private pinned arena)
+  }
+  // The guards before forgetting: once forgotten, nothing else would unregister the range.
   CaptureModeGuard relaxed;
   std::optional<DeviceGuard> dev;
-  if (arena.cuda_device >= 0) dev.emplace(arena.cuda_device);  // else: never registered here
-  if (!forget_registration(arena)) return;  // not ours (e.g. a private pinned arena)
+  if (arena.cuda_device >= 0) dev.emplace(arena.cuda_device);
+  if (!forget_registration(arena)) return;  // a concurrent unregister won
   CUDASNAP_CUDA_CHECK(cudaHostUnregister(arena.base()));
 }
 
@@ -181,7 +185,11 @@ std::shared_ptr<Arena> create_private_pinned_arena(int num_slots, uint64_t data_
                                                    uint64_t meta_capacity, uint64_t chunk_bytes,
                                                    const std::string& job, int device) {
   t_alloc_error.clear();
-  if (device < 0) CUDASNAP_CUDA_CHECK(cudaGetDevice(&device));
+  // No current device (no driver): pinned_alloc's cudaHostAlloc reports the error.
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    device = -1;
+  }
   t_alloc_device = device;
   std::shared_ptr<Arena> a;
   try {
