@@ -225,9 +225,11 @@ def run(profile: str, quick: bool, size_scale: float | None = None) -> dict[str,
         tmp = Path(d)
         before = m.overruns()
         out: dict[str, Any] = {"bench": "gpu_bench_modelled", "modelled": True, "model": fig}
-        # Modelled sizes (GPU table: 64 and 256 MiB; 4 GiB keeps the modelled time, 78 ms,
-        # well above a loaded host's scheduling noise).
-        out["a"] = section_a(m, fig, tmp, [256, 4096], 3 if quick else 5)
+        # The GPU table's 64 and 256 MiB, and 4 GiB, whose modelled time (78 ms) stays well
+        # above a loaded host's scheduling noise (the model's own check). Host work runs on
+        # 1/size_scale of the bytes: COMPLETE's shortfall is understated, the more so the
+        # larger the state.
+        out["a"] = section_a(m, fig, tmp, [64, 256, 4096], 3 if quick else 5)
         out["b"] = section_b(m, fig, tmp, steps=4 if quick else 8, pairs=2 if quick else 4)
         out["overruns"] = m.overruns() - before
     return out
