@@ -232,6 +232,11 @@ def run(profile: str, quick: bool, size_scale: float | None = None) -> dict[str,
         out["a"] = section_a(m, fig, tmp, [64, 256, 4096], 3 if quick else 5)
         out["b"] = section_b(m, fig, tmp, steps=4 if quick else 8, pairs=2 if quick else 4)
         out["overruns"] = m.overruns() - before
+    # Issue 34's summary keys: the model's calibration and the two ratios it judges.
+    fig.update(step_ms=GPT2_STEP_MS, state_gb=GPT2_STATE_BYTES / 1e9)
+    row = next(r for r in out["a"] if r["mib_modelled"] == 256)
+    out["complete_over_dma"] = row["snap_dma_gbps"] / row["snap_complete_gbps"]  # time ratio
+    out["every_step_ratio"] = out["b"]["ratio"]
     return out
 
 

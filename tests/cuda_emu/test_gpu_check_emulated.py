@@ -212,6 +212,9 @@ def test_bench_timing_model_reproduces_the_gpu_tables_shape(emu: Any) -> None:
         if row["mib_modelled"] >= 4096:  # 78 ms modelled: a loaded host cannot halve it
             assert row["pinned_vs_link"] >= 0.5, row
         assert row["complete_vs_link"] < row["dma_vs_link"], row  # host work after the DMA
+    assert out["model"]["step_ms"] == 29.54 and out["model"]["state_gb"] == 1.49
+    assert out["complete_over_dma"] > 1.0  # COMPLETE comes after the DMA, never before
+    assert out["every_step_ratio"] == out["b"]["ratio"]
     b = out["b"]
     assert b["ideal_ratio"] > 1.0  # 1.49 GB at 55 GB/s is longer than the 25 ms window
     assert b["ratio"] >= b["ideal_ratio"] * 0.97, b  # every-step snapshots stall the step
