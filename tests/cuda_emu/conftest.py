@@ -95,26 +95,26 @@ class Emu:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         assert fn(stream, us) == 0
 
-    def release_when(self, stream: int, done: Callable[[], bool], timeout: float = 60.0,
-                     waiter: int | None = None) -> threading.Thread:
-        """Starts a thread that releases the held ``stream`` as soon as something waits
-        for it (a fence or dependency doing its job; with ``waiter``: as soon as that
-        stream stops at a wait for the held one) or ``done()`` turns true (the code under test went on
-        without waiting). Which came first decides what the test sees; neither is a
-        race: nothing else moves while the stream is held. Returns the thread
-        (``.blocked``: whether something waited)."""
-        t = threading.Thread(target=self._release_when, args=(stream, done, timeout, waiter),
+    def release_when(self, stream: int, done: Callable[[], bool], *, waiter: int,
+                     timeout: float = 60.0) -> threading.Thread:
+        """Starts a thread that releases the held ``stream`` as soon as the stream
+        ``waiter`` stops at a wait for it (a fence or dependency doing its job) or
+        ``done()`` turns true (the code under test went on without waiting). Which came
+        first decides what the test sees; neither is a race: nothing else moves while the
+        stream is held, and only the named stream's wait counts (never a device-wide
+        synchronisation elsewhere). Returns the thread (``.blocked``: whether it waited)."""
+        t = threading.Thread(target=self._release_when, args=(stream, done, waiter, timeout),
                              daemon=True)
         t.blocked = False  # type: ignore[attr-defined]
         t.start()
         return t
 
-    def _release_when(self, stream: int, done: Callable[[], bool], timeout: float,
-                      waiter: int | None) -> None:
+    def _release_when(self, stream: int, done: Callable[[], bool], waiter: int,
+                      timeout: float) -> None:
         me = threading.current_thread()
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.waiting(waiter, stream) if waiter is not None else self.waiters(stream) > 0:
+            if self.waiting(waiter, stream):
                 me.blocked = True  # type: ignore[attr-defined]
                 break
             if done():
