@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import mmap
 import os
@@ -65,7 +66,10 @@ import _common as C  # noqa: E402  (stdlib only at import; puts the repo root on
 MiB = 1 << 20
 GiB = 1 << 30
 SKIP_MSG = "skipped: no CUDA device"
-TARGETS = {"d2h_ratio": 0.9, "overhead_ratio": 1.01, "boundary_us": 50.0}
+TARGETS = {"d2h_ratio": 0.85, "boundary_us": 50.0}
+# (b): the step-time ratio each mode of B_MODES must hold (issue 34; the direct copy every
+# step is the control: 1.49 GB over a 55 GB/s link outlasts the forward/backward)
+B_TARGETS = {"every step, device staging": 1.05, "1% budget, device staging": 1.015}
 EMULATED_NOTE = ("EMULATED (tools/cudaemu on the CPU, no GPU): a smoke run of this script; "
                  "these are NOT GPU figures and no target is judged")
 # Set by main() for --emulated: device tensors are written by host-to-device copies
@@ -210,11 +214,33 @@ class Results:
             except OSError as e:  # never let a full disk kill the measurement
                 print(f"!! cannot write results to {self.out}: {e}", flush=True)
 
+    def summary(self) -> None:
+        """Issue 34's keys (bench/results/gpu-YYYY-MM-DD.json): COMPLETE over the pinned
+        ceiling at 256 MiB, GPT-2 small's step ratios (device staging every step; the
+        default budget), boundary() at 1,000 parameters; None where not measured."""
+        d = self.data
+
+        def first(section: str, pick: Callable[[dict[str, Any]], bool], key: str) -> Any:
+            return next((r.get(key) for r in d.get(section, []) if pick(r)), None)
+
+        d.update(date=time.strftime("%Y-%m-%d", time.gmtime()),
+                 emulated=bool(d["env"].get("emulated")),
+                 complete_ratio=first("a", lambda r: r.get("bytes") == 256 * MiB, "ratio"),
+                 gpt2_every_step_ratio=first(
+                     "b", lambda r: r.get("mode") == "every step, device staging", "ratio"),
+                 gpt2_every_step_direct_ratio=first(
+                     "b", lambda r: r.get("mode") == "every step", "ratio"),
+                 gpt2_budget_ratio=first(
+                     "b", lambda r: r.get("mode") == "1% budget, device staging", "ratio"),
+                 boundary_us_median=first(
+                     "c", lambda r: r.get("label") == "1000 params, no optim", "median_us"))
+
     def finish(self, status: str) -> None:
         with self.lock:
             if self.printed:
                 return
             self.printed = True
+            self.summary()
             self.data["status"] = status
             self.data["elapsed_s"] = round(self.elapsed(), 1)
             self.save()
@@ -250,10 +276,11 @@ def table(d: dict[str, Any]) -> str:
         L.append(f"(b) {what:<25}base ms  snap ms  ratio  [min..max]     "
                  "stall/step ms  target")
         for r in d["b"]:
+            t = r.get("target_ratio")
             L.append(f"    {r['label']:<24}{_f(r.get('base_ms')):>8}{_f(r.get('snap_ms')):>9}"
                      f"{_f(r.get('ratio'), '{:.3f}'):>7}  [{_f(r.get('ratio_min'), '{:.3f}')}.."
                      f"{_f(r.get('ratio_max'), '{:.3f}')}]{_f(r.get('fence_wait_ms_per_step')):>11}"
-                     f"     <={TARGETS['overhead_ratio']:.2f} {_verdict(r.get('ok'))}")
+                     f"     {'<=' + format(t, '.3f') if t else 'control'} {_verdict(r.get('ok'))}")
     if d["c"]:
         L.append("(c) boundary() host time     median us  p90 us  rebuilds  tensors  ranges  target")
         for r in d["c"]:
@@ -390,6 +417,8 @@ def snapshotter(model: Any, opt: Any, tmp: Path, tag: str, ready: bool = True,
     import cudasnap
 
     d = tmp / f"ckpt-{tag}"
+    if "overhead_budget" in inspect.signature(cudasnap.Snapshotter).parameters:
+        kw.setdefault("overhead_budget", 0.0)  # every boundary copies unless a row says so
     s = cudasnap.Snapshotter(model, opt, directory=d, job=f"gpubench-{os.getpid()}-{tag}",
                              health=False, **kw)
     if ready:
@@ -681,8 +710,19 @@ def gpt2_small(vocab: int = 50304, d: int = 768, layers: int = 12, heads: int = 
     return GPT()
 
 
-def overhead(a: argparse.Namespace, tmp: Path, batch: int, row: dict[str, Any]) -> None:
-    """Iteration time without / with boundary() every step, interleaved A/B blocks."""
+# (b)'s modes: the Snapshotter's keywords (issue 34: every step copied straight to the
+# host, every step through a device staging buffer, the default 1% overhead budget).
+B_MODES: dict[str, dict[str, Any]] = {
+    "every step": {"overhead_budget": 0.0},
+    "every step, device staging": {"overhead_budget": 0.0, "device_staging": "auto"},
+    "1% budget, device staging": {"overhead_budget": 0.01, "device_staging": "auto"},
+}
+
+
+def overhead(a: argparse.Namespace, tmp: Path, batch: int, row: dict[str, Any],
+             mode: str = "every step") -> None:
+    """Iteration time without / with boundary() at every step, interleaved A/B blocks;
+    the Snapshotter of ``mode`` (B_MODES) decides which boundaries copy and how."""
     import torch
     import torch.nn.functional as F
 
@@ -708,10 +748,12 @@ def overhead(a: argparse.Namespace, tmp: Path, batch: int, row: dict[str, Any]) 
 
     for _ in range(5):
         step()  # warm-up: kernels, AdamW state
-    snap = snapshotter(model, opt, tmp, f"b{batch}")
+    snap = snapshotter(model, opt, tmp, f"b{batch}{len(row)}", **B_MODES[mode])
+    row["mode"] = mode
     try:
         k = 0
-        for _ in range(3):  # arena + plan + both slots warm
+        # arena + plan + both slots warm (the budget: its first measurements too)
+        for _ in range(24 if "budget" in mode else 3):
             step()
             snap.boundary(k)
             k += 1
@@ -759,9 +801,13 @@ def overhead(a: argparse.Namespace, tmp: Path, batch: int, row: dict[str, Any]) 
                    last_copy_gbps=st["last_copy_gbps"],
                    last_copy_ms=(st["last_copy_seconds"] or 0) * 1e3,
                    boundary_us_median=st["boundary_us_median"],
+                   cadence=st.get("cadence"),
+                   device_staging_bytes=st.get("device_staging_bytes"),
                    peak_gpu_gib=(torch.cuda.max_memory_allocated(dev) / GiB
                                  if dev.type == "cuda" else None))
-        row["ok"] = judge(row["ratio"] <= TARGETS["overhead_ratio"])
+        target = B_TARGETS.get(mode)
+        row["target_ratio"] = target
+        row["ok"] = judge(row["ratio"] <= target) if target is not None else None
     finally:
         snap.close()
 
@@ -801,12 +847,12 @@ def section_b(a: argparse.Namespace, res: Results, tmp: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     on_gpu = not a.cpu_smoke
-    for batch in a.batches:
+    for batch, mode in [(b, m) for b in a.batches for m in B_MODES]:
         label = "copy step (emulated)" if EMULATED else f"batch {batch} x {a.gpt['seq']}"
-        row: dict[str, Any] = {"label": label}
+        row: dict[str, Any] = {"label": f"{label}, {mode}"}
         print(f"-- (b) {row['label']}", flush=True)
         try:
-            overhead(a, tmp, batch, row)
+            overhead(a, tmp, batch, row, mode)
         except torch.cuda.OutOfMemoryError as e:
             res.note(f"(b) {row['label']}: out of GPU memory ({e}); skipped")
             row["error"] = "OOM"

@@ -29,6 +29,7 @@ struct Piece {
   uint64_t dst;
   uint64_t off;  // in the chunk
   uint64_t n;
+  bool device;   // dst is a device address (ScatterOptions::sink copies it)
 };
 
 struct FreeDeleter {
@@ -177,14 +178,27 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
     }
   }
 
+  // Host spans, then the device ones (their own address space: copied by the sink).
+  const uint64_t n_host = spans.size();
+  std::vector<HostSpan> all_spans;
+  const bool with_device = opts.device_spans != nullptr && !opts.device_spans->empty();
+  if (with_device) {
+    CUDASNAP_CHECK(opts.sink != nullptr, "read_verify_scatter: device spans without a sink");
+    all_spans.reserve(n_host + opts.device_spans->size());
+    all_spans.insert(all_spans.end(), spans.begin(), spans.end());
+    all_spans.insert(all_spans.end(), opts.device_spans->begin(), opts.device_spans->end());
+  }
+  const std::vector<HostSpan>& every = with_device ? all_spans : spans;
+  UnitSink* const sink = opts.sink;
+
   // Every span checked before the first read (copy_spans' rules, the file as source).
   struct Range {
     uint64_t lo, hi, span;
   };
   std::vector<Range> dsts;
-  dsts.reserve(spans.size());
-  for (uint64_t i = 0; i < spans.size(); ++i) {
-    const HostSpan& s = spans[i];
+  dsts.reserve(every.size());
+  for (uint64_t i = 0; i < every.size(); ++i) {
+    const HostSpan& s = every[i];
     if (s.nbytes == 0) continue;
     CUDASNAP_CHECK(s.src_offset <= nbytes && s.nbytes <= nbytes - s.src_offset,
                    "read_verify_scatter: span " << i << " reads bytes [" << s.src_offset << ", "
@@ -196,8 +210,12 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
                                                 << " bytes wraps around");
     dsts.push_back({s.dst, s.dst + s.nbytes, i});
   }
-  std::sort(dsts.begin(), dsts.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+  // Sorted by address space (host first), then address: overlaps only within one space.
+  std::sort(dsts.begin(), dsts.end(), [&](const Range& a, const Range& b) {
+    return (a.span >= n_host) != (b.span >= n_host) ? a.span < n_host : a.lo < b.lo;
+  });
   for (uint64_t k = 1; k < dsts.size(); ++k) {
+    if ((dsts[k].span >= n_host) != (dsts[k - 1].span >= n_host)) continue;
     CUDASNAP_CHECK(dsts[k].lo >= dsts[k - 1].hi,
                    "read_verify_scatter: destinations of spans " << dsts[k - 1].span << " and "
                                                                   << dsts[k].span << " overlap");
@@ -207,7 +225,7 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
   // pieces[first[c] .. first[c + 1]).
   std::vector<uint64_t> count(nchunks + 1, 0);
   for (const Range& r : dsts) {
-    const HostSpan& s = spans[r.span];
+    const HostSpan& s = every[r.span];
     for (uint64_t c = s.src_offset / chunk_bytes; c * chunk_bytes < s.src_offset + s.nbytes; ++c)
       ++count[c];
   }
@@ -219,15 +237,15 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
   std::vector<uint64_t> order(dsts.size());
   for (uint64_t k = 0; k < dsts.size(); ++k) order[k] = dsts[k].span;
   std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
-    return spans[a].src_offset < spans[b].src_offset;
+    return every[a].src_offset < every[b].src_offset;
   });
   for (uint64_t i : order) {
-    const HostSpan& s = spans[i];
+    const HostSpan& s = every[i];
     uint64_t off = s.src_offset, end = s.src_offset + s.nbytes;
     while (off < end) {
       const uint64_t c = off / chunk_bytes;
       const uint64_t n = std::min(end, (c + 1) * chunk_bytes) - off;
-      pieces[fill[c]++] = {s.dst + (off - s.src_offset), off - c * chunk_bytes, n};
+      pieces[fill[c]++] = {s.dst + (off - s.src_offset), off - c * chunk_bytes, n, i >= n_host};
       off += n;
     }
   }
@@ -253,28 +271,37 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
   uint32_t bad_stored = 0, bad_read = 0;
   const int threads = static_cast<int>(
       std::min<uint64_t>(static_cast<uint64_t>(std::max(opts.threads, 1)), std::max<uint64_t>(units, 1)));
-  auto work = [&]() {
-    uint8_t* raw = nullptr;
+  auto work = [&](int t) {
     // One unit, never more than the file (a chunk size larger than the data is allowed).
     const uint64_t cap =
         std::max(kAlign, (std::min(unit_bytes, nbytes) + kAlign - 1) / kAlign * kAlign);
-    if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign, cap) != 0 || raw == nullptr)
-      throw std::bad_alloc();
-    std::unique_ptr<uint8_t, FreeDeleter> buf(raw);
+    std::unique_ptr<uint8_t, FreeDeleter> own;
+    if (sink == nullptr) {
+      uint8_t* raw = nullptr;
+      if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign, cap) != 0 || raw == nullptr)
+        throw std::bad_alloc();
+      own.reset(raw);
+    }
     for (;;) {
       if (stop.load(std::memory_order_acquire)) return;
       const uint64_t u = next.fetch_add(1);
       if (u >= units) return;
       const uint64_t c0 = u * per, c1 = std::min(nchunks, c0 + per);
       const uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
+      // The sink's buffers rotate per unit (a device copy may still read the last one).
+      uint8_t* buf = sink ? sink->buffer(t, cap) : own.get();
       const uint8_t* base = nullptr;
       if (hi <= head_n) {  // read already (FileReadAhead): checked below all the same
         base = head + lo;
+        if (sink) {  // a device copy reads page-locked memory: the sink's buffer
+          std::memcpy(buf, head + lo, hi - lo);
+          base = buf;
+        }
         from_head.fetch_add(hi - lo, std::memory_order_relaxed);
       } else {
-        read_exact(fd, buf.get(), hi - lo, lo, direct, name);
+        read_exact(fd, buf, hi - lo, lo, direct, name);
         read_bytes.fetch_add(hi - lo, std::memory_order_relaxed);
-        base = buf.get();
+        base = buf;
       }
       for (uint64_t c = c0; c < c1; ++c) {
         const uint8_t* chunk = base + (c - c0) * chunk_bytes;
@@ -288,21 +315,26 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
             bad_read = crc;
           }
           stop.store(true, std::memory_order_release);
+          if (sink) sink->unit_done(t);  // the copies of its chunks before this one
           return;
         }
         uint64_t moved = 0;
         for (uint64_t k = first[c]; k < first[c + 1]; ++k) {
           const Piece& p = pieces[k];
-          copy_bytes(reinterpret_cast<uint8_t*>(p.dst), chunk + p.off, p.n);
+          if (p.device)
+            sink->copy(t, p.dst, chunk + p.off, p.n);
+          else
+            copy_bytes(reinterpret_cast<uint8_t*>(p.dst), chunk + p.off, p.n);
           moved += p.n;
         }
         applied.fetch_add(moved, std::memory_order_relaxed);
       }
+      if (sink) sink->unit_done(t);
     }
   };
-  auto worker = [&](uint64_t) {
+  auto worker = [&](uint64_t i) {
     try {
-      work();
+      work(static_cast<int>(i));
     } catch (...) {  // a failed read (or no buffer): the other readers stop too
       stop.store(true, std::memory_order_release);
       throw;
@@ -310,8 +342,15 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
   };
   try {
     parallel_for(static_cast<uint64_t>(threads), threads, worker);
+    if (sink) sink->drain();  // every device copy done before this returns
   } catch (...) {
     stop.store(true);
+    if (sink) {
+      try {
+        sink->drain();  // no copy may still read a buffer (the sink frees them)
+      } catch (...) {
+      }
+    }
     if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
     stats->read_bytes = read_bytes.load();
     stats->ahead_bytes = from_head.load();

@@ -100,6 +100,21 @@ class FileReadAhead {
   std::thread thread_;
 };
 
+// Destinations that are not host memory (device memory: csrc/cuda/device_sink.h). With a
+// sink, each reader `t` (0 .. threads-1) reads every unit into a buffer the sink hands
+// it (page-locked: a copy from it to the device is a DMA that overlaps the next read),
+// and a device span's verified bytes are copied by the sink instead of a memcpy.
+// Call order, per reader: buffer() -> copy()* -> unit_done(), unit after unit; then, once
+// every reader has stopped (also after a failure), drain() on the calling thread.
+// buffer() may wait until copies from that buffer's previous unit are done.
+struct UnitSink {
+  virtual ~UnitSink() = default;
+  virtual uint8_t* buffer(int t, uint64_t bytes) = 0;
+  virtual void copy(int t, uint64_t dst, const uint8_t* src, uint64_t n) = 0;
+  virtual void unit_done(int t) = 0;
+  virtual void drain() = 0;
+};
+
 struct ScatterOptions {
   int threads = 2;       // readers; each reads, verifies and copies its own units
   uint64_t io_bytes = 0;  // bytes per read: rounded down to whole chunks (0: one chunk)
@@ -109,6 +124,10 @@ struct ScatterOptions {
   // are verified and copied from it instead of being read. Ignored unless it read
   // the same file (device and inode of fd's fstat).
   FileReadAhead* ahead = nullptr;  // read_verify_scatter finishes it first
+  // Spans whose `dst` is a device address, copied by `sink` (checked like host spans:
+  // inside the file, no two overlapping); none without a sink.
+  const std::vector<HostSpan>* device_spans = nullptr;
+  UnitSink* sink = nullptr;
 };
 
 struct ScatterStats {

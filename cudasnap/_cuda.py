@@ -96,7 +96,7 @@ class CudaBackend:
 
     def __init__(self, device: torch.device | str | int, crc_threads: int = 4, *, track: bool = True,
                  gather_small: bool = False, auto_drain: int = AUTO_DRAIN_EVENTS,
-                 wait_timeout_s: float = 120.0) -> None:
+                 wait_timeout_s: float = 120.0, device_staging: int | str = 0) -> None:
         import torch
 
         dev = torch.device(device)
@@ -115,6 +115,11 @@ class CudaBackend:
         self._copy_stream: Any = None  # the engine's copy stream as a torch stream (follow)
         self._arenas: list[Arena] = []  # arenas we cudaHostRegister'ed (held until unregistered)
         self._closed = False
+        # Snapshot-then-offload (stage()): the limit (bytes, or "auto" until the first
+        # stage() resolves it) and the buffer, a tensor of torch's caching allocator.
+        self._staging_limit: int | str = device_staging
+        self._staging: Any = None
+        self.staging_reason: str | None = None  # why less than asked is staged
         if track:
             try:
                 self.registry = C.attach_allocator_tracker(int(auto_drain))
@@ -264,10 +269,45 @@ class CudaBackend:
                     return True  # torch's check cleared the (non-sticky) error
                 raise
 
+    def stage(self, nbytes: int) -> int:
+        """Snapshot-then-offload: a device buffer for the first ``min(nbytes, limit)``
+        bytes of each snapshot (0: off), taken from torch's caching allocator so training
+        sees the memory it costs. "auto" is resolved here once: half the device memory
+        free at the first snapshot (after a step, torch's cache holds the activations'
+        peak, so that half is memory training did not need). Returns the bytes staged."""
+        import torch
+
+        limit = self._staging_limit
+        if limit == "auto":
+            free, _total = torch.cuda.mem_get_info(self.index)
+            limit = self._staging_limit = int(free) // 2
+            log.info("cudasnap: device staging auto: up to %.3g GB (half the free memory "
+                     "of cuda:%d)", limit / 1e9, self.index)
+        want = min(int(nbytes), int(limit))
+        have = 0 if self._staging is None else int(self._staging.numel())
+        if want <= have:
+            return have if want else 0
+        old = self._staging
+        try:
+            buf = torch.empty(want, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError as e:
+            self.staging_reason = f"{want} bytes of device staging did not fit: {e}"
+            log.warning("cudasnap: %s; snapshots copy to the host directly", self.staging_reason)
+            self._staging_limit = have  # not asked again
+            return have
+        # Waits for the running copy (it may read the old buffer) before the swap.
+        self.engine.set_device_staging(int(buf.data_ptr()), want)
+        self._staging = buf
+        del old  # back to torch's cache: no copy reads it any more
+        return want
+
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = {"device": self.index, "tracking": self.registry is not None,
                              "registered_arenas": len(self._arenas),
-                             "private_arena_reason": self.fallback_reason}
+                             "private_arena_reason": self.fallback_reason,
+                             "device_staging_bytes": int(self.engine.device_staging_bytes),
+                             "last_staged_bytes": int(self.engine.last_staged),
+                             "device_staging_reason": self.staging_reason}
         if self.registry is not None:
             s["registry"] = dict(self.registry.stats())
         return s
@@ -283,7 +323,8 @@ class CudaBackend:
                       "or lost); the copy was abandoned and the staging arena is left "
                       "registered (cudaHostUnregister could block on the device)", timeout)
             self._arenas.clear()
-            return
+            return  # the staging buffer stays held too: a DMA may still read it
+        self._staging = None
         C = native()
         while self._arenas:
             a = self._arenas.pop()

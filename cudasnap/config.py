@@ -43,6 +43,10 @@ CUDASNAP_STATE_DIR              path     see right  this host's lock, directory 
 CUDASNAP_S3_ENDPOINT            url      unset      S3 endpoint of ``s3://`` directories
                                                     (``http(s)://host:port``; default: AWS)
 CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are made on the training thread
+CUDASNAP_OVERHEAD_BUDGET        float>=0 0.01       share of step time snapshots may cost; the cadence
+                                                    (every k-th boundary) follows it (0: every boundary)
+CUDASNAP_DEVICE_STAGING         int|auto 0          device staging buffer (snapshot-then-offload), bytes;
+                                                    auto: up to half the free device memory; 0: off
 CUDASNAP_NODE_REPLICA           bool     0          node-loss protection: each rank's newest COMPLETE
                                                     snapshot is copied in the background into the shared
                                                     memory of a partner rank on another node
@@ -74,7 +78,9 @@ spare_slot           True                -                         -
 keep                 3 (KEEP)            int >= 0 (0: keep all)    -
 chunk_bytes          4 MiB (CHUNK_BYTES) multiple of 4096, >= 4096 -
 backend              "auto"              one of BACKENDS           - (auto: Backend.resolve)
-snapshot_every       1                   int >= 1                  -
+snapshot_every       None (budget)       int >= 1 (fixes k)        -
+overhead_budget      0.01                0 <= float < 1            CUDASNAP_OVERHEAD_BUDGET
+device_staging       0 (off)             int >= 0 or "auto"        CUDASNAP_DEVICE_STAGING
 rng_sources          RNG_SOURCES         a subset of RNG_SOURCES   -
 copy_threads         cores - 1, 1 .. 4   -                         - (resolve_threads)
 flush_threads        cores, 2 .. 8       -                         - (resolve_threads)
@@ -112,14 +118,22 @@ CHUNK_BYTES = 4 << 20
 BACKENDS = ("auto", "cpu", "cuda")
 RNG_SOURCES = ("torch", "cuda", "numpy", "python")
 MAX_SLOTS = 8  # the arena header's slot table
+OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence)
+MAX_EVERY = 64  # the budget's largest k: a process killed outright replays at most this many
 
 
 def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: int,
-                  backend: str, snapshot_every: Any, rng_sources: tuple[str, ...]) -> None:
+                  backend: str, snapshot_every: Any, rng_sources: tuple[str, ...],
+                  overhead_budget: Any = None, device_staging: Any = None) -> None:
     """Raises ConfigError naming the first bad Snapshotter keyword."""
-    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) \
-            or snapshot_every < 1:
-        raise ConfigError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+    if snapshot_every is not None and (isinstance(snapshot_every, bool) or not isinstance(
+            snapshot_every, int) or snapshot_every < 1):
+        raise ConfigError(f"snapshot_every must be an int >= 1 (or None: the overhead budget "
+                          f"picks it), got {snapshot_every!r}")
+    if overhead_budget is not None:
+        check_budget(overhead_budget, "overhead_budget")
+    if device_staging is not None:
+        check_staging(device_staging, "device_staging")
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
         raise ConfigError(f"num_slots must be an int >= 2, got {num_slots!r}")
     if num_slots + bool(spare_slot) > MAX_SLOTS:
@@ -136,6 +150,23 @@ def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: i
     bad = set(rng_sources) - set(RNG_SOURCES)
     if bad:
         raise ConfigError(f"unknown rng_sources {sorted(bad)}; use torch, cuda, numpy, python")
+
+
+def check_budget(v: Any, name: str) -> float:
+    """``overhead_budget``: a share of step time, 0 <= v < 1 (0: snapshot every boundary)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise ConfigError(f"{name} must be a number >= 0 and < 1 (a share of step time; 0: "
+                          f"every boundary), got {v!r}")
+    return float(v)
+
+
+def check_staging(v: Any, name: str) -> int | str:
+    """``device_staging``: bytes (int >= 0; 0: off) or "auto"."""
+    if v == "auto":
+        return "auto"
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{name} must be a number of bytes >= 0 (0: off) or 'auto', got {v!r}")
+    return v
 
 
 def check_fresh_url(directory: Any, url: bool, fresh: bool) -> None:
@@ -258,6 +289,8 @@ class Settings:
     rank: int = 0
     world_size: int = 1
     arena_sync_max_bytes: int | None = None
+    overhead_budget: float = OVERHEAD_BUDGET
+    device_staging: int | str = 0
     # node-loss replication (cudasnap.dist.replica): off by default
     node_replica: bool = False
     node_id: str | None = None
@@ -298,6 +331,8 @@ class Settings:
             rank=env_int(e, "RANK", 0),
             world_size=env_int(e, "WORLD_SIZE", 1),
             arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
+            overhead_budget=_budget_env(e),
+            device_staging=_staging_env(e),
             test_hooks=test_hooks_asked(e),
             node_replica=bool(env_bool(e, "CUDASNAP_NODE_REPLICA")),
             node_id=_raw(e, "CUDASNAP_NODE_ID"),
@@ -321,3 +356,23 @@ def run_verdict_path(env: Mapping[str, str] | None = None) -> str | None:
 
 def _opt_int(env: Mapping[str, str], name: str) -> int | None:  # core
     return env_int(env, name, 0) if _raw(env, name) is not None else None
+
+
+def _budget_env(env: Mapping[str, str]) -> float:  # core
+    v = _raw(env, "CUDASNAP_OVERHEAD_BUDGET")
+    if v is None:
+        return OVERHEAD_BUDGET
+    try:
+        return check_budget(float(v), "CUDASNAP_OVERHEAD_BUDGET")
+    except ValueError:
+        raise ConfigError(f"environment variable CUDASNAP_OVERHEAD_BUDGET={v!r} is not a "
+                          "number") from None
+
+
+def _staging_env(env: Mapping[str, str]) -> int | str:  # core
+    v = _raw(env, "CUDASNAP_DEVICE_STAGING")
+    if v is None:
+        return 0
+    if v.lower() == "auto":
+        return "auto"
+    return env_int(env, "CUDASNAP_DEVICE_STAGING", 0)

@@ -48,49 +48,41 @@ class Snapshotter:
         extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
             data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
         num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
-        spare_slot: one more slot in the arena (default on), so a flush, which holds
-            the slot it writes for its whole duration, never stops the snapshots: the
-            newest step stays in shared memory (replay <= 1 step after a death during
-            or right after a flush). Costs one slot of /dev/shm (about the state's
-            bytes; ``stats()["spare_slot_bytes"]``). Off: boundaries during a flush
-            are skipped once the other slot holds the newest step.
-        flush_on_close: ``close()`` flushes the newest snapshot (unless that step is
-            already on disk) before removing the arena, so a restart after a clean
-            end resumes from disk at the last step. Not with ``close(keep_arena=True)``
-            (the arena keeps the state) nor in distributed mode (a coordinated flush
-            needs every rank: call ``flush()`` on every rank before ``close()``).
-        fresh: start over: committed snapshots, ``latest`` and the flush log are
-            moved aside to ``DIR/.old-<UTC time>/`` (with the newest snapshot of a
-            leftover arena written there too; nothing is deleted), the arena is
-            removed, and ``restore_latest()`` returns 0. Default: CUDASNAP_FRESH=1
-            (set by ``cudasnap run --fresh``). Without it, a resume is logged at
-            WARNING once, naming the step and where it comes from.
+        spare_slot: one more slot (default on), so a flush, which holds its slot while it
+            writes, never stops the snapshots (``stats()["spare_slot_bytes"]`` of /dev/shm).
+        flush_on_close: ``close()`` flushes the newest snapshot unless it is on disk (not
+            with ``close(keep_arena=True)`` nor in distributed mode: flush on every rank).
+        fresh: start over: snapshots, ``latest`` and the flush log are moved aside to
+            ``DIR/.old-<UTC time>/`` (nothing is deleted), the arena is removed, and
+            ``restore_latest()`` returns 0. Default: CUDASNAP_FRESH=1 (``--fresh``).
         backend: "auto" (CUDA when state lives on a GPU), "cpu" or "cuda".
         copy_threads / flush_threads: worker threads of the copy engine / flusher.
         keep: committed snapshots kept on disk; 0 keeps every snapshot (no pruning).
         shm_dir: where the staging arena file lives (default /dev/shm).
-        allow_foreign_owner: restore snapshot files owned by another user (refused by
-            default: ConfigError); default from CUDASNAP_ALLOW_FOREIGN_OWNER=1.
-        job: arena name; default derived from the directory, so a restarted
-            process finds the arena its predecessor left.
+        allow_foreign_owner: restore files owned by another user ($CUDASNAP_ALLOW_FOREIGN_OWNER).
+        job: arena name; default from the directory (a restart finds its predecessor's).
         rank / world_size: default from torch.distributed, else RANK / WORLD_SIZE.
         distributed: coordinate flushes and restores across ranks (default: when
             torch.distributed is initialised with more than one rank).
         replicas: which ranks hold identical state: "auto" (all ranks when the
             model is DDP-wrapped; HSDP: the ranks along the mesh's replicate dim; else
             none), "all", None, or a list of rank groups.
-        rng_sources: RNG states saved at each boundary (drop "numpy"/"python"
-            when the loop never uses them: saves ~30 us per boundary).
-        health: start the health monitor, signal handlers and watchdog
-            (default: on when running under ``cudasnap run`` or CUDASNAP_HEALTH=1).
+        rng_sources: RNG states saved at each boundary (drop unused ones: ~30 us each).
+        health: the health monitor, signals and watchdog (default: CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
-        arena_sync_max_bytes: arenas up to this many bytes of slot data are made at the
-            first boundary on the training thread; larger ones (and the pre-fault of a
-            left arena) on a background thread from construction on
-            (cudasnap.core.arena_prep): boundaries before that are skipped
-            (``stats()["skipped_not_ready"]``); a flush, trigger or ``close()`` then
-            snapshots the live state (cudasnap.core.early). Default 16 MiB or
-            $CUDASNAP_ARENA_SYNC_MAX_BYTES (``bench/start_window.py``).
+        arena_sync_max_bytes: arenas up to this many bytes are made at the first boundary
+            on the training thread, larger ones in the background from construction on;
+            boundaries before that are skipped and a flush copies the live state.
+            Default 16 MiB or $CUDASNAP_ARENA_SYNC_MAX_BYTES (``bench/start_window.py``).
+        snapshot_every: copy every k-th boundary (a flush copies the live state of a
+            skipped one: replay <= 1; a process killed outright replays <= k). Default:
+            the overhead budget picks k.
+        overhead_budget: share of step time snapshots may cost (default 0.01 or
+            $CUDASNAP_OVERHEAD_BUDGET; 0: every boundary). k follows the measured cost
+            (cudasnap.core.cadence); ``stats()["cadence"]`` shows it.
+        device_staging: bytes of a device buffer (torch's allocator) each snapshot is
+            first copied into, draining to the host behind the fences (snapshot-then-
+            offload); "auto": up to half the free device memory; 0 (default): off.
         node_replica: node-loss protection in distributed mode: each rank's newest
             COMPLETE snapshot is copied in the background into the shared memory of a
             partner rank on another node, and a replaced node's ranks restore from it
@@ -111,17 +103,23 @@ class Snapshotter:
                  replicas: Any = "auto", rng_sources: tuple[str, ...] = cfg.RNG_SOURCES,
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
-                 arena_sync_max_bytes: int | None = None, snapshot_every: int = 1,
-                 node_replica: bool | None = None, require_resume: bool | None = None) -> None:
+                 arena_sync_max_bytes: int | None = None, snapshot_every: int | None = None,
+                 node_replica: bool | None = None, require_resume: bool | None = None,
+                 overhead_budget: float | None = None,
+                 device_staging: int | str | None = None) -> None:
         cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
-                          chunk_bytes=chunk_bytes, backend=backend,
-                          snapshot_every=snapshot_every, rng_sources=rng_sources)
+                          chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
+                          rng_sources=rng_sources, overhead_budget=overhead_budget,
+                          device_staging=device_staging)
         env = Settings.from_env()  # keyword arguments win over the environment
         vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         fresh = env.fresh if fresh is None else bool(fresh)
-        # Zero-overhead mode (k > 1): copy every k-th boundary; a flush with no
-        # optimizer step since the last boundary copies the live state (replay <= 1).
+        # Copy every k-th boundary (k: snapshot_every, else the overhead budget's,
+        # core.cadence); a flush with no optimizer step since the last boundary copies the
+        # live state (replay <= 1).
         self.snapshot_every = snapshot_every
+        budget = env.overhead_budget if overhead_budget is None else float(overhead_budget)
+        staging = env.device_staging if device_staging is None else device_staging
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
         if directory is None:
@@ -169,6 +167,7 @@ class Snapshotter:
                      world_size=self.world_size, directory=self.directory, keep=self.keep,
                      copy_threads=self.copy_threads, flush_threads=self.flush_threads,
                      wait_timeout_s=self.wait_timeout_s, snapshot_every=self.snapshot_every,
+                     overhead_budget=budget, device_staging=staging,
                      allow_foreign_owner=self.allow_foreign_owner, fresh=fresh,
                      require_resume=env.require_resume if require_resume is None
                      else bool(require_resume),
@@ -403,9 +402,10 @@ class Snapshotter:
         """Counters: snapshots, skipped, bytes, boundary time (median us), copy GB/s, flushes."""
         s = self._counters.summary()
         s["backend"], s["layout"] = self._backend.name, self._layouts.info()
+        s["cadence"] = self._copier.cadence.info()  # k, budget, measured overhead
         if self.guard is not None:
             s["health_events"] = len(self.guard.history())
-        s.update(self._keeper.stats())
+        s.update(self._keeper.stats(), **self._backend.stats())
         return s
 
     def close(self, keep_arena: bool = False, flush: bool | None = None) -> None:

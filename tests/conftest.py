@@ -22,6 +22,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 SHM = Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))
+# Every boundary copies unless a test says otherwise: most tests count snapshots per
+# boundary. The default (a 1% overhead budget picking the cadence) is tested where it
+# is the subject (tests/core/test_cadence.py, tests/e2e/test_budget_default.py) and
+# passed there explicitly; subprocesses inherit this.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
 _RUN = uuid.uuid4().hex[:6]
 _counter = itertools.count()
 

@@ -20,7 +20,10 @@ namespace cudasnap {
 
 namespace {
 
-constexpr uint64_t kParallelCrcBytes = 32ull << 20;  // below this one thread is faster
+// A checksum batch smaller than this runs on one thread (the pool's hand-off costs
+// more); larger ones use every CRC thread: the host CRC must keep pace with a
+// ~50 GB/s DMA, which one core (~10-20 GB/s) cannot.
+constexpr uint64_t kParallelCrcBytes = 4ull << 20;
 
 uint64_t deadline_after(double seconds) {
   return monotonic_ns() + static_cast<uint64_t>(std::max(0.0, seconds) * 1e9);
@@ -71,7 +74,7 @@ CudaCopyEngine::CudaCopyEngine(int device, int crc_threads, bool gather_small,
     CUDASNAP_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     for (int r = 0; r < kRing; ++r) {
       CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_[r][0], cudaEventDisableTiming));
-      for (int k = 1; k < 3; ++k)  // waited on by the completion thread: sleep, do not spin
+      for (int k = 1; k < 4; ++k)  // waited on by the completion thread: sleep, do not spin
         CUDASNAP_CUDA_CHECK(cudaEventCreateWithFlags(
             &ev_[r][k], cudaEventDisableTiming | cudaEventBlockingSync));
       for (int k = 0; k < kMarks; ++k)
@@ -117,7 +120,7 @@ void CudaCopyEngine::release_cuda() noexcept {
   const bool hung = hung_.load();
   for (int r = 0; r < kRing; ++r) {
     // Event and stream destruction return at once even with work pending.
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < 4; ++k) {
       if (ev_[r][k]) (void)cudaEventDestroy(ev_[r][k]);
       ev_[r][k] = nullptr;
     }
@@ -163,6 +166,7 @@ bool CudaCopyEngine::shutdown(double timeout_s) {
 void CudaCopyEngine::wait_event(cudaEvent_t ev, uint64_t deadline_ns, const char* what) {
   uint64_t sleep_us = 20;
   for (;;) {
+    const uint64_t gen = wake_->generation();
     cudaError_t st = cudaEventQuery(ev);
     if (st == cudaSuccess) return;
     if (st != cudaErrorNotReady) CUDASNAP_CUDA_CHECK(st);
@@ -176,13 +180,21 @@ void CudaCopyEngine::wait_event(cudaEvent_t ev, uint64_t deadline_ns, const char
                           what << " did not complete within " << wait_timeout_s()
                                << " s: the GPU is hung or lost");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    wake_->wait_for(gen, sleep_us);  // returns early when the copy stream's wake runs
     // At most 100 us between polls: each late poll delays the checksums behind this
     // event and COMPLETE (timing model, h200: boundary -> COMPLETE over the DMA time at
     // 256 MiB 1.27-1.34 with a 1 ms cap, 1.16-1.19 with this one; ~1% of a core while
     // a copy runs).
     sleep_us = std::min<uint64_t>(sleep_us * 2, 100);
   }
+}
+
+bool CudaCopyEngine::event_done(cudaEvent_t ev) {
+  cudaError_t st = cudaEventQuery(ev);
+  if (st == cudaSuccess) return true;
+  if (st != cudaErrorNotReady) CUDASNAP_CUDA_CHECK(st);
+  (void)cudaGetLastError();  // cudaErrorNotReady is recorded as the last error too
+  return false;
 }
 
 bool CudaCopyEngine::busy() const {
@@ -194,7 +206,7 @@ bool CudaCopyEngine::busy() const {
 
 void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev,
                            int ring, uint64_t& desc_used,
-                           std::vector<std::pair<int, uint64_t>>* marks) {
+                           std::vector<std::pair<int, uint64_t>>* marks, uint64_t staged) {
   uint64_t first_desc = desc_used;
   uint64_t memcpys = 0, gathered = 0;
   // Small ranges go to one gather kernel per group, launched before the group's mark.
@@ -209,31 +221,109 @@ void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint6
     first_desc = desc_used;
   };
   // Ranges are sorted by dst, host ranges are written at submit and phase 0 completes
-  // before phase 1 starts (same stream): once every range before r has landed, every
-  // byte of the data area below r.dst has. A mark there lets the completion thread
-  // checksum those chunks while the DMA goes on.
-  const uint64_t group = std::max(plan.chunk_bytes * 4, plan.total_bytes / (kMarks + 1));
-  uint64_t next_mark = plan.phase0_bytes + group;
+  // before phase 1 starts (same stream): once every byte issued before a mark has
+  // landed, every byte of the data area below the mark's offset has. A mark there
+  // lets the completion thread checksum those chunks while the DMA goes on. Marks
+  // fall on chunk boundaries about 1/(kMarks+1) of the data apart; a range that
+  // spans one is copied in two pieces, so one large tensor does not leave its
+  // whole checksum to after the copy.
+  const uint64_t cb = plan.chunk_bytes;
+  const uint64_t group = std::max<uint64_t>(1, (plan.total_bytes / (kMarks + 1) + cb - 1) / cb) * cb;
+  uint64_t next_mark = (plan.phase0_bytes / cb) * cb + group;
+  auto mark_at = [&](uint64_t off) {
+    launch_pending();
+    int k = static_cast<int>(marks->size());
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
+    marks->emplace_back(k, off / cb);
+    next_mark = (off / cb) * cb + group;
+  };
+  auto room = [&] { return marks && marks->size() < size_t(kMarks); };
   for (const PlanRange& r : plan.ranges) {
     if (r.host || r.phase != phase || r.nbytes == 0) continue;
-    if (marks && r.dst >= next_mark && marks->size() < size_t(kMarks)) {
-      launch_pending();
-      int k = static_cast<int>(marks->size());
-      CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
-      marks->emplace_back(k, r.dst / plan.chunk_bytes);
-      next_mark = r.dst + group;
+    const bool small = gather_small_ && r.nbytes < gather_max_;
+    uint64_t off = 0;  // bytes of r issued so far
+    if (r.dst < staged) {  // its staged part: device to device, into the staging buffer
+      const uint64_t n = std::min(r.dst + r.nbytes, staged) - r.dst;
+      if (small) {
+        desc_[ring][desc_used++] = GatherDesc{r.src, staging_ptr_ + r.dst, n};
+      } else {
+        CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(staging_ptr_ + r.dst),
+                                            reinterpret_cast<const void*>(r.src), n,
+                                            cudaMemcpyDeviceToDevice, copy_stream_));
+        ++memcpys;
+      }
+      off = n;
+      if (off == r.nbytes) continue;
     }
-    if (gather_small_ && r.nbytes < gather_max_) {
-      desc_[ring][desc_used++] = GatherDesc{r.src, data_dev + r.dst, r.nbytes};
+    if (room() && r.dst + off >= next_mark) mark_at(r.dst + off);
+    if (small) {
+      desc_[ring][desc_used++] = GatherDesc{r.src + off, data_dev + r.dst + off, r.nbytes - off};
       continue;
     }
-    CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + r.dst, reinterpret_cast<const void*>(r.src),
-                                        r.nbytes, cudaMemcpyDeviceToHost, copy_stream_));
-    ++memcpys;
+    while (off < r.nbytes) {
+      uint64_t n = r.nbytes - off;
+      const uint64_t at = r.dst + off;
+      const bool split = room() && at < next_mark && at + n > next_mark;
+      if (split) n = next_mark - at;
+      CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + at, reinterpret_cast<const void*>(r.src + off),
+                                          n, cudaMemcpyDeviceToHost, copy_stream_));
+      ++memcpys;
+      off += n;
+      if (split) mark_at(at + n);
+    }
   }
   launch_pending();
   last_memcpy_.fetch_add(memcpys);
   last_gathered_.fetch_add(gathered);
+}
+
+void CudaCopyEngine::drain(const CopyPlan& plan, uint64_t staged, uint8_t* data, int ring,
+                           std::vector<std::pair<int, uint64_t>>* marks) {
+  const uint64_t cb = plan.chunk_bytes;
+  const uint64_t group = std::max<uint64_t>(1, (staged / (kMarks + 1) + cb - 1) / cb) * cb;
+  uint64_t memcpys = 0;
+  for (uint64_t at = 0; at < staged;) {
+    const uint64_t n = std::min(group, staged - at);
+    CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + at, reinterpret_cast<const void*>(staging_ptr_ + at),
+                                        n, cudaMemcpyDeviceToHost, copy_stream_));
+    ++memcpys;
+    at += n;
+    if (at < staged && marks->size() < size_t(kMarks)) {
+      int k = static_cast<int>(marks->size());
+      CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
+      marks->emplace_back(k, at / cb);
+    }
+  }
+  last_memcpy_.fetch_add(memcpys);
+}
+
+void CudaCopyEngine::set_device_staging(uint64_t ptr, uint64_t bytes) {
+  CUDASNAP_CHECK((ptr == 0) == (bytes == 0),
+                 "device staging: give both a buffer and its size, or neither (off)");
+  if (ptr) {
+    DeviceGuard g(device_);
+    cudaPointerAttributes a{};
+    CUDASNAP_CUDA_CHECK(cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)));
+    CUDASNAP_CHECK_KIND(ErrorKind::Cuda, a.type == cudaMemoryTypeDevice && a.device == device_,
+                        "device staging buffer 0x" << std::hex << ptr << std::dec
+                                                   << " is not device memory of cuda:" << device_);
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+  const double wait_s = wait_timeout_s();  // the running copy may read the old buffer
+  bool idle = idle_cv_.wait_for(lk, std::chrono::duration<double>(wait_s),
+                                [&] { return !in_flight_ || shut_; });
+  CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, idle,
+                      "device staging not changed: the running snapshot is still copying after "
+                          << wait_s << " s");
+  staging_ptr_ = ptr;
+  staging_bytes_ = bytes;
+}
+
+uint64_t CudaCopyEngine::device_staging_bytes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return staging_bytes_;
 }
 
 std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
@@ -277,6 +367,7 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
   }
 
   int ring;
+  uint64_t staged = 0;  // bytes of this snapshot staged on the device
   {
     std::unique_lock<std::mutex> lk(mu_);
     CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
@@ -287,6 +378,8 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, idle,
                         "the previous snapshot is still copying after " << wait_s << " s");
     in_flight_ = true;
+    staged = std::min(staging_bytes_, plan->total_bytes);
+    if (staged) ngather *= 2;  // a small range may be split into a staged and a direct part
     ring = ring_next_;
     ring_next_ = (ring_next_ + 1) % kRing;
   }
@@ -360,10 +453,37 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     if (uint64_t us = test_delay_us_.load())
       CUDASNAP_CUDA_CHECK(cudaLaunchHostFunc(copy_stream_, sleep_host_fn,
                                              reinterpret_cast<void*>(uintptr_t(us))));
-    issue(*plan, 0, data, data_dev, ring, desc_used);
+    std::vector<std::pair<int, uint64_t>> marks;
+    issue(*plan, 0, data, data_dev, ring, desc_used, nullptr, staged);
     CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][1], copy_stream_));
-    issue(*plan, 1, data, data_dev, ring, desc_used, &w->marks);
-    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));
+    issue(*plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences' "done"
+    const uint64_t nch = plan->num_chunks(), cb = plan->chunk_bytes;
+    auto add_marks = [&](uint64_t c, uint64_t limit) {  // -> the first chunk after them
+      for (const auto& [k, cov] : marks) {
+        uint64_t u = std::min(cov, limit);
+        if (u > c) w->segs.push_back(Seg{ev_mark_[ring][k], c, u, false});
+        c = std::max(c, u);
+      }
+      return c;
+    };
+    if (staged) {
+      // The fences are released; the staged part drains to the host behind them.
+      drain(*plan, staged, data, ring, &marks);
+      CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][3], copy_stream_));
+      const uint64_t d = std::min(nch, (staged + cb - 1) / cb);  // chunks with staged bytes
+      w->segs.push_back(Seg{ev_[ring][1], 0, 0, true});
+      w->segs.push_back(Seg{ev_[ring][2], d, nch, false});  // copied directly: landed at done
+      w->segs.push_back(Seg{ev_[ring][3], add_marks(0, d), d, false});
+      w->last = ev_[ring][3];
+    } else {
+      const uint64_t p0 = std::min(plan->phase0_bytes / cb, nch);  // wholly phase-0 chunks
+      w->segs.push_back(Seg{ev_[ring][1], 0, p0, true});
+      w->segs.push_back(Seg{ev_[ring][2], add_marks(p0, nch), nch, false});
+      w->last = ev_[ring][2];
+    }
+    last_staged_.store(staged);
+    CUDASNAP_CUDA_CHECK(wake_after(copy_stream_, wake_));  // COMPLETE without a poll's delay
     {
       std::lock_guard<std::mutex> lk(mu_);
       pending_ = w;
@@ -454,7 +574,7 @@ void CudaCopyEngine::crc_chunks(const CopyPlan& plan, const uint8_t* data, uint3
   // Small snapshots: one thread is faster. While a flush runs in this process it
   // gets the cores and memory bandwidth (flush-yield: one CRC thread, pausing
   // between chunks; checked again at every chunk).
-  int threads = n * plan.chunk_bytes < kParallelCrcBytes ? 1 : crc_threads_;
+  int threads = n < 2 || n * plan.chunk_bytes < kParallelCrcBytes ? 1 : crc_threads_;
   parallel_for(n, threads, [&](uint64_t i) { table[c0 + i] = chunk_crc(plan, data, c0 + i); },
                BatchOptions{/*yield_to_flush=*/true, /*yield_pause_us=*/100});
 }
@@ -473,29 +593,25 @@ void CudaCopyEngine::finish(Work& w) {
       }
     };
     const uint64_t deadline = deadline_after(wait_timeout_s());
-    wait_event(ev_[w.ring][1], deadline, "the phase-0 copy (buffers)");
-    job.mark(0);
-    const uint64_t nchunks = plan.num_chunks();
-    // Chunks wholly inside the phase-0 region (no phase-1 DMA writes there) are
-    // checksummed while phase 1 still copies.
-    const uint64_t p0_full = std::min(plan.phase0_bytes / plan.chunk_bytes, nchunks);
-    const uint64_t split = p0_full * plan.chunk_bytes;
-    zero_pads(0, split);
-    crc_chunks(plan, data, table, 0, p0_full);
-    // Phase 1: checksum each part as its mark completes, overlapped with the DMA
-    // of the rest (boundary -> COMPLETE close to the copy time itself).
-    uint64_t done = p0_full;
-    for (const auto& [k, covered] : w.marks) {
-      wait_event(ev_mark_[w.ring][k], deadline, "a part of the snapshot copy");
-      const uint64_t upto = std::min(covered, nchunks);
-      if (upto <= done) continue;
-      zero_pads(done * plan.chunk_bytes, upto * plan.chunk_bytes);
-      crc_chunks(plan, data, table, done, upto);
-      done = upto;
+    const uint64_t cb = plan.chunk_bytes;
+    // Checksum each region once its copy has landed, while the later ones still copy.
+    // Each round also takes the following regions whose copies have landed by then
+    // (all CRC threads on them), so a checksum that fell behind catches up in larger
+    // batches instead of lagging one mark at a time (COMPLETE close to the copy time).
+    for (size_t i = 0; i < w.segs.size();) {
+      const Seg& s = w.segs[i];
+      wait_event(s.ev, deadline, s.phase0 ? "the phase-0 copy (buffers)" : "the snapshot copy");
+      if (s.phase0) job.mark(0);
+      size_t j = i;
+      while (j + 1 < w.segs.size() && w.segs[j + 1].c0 == w.segs[j].c1 &&
+             !w.segs[j + 1].phase0 && event_done(w.segs[j + 1].ev))
+        ++j;
+      const uint64_t c0 = s.c0, c1 = w.segs[j].c1;
+      i = j + 1;
+      if (c1 <= c0) continue;
+      zero_pads(c0 * cb, std::min(c1 * cb, plan.total_bytes));  // no DMA writes there now
+      crc_chunks(plan, data, table, c0, c1);
     }
-    wait_event(ev_[w.ring][2], deadline, "the snapshot copy");
-    zero_pads(done * plan.chunk_bytes, plan.total_bytes);
-    crc_chunks(plan, data, table, done, nchunks);
     // A job a fence gave up on (cancelled) is never published: the trainer
     // went on writing while it copied.
     CUDASNAP_CHECK_KIND(ErrorKind::Staging, job.begin_commit(), "cancelled: " << job.error());
@@ -505,7 +621,8 @@ void CudaCopyEngine::finish(Work& w) {
     bool drained = false;
     if (!hung_.load() && !abandon_.load()) {
       try {  // no DMA may still run into the slot (bounded: a hung GPU gives up)
-        wait_event(ev_[w.ring][2], deadline_after(wait_timeout_s()), "the failed copy");
+        wait_event(w.last ? w.last : ev_[w.ring][2], deadline_after(wait_timeout_s()),
+                   "the failed copy");
         drained = true;
       } catch (...) {
       }

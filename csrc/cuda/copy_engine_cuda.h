@@ -37,6 +37,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -45,6 +46,7 @@
 #include <vector>
 
 #include "../copy_engine.h"
+#include "copy_wake.h"
 #include "gather.h"
 
 namespace cudasnap {
@@ -76,12 +78,30 @@ class CudaCopyEngine : public CopyEngine {
   // certainly overlaps the next step, so a missing fence is always caught.
   void set_test_copy_delay_us(uint64_t us) { test_delay_us_.store(us); }
   uint64_t copy_stream() const { return reinterpret_cast<uint64_t>(copy_stream_); }
+  // Snapshot-then-offload: a device buffer (`ptr`, `bytes`; on this engine's device,
+  // owned by the caller, e.g. a tensor from torch's caching allocator) takes the first
+  // `bytes` of each snapshot's data area by a device-to-device copy; the rest is copied
+  // to the host directly. The fences (phase 0 / done) wait only for those copies; the
+  // staged part then drains to the host on the copy stream, and the snapshot is
+  // COMPLETE once it has landed and is checksummed. Waits (bounded) for the running
+  // copy first, so the caller may free the old buffer when it returns; 0, 0: off.
+  void set_device_staging(uint64_t ptr, uint64_t bytes);
+  uint64_t device_staging_bytes() const;
+  // Bytes of the last submitted snapshot staged on the device (0: copied directly).
+  uint64_t last_staged() const { return last_staged_.load(); }
   // Counters of the last submitted snapshot: cudaMemcpyAsync calls, gathered ranges.
   uint64_t last_memcpy_calls() const { return last_memcpy_.load(); }
   uint64_t last_gathered() const { return last_gathered_.load(); }
 
  private:
   static constexpr int kRing = 2;
+  // A region of chunks [c0, c1) whose bytes have all landed once `ev` completes;
+  // the completion thread checksums the regions in this order.
+  struct Seg {
+    cudaEvent_t ev;
+    uint64_t c0, c1;
+    bool phase0;  // `ev` is the phase-0 event: the job reaches phase 0 there
+  };
   struct Work {
     std::shared_ptr<CopyJob> job;
     std::shared_ptr<Arena> arena;
@@ -89,9 +109,9 @@ class CudaCopyEngine : public CopyEngine {
     int slot = -1;
     int ring = 0;
     std::vector<std::pair<uint64_t, uint64_t>> pads;  // [lo, hi) of the data area to zero
-    // Progress marks of phase 1: (event index in ev_mark_[ring], chunks below it that
-    // are whole once it completes): their CRC runs while the rest still copies.
-    std::vector<std::pair<int, uint64_t>> marks;
+    // Checksum order: the CRC of each region runs while later ones still copy.
+    std::vector<Seg> segs;
+    cudaEvent_t last = nullptr;  // the snapshot's last copy event (done, or landed)
   };
   void completion_loop();
   void finish(Work& w);
@@ -99,29 +119,41 @@ class CudaCopyEngine : public CopyEngine {
                   uint64_t c1);
   // Issues `phase`'s device ranges; with `marks`, also records progress events
   // (at most kMarks, one per ~1/(kMarks+1) of the data) between them.
+  // Bytes below `staged` go to the device staging buffer instead (no marks then).
   void issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev, int ring,
-             uint64_t& desc_used, std::vector<std::pair<int, uint64_t>>* marks = nullptr);
+             uint64_t& desc_used, std::vector<std::pair<int, uint64_t>>* marks = nullptr,
+             uint64_t staged = 0);
+  // Copies the staged [0, staged) of the data area from the device buffer to `data`,
+  // in pieces with progress marks between them.
+  void drain(const CopyPlan& plan, uint64_t staged, uint8_t* data, int ring,
+             std::vector<std::pair<int, uint64_t>>* marks);
   void release_cuda() noexcept;
   // Polls `ev` until it completes; throws on a CUDA error, on `deadline_ns`
   // (monotonic) passing (sets hung_) or when shutdown() abandons the copy.
   void wait_event(cudaEvent_t ev, uint64_t deadline_ns, const char* what);
+  // Whether `ev` has completed (cudaEventQuery; throws on a CUDA error).
+  static bool event_done(cudaEvent_t ev);
 
   int device_;
   int crc_threads_;
   bool gather_small_;
   uint64_t gather_max_;
   cudaStream_t copy_stream_ = nullptr;
-  static constexpr int kMarks = 8;
-  cudaEvent_t ev_[kRing][3] = {};  // ready, phase0, done
+  static constexpr int kMarks = 32;
+  cudaEvent_t ev_[kRing][4] = {};  // ready, phase0, done, landed (device staging)
   cudaEvent_t ev_mark_[kRing][kMarks] = {};  // phase-1 progress (checksums as chunks land)
   GatherDesc* desc_[kRing] = {};   // mapped pinned descriptor buffers (gather only)
   uint64_t desc_cap_[kRing] = {};
   int ring_next_ = 0;
   std::atomic<uint64_t> last_memcpy_{0};
   std::atomic<uint64_t> last_gathered_{0};
+  std::atomic<uint64_t> last_staged_{0};
+  uint64_t staging_ptr_ = 0;  // device staging buffer (guarded by mu_; changed only when idle)
+  uint64_t staging_bytes_ = 0;
   std::atomic<bool> hung_{false};
   std::atomic<bool> abandon_{false};
   std::atomic<uint64_t> test_delay_us_{0};
+  std::shared_ptr<CopyWake> wake_ = std::make_shared<CopyWake>();
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // work for the completion thread / stop

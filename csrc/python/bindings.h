@@ -5,7 +5,21 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "../file_restore.h"
+
 namespace cudasnap::bindings {
+
+// Shared by the restore bindings (bindings_staging.cpp, the CUDA ones): a scatter's
+// figures as a dict, its options, and (dst, offset, bytes) tuples as spans.
+pybind11::dict scatter_stats_dict(const ScatterStats& st);
+ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct,
+                               FileReadAhead* ahead = nullptr);
+std::vector<HostSpan> host_spans(
+    const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans);
 
 void init_errors(pybind11::module_& m);
 void init_crc(pybind11::module_& m);

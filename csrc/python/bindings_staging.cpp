@@ -30,34 +30,6 @@ struct PlannedCopy {
   uint64_t applied = 0;  // bytes run_file copied into destinations (also after a failure)
 };
 
-py::dict scatter_stats_dict(const ScatterStats& st) {
-  py::dict d;
-  d["bytes"] = st.read_bytes;
-  d["applied"] = st.applied_bytes;
-  d["seconds"] = st.seconds;
-  d["direct"] = st.direct;
-  d["ahead"] = st.ahead_bytes;
-  return d;
-}
-
-ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct,
-                               FileReadAhead* ahead = nullptr) {
-  ScatterOptions o;
-  o.threads = threads;
-  o.io_bytes = io_bytes;
-  o.direct = direct;
-  o.ahead = ahead;
-  return o;
-}
-
-std::vector<HostSpan> host_spans(
-    const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans) {
-  std::vector<HostSpan> v;
-  v.reserve(spans.size());
-  for (const auto& [dst, off, n] : spans) v.push_back({dst, off, n});
-  return v;
-}
-
 py::dict slot_info_dict(const SlotInfo& s) {
   py::dict d;
   d["index"] = s.index;
@@ -84,6 +56,35 @@ py::dict flush_stats_dict(const FlushStats& s) {
 }
 
 }  // namespace
+
+py::dict scatter_stats_dict(const ScatterStats& st) {
+  py::dict d;
+  d["bytes"] = st.read_bytes;
+  d["applied"] = st.applied_bytes;
+  d["seconds"] = st.seconds;
+  d["direct"] = st.direct;
+  d["ahead"] = st.ahead_bytes;
+  return d;
+}
+
+ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct,
+                               FileReadAhead* ahead) {
+  ScatterOptions o;
+  o.threads = threads;
+  o.io_bytes = io_bytes;
+  o.direct = direct;
+  o.ahead = ahead;
+  return o;
+}
+
+std::vector<HostSpan> host_spans(
+    const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans) {
+  std::vector<HostSpan> v;
+  v.reserve(spans.size());
+  for (const auto& [dst, off, n] : spans) v.push_back({dst, off, n});
+  return v;
+}
+
 
 void init_staging(py::module_& m) {
   py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")

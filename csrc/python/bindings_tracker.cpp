@@ -1,6 +1,7 @@
 // Bindings of the allocator registry and the CUDA backend. Only binds (see
 // bindings.h).
 #include <pybind11/pybind11.h>
+#include <exception>
 #include <pybind11/stl.h>
 
 #include "../allocator_tracker.h"
@@ -9,6 +10,7 @@
 #ifdef CUDASNAP_WITH_CUDA
 #include "../cuda/copy_engine_cuda.h"
 #include "../cuda/cuda_backend.h"
+#include "../cuda/device_sink.h"
 #endif
 
 namespace py = pybind11;
@@ -200,9 +202,56 @@ void init_cuda_backend(py::module_& m) {
       .def("set_test_copy_delay_us", &CudaCopyEngine::set_test_copy_delay_us, py::arg("us"))
       .def_property_readonly("copy_stream", &CudaCopyEngine::copy_stream)
       .def_property_readonly("last_memcpy_calls", &CudaCopyEngine::last_memcpy_calls)
-      .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered);
+      .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered)
+      .def_property_readonly("last_staged", &CudaCopyEngine::last_staged)
+      // Waits (bounded) for the running copy: no GIL held meanwhile.
+      .def("set_device_staging", &CudaCopyEngine::set_device_staging, py::arg("ptr"),
+           py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("device_staging_bytes", &CudaCopyEngine::device_staging_bytes);
   // The GIL is released around the CUDA calls only: the (ok, reason) tuple is
   // made after it is taken back (a Python object made without it crashes).
+  m.def(
+      "read_file_to_device",
+      [](int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,
+         const std::vector<uint32_t>& crcs,
+         const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& host,
+         const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& device_spans, int device,
+         int threads, uint64_t io_bytes, bool direct, FileReadAhead* ahead, double wait_s,
+         py::dict progress) {
+        const std::vector<HostSpan> h = host_spans(host), d = host_spans(device_spans);
+        ScatterStats st;
+        uint64_t copies = 0, pinned = 0;
+        std::exception_ptr err;
+        {
+          py::gil_scoped_release nogil;  // the caller holds the destination tensors
+          try {
+            CudaUnitSink sink(device, std::max(threads, 1), wait_s);  // drained when it goes
+            ScatterOptions o = scatter_options(threads, io_bytes, direct, ahead);
+            o.device_spans = &d;
+            o.sink = &sink;
+            read_verify_scatter(fd, name, nbytes, chunk_bytes, crcs, h, o, &st);
+            copies = sink.copies();
+            pinned = sink.pinned_bytes();
+          } catch (...) {
+            err = std::current_exception();
+          }
+        }
+        progress["applied"] = st.applied_bytes;  // also after a failure (GIL held again)
+        if (err) std::rethrow_exception(err);
+        py::dict out = scatter_stats_dict(st);
+        out["device_copies"] = copies;
+        out["pinned_bytes"] = pinned;
+        return out;
+      },
+      py::arg("fd"), py::arg("name"), py::arg("nbytes"), py::arg("chunk_bytes"), py::arg("crcs"),
+      py::arg("host"), py::arg("device_spans"), py::arg("device"), py::arg("threads") = 2,
+      py::arg("io_bytes") = 0, py::arg("direct") = false, py::arg("ahead") = py::none(),
+      py::arg("wait_s") = 120.0, py::arg("progress") = py::dict(),
+      "reads the open snapshot file `fd` chunk by chunk into page-locked buffers, checks "
+      "each chunk's CRC32C, then copies its bytes: (dst, file_offset, nbytes) `host` spans by "
+      "memcpy, `device_spans` (device addresses on cuda:`device`) by cudaMemcpyAsync, the "
+      "next read overlapping the copies; returns when every copy is done. `progress`"
+      "['applied']: the bytes copied, also when it raised (0: destinations untouched)");
   m.def("register_arena",
         [](Arena& a, int device) {
           RegisterResult r;

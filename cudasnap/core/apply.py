@@ -219,12 +219,14 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
     check_compatible(state, tensors, where, lts)
     hd = codec.decode(host, "host")
     check_classes(state, hd, where)  # before anything is changed
+    device = None
     if file is not None:  # a storage.posix.DataFile: not read yet
-        if file.nbytes and scatters(state, lts, tensors):
+        device = device_scatters(state, lts, tensors) if file.nbytes else None
+        if file.nbytes and (device is not None or scatters(state, lts, tensors)):
             # Address space only (no page is touched): the planner's stand-in for the
             # file, and where the bytes torch's copy_ reads (if any) are read to.
             data = torch.empty(file.nbytes, dtype=torch.uint8)
-        else:  # a destination torch must copy to (CUDA, sharded): the whole file first
+        else:  # a destination torch must copy to (sharded, several devices): the whole file
             data, file = file.read(), None
     assert data is not None
     live = {lt.name: lt for lt in lts}
@@ -248,6 +250,8 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
     # from a file: read, verified and copied chunk by chunk (_copy_from_file).
     if file is None:
         copy_back.copy_into(pairs, data, before=before_copy)
+    elif device is not None:
+        _copy_to_device(pairs, data, file, device, before_copy)
     else:
         _copy_from_file(pairs, data, file, before_copy)
     for done in finish:
@@ -265,6 +269,98 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
     saved = dict(hd.get("values") or {})
     apply_rng(hd.get("rng", {}))
     return int(hd.get("step", -1)), saved
+
+
+def device_scatters(state: Registered, lts: list[LiveTensor],
+                    tensors: list[dict[str, Any]]) -> int | None:
+    """The CUDA device a restore from a file can go to chunk by chunk through page-locked
+    buffers (``_copy_to_device``; CPU tensors beside it, e.g. Adam's ``step``, are copied
+    from the same chunks), or None: no CUDA tensor, several devices, a CPU-only build, or
+    anything sharded (``scatters``' rule)."""
+    from .._native import native
+
+    devs = {lt.tensor.device.index for lt in lts if lt.tensor.is_cuda}
+    if len(devs) != 1 or not hasattr(native(), "read_file_to_device"):
+        return None
+    if any(lt.shard or lt.owner is not None for lt in lts) or any("shard" in e for e in tensors):
+        return None
+    dt_cls = sharded._dtensor_cls()
+    if dt_cls is not None and any(isinstance(p, dt_cls) for opt in state.optimizers.values()
+                                  for p in _param_order(opt)):
+        return None
+    (dev,) = devs
+    return int(dev if dev is not None else torch.cuda.current_device())
+
+
+def _device_span(dst: Any, e: dict[str, Any], size: int) -> tuple[int, int, int] | None:
+    """``copy_back.entry_span`` for a CUDA destination: (device pointer, file offset,
+    bytes) when ``dst`` takes the entry's bytes as they are, else None (torch copies)."""
+    if (type(dst) not in copy_back._PLAIN or not dst.is_cuda or dst.layout != torch.strided
+            or not dst.is_contiguous() or dst.is_inference() or dst.is_conj() or dst.is_neg()
+            or dtype_key(dst.dtype) != e["dtype"] or list(dst.shape) != e["shape"]
+            or list(dst.stride()) != e["stride"]):
+        return None
+    off, n = e["offset"], e["nbytes"]
+    if n == 0 or n != dst.nbytes or off < 0 or off + n > size:
+        return None
+    return dst.data_ptr(), off, n
+
+
+def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
+    """Indices of the spans whose destinations overlap another one's (tied tensors)."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    bad: set[int] = set()
+    for a, b in zip(order, order[1:]):
+        if spans[b][0] < spans[a][0] + spans[a][2]:
+            bad.update((a, b))
+    return bad
+
+
+def _copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, device: int,
+                    before: Callable[[], None] | None) -> None:
+    """``_copy_from_file`` for a state on a GPU (issue 34 item 5): one native call reads the
+    file chunk by chunk into page-locked buffers, checks each chunk's CRC32C, then copies
+    its bytes to the contiguous CUDA destinations (a DMA, overlapped with the next read)
+    and to the contiguous CPU ones; the rest (views, dtype casts, tied destinations)
+    read their bytes from ``data`` (read the same way, only those ranges) through torch's
+    ``copy_``. A chunk failing its CRC32C raises CorruptSnapshot before any byte of it is
+    copied; ``partly_applied`` says whether earlier ones were."""
+    size = file.nbytes
+    dev: list[tuple[int, int, int]] = []
+    host: list[tuple[int, int, int]] = []
+    moved: list[Any] = []
+    rest: list[tuple[Any, Any]] = []
+    dev_pairs: list[tuple[Any, Any]] = []
+    host_pairs: list[tuple[Any, Any]] = []
+    for d, s in pairs:
+        if type(s) is dict:
+            span = _device_span(d, s, size)
+            if span is not None:
+                dev.append(span)
+                dev_pairs.append((d, s))
+                continue
+            span = copy_back.entry_span(d, s, size)
+            if span is not None:
+                host.append(span)
+                host_pairs.append((d, s))
+                continue
+        rest.append((d, s))
+    for spans, kept in ((dev, dev_pairs), (host, host_pairs)):
+        for i in sorted(_disjoint(spans), reverse=True):  # tied: torch copies them
+            rest.append(kept.pop(i))
+            spans.pop(i)
+        moved += [d for d, _ in kept]
+    rest = [(d, copy_back.entry_view(data, s) if type(s) is dict else s) for d, s in rest]
+    host += _ranges_read(rest, data.data_ptr(), size)
+    if before is not None:
+        before()
+    file.scatter_device(dev, host, device)
+    for t in moved:  # changed in place behind autograd's back
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)
+    with torch.no_grad():
+        for d, s in rest:
+            d.copy_(s)
 
 
 def scatters(state: Registered, lts: list[LiveTensor], tensors: list[dict[str, Any]]) -> bool:

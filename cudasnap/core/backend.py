@@ -26,7 +26,7 @@ log = logging.getLogger("cudasnap")
 
 class Backend:
     def __init__(self, requested: str, copy_threads: int, wait_timeout_s: float,
-                 arena_path: Path) -> None:
+                 arena_path: Path, device_staging: int | str = 0) -> None:
         self.requested = requested  # "auto", "cpu" or "cuda" (the constructor's keyword)
         self.name: str | None = None  # what "auto" resolved to, from the first boundary on
         self.engine: Any = None
@@ -34,6 +34,7 @@ class Backend:
         self.copy_threads = copy_threads
         self.wait_timeout_s = wait_timeout_s
         self._arena_path = arena_path  # named in the log line only
+        self.device_staging = device_staging  # bytes or "auto" (the CUDA backend's buffer)
 
     def ensure(self, tensors: list[LiveTensor]) -> None:
         """Makes the engine for ``tensors`` (once; a no-op afterwards)."""
@@ -50,7 +51,8 @@ class Backend:
 
             dev = single_cuda_device(tensors)
             self.cuda = CudaBackend(dev, crc_threads=self.copy_threads,
-                                    wait_timeout_s=self.wait_timeout_s)
+                                    wait_timeout_s=self.wait_timeout_s,
+                                    device_staging=self.device_staging)
             self.engine = self.cuda.engine
         else:
             self.engine = native().CpuCopyEngine(self.copy_threads)
@@ -67,6 +69,13 @@ class Backend:
         if not any(lt.tensor.is_cuda for lt in tensors):
             return None
         return single_cuda_device(tensors).index
+
+    def stats(self) -> dict[str, Any]:
+        """``stats()``'s device-staging fields (snapshot-then-offload; zeros when off)."""
+        c = self.cuda.stats() if self.cuda is not None else {}
+        return {"device_staging_bytes": c.get("device_staging_bytes", 0),
+                "last_staged_bytes": c.get("last_staged_bytes", 0),
+                "device_staging_reason": c.get("device_staging_reason")}
 
     def hung(self) -> bool:
         """The CUDA engine declared the GPU hung (a DMA may still read the state)."""

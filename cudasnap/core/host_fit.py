@@ -7,9 +7,11 @@ space of /dev/shm and MemAvailable, with the live host state beside them.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
+
+from .. import config as cfg
+from .cadence import smallest_k
 
 GB = 1e9
 DEFAULT_COPY_GBPS = 20.0  # device -> pinned host (PCIe Gen4 x16 ~25 GB/s)
@@ -63,12 +65,16 @@ def host_fit(state_gb: float, ranks_per_node: int, *, num_slots: int = 2, spare_
 
 
 def pick_snapshot_every(state_gb: float, iter_seconds: float,
-                        copy_gbps: float = DEFAULT_COPY_GBPS) -> dict[str, Any]:
-    """Smallest k whose k iterations cover one background copy (so no fence waits):
-    copy cost per iteration / k; a crash replays <= k steps, a signal/hang/peer
-    failure with a healthy device <= 1 (the JIT save reads the live state)."""
+                        copy_gbps: float = DEFAULT_COPY_GBPS,
+                        budget: float = cfg.OVERHEAD_BUDGET) -> dict[str, Any]:
+    """The k the overhead budget would pick (core.cadence.smallest_k, the same rule):
+    a copy that outlasts k iterations stalls the next one by the difference, so the
+    smallest k whose stall fits the budget; a crash replays <= k steps, a signal/hang/peer
+    failure with a healthy device <= 1 (the JIT save reads the live state). A running
+    Snapshotter measures the cost instead (``stats()["cadence"]``)."""
     copy_s = state_gb / copy_gbps
-    k = max(1, math.ceil(copy_s / iter_seconds)) if iter_seconds > 0 else 1
+    k = smallest_k(lambda k: max(0.0, copy_s - k * iter_seconds), iter_seconds, budget) \
+        or cfg.MAX_EVERY
     return {"snapshot_every": k, "copy_seconds": copy_s,
             "crash_replay_max_seconds": k * iter_seconds,
             "message": (f"snapshot_every={k}: one {copy_s:.3g} s copy per {k} iteration(s) of "

@@ -3,7 +3,8 @@
 ``Snapshotter.boundary()`` checks the step rule (``Timeline``), then calls
 :meth:`Copier.snapshot`, which encodes the host state, picks a free slot of the
 arena and submits the copy; it returns at once. Zero-overhead mode
-(``snapshot_every=k``) copies every k-th boundary and remembers the others
+(``snapshot_every=k``, or the overhead budget's k: ``cudasnap.core.cadence``) copies
+every k-th boundary and remembers the others
 (``live``) for a just-in-time copy at a flush (:meth:`Copier.copy_live`).
 
 Shaped like DCP's ``AsyncStager``: ``snapshot()`` is its ``stage()`` (starts the copy,
@@ -33,6 +34,7 @@ from .rng import capture_rng
 
 if TYPE_CHECKING:
     from .backend import Backend
+    from .cadence import Cadence
     from .counters import Counters
     from .layout import Layouts
     from .staging import ArenaKeeper
@@ -44,10 +46,10 @@ log = logging.getLogger("cudasnap")
 class Copier:
     def __init__(self, state: TrainingState, backend: Backend, layouts: Layouts,
                  keeper: ArenaKeeper, counters: Counters, *, wait_timeout_s: float,
-                 snapshot_every: int) -> None:
+                 cadence: Cadence) -> None:
         self.state, self._backend, self._layouts, self._keeper = state, backend, layouts, keeper
         self._counters = counters
-        self.wait_timeout_s, self.snapshot_every = wait_timeout_s, snapshot_every
+        self.wait_timeout_s, self.cadence = wait_timeout_s, cadence
         self.job: Any = None  # the running copy (None: none)
         self.fenced = [True, True]  # per phase: the training thread waited for it already
         # Re-entrant: a signal handler may flush while the main thread is in boundary().
@@ -82,8 +84,7 @@ class Copier:
         ``values``, or its skip; ``t0``: when boundary() started (perf_counter_ns)."""
         self.live_dirty = False  # set again by the next optimizer step / buffer forward
         self.state.step_values = values
-        k = self.snapshot_every
-        if k > 1 and (boundaries - 1) % k:
+        if not self.cadence.take():
             # Zero-overhead mode: no copy. Until the next optimizer step the live
             # state IS this step, so a JIT flush copies it then (see flush()).
             self._counters.skipped_every += 1
@@ -187,6 +188,8 @@ class Copier:
             log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
             return None
         stream = be.cuda.current_stream() if be.cuda is not None else 0
+        if be.cuda is not None and be.device_staging:
+            be.cuda.stage(lay.total_bytes)  # snapshot-then-offload (CudaBackend.stage)
         try:
             # begin_write() inside refuses a slot a concurrent flush leased since
             # the pick (the arena's own lock orders the two): StagingError.
@@ -291,7 +294,7 @@ class Copier:
         step (nor buffer forward, fence, load) ran since, the live tensors still hold
         that step, so copy them into a free slot now (same manifest, format and
         commit path) for the flush to write. Otherwise the newest COMPLETE slot is
-        flushed (replay <= snapshot_every steps)."""
+        flushed (replay <= k steps)."""
         live, arena = self.live, self._keeper.arena
         if live is None or self.live_copy is not None:
             return  # (not re-entered: a regrowth inside the copy flushes too)
@@ -321,7 +324,7 @@ class Copier:
             self._counters.live_saves += 1
             log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
                      "boundary: %s)", step, "its copy plan was being built" if
-                     self.live_deferred else f"snapshot_every={self.snapshot_every}")
+                     self.live_deferred else f"snapshot every {self.cadence.k} boundaries")
         finally:
             self.live_copy = None
             ev.set()

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from . import arena_prep, fences
 from .backend import Backend
+from .cadence import Cadence, clock_for
 from .counters import Counters
 from .early import EarlySaver
 from .flush import Flusher
@@ -45,12 +46,13 @@ class Components(NamedTuple):
 def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
          sync_max_bytes: int | None, arena_path: Path, num_slots: int, spare_slot: bool,
          chunk_bytes: int, job: str, rank: int, world_size: int, directory: Path, keep: int,
-         copy_threads: int, flush_threads: int, wait_timeout_s: float, snapshot_every: int,
+         copy_threads: int, flush_threads: int, wait_timeout_s: float,
+         snapshot_every: int | None, overhead_budget: float, device_staging: int | str,
          allow_foreign_owner: bool | None, fresh: bool, wait_copy: Callable[[float], bool],
          flush: Callable[[], Any], require_resume: bool = False) -> Components:
     c = Counters()
     tl = Timeline()
-    be = Backend(backend, copy_threads, wait_timeout_s, arena_path)
+    be = Backend(backend, copy_threads, wait_timeout_s, arena_path, device_staging)
     lays = Layouts(state, be, c, chunk_bytes=chunk_bytes, rank=rank, world_size=world_size,
                    job=job)
     # Re-entrant: a signal handler may flush while the main thread is in boundary().
@@ -64,7 +66,7 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
                          wait_timeout_s=wait_timeout_s, supervised=supervised,
                          flush_lock=flush_lock, wait_copy=wait_copy, flush=flush)
     cp = Copier(state, be, lays, keeper, c, wait_timeout_s=wait_timeout_s,
-                snapshot_every=snapshot_every)
+                cadence=Cadence(snapshot_every, overhead_budget, clock_for(be)))
     hooks = fences.install(state, cp, lays.invalidate)
     flusher = Flusher(storage, keeper, cp, c, flush_lock, directory=directory, keep=keep,
                       flush_threads=flush_threads)

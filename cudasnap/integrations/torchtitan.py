@@ -74,8 +74,9 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         """Snapshot directory, relative to the trainer's dump folder (or absolute);
         ``$CUDASNAP_DIR`` (set by ``cudasnap run``) wins."""
 
-        snapshot_every: int = 1
-        """Copy every k-th step to host memory (a trigger still saves the live state)."""
+        snapshot_every: int = 0
+        """Copy every k-th step to host memory (a trigger still saves the live state);
+        0: the overhead budget (``$CUDASNAP_OVERHEAD_BUDGET``, 1%) picks k."""
 
     def __init__(self, config: Any, *, dataloader: Any, model_parts: list[Any],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
@@ -91,7 +92,7 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             extra["dataloader"] = dataloader
         directory = Settings.from_env().directory or os.path.join(base_folder, config.folder)
         self.snap = Snapshotter(models, optimizers, directory=directory, extra=extra,
-                                snapshot_every=config.snapshot_every)
+                                snapshot_every=config.snapshot_every or None)
         self.restored: int | None = None
 
     def _load(self, step: int = -1) -> bool:

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
+from ..config import Settings
 from ..errors import CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, step_dirname
@@ -369,6 +370,25 @@ class DataFile:
                                  self.ahead)
         except SnapshotError as e:
             e.partly_applied = plan.applied > 0  # type: ignore[attr-defined]
+            raise
+        finally:
+            self._stop_ahead()
+
+    def scatter_device(self, device_spans: list[tuple[int, int, int]],
+                       host_spans: list[tuple[int, int, int]], device: int) -> dict[str, Any]:
+        """Reads this file chunk by chunk into page-locked buffers, each chunk verified
+        before any byte of it is copied: to ``device_spans`` (device pointer, file offset,
+        bytes) on cuda:``device`` by DMA, overlapped with the next read, and to
+        ``host_spans`` by memcpy (``_C.read_file_to_device``). A chunk failing its CRC32C
+        raises CorruptSnapshot with ``partly_applied`` as in :meth:`scatter`."""
+        progress: dict[str, int] = {}
+        try:
+            return native().read_file_to_device(
+                self.fd, str(self.path), self.nbytes, self.chunk_bytes, self.crcs, host_spans,
+                device_spans, device, self.threads, SCATTER_IO_BYTES, SCATTER_DIRECT,
+                self.ahead, Settings.from_env().wait_s, progress)  # CUDASNAP_WAIT_S bounds a copy
+        except SnapshotError as e:
+            e.partly_applied = progress.get("applied", 0) > 0  # type: ignore[attr-defined]
             raise
         finally:
             self._stop_ahead()

@@ -196,25 +196,38 @@ def test_bench_emulated_smoke_judges_nothing(tmp_path: Path, emu: Any) -> None:
     assert "NOT GPU figures" in txt and " PASS" not in txt and " MISS" not in txt, txt
 
 
-def test_bench_timing_model_reproduces_the_gpu_tables_shape(emu: Any) -> None:
-    """``--emulated --timing h200`` (bench/modelled.py): the 2026-12-04 H200 table's shape,
-    as ratios against the model's own ideal: a plain pinned copy runs at the link rate,
-    a snapshot is COMPLETE well below its DMA rate, and every-step snapshots of a
-    GPT-2-small-sized state stall the step. The JSON says it is modelled."""
+def test_bench_timing_model_holds_issue_34s_figures(emu: Any) -> None:
+    """``--emulated --timing h200`` (bench/modelled.py), issue 34's bar on the timing model:
+    a snapshot is COMPLETE within 1.1x its DMA time (checksums keep pace with the copy);
+    with device staging a GPT-2-small-sized state (1.49 GB, 29.5 ms step) snapshotted
+    every step costs <= 5% (the direct D2H copy, longer than the forward/backward
+    window, stalls the step: its control); the default 1% budget costs <= 1.5%. The JSON
+    says it is modelled and carries the model's calibration."""
     p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py"), "--emulated", "--timing",
                         "h200", "--quick", "--json"], capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["modelled"] is True and out["model"]["profile"] == "h200"
-    assert out["model"]["d2h_gbps"] == 55.0
+    m = out["model"]
+    assert m["d2h_gbps"] == 55.0 and m["d2d_gbps"] <= 2500 and m["step_ms"] == 29.54
+    assert m["state_gb"] == 1.49
     for row in out["a"]:
         assert row["pinned_vs_link"] <= 1.02 and row["dma_vs_link"] <= 1.02, row  # never faster
         if row["mib_modelled"] >= 4096:  # 78 ms modelled: a loaded host cannot halve it
             assert row["pinned_vs_link"] >= 0.5, row
-        assert row["complete_vs_link"] < row["dma_vs_link"], row  # host work after the DMA
-    assert out["model"]["step_ms"] == 29.54 and out["model"]["state_gb"] == 1.49
-    assert out["complete_over_dma"] > 1.0  # COMPLETE comes after the DMA, never before
-    assert out["every_step_ratio"] == out["b"]["ratio"]
-    b = out["b"]
-    assert b["ideal_ratio"] > 1.0  # 1.49 GB at 55 GB/s is longer than the 25 ms window
-    assert b["ratio"] >= b["ideal_ratio"] * 0.97, b  # every-step snapshots stall the step
+        assert row["complete_vs_link"] <= row["dma_vs_link"], row  # COMPLETE after the DMA
+    assert 1.0 <= out["complete_over_dma"] <= 1.10, out["a"]
+    staged, direct = out["b_staged"], out["b"]
+    # the whole state went through the device buffer (within the allocator's rounding)
+    assert abs(staged["staged_bytes_modelled"] / 1.49e9 - 1) < 0.05, staged
+    assert direct["staged_bytes_modelled"] == 0, direct
+    assert out["every_step_ratio"] == staged["ratio"] <= 1.05, staged
+    # the control: copied straight to the host, a 27 ms copy stalls a 29.5 ms step
+    assert out["every_step_ratio_direct"] == direct["ratio"] >= 1.03, direct
+    assert direct["ideal_ratio"] > 1.0  # 1.49 GB at 55 GB/s is longer than the 25 ms window
+    assert out["budget_ratio"] <= 1.015, out["b_budget"]
+    c = out["budget"]
+    assert c["budget"] == 0.01 and not c["fixed"] and 1 <= c["k"] <= 64, c
+    assert c["overhead"] is not None and c["overhead"] <= 0.01, c
+    bb = out["b_budget"]
+    assert bb["boundaries"] // 64 <= bb["snapshots"] <= bb["boundaries"], bb  # it did copy

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cudasnap import _C
+from cudasnap.errors import SnapshotError
 
 CHUNK = 1 << 16
 COPY_DELAY_US = 1_000_000  # the snapshot copy stays in flight this long
@@ -106,10 +107,32 @@ def test_every_cuda_binding_runs(emu: Any, snap_env: Any) -> None:
         job = eng.submit(arena, 0, plan, 7, b'{"m":1}', 0, None)
         assert eng.fence(job, 1, 0) is True
         assert job.wait(1, 60) and not job.failed, job.error
-        assert eng.last_memcpy_calls == 1 and eng.last_gathered == 0
+        # one piece per chunk: a progress mark at each chunk boundary (checksums overlap)
+        assert eng.last_memcpy_calls == 4 and eng.last_gathered == 0 and eng.last_staged == 0
         info = arena.slot_info(0)
         assert info["valid"] and info["step"] == 7
         assert bytes(arena.data_view(0, x.numel())) == bytes(x.cpu().numpy().tobytes())
+
+        # snapshot-then-offload: a device buffer smaller than the state stages its first
+        # bytes (device to device), the rest is copied directly; the slot is the same
+        assert eng.device_staging_bytes == 0
+        buf = torch.empty(2 * CHUNK, dtype=torch.uint8, device="cuda")
+        eng.set_device_staging(buf.data_ptr(), buf.numel())
+        assert eng.device_staging_bytes == 2 * CHUNK
+        job = eng.submit(arena, 1, plan, 8, b'{"m":1}', 0, None)
+        assert eng.fence(job, 1, 0) is True
+        assert job.wait(1, 60) and not job.failed, job.error
+        assert eng.last_staged == 2 * CHUNK
+        assert arena.slot_info(1)["valid"] and arena.slot_info(1)["step"] == 8
+        assert bytes(arena.data_view(1, x.numel())) == bytes(x.cpu().numpy().tobytes())
+        assert arena.read_table(1) == arena.read_table(0)  # the same bytes, the same CRCs
+        with pytest.raises(SnapshotError, match="not device memory"):
+            eng.set_device_staging(arena.data_ptr(0), 4096)
+        with pytest.raises(SnapshotError, match="or neither"):
+            eng.set_device_staging(buf.data_ptr(), 0)
+        eng.set_device_staging(0, 0)
+        assert eng.device_staging_bytes == 0
+        del buf
         deadline = time.monotonic() + 30  # busy turns false just after the job completes
         while eng.busy and time.monotonic() < deadline:
             time.sleep(0.001)

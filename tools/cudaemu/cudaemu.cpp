@@ -113,6 +113,7 @@ struct Op {
   std::string api;                 // for sticky-fault matching
   uint64_t api_n = 0;              // which call of `api` this is (1-based)
   uint64_t delay_us = 0;           // copy_delay_us in force when the copy was issued
+  int64_t enq_ns = 0;              // when it was enqueued (timing model)
 };
 
 struct Stream {
@@ -129,6 +130,10 @@ struct Stream {
   int waiters = 0;    // streams and host threads now waiting for this stream
   Stream* waiting_on = nullptr;  // the stream this one's worker now waits for
   bool in_op = false;    // the worker is running a popped op
+  // Timing model: modelled end of this stream's last timed op (or when its last wait
+  // or host function ended). The next op starts there, not when the worker woke, so
+  // the host's sleep overshoot does not add up over many short ops.
+  int64_t model_end = 0;
   std::thread worker;
   // capture
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
@@ -443,10 +448,16 @@ void sleep_until_ns(int64_t t) {
 std::pair<int64_t, int64_t> schedule_locked(Emu& e, Stream* s, const Op& op) {
   const Timing& t = e.timing;
   int64_t now = now_ns();
+  // Under the timing model an op starts when the stream's previous one ended in the
+  // model (or when it was enqueued, if later), never before: a late wake-up of this
+  // worker is not charged to the op.
+  if (t.on) now = std::min(now, std::max(op.enq_ns, s->model_end));
   if (op.kind == Kind::Kernel || op.kind == Kind::Busy) {
     uint64_t ns = op.dur_ns ? op.dur_ns : (t.on && op.kind == Kind::Kernel ? t.kernel_ns : 0);
     if (!ns) return {0, 0};
-    return {now, now + static_cast<int64_t>(double(ns) * (t.on ? t.time_scale : 1.0))};
+    int64_t end = now + static_cast<int64_t>(double(ns) * (t.on ? t.time_scale : 1.0));
+    if (t.on) s->model_end = end;
+    return {now, end};
   }
   if (op.kind != Kind::Copy || !t.on || op.link < 0) return {0, 0};
   double rate = op.pageable ? t.gbps[kPageable] : t.gbps[op.link];
@@ -455,6 +466,7 @@ std::pair<int64_t, int64_t> schedule_locked(Emu& e, Stream* s, const Op& op) {
   int64_t& free_at = e.link_free[static_cast<size_t>(s->device)][static_cast<size_t>(op.link)];
   int64_t begin = std::max(now, free_at);
   free_at = begin + static_cast<int64_t>(ns);
+  s->model_end = free_at;
   return {begin, free_at};
 }
 
@@ -475,6 +487,7 @@ void worker_loop(Stream* s) {
       e.cv.wait(lk, [&] { return t->done >= seq; });
       s->waiting_on = nullptr;
       --t->waiters;
+      if (e.timing.on) s->model_end = std::max(s->model_end, now_ns());
     } else if (op.fn) {
       bool fail = false;
       if (!op.api.empty() && op.api == e.fault.sticky_api && e.fault.sticky_n &&
@@ -482,19 +495,26 @@ void worker_loop(Stream* s) {
         fail = true;
       uint64_t delay = op.delay_us;
       auto [begin, end] = schedule_locked(e, s, op);
+      int64_t fn_ns = 0;
       lk.unlock();
       if (fail) {
         e.sticky.store(cudaErrorIllegalAddress);
       } else if (!e.sticky.load()) {  // a faulted context runs nothing more
         if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
         if (begin) sleep_until_ns(begin);
+        const int64_t fn_start = now_ns();
         op.fn();
+        fn_ns = now_ns() - fn_start;
         if (end) {
           if (now_ns() > end + 200000) e.overruns.fetch_add(1);  // host work over the model
           sleep_until_ns(end);
         }
       }
       lk.lock();
+      // A host function (or other untimed work) takes the real time it ran, from where the
+      // model stood (not the worker's late wake-up).
+      if (e.timing.on && !end && op.kind == Kind::Other)
+        s->model_end = std::max(s->model_end, op.enq_ns) + fn_ns;
     }
     ++s->done;
     s->in_op = false;
@@ -524,6 +544,7 @@ uint64_t push_locked(Emu& e, Stream* s, Op op) {
       dep(e.legacy[static_cast<size_t>(s->device)]);
     }
   }
+  op.enq_ns = now_ns();
   s->q.push_back(std::move(op));
   uint64_t seq = ++s->enq;
   if (!s->running) {
@@ -1185,6 +1206,7 @@ EMU_API cudaError_t cudaHostAlloc(void** p, size_t size, unsigned int flags) {
   if (!p) return ret(cudaErrorInvalidValue);
   EMU_UNSAFE("cudaHostAlloc");
   Emu& e = emu();
+  count_call("cudaHostAlloc");
   if (e.fault.host_alloc_err) return ret(static_cast<cudaError_t>(e.fault.host_alloc_err));
   *p = nullptr;
   if (size == 0) return cudaSuccess;

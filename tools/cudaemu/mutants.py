@@ -43,6 +43,10 @@ class Mutant:
     why: str
 
 
+DONE_AFTER_PHASE_1 = (
+    "    issue(*plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);\n"
+    "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences' \"done\"\n")
+
 MUTANTS = [
     Mutant("no-ready-wait", ENGINE,
            "    CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));\n", "",
@@ -51,11 +55,10 @@ MUTANTS = [
            "            return\n        copier.fence(1)\n", "            return\n",
            "the optimizer-step pre-hook no longer fences (Python)"),
     Mutant("done-before-phase-1", ENGINE,
-           "    issue(*plan, 1, data, data_dev, ring, desc_used, &w->marks);\n"
-           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n",
+           DONE_AFTER_PHASE_1,
            "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n"
-           "    issue(*plan, 1, data, data_dev, ring, desc_used, &w->marks);\n",
-           "the done event is recorded before the phase-1 copies are issued"),
+           "    issue(*plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);\n",
+           "the done event is recorded before the phase-1 copies (direct or staged) are issued"),
     Mutant("fence-without-wait", ENGINE,
            "  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));\n  return true;\n",
            "  return true;\n",
@@ -65,9 +68,21 @@ MUTANTS = [
            "cudaStreamCreateWithFlags(&copy_stream_, cudaStreamDefault)",
            "the copy stream is a blocking stream (the legacy default stream joins it)"),
     Mutant("done-on-compute-stream", ENGINE,
-           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n    {\n",
-           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));\n    {\n",
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences'",
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));  // the fences'",
            "the done event is recorded on the compute stream"),
+    Mutant("staged-fence-on-drain", ENGINE,
+           "    for (int k = 0; k < 3; ++k) job->cuda_events[k] = ev_[ring][k];\n",
+           "    for (int k = 0; k < 3; ++k) job->cuda_events[k] = ev_[ring][k == 2 && staged ? 3 : k];\n",
+           "with device staging the fences wait for the drain to the host, not the device copy"),
+    Mutant("staged-commit-before-drain", ENGINE,
+           "      w->segs.push_back(Seg{ev_[ring][3], add_marks(0, d), d, false});\n",
+           "      w->segs.push_back(Seg{ev_[ring][2], add_marks(0, d), d, false});\n",
+           "with device staging the staged part is checksummed and committed before it drains"),
+    Mutant("restore-no-buffer-wait", "csrc/cuda/device_sink.cpp",
+           "  if (l.pending[i]) wait(l, i);  // copies from this buffer's last unit must have read it\n",
+           "  l.pending[i] = false;\n",
+           "a restore reads the next unit into a buffer whose copies to the device are queued"),
     Mutant("no-writer-join", "cudasnap/core/submit.py",
            "            why = be.cuda.follow(self._writers)", "            why = None",
            "the copy does not wait for the registered writer streams (Python)"),
@@ -80,7 +95,8 @@ MUTANTS = [
 
 # Where the orderings are tested: a mutant these kill also fails the whole lane
 # (`make test-emulated` runs them), in a fraction of its time.
-TARGETED = ["tests/cuda_emu/test_ordering.py", "tests/cuda_emu/test_cuda_lane.py"]
+TARGETED = ["tests/cuda_emu/test_ordering.py", "tests/cuda_emu/test_staging_order.py",
+            "tests/cuda_emu/test_device_restore.py", "tests/cuda_emu/test_cuda_lane.py"]
 
 
 def tree_files(root: Path) -> list[str]:
