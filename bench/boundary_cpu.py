@@ -56,6 +56,10 @@ import tempfile
 import time
 from typing import Any
 
+# Every boundary copies (what these figures measure): the default overhead budget would
+# skip boundaries once it has measured the cost (cudasnap.core.cadence). Old trees ignore it.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
+
 
 def adam_state(ntensors: int) -> tuple[Any, Any]:
     """``ntensors`` state tensors: AdamW over ``ntensors / 4`` small parameters, stepped once."""

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numel", type=int, default=1024)
     ap.add_argument("--boundaries", type=int, default=200)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--overhead-budget", type=float, default=0.0,
+                    help="the Snapshotter's overhead_budget (default 0: every boundary copies; "
+                         "0.01: the default, which skips boundaries once it has measured)")
     a = ap.parse_args(argv)
     import torch
 
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     model.p = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(a.numel, device="cuda"))
                                      for _ in range(a.tensors))
     snap = cudasnap.Snapshotter(model, None, directory=tempfile.mkdtemp(), job="bprof",
-                                health=False)
+                                health=False, overhead_budget=a.overhead_budget)
     try:
         for i in range(20):  # the layout, the arena, the first copies
             snap.boundary(i)

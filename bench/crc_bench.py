@@ -35,6 +35,10 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
+# Every boundary copies (what these figures measure): the default overhead budget would
+# skip boundaries once it has measured the cost (cudasnap.core.cadence). Old trees ignore it.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
+
 
 def candidates() -> dict[str, Callable[[Any], int] | str]:
     from cudasnap._native import native

@@ -51,6 +51,10 @@ from typing import Any  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
+# Every boundary copies (what these figures measure): the default overhead budget would
+# skip boundaries once it has measured the cost (cudasnap.core.cadence). Old trees ignore it.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
+
 N_PARAMS = 2  # "few" shape: 2 params -> 8 state tensors
 
 

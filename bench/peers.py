@@ -44,6 +44,10 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
+# Every boundary copies (what these figures measure): the default overhead budget would
+# skip boundaries once it has measured the cost (cudasnap.core.cadence). Old trees ignore it.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
+
 # `make bench-deps` installs torchsnapshot and DLRover here, outside the venv.
 PEERS_DIR = Path(__file__).resolve().parents[1] / "build" / "bench-peers"
 if PEERS_DIR.is_dir():

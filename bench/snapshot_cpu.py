@@ -49,6 +49,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (also silences the pynvml redirector warning)
 
+# Every boundary copies (what these figures measure): the default overhead budget would
+# skip boundaries once it has measured the cost (cudasnap.core.cadence). Old trees ignore it.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
+
 SHAPES = {"few": 2, "many": 1000}  # parameters; x4 state tensors (param, exp_avg, exp_avg_sq, step)
 
 

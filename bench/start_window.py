@@ -39,6 +39,10 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 from _common import build_state, machine_line, med, print_table  # noqa: E402
 
+# Every boundary copies (what these figures measure): the default overhead budget would
+# skip boundaries once it has measured the cost (cudasnap.core.cadence). Old trees ignore it.
+os.environ.setdefault("CUDASNAP_OVERHEAD_BUDGET", "0")
+
 
 def _model(size_mb: float) -> tuple[Any, Any]:
     import torch

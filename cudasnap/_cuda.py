@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,7 @@ class CudaBackend:
         # stage() resolves it) and the buffer, a tensor of torch's caching allocator.
         self._staging_limit: int | str = device_staging
         self._staging: Any = None
+        self._stage_lock = threading.Lock()  # a boundary and a flush's live copy may race
         self.staging_reason: str | None = None  # why less than asked is staged
         if track:
             try:
@@ -275,6 +277,10 @@ class CudaBackend:
         sees the memory it costs. "auto" is resolved here once: half the device memory
         free at the first snapshot (after a step, torch's cache holds the activations'
         peak, so that half is memory training did not need). Returns the bytes staged."""
+        with self._stage_lock:
+            return self._stage(nbytes)
+
+    def _stage(self, nbytes: int) -> int:
         import torch
 
         limit = self._staging_limit

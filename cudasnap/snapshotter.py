@@ -255,8 +255,8 @@ class Snapshotter:
         self._copier.add_writer(stream)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until the running snapshot is COMPLETE (True) or the timeout passes."""
-        self._copier.settle_deferred(timeout)  # a boundary skipped while its plan was built
+        """Blocks until the newest boundary's snapshot is COMPLETE (True) or the timeout passes."""
+        self._copier.settle_deferred(timeout)
         return self._copier.wait_job(timeout)
 
     def invalidate_layout(self) -> None:

@@ -279,19 +279,47 @@ void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint6
 
 void CudaCopyEngine::drain(const CopyPlan& plan, uint64_t staged, uint8_t* data, int ring,
                            std::vector<std::pair<int, uint64_t>>* marks) {
+  // Only the staged bytes of device ranges come from the buffer: host ranges (CPU
+  // tensors of the state) were written into the slot at submit and the buffer never
+  // held them. Neighbouring ranges are drained as one interval across an alignment gap
+  // (padding, zeroed before the checksum) but never across a host range.
+  std::vector<std::pair<uint64_t, uint64_t>> spans;  // [lo, hi) of the data area
+  bool barrier = true;
+  for (const PlanRange& r : plan.ranges) {
+    if (r.nbytes == 0) continue;
+    if (r.dst >= staged) break;
+    if (r.host) {
+      barrier = true;
+      continue;
+    }
+    const uint64_t lo = r.dst, hi = std::min(r.dst + r.nbytes, staged);
+    if (!barrier && lo >= spans.back().second && lo - spans.back().second < kPage)
+      spans.back().second = std::max(spans.back().second, hi);
+    else
+      spans.emplace_back(lo, hi);
+    barrier = false;
+  }
   const uint64_t cb = plan.chunk_bytes;
   const uint64_t group = std::max<uint64_t>(1, (staged / (kMarks + 1) + cb - 1) / cb) * cb;
-  uint64_t memcpys = 0;
-  for (uint64_t at = 0; at < staged;) {
-    const uint64_t n = std::min(group, staged - at);
-    CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + at, reinterpret_cast<const void*>(staging_ptr_ + at),
-                                        n, cudaMemcpyDeviceToHost, copy_stream_));
-    ++memcpys;
-    at += n;
-    if (at < staged && marks->size() < size_t(kMarks)) {
-      int k = static_cast<int>(marks->size());
-      CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
-      marks->emplace_back(k, at / cb);
+  uint64_t next_mark = group, memcpys = 0;
+  auto room = [&] { return marks->size() < size_t(kMarks); };
+  auto mark_at = [&](uint64_t off) {  // every byte below `off` has landed once it completes
+    int k = static_cast<int>(marks->size());
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
+    marks->emplace_back(k, off / cb);
+    next_mark = (off / cb) * cb + group;
+  };
+  for (const auto& [lo, hi] : spans) {
+    if (room() && lo >= next_mark) mark_at(lo);  // a host range or a gap passed the mark
+    for (uint64_t at = lo; at < hi;) {
+      uint64_t n = hi - at;
+      const bool split = room() && at < next_mark && at + n > next_mark;
+      if (split) n = next_mark - at;
+      CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + at, reinterpret_cast<const void*>(staging_ptr_ + at),
+                                          n, cudaMemcpyDeviceToHost, copy_stream_));
+      ++memcpys;
+      at += n;
+      if (split) mark_at(at);
     }
   }
   last_memcpy_.fetch_add(memcpys);
@@ -308,6 +336,9 @@ void CudaCopyEngine::set_device_staging(uint64_t ptr, uint64_t bytes) {
                         "device staging buffer 0x" << std::hex << ptr << std::dec
                                                    << " is not device memory of cuda:" << device_);
   }
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, !hung_.load(),
+                      "device staging not changed: a copy was abandoned on a hung GPU and may "
+                      "still write into the old buffer");
   std::unique_lock<std::mutex> lk(mu_);
   CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
   const double wait_s = wait_timeout_s();  // the running copy may read the old buffer

@@ -139,7 +139,7 @@ class CudaCopyEngine : public CopyEngine {
   bool gather_small_;
   uint64_t gather_max_;
   cudaStream_t copy_stream_ = nullptr;
-  static constexpr int kMarks = 32;
+  static constexpr int kMarks = 16;
   cudaEvent_t ev_[kRing][4] = {};  // ready, phase0, done, landed (device staging)
   cudaEvent_t ev_mark_[kRing][kMarks] = {};  // phase-1 progress (checksums as chunks land)
   GatherDesc* desc_[kRing] = {};   // mapped pinned descriptor buffers (gather only)

@@ -104,6 +104,7 @@ uint8_t* CudaUnitSink::buffer(int t, uint64_t bytes) {
 void CudaUnitSink::copy(int t, uint64_t dst, const uint8_t* src, uint64_t n) {
   Lane& l = lane(t);
   DeviceGuard g(device_);
+  l.unrecorded = true;  // drain() covers it even if unit_done() never comes
   CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst), src, n,
                                       cudaMemcpyHostToDevice, l.stream));
   ++l.copies;
@@ -114,14 +115,21 @@ void CudaUnitSink::unit_done(int t) {
   DeviceGuard g(device_);
   CUDASNAP_CUDA_CHECK(cudaEventRecord(l.ev[l.cur], l.stream));
   l.pending[l.cur] = true;
+  l.unrecorded = false;
   CUDASNAP_CUDA_CHECK(wake_after(l.stream, l.wake));
 }
 
 void CudaUnitSink::drain() {
   DeviceGuard g(device_);
-  for (Lane& l : lanes_)
+  for (Lane& l : lanes_) {
+    if (l.unrecorded) {  // a unit cut short (a failed copy call): its copies still count
+      CUDASNAP_CUDA_CHECK(cudaEventRecord(l.ev[l.cur], l.stream));
+      l.pending[l.cur] = true;
+      l.unrecorded = false;
+    }
     for (int i = 0; i < kBufs; ++i)
       if (l.pending[i]) wait(l, i);
+  }
 }
 
 uint64_t CudaUnitSink::copies() const {

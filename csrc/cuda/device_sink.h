@@ -54,6 +54,7 @@ class CudaUnitSink : public UnitSink {
     cudaEvent_t ev[kBufs] = {};
     bool pending[kBufs] = {};  // copies from buf[i] were queued since its last wait
     int cur = kBufs - 1;       // the buffer handed out last
+    bool unrecorded = false;   // copies queued since the last event (a unit cut short)
     uint64_t copies = 0;
     std::shared_ptr<CopyWake> wake = std::make_shared<CopyWake>();
   };

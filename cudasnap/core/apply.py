@@ -22,8 +22,8 @@ import torch
 
 from ..errors import IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_key, dtype_name, expand_params, span_bytes
-from . import copy_back, sharded, values
+from ..format.manifest import dtype_key, dtype_name, expand_params
+from . import copy_back, device_restore, sharded, values
 from .live_tensor import _PLAIN, LiveTensor, _param_order
 from .rng import apply_rng
 
@@ -118,35 +118,13 @@ def _copy_from_file(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any,
     slow = plan.slow
     rest = [(pairs[i][0], copy_back.entry_view(data, s) if type(s) is dict else s)
             for i in slow for s in (pairs[i][1],)]
-    extra = _ranges_read(rest, lo, size)
+    extra = copy_back.ranges_read(rest, lo, size)
     if before is not None:
         before()
     file.scatter(plan, extra)
     with torch.no_grad():
         for d, s in rest:
             d.copy_(s)
-
-
-def _ranges_read(rest: list[tuple[Any, Any]], lo: int, size: int) -> list[tuple[int, int, int]]:
-    """The (dst pointer, file offset, bytes) spans that fill the bytes of the buffer at
-    ``lo`` (``size`` bytes) which the sources of ``rest`` read: merged, so that no two
-    overlap."""
-    spans: list[tuple[int, int]] = []
-    for _, s in rest:
-        if not isinstance(s, torch.Tensor) or not s.is_cpu or s.layout != torch.strided:
-            continue
-        n = span_bytes(list(s.shape), list(s.stride()), s.element_size())
-        off = s.data_ptr() - lo
-        if n and 0 <= off and off + n <= size:
-            spans.append((off, off + n))
-    spans.sort()
-    merged: list[list[int]] = []
-    for a, b in spans:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(lo + a, a, b - a) for a, b in merged]
 
 
 def check_compatible(state: Registered, tensors: list[dict[str, Any]], where: str,
@@ -251,7 +229,7 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
     if file is None:
         copy_back.copy_into(pairs, data, before=before_copy)
     elif device is not None:
-        _copy_to_device(pairs, data, file, device, before_copy)
+        device_restore.copy_to_device(pairs, data, file, device, before_copy)
     else:
         _copy_from_file(pairs, data, file, before_copy)
     for done in finish:
@@ -274,7 +252,7 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
 def device_scatters(state: Registered, lts: list[LiveTensor],
                     tensors: list[dict[str, Any]]) -> int | None:
     """The CUDA device a restore from a file can go to chunk by chunk through page-locked
-    buffers (``_copy_to_device``; CPU tensors beside it, e.g. Adam's ``step``, are copied
+    buffers (``device_restore.copy_to_device``; CPU tensors beside it, e.g. Adam's ``step``, are copied
     from the same chunks), or None: no CUDA tensor, several devices, a CPU-only build, or
     anything sharded (``scatters``' rule)."""
     from .._native import native
@@ -290,77 +268,6 @@ def device_scatters(state: Registered, lts: list[LiveTensor],
         return None
     (dev,) = devs
     return int(dev if dev is not None else torch.cuda.current_device())
-
-
-def _device_span(dst: Any, e: dict[str, Any], size: int) -> tuple[int, int, int] | None:
-    """``copy_back.entry_span`` for a CUDA destination: (device pointer, file offset,
-    bytes) when ``dst`` takes the entry's bytes as they are, else None (torch copies)."""
-    if (type(dst) not in copy_back._PLAIN or not dst.is_cuda or dst.layout != torch.strided
-            or not dst.is_contiguous() or dst.is_inference() or dst.is_conj() or dst.is_neg()
-            or dtype_key(dst.dtype) != e["dtype"] or list(dst.shape) != e["shape"]
-            or list(dst.stride()) != e["stride"]):
-        return None
-    off, n = e["offset"], e["nbytes"]
-    if n == 0 or n != dst.nbytes or off < 0 or off + n > size:
-        return None
-    return dst.data_ptr(), off, n
-
-
-def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
-    """Indices of the spans whose destinations overlap another one's (tied tensors)."""
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-    bad: set[int] = set()
-    for a, b in zip(order, order[1:]):
-        if spans[b][0] < spans[a][0] + spans[a][2]:
-            bad.update((a, b))
-    return bad
-
-
-def _copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, device: int,
-                    before: Callable[[], None] | None) -> None:
-    """``_copy_from_file`` for a state on a GPU (issue 34 item 5): one native call reads the
-    file chunk by chunk into page-locked buffers, checks each chunk's CRC32C, then copies
-    its bytes to the contiguous CUDA destinations (a DMA, overlapped with the next read)
-    and to the contiguous CPU ones; the rest (views, dtype casts, tied destinations)
-    read their bytes from ``data`` (read the same way, only those ranges) through torch's
-    ``copy_``. A chunk failing its CRC32C raises CorruptSnapshot before any byte of it is
-    copied; ``partly_applied`` says whether earlier ones were."""
-    size = file.nbytes
-    dev: list[tuple[int, int, int]] = []
-    host: list[tuple[int, int, int]] = []
-    moved: list[Any] = []
-    rest: list[tuple[Any, Any]] = []
-    dev_pairs: list[tuple[Any, Any]] = []
-    host_pairs: list[tuple[Any, Any]] = []
-    for d, s in pairs:
-        if type(s) is dict:
-            span = _device_span(d, s, size)
-            if span is not None:
-                dev.append(span)
-                dev_pairs.append((d, s))
-                continue
-            span = copy_back.entry_span(d, s, size)
-            if span is not None:
-                host.append(span)
-                host_pairs.append((d, s))
-                continue
-        rest.append((d, s))
-    for spans, kept in ((dev, dev_pairs), (host, host_pairs)):
-        for i in sorted(_disjoint(spans), reverse=True):  # tied: torch copies them
-            rest.append(kept.pop(i))
-            spans.pop(i)
-        moved += [d for d, _ in kept]
-    rest = [(d, copy_back.entry_view(data, s) if type(s) is dict else s) for d, s in rest]
-    host += _ranges_read(rest, data.data_ptr(), size)
-    if before is not None:
-        before()
-    file.scatter_device(dev, host, device)
-    for t in moved:  # changed in place behind autograd's back
-        if not t.is_inference():
-            torch.autograd.graph.increment_version(t)
-    with torch.no_grad():
-        for d, s in rest:
-            d.copy_(s)
 
 
 def scatters(state: Registered, lts: list[LiveTensor], tensors: list[dict[str, Any]]) -> bool:

@@ -79,10 +79,11 @@ class CudaClock:
 
     MAX_PENDING = 64
 
-    def __init__(self) -> None:
+    def __init__(self, device: int) -> None:
         import torch
 
         self._torch = torch
+        self._device = device  # the state's device: its current stream is timed
         self._pending: deque[tuple[Any, bool]] = deque()
         self._free: list[Any] = []
 
@@ -97,7 +98,7 @@ class CudaClock:
             self._pending.clear()
             return
         ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self._device))
         self._pending.append((ev, after_copy))
         if len(self._pending) > self.MAX_PENDING:
             self._free.append(self._pending.popleft()[0])
@@ -129,6 +130,21 @@ class Cadence:
         self._capped = False
         self._cost_at: dict[int, float] = {}  # k -> the measured extra time of a step after a copy
 
+    def coordinated(self) -> None:
+        """A distributed job (a coordinator is attached): every rank must copy the same
+        boundaries, which per-rank budgets would not agree on, so the budget is not used
+        (every boundary, unless ``snapshot_every`` fixed k for all ranks); said once."""
+        if self.fixed is None:
+            log.info("cudasnap: overhead budget off in a distributed job (each rank would "
+                     "pick its own boundaries): every boundary is copied; snapshot_every=k "
+                     "sets one cadence for all ranks")
+            self.fixed, self.k, self.budget = 1, 1, 0.0
+
+    def copied(self, yes: bool) -> None:
+        """The boundary ``take()`` chose to copy was not copied after all (no arena yet, a
+        plan being built, busy slots, graph capture): its step counts as a plain one."""
+        self._last_copied = yes
+
     def take(self) -> bool:
         """At the start of a boundary: whether it copies (and the step clock's mark)."""
         self._boundaries += 1
@@ -149,8 +165,15 @@ class Cadence:
             self._clock = self._clock_for()
             if self._clock is None:
                 return
-        self._clock.mark(self._last_copied)
-        for secs, after_copy in self._clock.intervals():
+        try:
+            self._clock.mark(self._last_copied)
+            got = self._clock.intervals()
+        except RuntimeError as e:  # a CUDA error of the timing events: stop measuring
+            log.warning("cudasnap: the overhead budget's step clock failed (%s); the cadence "
+                        "stays at k=%d", e, self.k)
+            self.fixed = self.k
+            return
+        for secs, after_copy in got:
             if after_copy:
                 self._copied.append(secs)
             else:
@@ -234,5 +257,5 @@ def clock_for(backend: Any) -> Callable[[], StepClock | None]:
     def make() -> StepClock | None:
         if backend.name is None:
             return None
-        return CudaClock() if backend.cuda is not None else HostClock()
+        return CudaClock(backend.cuda.index) if backend.cuda is not None else HostClock()
     return make

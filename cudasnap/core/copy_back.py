@@ -216,3 +216,25 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
         for d, s in rest:
             d.copy_(s)
     return moved
+
+
+def ranges_read(rest: list[tuple[Any, Any]], lo: int, size: int) -> list[tuple[int, int, int]]:
+    """The (dst pointer, file offset, bytes) spans that fill the bytes of the buffer at
+    ``lo`` (``size`` bytes) which the sources of ``rest`` read: merged, so that no two
+    overlap."""
+    spans: list[tuple[int, int]] = []
+    for _, s in rest:
+        if not isinstance(s, torch.Tensor) or not s.is_cpu or s.layout != torch.strided:
+            continue
+        n = span_bytes(list(s.shape), list(s.stride()), s.element_size())
+        off = s.data_ptr() - lo
+        if n and 0 <= off and off + n <= size:
+            spans.append((off, off + n))
+    spans.sort()
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(lo + a, a, b - a) for a, b in merged]

@@ -134,7 +134,8 @@ class EarlySaver:
     def at_close(self, keep: bool) -> None:
         """``close()`` before the arena was ready: the newest boundary goes into an arena
         made now (flushed by close's final flush, or kept for a restart when ``keep``).
-        A boundary skipped while its copy plan was built (the arena ready) is copied now."""
+        A boundary not copied (the cadence skipped it, or its plan was being built) is
+        copied now, unless the state moved past it."""
         timeout = min(60.0, self.wait_timeout_s)
         if self._needs_arena() and not self._copier.live_dirty:
             self.save_now(timeout, "close()" if not keep else "close(keep_arena=True)")

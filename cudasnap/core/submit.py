@@ -84,6 +84,13 @@ class Copier:
         ``values``, or its skip; ``t0``: when boundary() started (perf_counter_ns)."""
         self.live_dirty = False  # set again by the next optimizer step / buffer forward
         self.state.step_values = values
+        before = self._counters.snapshots
+        try:
+            self._snapshot(step, t0, values)
+        finally:  # a boundary chosen to copy that was not copied counts as a plain step
+            self.cadence.copied(self._counters.snapshots > before)
+
+    def _snapshot(self, step: int, t0: int, values: dict[str, Any]) -> None:
         if not self.cadence.take():
             # Zero-overhead mode: no copy. Until the next optimizer step the live
             # state IS this step, so a JIT flush copies it then (see flush()).
@@ -188,9 +195,9 @@ class Copier:
             log.warning("step %d not snapshotted: every slot is busy (flush in progress)", step)
             return None
         stream = be.cuda.current_stream() if be.cuda is not None else 0
-        if be.cuda is not None and be.device_staging:
-            be.cuda.stage(lay.total_bytes)  # snapshot-then-offload (CudaBackend.stage)
         try:
+            if be.cuda is not None and be.device_staging:
+                be.cuda.stage(lay.total_bytes)  # snapshot-then-offload (CudaBackend.stage)
             # begin_write() inside refuses a slot a concurrent flush leased since
             # the pick (the arena's own lock orders the two): StagingError.
             job = be.engine.submit(arena, slot, lay.plan, int(step), suffix, stream,
@@ -250,10 +257,11 @@ class Copier:
         self._counters.fence_wait_ns += time.perf_counter_ns() - t0
 
     def settle_deferred(self, timeout: float | None) -> None:
-        """``wait()``: the newest boundary was skipped while its plan was built off the
-        training thread; when no optimizer step ran since, copy its live state now (the
-        build is waited for), so ``wait()`` returns with that step COMPLETE."""
-        if self.live is not None and self.live_deferred and not self.live_dirty:
+        """``wait()``, ``close()``: the newest boundary was not copied (the cadence skipped
+        it, or its plan was being built off the training thread); when no optimizer step
+        ran since, copy its live state now (a build is waited for), so ``wait()`` returns
+        with that step COMPLETE, as it did when every boundary copied."""
+        if self.live is not None and not self.live_dirty:
             self.copy_live(timeout)
 
     def wait_job(self, timeout: float | None = None) -> bool:

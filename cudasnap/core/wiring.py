@@ -87,5 +87,7 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
 def attach_triggers(parts: Components, dist: Any, guard: Any) -> None:
     """The distributed coordinator (or None) and the guard (or None), once made."""
     parts.flusher.attach(dist, guard)
+    if dist is not None:
+        parts.copier.cadence.coordinated()  # every rank copies the same boundaries
     parts.restorer.attach(dist, guard)
     parts.keeper.attach(coordinated=dist is not None)

@@ -97,3 +97,23 @@ def test_a_read_buffer_waits_for_the_copies_from_it(snap_env: Any, emu: Any) -> 
         emu.fault("copy_delay_us:0")
     assert start == 3
     assert diff(got, want) == [], "a read buffer was reused while a copy from it was queued"
+
+
+def test_the_restore_lands_after_work_queued_on_the_tensors(snap_env: Any, emu: Any) -> None:
+    """Work still queued for the live tensors when the restore starts (an init's kernels
+    behind a long one, the last optimizer step before a rollback) runs before the
+    restore's copies: the restored bytes are the ones left, as with torch's copy_ on the
+    current stream (the restore's own streams must not overtake it)."""
+    (want,) = flushed(snap_env, [2])
+    model, opt = build(seed=7)
+    train_step(model, opt, 100)
+    snap = snapshotter(model, opt, snap_env, snap_env.job + "-b")
+    try:
+        emu.busy(torch.cuda.current_stream().cuda_stream, 1_500_000)  # a long kernel
+        junk = torch.full(tuple(model.w.shape), -1.0).pin_memory()
+        with torch.no_grad():
+            model.w.copy_(junk, non_blocking=True)  # queued behind it, as an init's write
+        assert snap.restore_latest() == 3
+        assert diff(state_bytes(snap), want) == [], "queued work overwrote the restore"
+    finally:
+        snap.close(flush=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 from emu_train import build, diff, state_bytes, train_step
 from helpers.slots import read_slot
@@ -97,4 +98,37 @@ def test_staged_the_step_runs_during_the_drain_which_keeps_the_boundarys_bytes(
         assert not bad, f"the drain did not deliver the boundary's bytes: {bad}"
     finally:
         emu.release()
+        snap.close()
+
+
+@pytest.mark.parametrize("staging", [0, 64 << 20, 4096 + 100, 200_000])
+def test_staged_slots_hold_cpu_tensors_and_the_unstaged_rest(snap_env: Any, emu: Any,
+                                                             staging: int) -> None:
+    """CPU tensors in the state (Adam's ``step``) are written into the slot at submit and
+    never pass through the device buffer: the drain must not copy the buffer over them.
+    The buffer holding all of the state, none of it, and part of it (unaligned), each
+    with the slot checked byte for byte and its checksums verified (read_slot)."""
+    import cudasnap
+
+    model, opt = build()
+    train_step(model, opt, 0)
+    for p in model.parameters():
+        opt.state[p]["step"] = torch.full((1000,), 7.0)  # a CPU tensor of the state
+    snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, job=snap_env.job,
+                                health=False, device_staging=staging, overhead_budget=0.0)
+    try:
+        snap.boundary(0)
+        assert snap.wait(timeout=60)
+        train_step(model, opt, 1)
+        for p in model.parameters():
+            opt.state[p]["step"].fill_(9.0)
+        want = state_bytes(snap)
+        snap.boundary(1)
+        assert snap.wait(timeout=60)
+        staged = snap.stats()["last_staged_bytes"]
+        assert (0 < staged <= staging) if staging else staged == 0, staged
+        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        assert info["step"] == 1
+        assert diff(got, want) == []
+    finally:
         snap.close()

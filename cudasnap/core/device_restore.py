@@ -1,0 +1,92 @@
+"""Restore from a snapshot file to the GPU through page-locked chunks (issue 34 item 5).
+
+``core.apply`` picks this path (``apply.device_scatters``) when the live tensors are on one
+CUDA device and nothing is sharded; ``copy_to_device`` plans the byte copies (contiguous
+CUDA and CPU destinations) and hands them to ``DataFile.scatter_device``
+(``_C.read_file_to_device``, ``csrc/cuda/device_sink.cpp``); torch's ``copy_`` keeps the
+rest, from the bytes read into the stand-in buffer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..format.manifest import dtype_key
+from . import copy_back
+
+
+def _device_span(dst: Any, e: dict[str, Any], size: int) -> tuple[int, int, int] | None:
+    """``copy_back.entry_span`` for a CUDA destination: (device pointer, file offset,
+    bytes) when ``dst`` takes the entry's bytes as they are, else None (torch copies)."""
+    if (type(dst) not in copy_back._PLAIN or not dst.is_cuda or dst.layout != torch.strided
+            or not dst.is_contiguous() or dst.is_inference() or dst.is_conj() or dst.is_neg()
+            or dtype_key(dst.dtype) != e["dtype"] or list(dst.shape) != e["shape"]
+            or list(dst.stride()) != e["stride"]):
+        return None
+    off, n = e["offset"], e["nbytes"]
+    if n == 0 or n != dst.nbytes or off < 0 or off + n > size:
+        return None
+    return dst.data_ptr(), off, n
+
+
+def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
+    """Indices of the spans whose destinations overlap another one's (tied tensors)."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    bad: set[int] = set()
+    for a, b in zip(order, order[1:]):
+        if spans[b][0] < spans[a][0] + spans[a][2]:
+            bad.update((a, b))
+    return bad
+
+
+def copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, device: int,
+                    before: Callable[[], None] | None) -> None:
+    """``apply._copy_from_file`` for a state on a GPU (issue 34 item 5): one native call reads the
+    file chunk by chunk into page-locked buffers, checks each chunk's CRC32C, then copies
+    its bytes to the contiguous CUDA destinations (a DMA, overlapped with the next read)
+    and to the contiguous CPU ones; the rest (views, dtype casts, tied destinations)
+    read their bytes from ``data`` (read the same way, only those ranges) through torch's
+    ``copy_``. A chunk failing its CRC32C raises CorruptSnapshot before any byte of it is
+    copied; ``partly_applied`` says whether earlier ones were."""
+    size = file.nbytes
+    dev: list[tuple[int, int, int]] = []
+    host: list[tuple[int, int, int]] = []
+    moved: list[Any] = []
+    rest: list[tuple[Any, Any]] = []
+    dev_pairs: list[tuple[Any, Any]] = []
+    host_pairs: list[tuple[Any, Any]] = []
+    for d, s in pairs:
+        if type(s) is dict:
+            span = _device_span(d, s, size)
+            if span is not None:
+                dev.append(span)
+                dev_pairs.append((d, s))
+                continue
+            span = copy_back.entry_span(d, s, size)
+            if span is not None:
+                host.append(span)
+                host_pairs.append((d, s))
+                continue
+        rest.append((d, s))
+    for spans, kept in ((dev, dev_pairs), (host, host_pairs)):
+        for i in sorted(_disjoint(spans), reverse=True):  # tied: torch copies them
+            rest.append(kept.pop(i))
+            spans.pop(i)
+        moved += [d for d, _ in kept]
+    rest = [(d, copy_back.entry_view(data, s) if type(s) is dict else s) for d, s in rest]
+    host += copy_back.ranges_read(rest, data.data_ptr(), size)
+    if before is not None:
+        before()
+    # The copies run on streams of their own: whatever is still queued for these tensors
+    # (an init's kernels, the last optimizer step before a rollback) must land first, as
+    # it would before torch's copy_ on the current stream.
+    torch.cuda.synchronize(device)
+    file.scatter_device(dev, host, device)
+    for t in moved:  # changed in place behind autograd's back
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)
+    with torch.no_grad():
+        for d, s in rest:
+            d.copy_(s)
