@@ -43,8 +43,9 @@ CUDASNAP_STATE_DIR              path     see right  this host's lock, directory 
 CUDASNAP_S3_ENDPOINT            url      unset      S3 endpoint of ``s3://`` directories
                                                     (``http(s)://host:port``; default: AWS)
 CUDASNAP_ARENA_SYNC_MAX_BYTES   int>=0   16 MiB     arenas up to this size are made on the training thread
-CUDASNAP_OVERHEAD_BUDGET        float>=0 0.01       share of step time snapshots may cost; the cadence
-                                                    (every k-th boundary) follows it (0: every boundary)
+CUDASNAP_OVERHEAD_BUDGET        float>=0 auto       share of step time snapshots may cost; the cadence
+                                                    (every k-th boundary) follows it (0: every boundary;
+                                                    auto: 0.01 on the CUDA backend, 0 on the CPU one)
 CUDASNAP_DEVICE_STAGING         int|auto 0          device staging buffer (snapshot-then-offload), bytes;
                                                     auto: up to half the free device memory; 0: off
 CUDASNAP_NODE_REPLICA           bool     0          node-loss protection: each rank's newest COMPLETE
@@ -79,7 +80,8 @@ keep                 3 (KEEP)            int >= 0 (0: keep all)    -
 chunk_bytes          4 MiB (CHUNK_BYTES) multiple of 4096, >= 4096 -
 backend              "auto"              one of BACKENDS           - (auto: Backend.resolve)
 snapshot_every       None (budget)       int >= 1 (fixes k)        -
-overhead_budget      0.01                0 <= float < 1            CUDASNAP_OVERHEAD_BUDGET
+overhead_budget      None (auto: 0.01    0 <= float < 1            CUDASNAP_OVERHEAD_BUDGET
+                     CUDA, 0 CPU)
 device_staging       0 (off)             int >= 0 or "auto"        CUDASNAP_DEVICE_STAGING
 rng_sources          RNG_SOURCES         a subset of RNG_SOURCES   -
 copy_threads         cores - 1, 1 .. 4   -                         - (resolve_threads)
@@ -118,7 +120,7 @@ CHUNK_BYTES = 4 << 20
 BACKENDS = ("auto", "cpu", "cuda")
 RNG_SOURCES = ("torch", "cuda", "numpy", "python")
 MAX_SLOTS = 8  # the arena header's slot table
-OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence)
+OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence; CUDA backend)
 MAX_EVERY = 64  # the budget's largest k: a process killed outright replays at most this many
 
 
@@ -289,7 +291,7 @@ class Settings:
     rank: int = 0
     world_size: int = 1
     arena_sync_max_bytes: int | None = None
-    overhead_budget: float = OVERHEAD_BUDGET
+    overhead_budget: float | None = None  # None: auto (core.cadence)
     device_staging: int | str = 0
     # node-loss replication (cudasnap.dist.replica): off by default
     node_replica: bool = False
@@ -358,10 +360,10 @@ def _opt_int(env: Mapping[str, str], name: str) -> int | None:  # core
     return env_int(env, name, 0) if _raw(env, name) is not None else None
 
 
-def _budget_env(env: Mapping[str, str]) -> float:  # core
+def _budget_env(env: Mapping[str, str]) -> float | None:  # core
     v = _raw(env, "CUDASNAP_OVERHEAD_BUDGET")
-    if v is None:
-        return OVERHEAD_BUDGET
+    if v is None or v.lower() == "auto":
+        return None
     try:
         return check_budget(float(v), "CUDASNAP_OVERHEAD_BUDGET")
     except ValueError:

@@ -77,9 +77,9 @@ class Snapshotter:
         snapshot_every: copy every k-th boundary (a flush copies the live state of a
             skipped one: replay <= 1; a process killed outright replays <= k). Default:
             the overhead budget picks k.
-        overhead_budget: share of step time snapshots may cost (default 0.01 or
-            $CUDASNAP_OVERHEAD_BUDGET; 0: every boundary). k follows the measured cost
-            (cudasnap.core.cadence); ``stats()["cadence"]`` shows it.
+        overhead_budget: share of step time snapshots may cost (0: every boundary); k
+            follows the measured cost (``stats()["cadence"]``). Default $CUDASNAP_OVERHEAD_BUDGET,
+            else 0.01 on the CUDA backend and every boundary on the CPU one.
         device_staging: bytes of a device buffer (torch's allocator) each snapshot is
             first copied into, draining to the host behind the fences (snapshot-then-
             offload); "auto": up to half the free device memory; 0 (default): off.

@@ -10,8 +10,13 @@ one, copying every k-th boundary costs ``o / (k T)``. ``o`` depends on k (a copy
 that outlasts k steps makes the next boundary wait for it), so it is measured at each
 k tried: k is the smallest with ``o(k) <= budget * k * T``, where an untried k is
 assumed to cost no more than the nearest tried one above it (then tried), 1 ..
-``config.MAX_EVERY``. Until both kinds of step have been seen it copies every other
-boundary; at k = 1 it skips one boundary in ``PROBE_EVERY`` to keep ``T`` fresh.
+``config.MAX_EVERY``. It starts at k = 1, every boundary copied; at k = 1 it skips one
+boundary in ``PROBE_FIRST`` (then ``PROBE_EVERY``) to time a step without a copy.
+
+The default (``overhead_budget`` unset) holds ``config.OVERHEAD_BUDGET`` on the CUDA
+backend and copies every boundary on the CPU backend, where the copy shares the cores
+with training and a skipped boundary would only trade replay for a little CPU time; an
+``overhead_budget`` given holds on either.
 
 A skipped boundary is not lost: until the next optimizer step the live state IS that
 step, and a flush (a signal, a health event, a hang) copies it then (replay <= 1; see
@@ -37,9 +42,10 @@ from .. import config as cfg
 log = logging.getLogger("cudasnap")
 
 PROBE_EVERY = 64   # at k = 1: one boundary in this many is skipped to time a plain step
+PROBE_FIRST = 8    # ... one in this many until MIN_SAMPLES plain steps are timed
 SAMPLES = 16       # steps of each kind the medians are taken over
 MIN_SAMPLES = 3    # of each kind before k follows the measurement
-FORGET_EVERY = 1024  # boundaries: costs measured at each k are measured anew after this
+FORGET_AFTER = 256  # boundaries: a cost measured at another k is measured anew after this
 
 
 class StepClock(Protocol):
@@ -113,12 +119,17 @@ class CudaClock:
 
 
 class Cadence:
-    def __init__(self, every: int | None, budget: float,
+    def __init__(self, every: int | None, budget: float | None,
                  clock_for: Callable[[], StepClock | None]) -> None:
         # snapshot_every given: that k; budget 0: every boundary; else the budget's k.
-        self.fixed: int | None = every if every is not None else 1 if budget <= 0 else None
-        self.budget = budget if self.fixed is None else 0.0
-        self.k = self.fixed or 2  # the budget starts at every other boundary (both kinds)
+        # budget None ("auto"): config.OVERHEAD_BUDGET on the CUDA backend, every boundary
+        # on the CPU backend (decided when the clock is made: a HostClock means CPU).
+        self.fixed: int | None = every if every is not None else \
+            1 if budget is not None and budget <= 0 else None
+        self.budget = (cfg.OVERHEAD_BUDGET if budget is None else budget) \
+            if self.fixed is None else 0.0
+        self._auto = every is None and budget is None
+        self.k = self.fixed or 1  # every boundary until a copy's cost is known
         self._clock_for = clock_for
         self._clock: StepClock | None = None
         self._since = 1 << 30  # the first boundary copies
@@ -127,8 +138,10 @@ class Cadence:
         self._plain: deque[float] = deque(maxlen=SAMPLES)   # steps after a skipped boundary
         self._copied: deque[float] = deque(maxlen=SAMPLES)  # steps after a copy
         self._plain_at = 0  # boundary of the newest plain step
+        self._probe_at = 0  # boundary of the newest skip made to time one
         self._capped = False
-        self._cost_at: dict[int, float] = {}  # k -> the measured extra time of a step after a copy
+        # k -> (the measured extra time of a step after a copy, the boundary it was measured at)
+        self._cost_at: dict[int, tuple[float, int]] = {}
 
     def coordinated(self) -> None:
         """A distributed job (a coordinator is attached): every rank must copy the same
@@ -152,8 +165,11 @@ class Cadence:
             self._measure()
         self._since += 1
         k = self.k
-        if self.fixed is None and k == 1 and self._boundaries - self._plain_at >= PROBE_EVERY:
-            k = 2  # a plain step now and then keeps the base step time fresh
+        probe = PROBE_FIRST if len(self._plain) < MIN_SAMPLES else PROBE_EVERY
+        if self.fixed is None and k == 1 and \
+                self._boundaries - max(self._plain_at, self._probe_at) >= probe:
+            k = 2  # a plain step now and then: the step time without a copy
+            self._probe_at = self._boundaries
         copy = self._since >= k
         if copy:
             self._since = 0
@@ -164,6 +180,11 @@ class Cadence:
         if self._clock is None:
             self._clock = self._clock_for()
             if self._clock is None:
+                return
+            if self._auto and isinstance(self._clock, HostClock):
+                log.debug("cudasnap: CPU backend: every boundary is copied (overhead_budget "
+                          "unset; pass it to hold one)")
+                self.fixed, self.k, self.budget = 1, 1, 0.0
                 return
         try:
             self._clock.mark(self._last_copied)
@@ -179,19 +200,19 @@ class Cadence:
             else:
                 self._plain.append(secs)
                 self._plain_at = self._boundaries
-        if self._boundaries % FORGET_EVERY == 0:
-            self._cost_at.clear()  # the run may have changed (state size, step time)
+        for kk in [kk for kk, (_, at) in self._cost_at.items()
+                   if kk != self.k and self._boundaries - at > FORGET_AFTER]:
+            del self._cost_at[kk]  # measured long ago: the run may have changed since
         if len(self._plain) < MIN_SAMPLES or len(self._copied) < MIN_SAMPLES:
             return
         base = statistics.median(self._plain)
         cost = max(0.0, statistics.median(self._copied) - base)
-        prev = self._cost_at.get(self.k)
+        prev = self._cost_at.get(self.k, (None, 0))[0]
         if prev is not None and abs(cost - prev) > 0.5 * max(cost, prev) + 0.001 * base:
             self._cost_at.clear()  # the cost changed (staging, state size): the others too
-        self._cost_at[self.k] = cost
+        self._cost_at[self.k] = (cost, self._boundaries)
         k = self._pick(base)
         if k != self.k:
-            cost = self._cost_at[self.k]
             log.info("cudasnap: snapshot every %d boundaries (at k=%d a copy cost %.3g ms, a "
                      "step %.3g ms; budget %.2g%%)", k, self.k, cost * 1e3, base * 1e3,
                      self.budget * 100)
@@ -202,21 +223,18 @@ class Cadence:
         """The smallest k whose cost fits the budget: measured where it was (a copy that
         cannot finish within k steps costs more at that k), else assumed no larger than
         at the nearest measured k above it (tried, then known)."""
-        known = sorted(self._cost_at.items())
+        known = sorted((kk, c) for kk, (c, _) in self._cost_at.items())
 
         def cost_of(k: int) -> float:
-            c = self._cost_at.get(k)
-            if c is None:
-                above = [c for kk, c in known if kk > k]
-                c = above[0] if above else known[-1][1]
-            return c
+            above = [c for kk, c in known if kk >= k]
+            return above[0] if above else known[-1][1]
 
         k = smallest_k(cost_of, base, self.budget)
         if k is not None:
             self._capped = False
             return k
         if not self._capped:
-            cost = self._cost_at.get(cfg.MAX_EVERY, known[-1][1])
+            cost = cost_of(cfg.MAX_EVERY)
             log.warning("cudasnap: a snapshot costs %.3g ms against a %.3g ms step; the %.2g%% "
                         "overhead budget cannot be held at k <= %d (%.2g%% there). Device "
                         "staging (device_staging=) makes a snapshot cheaper", cost * 1e3,
@@ -231,7 +249,7 @@ class Cadence:
         out: dict[str, Any] = {"k": self.k, "budget": self.budget if self.fixed is None else None,
                                "fixed": self.fixed is not None, "overhead": None,
                                "step_ms": None, "snapshot_ms": None}
-        cost = self._cost_at.get(self.k)
+        cost = self._cost_at.get(self.k, (None, 0))[0]
         if len(self._plain) >= MIN_SAMPLES and cost is not None:
             base = statistics.median(self._plain)
             out.update(step_ms=base * 1e3, snapshot_ms=cost * 1e3,

@@ -47,7 +47,8 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
          sync_max_bytes: int | None, arena_path: Path, num_slots: int, spare_slot: bool,
          chunk_bytes: int, job: str, rank: int, world_size: int, directory: Path, keep: int,
          copy_threads: int, flush_threads: int, wait_timeout_s: float,
-         snapshot_every: int | None, overhead_budget: float, device_staging: int | str,
+         snapshot_every: int | None, overhead_budget: float | None,
+         device_staging: int | str,
          allow_foreign_owner: bool | None, fresh: bool, wait_copy: Callable[[float], bool],
          flush: Callable[[], Any], require_resume: bool = False) -> Components:
     c = Counters()
