@@ -201,7 +201,8 @@ def test_bench_timing_model_holds_issue_34s_figures(emu: Any) -> None:
     a snapshot is COMPLETE within 1.1x its DMA time (checksums keep pace with the copy);
     with device staging a GPT-2-small-sized state (1.49 GB, 29.5 ms step) snapshotted
     every step costs <= 5% (the direct D2H copy, longer than the forward/backward
-    window, stalls the step: its control); the default 1% budget costs <= 1.5%. The JSON
+    window, stalls the step: its control); the default 1% budget costs <= 1.5%, without
+    staging (the library's defaults) and with it. The JSON
     says it is modelled and carries the model's calibration."""
     p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py"), "--emulated", "--timing",
                         "h200", "--quick", "--json"], capture_output=True, text=True, timeout=280)
@@ -225,9 +226,11 @@ def test_bench_timing_model_holds_issue_34s_figures(emu: Any) -> None:
     # the control: copied straight to the host, a 27 ms copy stalls a 29.5 ms step
     assert out["every_step_ratio_direct"] == direct["ratio"] >= 1.03, direct
     assert direct["ideal_ratio"] > 1.0  # 1.49 GB at 55 GB/s is longer than the 25 ms window
-    assert out["budget_ratio"] <= 1.015, out["b_budget"]
+    # the default budget with the library's defaults (no staging), and with staging
+    assert out["budget_ratio"] == out["b_budget_direct"]["ratio"] <= 1.015, out["b_budget_direct"]
+    assert out["budget_ratio_staged"] == out["b_budget"]["ratio"] <= 1.015, out["b_budget"]
     c = out["budget"]
     assert c["budget"] == 0.01 and not c["fixed"] and 1 <= c["k"] <= 64, c
-    assert c["overhead"] is not None and c["overhead"] <= 0.01, c
-    bb = out["b_budget"]
-    assert bb["boundaries"] // 64 <= bb["snapshots"] <= bb["boundaries"], bb  # it did copy
+    assert c["overhead"] is not None and c["overhead"] <= 0.015, c  # its own measure
+    for bb in (out["b_budget"], out["b_budget_direct"]):
+        assert bb["boundaries"] // 64 <= bb["snapshots"] <= bb["boundaries"], bb  # it copied
