@@ -33,11 +33,12 @@ def entry_view(data: torch.Tensor, e: Entry) -> torch.Tensor:
     return flat.as_strided(e["shape"], e["stride"]) if n else flat.reshape(e["shape"])
 
 
-def entry_span(dst: Any, e: Entry, size: int) -> tuple[int, int, int] | None:
+def entry_span(dst: Any, e: Entry, size: int, device: str = "cpu") -> tuple[int, int, int] | None:
     """``byte_span(dst, entry_view(data, e), ...)`` without building the view: (dst
     pointer, offset in data, bytes), or None when torch's copy_ must do it. ``e``'s
-    stride must be ``dst``'s (a contiguous dst has a contiguous view then)."""
-    if (type(dst) not in _PLAIN or not dst.is_cpu or dst.layout != torch.strided
+    stride must be ``dst``'s (a contiguous dst has a contiguous view then); ``dst`` must
+    be on a ``device`` ("cpu"; "cuda": a device pointer, core.device_restore)."""
+    if (type(dst) not in _PLAIN or dst.device.type != device or dst.layout != torch.strided
             or not dst.is_contiguous() or dst.is_inference() or dst.is_conj() or dst.is_neg()
             or dtype_key(dst.dtype) != e["dtype"] or list(dst.shape) != e["shape"]
             or list(dst.stride()) != e["stride"]):

@@ -13,22 +13,7 @@ from typing import Any
 
 import torch
 
-from ..format.manifest import dtype_key
 from . import copy_back
-
-
-def _device_span(dst: Any, e: dict[str, Any], size: int) -> tuple[int, int, int] | None:
-    """``copy_back.entry_span`` for a CUDA destination: (device pointer, file offset,
-    bytes) when ``dst`` takes the entry's bytes as they are, else None (torch copies)."""
-    if (type(dst) not in copy_back._PLAIN or not dst.is_cuda or dst.layout != torch.strided
-            or not dst.is_contiguous() or dst.is_inference() or dst.is_conj() or dst.is_neg()
-            or dtype_key(dst.dtype) != e["dtype"] or list(dst.shape) != e["shape"]
-            or list(dst.stride()) != e["stride"]):
-        return None
-    off, n = e["offset"], e["nbytes"]
-    if n == 0 or n != dst.nbytes or off < 0 or off + n > size:
-        return None
-    return dst.data_ptr(), off, n
 
 
 def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
@@ -59,7 +44,7 @@ def copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, 
     host_pairs: list[tuple[Any, Any]] = []
     for d, s in pairs:
         if type(s) is dict:
-            span = _device_span(d, s, size)
+            span = copy_back.entry_span(d, s, size, "cuda")
             if span is not None:
                 dev.append(span)
                 dev_pairs.append((d, s))
