@@ -204,13 +204,53 @@ bool CudaCopyEngine::busy() const {
 
 // --------------------------------------------------------------- submit
 
+void CudaCopyEngine::flush_batch(CopyBatch& b, uint64_t& calls) {
+  if (b.n.empty()) return;
+#if CUDART_VERSION >= 12080
+  if (b.n.size() > 1 && batch_ok_.load()) {
+    cudaMemcpyAttributes attr{};  // location hints: ignored for memory that is not managed
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // the sources are read in order
+    size_t first = 0;
+#if CUDART_VERSION >= 13000
+    cudaError_t st = cudaMemcpyBatchAsync(b.dst.data(), b.src.data(), b.n.data(), b.n.size(),
+                                          &attr, &first, 1, copy_stream_);
+#else
+    size_t fail = 0;
+    cudaError_t st = cudaMemcpyBatchAsync(b.dst.data(), const_cast<void**>(b.src.data()),
+                                          b.n.data(), b.n.size(), &attr, &first, 1, &fail,
+                                          copy_stream_);
+#endif
+    if (st == cudaSuccess) {
+      ++calls;
+      b.clear();
+      return;
+    }
+    // A runtime or driver without it (or refusing these attributes) refuses the whole
+    // batch before queuing a copy: one cudaMemcpyAsync each from now on.
+    if (st != cudaErrorNotSupported && st != cudaErrorCallRequiresNewerDriver &&
+        st != cudaErrorInvalidValue)
+      CUDASNAP_CUDA_CHECK(st);
+    (void)cudaGetLastError();
+    batch_ok_.store(false);
+    batch_refusal_.store(static_cast<int>(st));
+  }
+#endif
+  for (size_t i = 0; i < b.n.size(); ++i) {
+    CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(b.dst[i], b.src[i], b.n[i], b.kind[i], copy_stream_));
+    ++calls;
+  }
+  b.clear();
+}
+
 void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint64_t data_dev,
                            int ring, uint64_t& desc_used,
                            std::vector<std::pair<int, uint64_t>>* marks, uint64_t staged) {
   uint64_t first_desc = desc_used;
   uint64_t memcpys = 0, gathered = 0;
+  CopyBatch batch;  // the copies up to the next mark: one submission (flush_batch)
   // Small ranges go to one gather kernel per group, launched before the group's mark.
   auto launch_pending = [&] {
+    flush_batch(batch, memcpys);
     uint64_t n = desc_used - first_desc;
     if (!n) return;
     GatherDesc* dev_desc = nullptr;
@@ -247,10 +287,8 @@ void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint6
       if (small) {
         desc_[ring][desc_used++] = GatherDesc{r.src, staging_ptr_ + r.dst, n};
       } else {
-        CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(staging_ptr_ + r.dst),
-                                            reinterpret_cast<const void*>(r.src), n,
-                                            cudaMemcpyDeviceToDevice, copy_stream_));
-        ++memcpys;
+        batch.add(reinterpret_cast<void*>(staging_ptr_ + r.dst),
+                  reinterpret_cast<const void*>(r.src), n, cudaMemcpyDeviceToDevice);
       }
       off = n;
       if (off == r.nbytes) continue;
@@ -265,9 +303,8 @@ void CudaCopyEngine::issue(const CopyPlan& plan, int phase, uint8_t* data, uint6
       const uint64_t at = r.dst + off;
       const bool split = room() && at < next_mark && at + n > next_mark;
       if (split) n = next_mark - at;
-      CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + at, reinterpret_cast<const void*>(r.src + off),
-                                          n, cudaMemcpyDeviceToHost, copy_stream_));
-      ++memcpys;
+      batch.add(data + at, reinterpret_cast<const void*>(r.src + off), n,
+                cudaMemcpyDeviceToHost);
       off += n;
       if (split) mark_at(at + n);
     }
@@ -302,8 +339,10 @@ void CudaCopyEngine::drain(const CopyPlan& plan, uint64_t staged, uint8_t* data,
   const uint64_t cb = plan.chunk_bytes;
   const uint64_t group = std::max<uint64_t>(1, (staged / (kMarks + 1) + cb - 1) / cb) * cb;
   uint64_t next_mark = group, memcpys = 0;
+  CopyBatch batch;
   auto room = [&] { return marks->size() < size_t(kMarks); };
   auto mark_at = [&](uint64_t off) {  // every byte below `off` has landed once it completes
+    flush_batch(batch, memcpys);
     int k = static_cast<int>(marks->size());
     CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));
     marks->emplace_back(k, off / cb);
@@ -315,13 +354,13 @@ void CudaCopyEngine::drain(const CopyPlan& plan, uint64_t staged, uint8_t* data,
       uint64_t n = hi - at;
       const bool split = room() && at < next_mark && at + n > next_mark;
       if (split) n = next_mark - at;
-      CUDASNAP_CUDA_CHECK(cudaMemcpyAsync(data + at, reinterpret_cast<const void*>(staging_ptr_ + at),
-                                          n, cudaMemcpyDeviceToHost, copy_stream_));
-      ++memcpys;
+      batch.add(data + at, reinterpret_cast<const void*>(staging_ptr_ + at), n,
+                cudaMemcpyDeviceToHost);
       at += n;
       if (split) mark_at(at);
     }
   }
+  flush_batch(batch, memcpys);
   last_memcpy_.fetch_add(memcpys);
 }
 

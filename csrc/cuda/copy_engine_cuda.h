@@ -89,6 +89,11 @@ class CudaCopyEngine : public CopyEngine {
   uint64_t device_staging_bytes() const;
   // Bytes of the last submitted snapshot staged on the device (0: copied directly).
   uint64_t last_staged() const { return last_staged_.load(); }
+  // Whether copies go out as one cudaMemcpyBatchAsync per stretch between progress marks
+  // (CUDA 12.8+ runtime and driver); once refused, one cudaMemcpyAsync each, and
+  // batch_refusal() is the cudaError_t that refused it (0: never refused).
+  bool batched() const { return batch_ok_.load(); }
+  int batch_refusal() const { return batch_refusal_.load(); }
   // Counters of the last submitted snapshot: cudaMemcpyAsync calls, gathered ranges.
   uint64_t last_memcpy_calls() const { return last_memcpy_.load(); }
   uint64_t last_gathered() const { return last_gathered_.load(); }
@@ -127,6 +132,28 @@ class CudaCopyEngine : public CopyEngine {
   // in pieces with progress marks between them.
   void drain(const CopyPlan& plan, uint64_t staged, uint8_t* data, int ring,
              std::vector<std::pair<int, uint64_t>>* marks);
+  // The copies between two progress marks, submitted together by flush_batch().
+  struct CopyBatch {
+    std::vector<void*> dst;
+    std::vector<const void*> src;
+    std::vector<size_t> n;
+    std::vector<cudaMemcpyKind> kind;  // for the one-by-one fallback
+    void add(void* d, const void* s, size_t bytes, cudaMemcpyKind k) {
+      dst.push_back(d);
+      src.push_back(s);
+      n.push_back(bytes);
+      kind.push_back(k);
+    }
+    void clear() {
+      dst.clear();
+      src.clear();
+      n.clear();
+      kind.clear();
+    }
+  };
+  // One cudaMemcpyBatchAsync for `b` where the runtime and driver take it, else one
+  // cudaMemcpyAsync per copy; adds the API calls made to `calls`; empties `b`.
+  void flush_batch(CopyBatch& b, uint64_t& calls);
   void release_cuda() noexcept;
   // Polls `ev` until it completes; throws on a CUDA error, on `deadline_ns`
   // (monotonic) passing (sets hung_) or when shutdown() abandons the copy.
@@ -148,6 +175,12 @@ class CudaCopyEngine : public CopyEngine {
   std::atomic<uint64_t> last_memcpy_{0};
   std::atomic<uint64_t> last_gathered_{0};
   std::atomic<uint64_t> last_staged_{0};
+#if CUDART_VERSION >= 12080
+  std::atomic<bool> batch_ok_{true};
+#else
+  std::atomic<bool> batch_ok_{false};  // built against a runtime without the batch API
+#endif
+  std::atomic<int> batch_refusal_{0};
   uint64_t staging_ptr_ = 0;  // device staging buffer (guarded by mu_; changed only when idle)
   uint64_t staging_bytes_ = 0;
   std::atomic<bool> hung_{false};

@@ -204,6 +204,8 @@ void init_cuda_backend(py::module_& m) {
       .def_property_readonly("last_memcpy_calls", &CudaCopyEngine::last_memcpy_calls)
       .def_property_readonly("last_gathered", &CudaCopyEngine::last_gathered)
       .def_property_readonly("last_staged", &CudaCopyEngine::last_staged)
+      .def_property_readonly("batched", &CudaCopyEngine::batched)
+      .def_property_readonly("batch_refusal", &CudaCopyEngine::batch_refusal)
       // Waits (bounded) for the running copy: no GIL held meanwhile.
       .def("set_device_staging", &CudaCopyEngine::set_device_staging, py::arg("ptr"),
            py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())

@@ -362,3 +362,94 @@ def test_arena_dropped_while_registered_is_unregistered(emu: Any, snap_env: Any)
             break
     assert repeats >= 2, "no arena was mapped at a reused address: the test proves nothing"
     assert emu.counter("pinned_ranges") == base, "a dropped arena is still registered"
+
+
+def _gapped_state(n: int = 12) -> tuple[Any, list[Any]]:
+    """A model whose parameters lie apart in device memory (a live tensor between each
+    two): its copy plan has one range per parameter."""
+    model = torch.nn.Module()
+    params, gaps = [], []
+    for i in range(n):
+        params.append(torch.nn.Parameter(torch.full((4096,), float(i)).cuda()))
+        gaps.append(torch.zeros(16384, device="cuda"))  # held: keeps the ranges apart
+    model.p = torch.nn.ParameterList(params)
+    return model, gaps
+
+
+@pytest.mark.parametrize("refuse", [0, 801])
+def test_the_copies_between_two_marks_go_out_as_one_batch(snap_env: Any, emu: Any,
+                                                          refuse: int) -> None:
+    """One cudaMemcpyBatchAsync per stretch between progress marks (CUDA 12.8+); a runtime
+    or driver that refuses it (801: cudaErrorNotSupported) gets one cudaMemcpyAsync per
+    copy from then on, and the snapshot is the same."""
+    import cudasnap
+
+    model, gaps = _gapped_state()
+    snap = cudasnap.Snapshotter(model, None, directory=snap_env.dir, job=snap_env.job,
+                                health=False, overhead_budget=0.0)
+    try:
+        emu.fault(f"batch:{refuse}")
+        before = emu.counter("cudaMemcpyBatchAsync")
+        for step in range(2):
+            snap.boundary(step)
+            assert snap.wait(timeout=60)
+        eng = snap._cuda.engine
+        ranges = snap.stats()["layout"]["copy_ranges"]  # (the allocator decides how many)
+        assert ranges >= 2
+        batches = emu.counter("cudaMemcpyBatchAsync") - before
+        if refuse:
+            assert not eng.batched and eng.batch_refusal == refuse
+            assert batches == 1  # tried once, then one by one
+            assert eng.last_memcpy_calls >= ranges
+        else:
+            assert eng.batched and eng.batch_refusal == 0
+            assert batches >= 2 and eng.last_memcpy_calls < ranges, (eng.last_memcpy_calls, ranges)
+        path = snap.flush()
+        assert path is not None
+    finally:
+        emu.fault("batch:0")
+        snap.close(flush=False)
+    fresh, _ = _gapped_state()
+    for p in fresh.parameters():
+        p.data.copy_(torch.full((4096,), -1.0))
+    snap2 = cudasnap.Snapshotter(fresh, None, directory=snap_env.dir, job=snap_env.job + "-b",
+                                 health=False, overhead_budget=0.0)
+    try:
+        assert snap2.restore_latest() == 2
+        for i, p in enumerate(fresh.parameters()):
+            assert torch.equal(p.detach().cpu(), torch.full((4096,), float(i))), i
+    finally:
+        snap2.close(flush=False)
+
+
+def test_a_progress_mark_follows_the_copies_before_it(snap_env: Any, emu: Any) -> None:
+    """Each copy is held up (copy_delay_us): a progress mark recorded before the batch of
+    copies it is meant to follow would let the checksum of those chunks run on bytes not
+    yet copied, and the slot would fail its own CRC32C (read_slot verifies). Mutant:
+    ``mark-before-its-batch``."""
+    import cudasnap
+    from helpers.slots import read_slot
+
+    model, gaps = _gapped_state()  # 12 x 16 KiB apart: 3 chunks of 64 KiB, ~4 copies each
+    snap = cudasnap.Snapshotter(model, None, directory=snap_env.dir, job=snap_env.job,
+                                health=False, overhead_budget=0.0, chunk_bytes=64 << 10)
+    try:
+        snap.boundary(0)
+        assert snap.wait(timeout=60)
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.copy_(torch.full((4096,), 100.0 + i))
+        want = {f"model.p.{i}": torch.full((4096,), 100.0 + i) for i in range(12)}
+        emu.fault("copy_delay_us:20000")
+        try:
+            snap.boundary(1)
+            assert snap.wait(timeout=60)
+        finally:
+            emu.fault("copy_delay_us:0")
+        assert snap._cuda.engine.last_memcpy_calls < snap.stats()["layout"]["copy_ranges"]
+        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        assert info["step"] == 1
+        for name, t in want.items():
+            assert torch.equal(got[name].view(torch.float32), t), name
+    finally:
+        snap.close(flush=False)

@@ -174,6 +174,7 @@ struct Fault {
   uint64_t sticky_n = 0;
   int host_register_err = 0;
   int host_alloc_err = 0;
+  int batch_err = 0;  // cudaMemcpyBatchAsync fails with this (e.g. an older driver)
   uint64_t copy_delay_us = 0;
   unsigned long long hold = 0;  // stream id whose queue does not advance (0: none)
   // hold_at: stream hold_at_id runs hold_at_left more data ops (copies, kernels, busy
@@ -287,6 +288,8 @@ void apply_fault(Emu& e, const std::string& specs) {
       e.fault.host_register_err = atoi(val.c_str());
     } else if (key == "host_alloc") {
       e.fault.host_alloc_err = atoi(val.c_str());
+    } else if (key == "batch") {
+      e.fault.batch_err = atoi(val.c_str());
     } else if (key == "copy_delay_us") {
       e.fault.copy_delay_us = strtoull(val.c_str(), nullptr, 10);
     } else if (key == "hold") {
@@ -1331,6 +1334,44 @@ EMU_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const voi
 EMU_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
                                     cudaStream_t stream) {
   return do_copy(dst, src, n, kind, stream, true, "cudaMemcpyAsync");
+}
+
+// CUDA 12.8+: the batch as a whole in stream order, one op per copy here (each timed on its
+// link). Checked as the runtime documents it: every copy has attributes, attrsIdxs[0] is 0
+// and strictly increasing, srcAccessOrder is given (hints are ignored for memory that is
+// not managed). `batch:E` makes it fail with E before anything is queued (an older
+// driver answers cudaErrorNotSupported or cudaErrorCallRequiresNewerDriver).
+#if CUDART_VERSION >= 13000
+EMU_API cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs,
+                                         const size_t* sizes, size_t count,
+                                         struct cudaMemcpyAttributes* attrs, size_t* attrsIdxs,
+                                         size_t numAttrs, cudaStream_t stream) {
+#else
+EMU_API cudaError_t cudaMemcpyBatchAsync(void** dsts, void** srcs, size_t* sizes, size_t count,
+                                         struct cudaMemcpyAttributes* attrs, size_t* attrsIdxs,
+                                         size_t numAttrs, size_t* failIdx, cudaStream_t stream) {
+  if (failIdx) *failIdx = SIZE_MAX;
+#endif
+  EMU_CTX();
+  EMU_STICKY();
+  count_call("cudaMemcpyBatchAsync");
+  if (int err = emu().fault.batch_err) return ret(static_cast<cudaError_t>(err));
+  if (!dsts || !srcs || !sizes || count == 0 || !attrs || !attrsIdxs || numAttrs == 0 ||
+      numAttrs > count || attrsIdxs[0] != 0)
+    return ret(cudaErrorInvalidValue);
+  for (size_t k = 0; k < numAttrs; ++k) {
+    if (k && attrsIdxs[k] <= attrsIdxs[k - 1]) return ret(cudaErrorInvalidValue);
+    if (attrsIdxs[k] >= count) return ret(cudaErrorInvalidValue);
+    if (attrs[k].srcAccessOrder == cudaMemcpySrcAccessOrderInvalid ||
+        attrs[k].srcAccessOrder > cudaMemcpySrcAccessOrderAny)
+      return ret(cudaErrorInvalidValue);
+  }
+  for (size_t i = 0; i < count; ++i) {
+    cudaError_t st = do_copy(const_cast<void*>(static_cast<const void*>(dsts[i])), srcs[i],
+                             sizes[i], cudaMemcpyDefault, stream, true, "cudaMemcpyBatchAsync.copy");
+    if (st != cudaSuccess) return st;
+  }
+  return cudaSuccess;
 }
 
 EMU_API cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {

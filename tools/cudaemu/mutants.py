@@ -71,6 +71,15 @@ MUTANTS = [
            "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences'",
            "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));  // the fences'",
            "the done event is recorded on the compute stream"),
+    Mutant("mark-before-its-batch", ENGINE,
+           "  auto mark_at = [&](uint64_t off) {\n    launch_pending();\n"
+           "    int k = static_cast<int>(marks->size());\n"
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));\n",
+           "  auto mark_at = [&](uint64_t off) {\n"
+           "    int k = static_cast<int>(marks->size());\n"
+           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_mark_[ring][k], copy_stream_));\n"
+           "    launch_pending();\n",
+           "a progress mark is recorded before the batch of copies it must follow"),
     Mutant("staged-fence-on-drain", ENGINE,
            "    for (int k = 0; k < 3; ++k) job->cuda_events[k] = ev_[ring][k];\n",
            "    for (int k = 0; k < 3; ++k) job->cuda_events[k] = ev_[ring][k == 2 && staged ? 3 : k];\n",
@@ -103,7 +112,8 @@ MUTANTS = [
 # Where the orderings are tested: a mutant these kill also fails the whole lane
 # (`make test-emulated` runs them), in a fraction of its time.
 TARGETED = ["tests/cuda_emu/test_ordering.py", "tests/cuda_emu/test_staging_order.py",
-            "tests/cuda_emu/test_device_restore.py", "tests/cuda_emu/test_cuda_lane.py"]
+            "tests/cuda_emu/test_device_restore.py", "tests/cuda_emu/test_native_cuda.py",
+            "tests/cuda_emu/test_cuda_lane.py"]
 
 
 def tree_files(root: Path) -> list[str]:
