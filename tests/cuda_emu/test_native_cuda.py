@@ -427,8 +427,9 @@ def test_a_progress_mark_follows_the_copies_before_it(snap_env: Any, emu: Any) -
     copies it is meant to follow would let the checksum of those chunks run on bytes not
     yet copied, and the slot would fail its own CRC32C (read_slot verifies). Mutant:
     ``mark-before-its-batch``."""
-    import cudasnap
     from helpers.slots import read_slot
+
+    import cudasnap
 
     model, gaps = _gapped_state()  # 12 x 16 KiB apart: 3 chunks of 64 KiB, ~4 copies each
     snap = cudasnap.Snapshotter(model, None, directory=snap_env.dir, job=snap_env.job,
