@@ -14,6 +14,15 @@ shared-memory directory under /dev/shm, own replica address, DDP on gloo), repli
               snapshot files is dropped before the restart)
   raw tcp     the snapshot's bytes over one TCP connection between the two nodes'
               addresses (sendall -> recv_into a buffer), the transport replication uses
+  guard       the health guard on (CUDASNAP_HEALTH=1, as torchrun jobs run): only node 1's
+              processes die; node 0's exit on their own after a flush round that writes
+              node 1's rank from the copy node 0 holds and commits the step
+              (survivor_exit_s: the kill seen -> the last survivor out); then both nodes'
+              memory is lost: the restore comes from that commit, bitwise
+  both lost   node 1 lost and node 0's memory too, nothing flushed: the restart starts
+              over with an ERROR naming the lost steps (never a silent step 0)
+  renumbered  node 1 lost, then the restart gives each node the other's ranks; the job
+              ends cleanly: arenas of the job left in either node's memory (leaked_arenas)
 
 Prints one JSON line: bitwise, replayed_steps (kill step - restored step), restore_source
 (of the lost node's rank), replication throughput (bytes / seconds from the first header
@@ -166,7 +175,18 @@ def main() -> int:
                                env={**env, "FLUSH_AT": str(args.kill_step - 1)}, timeout=400,
                                between=lambda r: [drop_cache(f) for f in r.ckpt.rglob("*")
                                                   if f.is_file()])
-        for name, r in (("reference", ref), ("peer", peer), ("disk", disk)):
+        guard = node_launch.run(base / "guard", steps=args.steps, kill_node=1,
+                                kill_step=args.kill_step, lose=(0, 1), survivors="wait",
+                                shm_root=shm / "guard", timeout=400,
+                                env={**env, "CUDASNAP_HEALTH": "1"})
+        both = node_launch.run(base / "both", steps=args.steps, kill_node=1,
+                               kill_step=args.kill_step, lose=(0, 1), shm_root=shm / "both",
+                               env=env, timeout=400)
+        renum = node_launch.run(base / "renum", steps=args.steps, kill_node=1,
+                                kill_step=args.kill_step, renumber=True,
+                                shm_root=shm / "renum", env=env, timeout=400)
+        for name, r in (("reference", ref), ("peer", peer), ("disk", disk), ("guard", guard),
+                        ("both", both), ("renumbered", renum)):
             if not r.ok():
                 print(r.logs(), file=sys.stderr)
                 raise SystemExit(f"the {name} run failed: {r.rcs}")
@@ -197,9 +217,22 @@ def main() -> int:
             "restore_s_peer": round(lost["restore"]["seconds"], 3),
             "restore_s_disk": round(disk.ranks[1]["restore"]["seconds"], 3),
             "restore_source_disk_run": disk.ranks[1]["restore"]["source"],
+            "survivor_exit_s": round(max(guard.survivor_exit.values()), 2)
+            if guard.survivor_exit else None,
+            "guard_run": {"bitwise": bitwise(guard, ref, world),
+                          "restore_source": [guard.ranks[r]["restore"]["source"]
+                                             for r in range(world)],
+                          "resumed_at": [guard.ranks[r]["start"] for r in range(world)]},
+            "both_copies_lost": {"resumed_at": [both.ranks[r]["start"] for r in range(world)],
+                                 "error_logged": "starting over at step 0" in both.logs(),
+                                 "bitwise": bitwise(both, ref, world)},
+            "leaked_arenas": sum(len(v) for v in renum.leaked().values()),
+            "bitwise_renumbered": bitwise(renum, ref, world),
         }
         print(json.dumps(out))
-        return 0 if out["bitwise"] and out["replayed_steps"] <= 1 else 1
+        good = out["bitwise"] and out["replayed_steps"] <= 1 and out["guard_run"]["bitwise"] \
+            and out["bitwise_renumbered"] and out["both_copies_lost"]["error_logged"]
+        return 0 if good else 1
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -77,7 +77,8 @@ Keyword              Default             Check                     Variable
 num_slots            2 (NUM_SLOTS)       int, 2 .. 8 - spare_slot  -
 spare_slot           True                -                         -
 keep                 3 (KEEP)            int >= 0 (0: keep all)    -
-chunk_bytes          4 MiB (CHUNK_BYTES) multiple of 4096, >= 4096 -
+chunk_bytes          None (auto: 1/4     None, multiple of 4096    - (core.slot_geometry)
+                     of state, <= 4 MiB)
 backend              "auto"              one of BACKENDS           - (auto: Backend.resolve)
 snapshot_every       None (budget)       int >= 1 (fixes k)        -
 overhead_budget      None (auto: 0.01    0 <= float < 1            CUDASNAP_OVERHEAD_BUDGET
@@ -116,7 +117,7 @@ from .errors import ConfigError
 # Snapshotter keyword defaults (see the table above).
 NUM_SLOTS = 2
 KEEP = 3
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20  # the largest automatic chunk (chunk_bytes=None: core.slot_geometry)
 BACKENDS = ("auto", "cpu", "cuda")
 RNG_SOURCES = ("torch", "cuda", "numpy", "python")
 MAX_SLOTS = 8  # the arena header's slot table
@@ -124,7 +125,7 @@ OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence; C
 MAX_EVERY = 64  # the budget's largest k: a process killed outright replays at most this many
 
 
-def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: int,
+def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: int | None,
                   backend: str, snapshot_every: Any, rng_sources: tuple[str, ...],
                   overhead_budget: Any = None, device_staging: Any = None) -> None:
     """Raises ConfigError naming the first bad Snapshotter keyword."""
@@ -144,9 +145,10 @@ def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: i
                           f"got {num_slots}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ConfigError(f"keep must be an int >= 0 (0 keeps every snapshot), got {keep!r}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) \
-            or chunk_bytes < 4096 or chunk_bytes % 4096:
-        raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(
+            chunk_bytes, int) or chunk_bytes < 4096 or chunk_bytes % 4096):
+        raise ConfigError(f"chunk_bytes must be a positive multiple of 4096 (or None: it "
+                          f"follows the state), got {chunk_bytes!r}")
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
     bad = set(rng_sources) - set(RNG_SOURCES)

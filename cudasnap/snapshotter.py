@@ -95,7 +95,7 @@ class Snapshotter:
                  directory: str | os.PathLike | None = None,
                  *, extra: Mapping[str, Any] | None = None, num_slots: int = cfg.NUM_SLOTS,
                  backend: str = "auto", copy_threads: int | None = None,
-                 flush_threads: int | None = None, chunk_bytes: int = cfg.CHUNK_BYTES,
+                 flush_threads: int | None = None, chunk_bytes: int | None = None,
                  keep: int = cfg.KEEP, shm_dir: str | os.PathLike | None = None, job: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  health: bool | None = None, watchdog_s: float | None = None,

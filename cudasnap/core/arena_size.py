@@ -4,7 +4,9 @@ Owns :func:`estimate_state_bytes` (the slot bytes and tensor count the training 
 need once every optimizer has stepped, counting the state that known ``torch.optim``
 optimizers create at their first step) and the rounding of a plan's bytes into slot and
 manifest capacities (:func:`slot_capacity`, :func:`meta_capacity`,
-:func:`estimate_meta_len`). Pure arithmetic: it makes no arena and starts no thread.
+:func:`estimate_meta_len`; the first two, and the chunk size that follows the state,
+:func:`chunk_for`, live in cudasnap.core.slot_geometry, torch-free). Pure arithmetic: it
+makes no arena and starts no thread.
 
 Call order: ``cudasnap.core.staging.ArenaKeeper.start_at_construction`` (from the Snapshotter's
 constructor) sizes the arena it prepares in the background with
@@ -20,9 +22,10 @@ from typing import Any
 import torch
 
 from . import module_state
+from .slot_geometry import PAGE, chunk_for, meta_capacity, slot_capacity
 
-MIN_META = 1 << 20
-PAGE = 4096
+__all__ = ["PAGE", "chunk_for", "estimate_meta_len", "estimate_state_bytes", "meta_capacity",
+           "slot_capacity"]
 
 # Per-parameter state tensors that known optimizers create at their first step:
 # (full-size slots, scalar tensor slots) given the parameter group.
@@ -95,16 +98,6 @@ def estimate_state_bytes(state: Any) -> tuple[int, int]:
                     total += scalars * _span(4, True)
                     count += full + scalars
     return total, count
-
-
-def slot_capacity(nbytes: int, chunk_bytes: int) -> int:
-    """Data bytes per slot for a plan of ``nbytes``: headroom for small growth."""
-    cap = nbytes + nbytes // 64 + chunk_bytes
-    return (cap + PAGE - 1) // PAGE * PAGE
-
-
-def meta_capacity(meta_len: int) -> int:
-    return (max(MIN_META, 4 * meta_len) + PAGE - 1) // PAGE * PAGE
 
 
 def estimate_meta_len(ntensors: int) -> int:

@@ -1,7 +1,8 @@
 """Host-memory fit of the staging arenas and the ``snapshot_every`` pick (issue 15 target 7/5).
 
 Each rank keeps one arena in /dev/shm of ``(num_slots + spare_slot)`` slots, each
-about the rank's state (+1/64 and a chunk of slack, as ``Snapshotter`` sizes it).
+about the rank's state (+1/64, a chunk of slack and its manifest area, as ``Snapshotter``
+sizes it: cudasnap.core.slot_geometry).
 tmpfs pages are RAM: the arenas of every rank on a node must fit both the free
 space of /dev/shm and MemAvailable, with the live host state beside them.
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 from .. import config as cfg
 from .cadence import smallest_k
+from .slot_geometry import chunk_for, meta_floor, slot_capacity
 
 GB = 1e9
 DEFAULT_COPY_GBPS = 20.0  # device -> pinned host (PCIe Gen4 x16 ~25 GB/s)
@@ -40,7 +42,8 @@ def host_fit(state_gb: float, ranks_per_node: int, *, num_slots: int = 2, spare_
              shm_free: int | None = None, mem_available: int | None = None) -> dict[str, Any]:
     """Bytes the arenas of one node need vs what this host has; ``fits`` and a message."""
     slots = num_slots + (1 if spare_slot else 0)
-    per_slot = state_gb * GB * (1 + 1 / 64) + (4 << 20)
+    nbytes = int(state_gb * GB)
+    per_slot = slot_capacity(nbytes, chunk_for(nbytes)) + meta_floor(nbytes)
     need = int(ranks_per_node * slots * per_slot)
     limits = {k: v for k, v in (("/dev/shm free", shm_free), ("MemAvailable", mem_available))
               if v is not None}

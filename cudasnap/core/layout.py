@@ -33,6 +33,7 @@ import gc
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,9 +80,9 @@ class Layouts:
     OFF_THREAD_MIN_TENSORS = 1000
 
     def __init__(self, state: TrainingState, backend: Backend, counters: Counters, *,
-                 chunk_bytes: int, rank: int, world_size: int, job: str) -> None:
+                 chunk: Callable[[int], int], rank: int, world_size: int, job: str) -> None:
         self.state, self._backend, self._counters = state, backend, counters
-        self.chunk_bytes, self.rank, self.world_size, self.job = chunk_bytes, rank, world_size, job
+        self.chunk, self.rank, self.world_size, self.job = chunk, rank, world_size, job
         self.rescan_every = self.RESCAN_EVERY
         self.layout: Layout | None = None  # the current plan (None: rebuilt at the next use)
         self.running: Layout | None = None  # the running copy's: it holds the planned storages
@@ -148,7 +149,7 @@ class Layouts:
         be.ensure(tensors)  # the copy engine: made by the first build (CUDA: its plan needs it)
         if be.cuda is not None:
             single_cuda_device(tensors, be.cuda.index)
-        plan, offsets = make_plan(tensors, be.cuda, self.chunk_bytes)
+        plan, offsets = make_plan(tensors, be.cuda, self.chunk)
         entries = []
         for lt, off in zip(tensors, offsets):
             e = tensor_entry(lt.name, lt.group, lt.tensor, off, lt.phase, lt.nbytes)

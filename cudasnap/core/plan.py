@@ -7,14 +7,16 @@ that find it stale (``cudasnap.core.layout_watch``, the native ``LayoutGuard``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import config as cfg
 from .._native import native
 from ..errors import SnapshotError
 from . import layout_watch
 from .layout_watch import Watch
 from .live_tensor import LiveTensor
+from .slot_geometry import chunk_for
 
 log = logging.getLogger("cudasnap")
 
@@ -86,8 +88,11 @@ class Layout:
         return None
 
 
-def make_plan(tensors: list[LiveTensor], cuda: Any, chunk_bytes: int) -> tuple[Any, list[int]]:
-    """Copy plan + each tensor's offset in the slot.
+def make_plan(tensors: list[LiveTensor], cuda: Any,
+              chunk: int | Callable[[int], int] | None) -> tuple[Any, list[int]]:
+    """Copy plan + each tensor's offset in the slot. ``chunk``: the chunk size, or a
+    function of the plan's bytes that gives it (``ArenaKeeper.chunk``), or None: it follows
+    the plan's bytes (cudasnap.core.slot_geometry.chunk_for).
 
     Host spans merge across small gaps. Device spans never merge across
     allocator segments (a gap between two cudaMalloc segments may be
@@ -137,7 +142,14 @@ def make_plan(tensors: list[LiveTensor], cuda: Any, chunk_bytes: int) -> tuple[A
     is_host = [True] * len(host) + [False] * (len(ptrs) - len(host))
     # Host spans may merge across small gaps; with device ranges present the
     # gap is 0 so ranges from different segments never merge.
-    plan = C.build_plan(ptrs, sizes, phases, is_host, chunk_bytes, 0 if dev else 4096, 4096)
+    gap = 0 if dev else 4096
+    fixed = chunk if isinstance(chunk, int) else cfg.CHUNK_BYTES
+    plan = C.build_plan(ptrs, sizes, phases, is_host, fixed, gap, 4096)
+    if not isinstance(chunk, int):  # the ranges do not depend on the chunk: a plan whose
+        pick = chunk_for if chunk is None else chunk  # bytes want another is built again
+        want = pick(int(plan.total_bytes))
+        if want != plan.chunk_bytes:
+            plan = C.build_plan(ptrs, sizes, phases, is_host, want, gap, 4096)
     offs = plan.tensor_offsets
     offsets = [offs[r] + off if r >= 0 else 0 for r, off in where]
     return plan, offsets

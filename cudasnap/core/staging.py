@@ -37,7 +37,8 @@ from ..storage import posix
 from . import arena_prep
 from .arena_exit import left_at_exit
 from .arena_prep import ArenaPreparer, Prepared, drop, fully_reserved
-from .arena_size import estimate_meta_len, estimate_state_bytes, meta_capacity, slot_capacity
+from .arena_size import estimate_meta_len, estimate_state_bytes
+from .slot_geometry import chunk_for, meta_capacity, slot_capacity
 from .timeline import arena_slots, move_aside
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def supervisor_job(env_job: str | None, sup_dir: str | None, supervised: bool,
 
 class ArenaKeeper:
     def __init__(self, backend: Backend, counters: Counters, prep: ArenaPreparer, *,
-                 arena_path: Path, num_slots: int, spare_slot: bool, chunk_bytes: int,
+                 arena_path: Path, num_slots: int, spare_slot: bool, chunk_bytes: int | None,
                  job: str, directory: Path, flush_threads: int, wait_timeout_s: float,
                  supervised: bool, flush_lock: threading.RLock,
                  wait_copy: Callable[[float], bool], flush: Callable[[], Any]) -> None:
@@ -79,6 +80,7 @@ class ArenaKeeper:
         self.inherited: Any = None
         self.lock = threading.RLock()  # adoption/creation: ensure(), a synchronous snapshot
         self._coordinated = False  # multi-rank: flushes are coordinated (no lone flush)
+        self._planned: tuple[int, int] | None = None  # (capacity, chunk) being prepared, not taken
 
     def attach(self, coordinated: bool) -> None:
         """After the triggers exist: whether a distributed coordinator runs the flushes."""
@@ -110,9 +112,26 @@ class ArenaKeeper:
         """Waits (up to ``timeout`` s) for a background arena set-up; True when none runs."""
         return self.prep.wait(timeout)
 
-    def _fits(self, arena: Any, nbytes: int, meta_len: int) -> bool:
+    def _fits(self, arena: Any, nbytes: int, meta_len: int, chunk: int) -> bool:
         return (arena.data_capacity >= nbytes and arena.meta_capacity >= meta_len
-                and arena.chunk_bytes == self.chunk_bytes and arena.num_slots == self.num_slots)
+                and arena.chunk_bytes == chunk and arena.num_slots == self.num_slots)
+
+    def chunk(self, nbytes: int) -> int:
+        """The chunk size of a copy plan (cudasnap.core.plan.make_plan) or an arena for a
+        slot of ``nbytes``: the Snapshotter's ``chunk_bytes``; else (None: it follows the
+        state) the chunk of the arena in use, the inherited one or the one being prepared
+        when its slots hold ``nbytes`` (any chunk is valid: that arena is then used, not
+        made again), else ``chunk_for(nbytes)`` (cudasnap.core.slot_geometry)."""
+        if self.chunk_bytes:
+            return self.chunk_bytes
+        for cap, chunk in ((a.data_capacity, a.chunk_bytes) for a in (self.arena, self.inherited)
+                           if a is not None and a.num_slots == self.num_slots):
+            if cap >= nbytes:
+                return int(chunk)
+        planned = self._planned
+        if planned is not None and planned[0] >= nbytes:
+            return planned[1]
+        return chunk_for(nbytes)
 
     def _device(self) -> int | None:
         cuda = self._backend.cuda
@@ -175,11 +194,13 @@ class ArenaKeeper:
                 prep.start(desc, arena_prep.warm_job(inh, prep.device), speculative=True)
             return
         nbytes, ntensors = estimate_state_bytes(state)
-        cap = slot_capacity(nbytes, self.chunk_bytes)
-        meta_cap = meta_capacity(estimate_meta_len(ntensors))
-        total = native().Arena.required_bytes(self.num_slots, cap, meta_cap, self.chunk_bytes)
+        chunk = self.chunk(nbytes)
+        cap = slot_capacity(nbytes, chunk)
+        meta_cap = meta_capacity(estimate_meta_len(ntensors), nbytes)
+        total = native().Arena.required_bytes(self.num_slots, cap, meta_cap, chunk)
         if self.num_slots * nbytes > prep.sync_max_bytes:
-            self._start_create(self._what(total), cap, meta_cap, prep.device, speculative=True)
+            self._start_create(self._what(total), cap, meta_cap, chunk, prep.device,
+                               speculative=True)
 
     # --------------------------------------------------------------- ensure()
     def ensure(self, plan: Any, meta_len: int, step: int, sync: bool = False) -> Any:
@@ -217,14 +238,17 @@ class ArenaKeeper:
             if prep.pending:
                 return None
         got = prep.take()  # raises the background set-up's error (once)
-        nbytes = plan.total_bytes
+        if got is not None:
+            self._planned = None  # adopted or dropped below: its chunk is no one's pick
+        nbytes, chunk = plan.total_bytes, int(plan.chunk_bytes)
         a = self.arena
-        if a is not None and a.data_capacity >= nbytes and a.meta_capacity >= meta_len:
+        if a is not None and a.data_capacity >= nbytes and a.meta_capacity >= meta_len \
+                and a.chunk_bytes == chunk:  # (a new chunk: the state grew or shrank a lot)
             drop(got.arena if got is not None and got.created else None)
             return a
         discard = None
         if got is not None and got.arena is not None:
-            if a is None and self._fits(got.arena, nbytes, meta_len) and (
+            if a is None and self._fits(got.arena, nbytes, meta_len, chunk) and (
                     self._backend.cuda is None or got.arena.cuda_registered):
                 return self._adopt_prepared(got)
             if got.created:
@@ -232,9 +256,9 @@ class ArenaKeeper:
             elif got.arena is not self.inherited:
                 drop(got.arena)
         del got
-        need_meta = meta_capacity(meta_len)
+        need_meta = meta_capacity(meta_len, nbytes)
         inh = self.inherited
-        if a is None and inh is not None and self._fits(inh, nbytes, need_meta):
+        if a is None and inh is not None and self._fits(inh, nbytes, need_meta, chunk):
             if prep.warmed is inh or inh.num_slots * inh.data_capacity <= prep.sync_max_bytes \
                     or sync:
                 if prep.warmed is not inh and not (sync and fully_reserved(inh)):
@@ -246,22 +270,22 @@ class ArenaKeeper:
                        arena_prep.warm_job(inh, self._device()))
             self._not_ready(step)
             return None
-        cap = slot_capacity(nbytes, self.chunk_bytes)
-        total = native().Arena.required_bytes(self.num_slots, cap, need_meta, self.chunk_bytes)
+        cap = slot_capacity(nbytes, chunk)
+        total = native().Arena.required_bytes(self.num_slots, cap, need_meta, chunk)
         regrow = a is not None
         del a, inh  # the old mapping must go before the new arena's free-space check
         if not sync and (self.num_slots * nbytes > prep.sync_max_bytes or discard is not None):
             if regrow:
                 log.warning("state grew to %d bytes; re-creating the staging arena in the "
                             "background", nbytes)
-            self._start_create(self._what(total), cap, need_meta, self._device(),
+            self._start_create(self._what(total), cap, need_meta, chunk, self._device(),
                                retire=regrow, drop_inherited=self.inherited is not None,
                                discard=discard)
             self._not_ready(step)
             return None
         drop(discard)
         # sync (large): reserved only, not pre-faulted (the copy maps the pages it writes)
-        return self._make_here(regrow, cap, need_meta, prefault=not sync)
+        return self._make_here(regrow, cap, need_meta, chunk, prefault=not sync)
 
     def _not_ready(self, step: int) -> None:
         self._counters.skipped_not_ready += 1
@@ -295,9 +319,12 @@ class ArenaKeeper:
                  "thread", a.path, a.num_slots, a.data_capacity / 1e6, got.seconds)
         return a
 
-    def _start_create(self, what: str, capacity: int, meta_cap: int, device: int | None, *,
+    def _start_create(self, what: str, capacity: int, meta_cap: int, chunk: int,
+                      device: int | None, *,
                       speculative: bool = False, retire: bool = False,
                       drop_inherited: bool = False, discard: Any = None) -> None:
+        self._planned = (capacity, chunk)  # a plan made meanwhile takes its chunk (chunk())
+
         def job(cancel: Any) -> tuple[Any, str | None, bool]:
             drop(discard)
             if retire and not self.retire():
@@ -311,7 +338,7 @@ class ArenaKeeper:
             # CPU: usable once reserved; its pages are mapped by the follow-up
             # (prefault_then) while snapshots already use it. CUDA: page-locked before
             # any copy.
-            arena = self.create_arena(capacity, meta_cap, cancel, device is not None)
+            arena = self.create_arena(capacity, meta_cap, chunk, cancel, device is not None)
             try:
                 got, reason = arena_prep.pin(arena, device)
             except BaseException:
@@ -322,7 +349,7 @@ class ArenaKeeper:
         self.prep.start(what, job, speculative=speculative,
                         then=arena_prep.prefault_then if device is None else None)
 
-    def _make_here(self, regrow: bool, capacity: int, meta_capacity: int,
+    def _make_here(self, regrow: bool, capacity: int, meta_capacity: int, chunk: int,
                    prefault: bool = True) -> Any:
         """An arena made on the calling thread: a small one at a boundary, or any size for
         a synchronous snapshot before the background one was ready (cudasnap.core.early;
@@ -336,18 +363,17 @@ class ArenaKeeper:
             self.inherited = None
         t0 = time.perf_counter()
         self.arena_path.unlink(missing_ok=True)
-        arena = self.create_arena(capacity, meta_capacity) if prefault else \
-            self.create_arena(capacity, meta_capacity, None, False)
+        arena = self.create_arena(capacity, meta_capacity, chunk, None, prefault)
         self.arena = self.adopt(arena)
         secs = self._counters.arena_setup_seconds = time.perf_counter() - t0
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
                  self.num_slots, capacity / 1e6, secs)
         return self.arena
 
-    def create_arena(self, capacity: int, meta_capacity: int, cancel: Any = None,
+    def create_arena(self, capacity: int, meta_capacity: int, chunk: int, cancel: Any = None,
                      prefault: bool = True) -> Any:
         return native().Arena.create(str(self.arena_path), self.num_slots, capacity,
-                                     meta_capacity, self.chunk_bytes, self.job, prefault, cancel)
+                                     meta_capacity, chunk, self.job, prefault, cancel)
 
     def retire(self) -> bool:
         """Frees the current arena before a bigger one is made, keeping its snapshot.

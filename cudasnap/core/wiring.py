@@ -45,7 +45,7 @@ class Components(NamedTuple):
 
 def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
          sync_max_bytes: int | None, arena_path: Path, num_slots: int, spare_slot: bool,
-         chunk_bytes: int, job: str, rank: int, world_size: int, directory: Path, keep: int,
+         chunk_bytes: int | None, job: str, rank: int, world_size: int, directory: Path, keep: int,
          copy_threads: int, flush_threads: int, wait_timeout_s: float,
          snapshot_every: int | None, overhead_budget: float | None,
          device_staging: int | str,
@@ -54,8 +54,6 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
     c = Counters()
     tl = Timeline()
     be = Backend(backend, copy_threads, wait_timeout_s, arena_path, device_staging)
-    lays = Layouts(state, be, c, chunk_bytes=chunk_bytes, rank=rank, world_size=world_size,
-                   job=job)
     # Re-entrant: a signal handler may flush while the main thread is in boundary().
     flush_lock = threading.RLock()
     prep = arena_prep.ArenaPreparer(
@@ -66,6 +64,8 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
                          directory=directory, flush_threads=flush_threads,
                          wait_timeout_s=wait_timeout_s, supervised=supervised,
                          flush_lock=flush_lock, wait_copy=wait_copy, flush=flush)
+    # a plan's chunk: chunk_bytes, else the keeper's pick (its arena's when that one fits)
+    lays = Layouts(state, be, c, chunk=keeper.chunk, rank=rank, world_size=world_size, job=job)
     cp = Copier(state, be, lays, keeper, c, wait_timeout_s=wait_timeout_s,
                 cadence=Cadence(snapshot_every, overhead_budget, clock_for(be)))
     hooks = fences.install(state, cp, lays.invalidate)

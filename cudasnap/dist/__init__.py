@@ -11,8 +11,9 @@ Liveness. Per rank, every ``heartbeat_s`` a monitor thread publishes
 ``hb/<rank> = seq:last_step:complete_steps`` in the store (a clone of the
 default store: its own connection) and reads the others'. A peer is dead when
 its heartbeat stops for ``peer_timeout_s`` (``CUDASNAP_PEER_TIMEOUT_S``; a
-SIGSTOPped or otherwise frozen process) or, for a peer in this pid namespace
-of this boot, at once when its process is gone or a zombie. A peer that never
+SIGSTOPped or otherwise frozen process) or, once its heartbeat lags, at once when
+its presence port refuses a connection (its process is gone, on any node, in any pid
+namespace: see liveness). A peer that never
 sent a heartbeat is not timed out (it may still be starting). Newly dead
 peers trigger ``peer_failure`` on the survivors (default policy: flush, exit
 79). Flushes requested by the monitor run on a separate action thread, so
@@ -25,9 +26,11 @@ shared-memory slot, its files, or a replica's files), or none does: see
 :mod:`cudasnap.dist.restore_vote`. The shared filesystem must show every rank the same
 ``DIR``. Keys are namespaced by job and by ``TORCHELASTIC_RESTART_COUNT``.
 
-Modules: kv (store client), liveness (heartbeats, dead peers), flush_round
-(agree, write, commit), restore_vote, events, local (the LocalSnapshots protocol), coordinator (wires them),
-replica / replica_store / replica_wire (node-loss replication into a partner node's memory).
+Modules: kv (store client), liveness (heartbeats, presence ports, dead peers), flush_round
+(agree, write, commit), rank_files (a rank's directory from a slot), held_copies (a round
+writes a lost node's ranks from the copies a survivor holds), restore_vote, events, local (the
+LocalSnapshots protocol), coordinator (wires them), replica / replica_store / replica_wire
+(node-loss replication into a partner node's memory).
 The step layout and the COMMIT marker are cudasnap.format.paths and
 cudasnap.storage.posix (write_commit, read_commit), shared with one-rank snapshots.
 

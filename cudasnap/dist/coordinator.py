@@ -14,13 +14,14 @@ import operator
 import queue
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
 from ..errors import ConfigError
-from .events import EventLog
+from .events import PROGRESS_EVERY_S, EventLog
 from .flush_round import FlushRounds, RoundResult
 from .kv import KV, store_is_per_round
 from .liveness import Liveness
@@ -101,15 +102,22 @@ class Coordinator:
             self.epoch = int(self.kv.propose("epoch", str(self.epoch)))
             self.kv.prefix = f"cudasnap/{local.job}/e{self.epoch}/"
         self.events = EventLog(local.directory, self.rank, self.epoch)
+        from .replica import default_addr
+
         self.live = Liveness(self.kv, self.rank, self.world, self.peer_timeout_s,
-                             self.complete_steps, local.last_step)
-        self.rounds = FlushRounds(self.kv, self.live, local, self.events,
-                                  replica_groups=self.replica_groups, epoch=self.epoch,
-                                  heartbeat_s=heartbeat_s, flush_timeout_s=self.flush_timeout_s)
+                             self.complete_steps, local.last_step, heartbeat_s=heartbeat_s,
+                             addr=cfg.replica_addr or default_addr(), node=cfg.node_id)
+        copies = None
         if cfg.node_replica:
+            from .held_copies import HeldCopies
             from .replica import Replicator
 
             self.replica = Replicator(self.kv, local, cfg)
+            copies = HeldCopies(self.replica, self.kv, self.rank)
+        self.rounds = FlushRounds(self.kv, self.live, local, self.events,
+                                  replica_groups=self.replica_groups, epoch=self.epoch,
+                                  heartbeat_s=heartbeat_s, flush_timeout_s=self.flush_timeout_s,
+                                  copies=copies)
         self.vote = RestoreVote(self.kv, local, self.events, replica_groups=self.replica_groups,
                                 timeout_s=restore_timeout_s, replica=self.replica)
         # The first heartbeat before __init__ returns: a rank that freezes (SIGSTOP) soon
@@ -159,7 +167,10 @@ class Coordinator:
 
     def restore(self) -> int:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
-        return self.vote.restore()
+        try:
+            return self.vote.restore()
+        finally:
+            self.live.verify()  # every rank published its presence port before it voted
 
     @property
     def lost(self) -> str | None:
@@ -175,6 +186,12 @@ class Coordinator:
         for t in (self._thread, self._worker):
             if t is not threading.current_thread():
                 t.join(timeout=5)
+        try:
+            self._stop_rounds()
+        finally:
+            self.live.stop()  # its presence port closes: peers see this process gone
+
+    def _stop_rounds(self) -> None:
         exc = sys.exc_info()[1]  # close() from __exit__, an except or a finally block
         if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             log.warning("rank %d closes during %s: its peers take its end for a failure",
@@ -199,9 +216,11 @@ class Coordinator:
 
     # ---------------------------------------------------------- threads
     def _run(self) -> None:
+        reported: tuple[float, int] | None = None  # the last progress event: (when, step)
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self.live.beat()
+                reported = self._progress(reported)
                 dead = self.live.check()
                 if dead:
                     self._actions.put(("dead", dead))
@@ -213,6 +232,18 @@ class Coordinator:
             except Exception as e:  # noqa: BLE001 - the store may be gone when the job dies
                 if not self._stop.is_set():
                     log.warning("peer monitor: %s", e)
+
+    def _progress(self, reported: tuple[float, int] | None) -> tuple[float, int] | None:
+        """Rank 0 and the last rank log the step they reached (events: ``progress``) at
+        their first boundary, then every PROGRESS_EVERY_S."""
+        step = self.local.last_step()
+        if step is None or self.rank not in (0, self.world - 1):
+            return reported
+        now = time.monotonic()
+        if reported is None or (step != reported[1] and now - reported[0] >= PROGRESS_EVERY_S):
+            self.events("progress", step=step)
+            return now, step
+        return reported
 
     def _act(self) -> None:
         """Runs what the monitor asks for, so that heartbeats go on during a flush."""

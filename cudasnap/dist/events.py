@@ -3,7 +3,10 @@
 Events: flush_start (with ``target`` when an explicit flush opened the round), agreed,
 agree_failed, written, committed, commit_failed, closed_peers (a flush that opened no
 round: peers had closed), closed (this rank's clean close, its final committed step),
-restore_start, restored; each with wall-clock time, rank, epoch and thread.
+restore_start, restored, progress (the step a rank reached: rank 0 and the last rank, at
+their first boundary and then every ``PROGRESS_EVERY_S``: a restart that can restore
+nothing then knows, and says, how far the job had got); each with wall-clock time, rank,
+epoch and thread.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..format.paths import DIST_LOG as EVENT_LOG
+
 log = logging.getLogger("cudasnap.dist")
-EVENT_LOG = "dist-log.jsonl"
+PROGRESS_EVERY_S = 5.0
 
 
 class EventLog:

@@ -6,19 +6,23 @@ Round ``g`` (any trigger on any rank; the others join when they see
      (``have/<rank>``); the ranks that publish nothing before the agreement
      deadline (``peer_timeout_s`` + slack) form the dead set D. A dead rank
      counts with the steps in its arena, read directly by a live rank on its
-     host (``left/<rank>``); with no arena left it counts with its last
-     heartbeat, or not at all when a live rank replicates its state. The
+     host (``left/<rank>``), or with the steps of the copies a live node holds
+     (node-loss replication: ``held/<rank>``, cudasnap.dist.held_copies); with
+     neither it counts with its last heartbeat, or not at all when a live rank
+     replicates its state. The
      newest step COMPLETE everywhere and D are proposed with compare_set;
      the first proposal wins for every rank;
   2. each live rank writes ``DIR/step-N/rank-RRRRR/`` and sets ``done/<rank>``;
      the lowest live rank on a host also flushes the arena of each rank of D
-     on that host and sets its ``done`` marker;
+     on that host, and the holder of a copy of a rank of D writes it from the
+     copy (cudasnap.dist.rank_files), each setting its ``done`` marker;
   3. the lowest rank not in D waits for the markers (a rank of D with no live
      rank on its host is not waited for), then writes ``DIR/step-N/COMMIT``
      and ``latest``. (An object-store URL: the same names under the URL, uploaded;
      ``latest`` by compare-and-swap; cudasnap.storage.rounds / remote_ranks.)
      A rank that dies during the round (not in D, no marker) makes the round
-     fail: the step is not committed. Every wait of a round ends within
+     fail: the step is not committed, and the ranks start round ``g+1`` (``retry``),
+     where it is in D, at most twice more. Every wait of a flush ends within
      ``flush_timeout_s``.
 A trigger that finds the last round of this epoch finished and no newer step
 COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
@@ -55,10 +59,11 @@ from ..storage.rounds import RoundStore, round_store
 from .events import EventLog
 from .kv import KV, csv, parse_csv
 from .liveness import Liveness
-from .local import LocalSnapshots
+from .local import LocalSnapshots, complete_steps
+from .rank_files import RankFiles
 
-if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
-    from cudasnap._C import Arena
+if TYPE_CHECKING:
+    from .held_copies import HeldCopies
 
 log = logging.getLogger("cudasnap.dist")
 
@@ -73,18 +78,14 @@ class RoundResult(TypedDict):
     seconds: float
 
 
-def complete_steps(arenas: list[Arena]) -> list[int]:
-    """Steps COMPLETE in ``arenas``, newest first."""
-    out = {int(a.slot_info(i)["step"]) for a in arenas for i in range(a.num_slots)
-           if a.slot_info(i)["valid"]}
-    return sorted(out, reverse=True)
-
-
 class FlushRounds:
     def __init__(self, kv: KV, live: Liveness, local: LocalSnapshots, events: EventLog, *,
                  replica_groups: list[list[int]], epoch: int, heartbeat_s: float,
-                 flush_timeout_s: float) -> None:
+                 flush_timeout_s: float, copies: HeldCopies | None = None) -> None:
+        """``copies``: the copies of other nodes' ranks this node holds (node-loss
+        replication on): a round writes a dead rank's files from them (held_copies)."""
         self.kv, self.live, self.local, self.events = kv, live, local, events
+        self.copies = copies
         self.rank, self.world = live.rank, live.world
         self.replica_groups = replica_groups
         self.epoch = epoch
@@ -94,6 +95,7 @@ class FlushRounds:
         # Where the parts and the COMMIT go: the directory, or the object store whose
         # state directory it is (cudasnap.storage.rounds; the same protocol on both).
         self.store: RoundStore = round_store(local.directory)
+        self.files = RankFiles(self.store, kv, live, local, copies, self.replicas_of)
         self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
         self.last: RoundResult | None = None
 
@@ -141,6 +143,7 @@ class FlushRounds:
         target: int | None = None
         behind: list[int] = []
         settled: int | None = None
+        offered: set[int] = set()
         while True:
             won = kv.get(f"{g}/step")
             if won is not None:
@@ -170,12 +173,18 @@ class FlushRounds:
                 elif r in live.dead and r not in left and live.host_of(r) == live.host:
                     left[r] = self._arena_steps(r)
                     kv.set(f"{g}/left/{r}", "?" if left[r] is None else csv(left[r] or ()))
+                elif r in live.dead and self.copies is not None and r not in offered:
+                    offered.add(r)
+                    self.copies.offer(g, r)
             waiting = [r for r in range(self.world) if r not in sets and r not in live.dead
                        and r not in live.closed]
             # A dead rank elsewhere: give a live rank on its host time to read its arena.
             waiting += [r for r in live.dead if r not in sets and r not in left
                         and kv.get(f"{g}/left/{r}") is None
                         and live.live_host_mate(r, set()) is not None]
+            if self.copies is not None:  # a dead rank elsewhere: the node of its copy offers it
+                waiting += [r for r in live.dead if r not in sets and r not in left
+                            and r not in waiting and self.copies.awaited(g, r, live.dead)]
             if not waiting and target is None:
                 v = kv.get(f"{g}/target")  # proposed before the requester's have/
                 target = int(v) if v is not None else None
@@ -205,6 +214,9 @@ class FlushRounds:
             if got is None:
                 v = kv.get(f"{g}/left/{r}")
                 got = parse_csv(v) if v is not None and v != "?" else None
+            held = self.copies.published(g, r) if got is None and self.copies else None
+            if held is not None:
+                got = held[1]
             if got is not None:
                 use[r] = got
                 if covered:
@@ -276,95 +288,56 @@ class FlushRounds:
                 return last["path"] if done and last is not None else None
             t0 = time.perf_counter()
             deadline = time.monotonic() + self.flush_timeout_s
-            opened = self.kv.propose(f"{g}/request", str(self.rank)) == str(self.rank)
-            if explicit and opened and newest is not None:
-                # Before this rank's have/: a rank that sees it sees the target too.
-                self.kv.propose(f"{g}/target", str(newest))
-            self.events("flush_start", gen=self.gen, newest=newest,
-                        **({"target": newest} if explicit and opened else {}))
-            agreed = self.agree_step(g, deadline)
-            if agreed is None:
-                self.events("agree_failed", gen=self.gen)
+            for tries in range(3):
+                g = f"flush/{self.gen}"
+                ok, step, path = self._round(g, explicit and tries == 0, newest, deadline)
                 self.gen += 1
-                self.last = {"step": None, "path": None, "committed": False,
+                self.last = {"step": step, "path": path, "committed": ok,
                              "newest": newest, "seconds": time.perf_counter() - t0}
-                return None
-            step, dead = agreed
-            self.events("agreed", gen=self.gen, step=step, dead=sorted(dead))
-            path = None
-            # The writer of each rank directory is claimed: this rank, or (when it was too
-            # slow to count and looked dead) the helper on its host; never both.
-            if self.kv.propose(f"{g}/writer/{self.rank}", str(self.rank)) == str(self.rank):
-                arenas = self.local.arenas()
-                path = self._flush_rank(self.rank, step, arenas[0] if arenas else None)
-                reach("dist.flush_written", rank=self.rank, step=step)
-                self.kv.set(f"{g}/done/{self.rank}", "ok" if path else "missing")
-            else:
-                log.warning("rank %d: a helper flushed this rank's arena for step %d", self.rank,
-                            step)
-                path = self.local.directory / step_dirname(step) / rank_dirname(self.rank)
-            self._help_dead(step, g, dead)
-            self.events("written", gen=self.gen, step=step)
-            committer = min(r for r in range(self.world) if r not in dead)
-            if committer == self.rank:
-                ok = self._commit(step, g, dead, deadline)
-            else:
-                ok = self._wait_committed(g, step, committer, deadline)
-                if ok:
-                    self.store.refresh()
-            self.gen += 1
-            self.last = {"step": step, "path": path, "committed": ok, "newest": newest,
-                         "seconds": time.perf_counter() - t0}
+                # A rank died during the round: the next one counts it with D (its arena
+                # or its copy written by a survivor), within the same deadline.
+                if ok or self.kv.get(f"{g}/retry") is None or time.monotonic() > deadline:
+                    break
+                log.warning("rank %d: rank(s) died during flush round %s; a new round",
+                            self.rank, g)
             return path if ok else None
 
-    def _flush_rank(self, rank: int, step: int, arena: Arena | None) -> Path | None:
-        """Writes ``rank``'s slot of ``step``; None (logged) when it cannot."""
-        if arena is None:
-            return None
-        slot = -1
-        for i in range(arena.num_slots):
-            if arena.slot_info(i)["valid"] and arena.slot_info(i)["step"] == step:
-                arena.lease(i)  # then check again: a copy may have claimed it meanwhile
-                info = arena.slot_info(i)
-                if info["valid"] and info["step"] == step:
-                    slot = i
-                    break
-                arena.release(i)
-        if slot < 0:
-            log.error("rank %d: step %d is not in shared memory (%s)", rank, step, arena.path)
-            return None
-        try:
-            # Files of this rank for an uncommitted step are a failed round's: rewritten.
-            self.store.clear_stale(step, rank)
-            path = self.store.write_rank(arena, slot, rank, threads=self.local.flush_threads,
-                                         extra_manifest={"replica_group": self.replicas_of(rank)})
-        except SnapshotError as e:
-            log.error("rank %d: writing step %d failed: %s", rank, step, e)
-            return None
-        finally:
-            arena.release(slot)
-        return path
-
-    def _help_dead(self, step: int, g: str, dead: set[int]) -> None:
-        """Flush the arenas that ranks of D left on this host (lowest live local rank only)."""
-        live = self.live
-        for r in sorted(dead):
-            if r == self.rank or r in live.closed or live.host_of(r) != live.host \
-                    or live.live_host_mate(r, dead) != self.rank \
-                    or self.kv.propose(f"{g}/writer/{r}", str(self.rank)) != str(self.rank):
-                continue
-            path = self.local.arena_path_of(r)
-            got = None
-            try:
-                if path.exists():
-                    got = self._flush_rank(r, step, native().Arena.open(str(path), True))
-                    log.warning("rank %d flushed dead rank %d's arena for step %d", self.rank, r,
-                                step)
-                else:
-                    log.error("dead rank %d left no arena (%s)", r, path)
-            except SnapshotError as e:
-                log.error("cannot flush dead rank %d's arena %s: %s", r, path, e)
-            self.kv.set(f"{g}/done/{r}", "ok" if got else "missing")
+    def _round(self, g: str, explicit: bool, newest: int | None,
+               deadline: float) -> tuple[bool, int | None, Path | None]:
+        """One round ``g``: (committed, the agreed step, this rank's directory of it)."""
+        opened = self.kv.propose(f"{g}/request", str(self.rank)) == str(self.rank)
+        if explicit and opened and newest is not None:
+            # Before this rank's have/: a rank that sees it sees the target too.
+            self.kv.propose(f"{g}/target", str(newest))
+        self.events("flush_start", gen=self.gen, newest=newest,
+                    **({"target": newest} if explicit and opened else {}))
+        agreed = self.agree_step(g, deadline)
+        if agreed is None:
+            self.events("agree_failed", gen=self.gen)
+            return False, None, None
+        step, dead = agreed
+        self.events("agreed", gen=self.gen, step=step, dead=sorted(dead))
+        # The writer of each rank directory is claimed: this rank, or (when it was too
+        # slow to count and looked dead) the helper on its host; never both.
+        if self.kv.propose(f"{g}/writer/{self.rank}", str(self.rank)) == str(self.rank):
+            arenas = self.local.arenas()
+            path = self.files.write(self.rank, step, arenas[0] if arenas else None)
+            reach("dist.flush_written", rank=self.rank, step=step)
+            self.kv.set(f"{g}/done/{self.rank}", "ok" if path else "missing")
+        else:
+            log.warning("rank %d: a helper flushed this rank's arena for step %d", self.rank,
+                        step)
+            path = self.local.directory / step_dirname(step) / rank_dirname(self.rank)
+        self.files.write_dead(step, g, dead)
+        self.events("written", gen=self.gen, step=step)
+        committer = min(r for r in range(self.world) if r not in dead)
+        if committer == self.rank:
+            ok = self._commit(step, g, dead, deadline)
+        else:
+            ok = self._wait_committed(g, step, committer, deadline)
+            if ok:
+                self.store.refresh()
+        return ok, step, path
 
     def _wait_committed(self, g: str, step: int, committer: int, deadline: float) -> bool:
         while time.monotonic() < deadline:
@@ -375,6 +348,7 @@ class FlushRounds:
             if committer in self.live.dead:
                 log.error("rank %d: committer rank %d died during the flush of step %d; "
                           "not committed", self.rank, committer, step)
+                self.kv.set(f"{g}/retry", str(committer))
                 return False
             time.sleep(0.05)
         log.error("rank %d: no commit of step %d within %.0f s", self.rank, step,
@@ -394,8 +368,9 @@ class FlushRounds:
             pending = [r for r in range(self.world) if r not in status]
             live.check()
             failed = [r for r in pending if r not in dead and r in live.dead]
-            waiting = [r for r in pending if r not in dead or r not in live.closed
-                       and live.live_host_mate(r, dead) is not None]
+            waiting = [r for r in pending if r not in dead or r not in live.closed and (
+                live.live_host_mate(r, dead) is not None
+                or self.copies is not None and self.copies.published(g, r) is not None)]
             if failed or not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -403,6 +378,8 @@ class FlushRounds:
             lost = failed or [r for r in pending if r not in dead]
             log.error("step %d NOT committed: rank(s) %s %s during the flush", step, lost,
                       "died" if failed else f"did not finish within {self.flush_timeout_s:.0f} s")
+            if failed:  # before the failure is published: every waiter sees it
+                self.kv.set(f"{g}/retry", csv(failed))
             return self._fail(g, step, lost)
         try:
             present = self.store.present(step, self.world)

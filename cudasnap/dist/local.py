@@ -16,6 +16,13 @@ if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this mod
     from cudasnap._C import Arena
 
 
+def complete_steps(arenas: list[Arena]) -> list[int]:
+    """Steps COMPLETE in ``arenas``, newest first."""
+    out = {int(a.slot_info(i)["step"]) for a in arenas for i in range(a.num_slots)
+           if a.slot_info(i)["valid"]}
+    return sorted(out, reverse=True)
+
+
 class LocalSnapshots(Protocol):
     @property
     def rank(self) -> int: ...

@@ -44,7 +44,8 @@ from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from .kv import KV
 from .local import LocalSnapshots
-from .replica_store import GuestStore, claim_guests, clean_leftovers, fetch_path, find_slot, held_steps, make_arena
+from .replica_store import (GuestStore, claim_guests, clean_leftovers, fetch_path, find_slot, held_steps,
+                            make_arena, sweep)
 from .replica_wire import Throttle, WireError, configure, land, recv_msg, send_msg, send_slot, slot_header
 
 if TYPE_CHECKING:
@@ -358,7 +359,10 @@ class Replicator:
 
     def stop(self, clean: bool = False) -> None:
         """Stops the threads; ``clean`` (the job ended with its final step committed):
-        the guest copies this process received are removed from shared memory."""
+        the guest copies this process received are removed from shared memory, and every
+        arena of the job there that this process holds or whose holder is gone (own
+        arenas of renumbered ranks, guests claimed at start: replica_store.sweep); this
+        rank's own arena is its Snapshotter's to remove."""
         self._stop.set()
         try:
             self._srv.close()
@@ -368,4 +372,7 @@ class Replicator:
             if t is not threading.current_thread():
                 t.join(timeout=10)
         if clean:
-            self.guests.remove_all()
+            gone = self.guests.close() + sweep(self.shm, self.job, keep=self.own_path)
+            if gone:
+                log.info("rank %d: clean end: removed %d replica arena(s) from %s: %s",
+                         self.rank, len(gone), self.shm, ", ".join(sorted(p.name for p in gone)))

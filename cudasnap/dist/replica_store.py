@@ -9,6 +9,15 @@ the old one: the path always names a complete arena (0600, as every arena).
 
 A node holds a copy of rank ``src`` when its shared memory has that rank's own arena
 (``-r<src>``: ranks renumbered by an elastic restart) or a guest of it (``-g<src>``).
+
+Nothing is left behind at a clean end (issue 35 item 5): each process, once its final step
+is committed (``Replicator.stop(clean=True)``), removes the guests it received
+(:meth:`GuestStore.close`) and sweeps the node's arenas of the job (:func:`sweep`): every one it
+holds (guests it claimed at start, ``claim_guests``) or whose holder is gone (own arenas
+of ranks an elastic restart renumbered away, guests of dead receivers, temporaries), but
+never one a live process of the node holds (another rank's own arena, the guests it
+receives; that process removes them at its own end). ``cudasnap gc`` removes the same ones
+once their holder is gone (:func:`hidden_holder` names the holder of a temporary).
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .._native import native
 from .._proc import pid_alive
 from ..errors import SnapshotError
-from .replica_wire import check_geometry, land
+from .replica_wire import WireError, check_geometry, land
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -58,11 +67,17 @@ def copy_paths(shm: Path, job: str) -> dict[int, list[Path]]:
     return out
 
 
+def hidden_holder(name: str, job: str | None = None) -> int | None:
+    """The pid a temporary arena's name carries (a fetched copy, a guest being regrown) of
+    ``job`` (any job's when None); None for another name."""
+    j = re.escape(job) if job is not None else ".+"
+    m = re.match(rf"^\.cudasnap-{j}-(?:fetch-r\d+-(\d+)\.arena|g\d+\.arena\.tmp-(\d+))$", name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
 def clean_leftovers(shm: Path, job: str, guests: bool = False) -> list[Path]:
     """Removes the temporary arenas (fetched copies, guests being regrown) of ``job`` that
     dead processes left in ``shm``; ``guests``: every guest copy too (a fresh start)."""
-    pat = re.compile(rf"^\.cudasnap-{re.escape(job)}-(?:fetch-r\d+-(\d+)\.arena|"
-                     rf"g\d+\.arena\.tmp-(\d+))$")
     gpat = re.compile(rf"^cudasnap-{re.escape(job)}-g\d+\.arena$")
     gone: list[Path] = []
     try:
@@ -70,8 +85,8 @@ def clean_leftovers(shm: Path, job: str, guests: bool = False) -> list[Path]:
     except OSError:
         return gone
     for name in names:
-        m = pat.match(name)
-        if (m and not pid_alive(int(m.group(1) or m.group(2)))) or (guests and gpat.match(name)):
+        pid = hidden_holder(name, job)
+        if (pid is not None and not pid_alive(pid)) or (guests and gpat.match(name)):
             (Path(shm) / name).unlink(missing_ok=True)
             gone.append(Path(shm) / name)
     return gone
@@ -89,6 +104,33 @@ def claim_guests(shm: Path, job: str) -> int:
                     a.claim_owner()
                     n += 1
     return n
+
+
+def holder(path: Path) -> int | None:
+    """The pid holding an arena (its last ``claim_owner``, else its maker); None when it
+    cannot be read (gone, or being made right now)."""
+    try:
+        return int(native().Arena.open(str(path), False, False).owner_pid)
+    except (SnapshotError, OSError):
+        return None
+
+
+def sweep(shm: Path, job: str, keep: Path | None = None) -> list[Path]:
+    """A clean end of this process: removes the arenas of ``job`` in ``shm`` (own arenas of
+    any rank, guests, temporaries) that this process holds or whose holder is gone; those
+    a live process of the node holds stay, and so does ``keep`` (this rank's own arena:
+    its Snapshotter removes it at close). Returns what was removed."""
+    gone = clean_leftovers(shm, job)
+    me = os.getpid()
+    for ps in copy_paths(shm, job).values():
+        for p in ps:
+            if keep is not None and p == keep:
+                continue
+            pid = holder(p)
+            if pid is not None and (pid == me or not pid_alive(pid)):
+                p.unlink(missing_ok=True)
+                gone.append(p)
+    return gone
 
 
 def open_copy(path: Path) -> Arena | None:
@@ -157,10 +199,13 @@ class GuestStore:
         self._arenas: dict[int, Arena] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
+        self._closed = False  # close(): a replica still landing removes itself
 
     def receive(self, sock: socket.socket, hdr: dict[str, Any], src: int) -> int:
         """Lands a replica of ``src`` (header already read); returns its step."""
         with self._lock:
+            if self._closed:
+                raise WireError("the job ended here: no more replicas")
             lk = self._locks.setdefault(src, threading.Lock())
         with lk:
             n, m, _, c = check_geometry(hdr)
@@ -175,8 +220,7 @@ class GuestStore:
                 a = None  # regrown: a new arena, renamed over the old one once complete
             if a is not None:
                 land(sock, hdr, a, self.threads)
-                self._arenas[src] = a
-                return int(hdr["step"])
+                return self._keep(src, a, int(hdr["step"]))
             tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
             try:
                 a = make_arena(tmp, hdr, self.job)
@@ -186,12 +230,24 @@ class GuestStore:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            self._arenas[src] = a
-            return int(hdr["step"])
+            return self._keep(src, a, int(hdr["step"]))
 
-    def remove_all(self) -> None:
-        """A clean end of the job: the guests this process received are removed."""
+    def _keep(self, src: int, a: Arena, step: int) -> int:
         with self._lock:
-            for src in list(self._arenas):
-                guest_path(self.shm, self.job, src).unlink(missing_ok=True)
+            if not self._closed:
+                self._arenas[src] = a
+                return step
+        guest_path(self.shm, self.job, src).unlink(missing_ok=True)  # landed after close()
+        raise WireError("the job ended here: replica dropped")
+
+    def close(self) -> list[Path]:
+        """A clean end of the job: the guests this process received are removed (one still
+        landing removes itself), and no more are taken. Returns the paths removed."""
+        with self._lock:
+            self._closed = True
+            srcs = list(self._arenas)
             self._arenas.clear()
+        gone = [guest_path(self.shm, self.job, src) for src in srcs]
+        for p in gone:
+            p.unlink(missing_ok=True)
+        return gone

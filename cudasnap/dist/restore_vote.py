@@ -35,9 +35,8 @@ from ..format.manifest import parse_slot_meta
 from ..format.paths import MANIFEST, rank_dirname
 from ..storage.posix import StoredSnapshot, committed_steps, read_commit
 from .events import EventLog
-from .flush_round import complete_steps
 from .kv import KV, csv, parse_csv
-from .local import LocalSnapshots
+from .local import LocalSnapshots, complete_steps
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena

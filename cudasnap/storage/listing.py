@@ -27,7 +27,7 @@ from .._native import native
 from ..errors import CorruptSnapshot, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, encode_commit
-from ..format.paths import COMMIT, FLUSH_LOG, MANIFEST, STEP_RE
+from ..format.paths import COMMIT, DIST_LOG, FLUSH_LOG, MANIFEST, STEP_RE
 from .latest import read_latest
 from .safe_io import _read_regular, _write_file_durable
 
@@ -137,7 +137,34 @@ def progress_evidence(directory: Path, steps: list[Any]) -> str | None:
     latest = read_latest(directory) if Path(directory).is_dir() else None
     if latest:
         out.append(f"'latest' names {latest}")
+    earlier = _earlier_attempts(directory)
+    if earlier:
+        out.append(earlier)
     return "; ".join(out) or None
+
+
+def _earlier_attempts(directory: Path) -> str | None:
+    """The steps the coordinators' event log says ranks reached (its ``progress`` events,
+    written from a rank's first boundary on: never by a job still restoring), or None."""
+    try:
+        lines = (Path(directory) / DIST_LOG).read_text().splitlines()[-100_000:]
+    except OSError:
+        return None
+    epochs: set[int] = set()
+    reached = -1
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == "progress" \
+                and isinstance(rec.get("step"), int) and isinstance(rec.get("epoch"), int):
+            epochs.add(rec["epoch"])
+            reached = max(reached, rec["step"])
+    if not epochs:
+        return None
+    return (f"{DIST_LOG} records ranks that trained to step {reached} at least (attempt(s) "
+            f"{', '.join(map(str, sorted(epochs)[-4:]))})")
 
 
 def prune(directory: Path, keep: int) -> None:

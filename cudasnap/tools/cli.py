@@ -19,6 +19,9 @@ log = logging.getLogger("cudasnap.cli")
 EXIT_STATUS = ("exit status: 0 success; 1 verify found a damaged snapshot; 2 an error, printed "
                "as one line (bad arguments or paths, an unreadable snapshot, an unreachable "
                "object store); --debug prints the traceback instead")
+NODE_LOSS = ("Multi-node jobs: CUDASNAP_NODE_REPLICA=1 (with CUDASNAP_HEALTH=1) also keeps "
+             "each rank's newest snapshot in another node's memory, so a lost node resumes "
+             "from there; gc removes the copies whose holder is gone (README, 'Node loss').")
 
 
 def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
@@ -232,21 +235,27 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_gc(a: argparse.Namespace) -> int:
+    """Removes every arena in the shared-memory directory whose holder is gone: own arenas
+    (of any rank numbering), guest copies of node-loss replication (``-g<src>``) and the
+    temporaries of a fetch or a regrown guest (hidden, the holder's pid in the name)."""
     from .._native import native
     from .._proc import pid_alive as _pid_alive
+    from ..dist.replica_store import hidden_holder
     from ..format import paths
 
     shm = Settings.from_env().shm_dir
     removed = 0
-    for path in sorted(shm.glob(paths.arena_glob())):
+    hidden = [p for p in shm.glob(".cudasnap-*") if hidden_holder(p.name) is not None]
+    for path in sorted(shm.glob(paths.arena_glob())) + sorted(hidden):
         try:
             if path.lstat().st_uid != os.getuid() and os.getuid() != 0:
                 print(f"skip   {path} (owned by uid {path.lstat().st_uid})")
                 continue
         except OSError:
             continue
+        pid = hidden_holder(path.name)
         try:
-            owner = native().Arena.open(str(path), False).owner_pid
+            owner = pid if pid is not None else native().Arena.open(str(path), False).owner_pid
         except Exception as e:  # noqa: BLE001
             owner = -1
             log.warning("unreadable arena %s: %s", path, e)
@@ -304,7 +313,7 @@ def _directory_arg(text: str) -> Path | str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="cudasnap", description="just-in-time GPU checkpointing",
-                                epilog=EXIT_STATUS)
+                                epilog=f"{EXIT_STATUS}. {NODE_LOSS}")
     p.add_argument("--debug", action="store_true", help="tracebacks for errors")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="train, inject a failure, resume bit for bit", add_help=False)

@@ -180,7 +180,8 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
     name from cudasnap.format.paths) -- never a string read from a manifest. A new join, or a
     new module of that writer, fails this test until reviewed."""
     reviewed = {
-        "DATA", "MANIFEST", "LATEST", "LATEST_LOCK", "FLUSH_LOG", "step_dirname(step)", "subdir",
+        "DATA", "MANIFEST", "LATEST", "LATEST_LOCK", "FLUSH_LOG", "DIST_LOG", "step_dirname(step)",
+        "subdir",
         "step_dirname(cur_step)",
         "'.lock' if rank == 0 else f'.lock-rank{rank}'", "f'.probe-{os.getpid()}'",
         "f'.{LATEST}.tmp-{os.getpid()}'", "f'{step_dirname(step)}.tmp-{os.getpid()}'",

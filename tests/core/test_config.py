@@ -62,8 +62,7 @@ def test_every_snapshotter_keyword_has_a_row_in_the_keyword_table():
     keywords = set(sig) - {"self", "model", "optimizer"}
     assert keywords <= rows, sorted(keywords - rows)
     assert (sig["num_slots"].default, sig["keep"].default, sig["chunk_bytes"].default,
-            sig["rng_sources"].default) == (cfg.NUM_SLOTS, cfg.KEEP, cfg.CHUNK_BYTES,
-                                            cfg.RNG_SOURCES)
+            sig["rng_sources"].default) == (cfg.NUM_SLOTS, cfg.KEEP, None, cfg.RNG_SOURCES)
 
 
 @pytest.mark.parametrize("kw, bad", [("num_slots", 1), ("num_slots", 8), ("num_slots", 2.5),
@@ -76,6 +75,7 @@ def test_check_options_names_the_bad_keyword(kw, bad):
     good = dict(num_slots=2, spare_slot=True, keep=3, chunk_bytes=cfg.CHUNK_BYTES,
                 backend="auto", snapshot_every=1, rng_sources=cfg.RNG_SOURCES)
     cfg.check_options(**good)
+    cfg.check_options(**{**good, "chunk_bytes": None})  # None: the chunk follows the state
     with pytest.raises(ConfigError, match=kw):
         cfg.check_options(**{**good, kw: bad})
 

@@ -145,7 +145,8 @@ def main() -> int:
                      **state_arrays(core, opt))
         time.sleep(0.02)
     np.savez(os.path.join(out, f"rank-{rank}.npz"), **state_arrays(core, opt))
-    info = {"rank": rank, "attempt": attempt, "start": start, "t_start": T_START, "t_pg": t_pg,
+    info = {"rank": rank, "pid": os.getpid(), "attempt": attempt, "start": start,
+            "t_start": T_START, "t_pg": t_pg,
             "t0": t0, "t_restored": t_restored, "t_end": time.time(),
             "restore": snap.stats()["restore"] if snap else None}
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:

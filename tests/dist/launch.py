@@ -69,8 +69,10 @@ def cleanup_arenas(job: str) -> None:
 
 def run(base: Path, *, nproc: int = 4, max_restarts: int = 1, env: dict[str, str] | None = None,
         job: str | None = None, out: str = "out", ckpt: str = "ckpt",
-        timeout: float = 240.0, script: Path = JOB_SCRIPT) -> Run:
-    """torchrun --standalone --nnodes=1 --nproc-per-node=NPROC --max-restarts=M ddp_train.py."""
+        timeout: float = 240.0, script: Path = JOB_SCRIPT, prefix: list[str] | None = None) -> Run:
+    """torchrun --standalone --nnodes=1 --nproc-per-node=NPROC --max-restarts=M ddp_train.py
+    (``prefix``: a command that runs torchrun, e.g. in other namespaces; it ends with the
+    torchrun command's arguments appended)."""
     import time
 
     base.mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,7 @@ def run(base: Path, *, nproc: int = 4, max_restarts: int = 1, env: dict[str, str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
            "--monitor-interval=0.1", str(script)]
+    cmd = (prefix or []) + cmd
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

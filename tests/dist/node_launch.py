@@ -37,7 +37,17 @@ class NodeRun:
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     kill: dict[str, Any] | None = None
     t_lost: float | None = None  # when the victim's death was seen
+    # survivors="wait": seconds from the victim's death seen to each survivor's own exit
+    survivor_exit: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
+    # what each node's shared-memory directory still held at the end, before its removal
+    left: dict[int, list[str]] = field(default_factory=dict)
+
+    def leaked(self) -> dict[int, list[str]]:
+        """The arenas of this job (own, guest, temporary) left in each node's shared
+        memory at the end."""
+        return {n: [f for f in names if f.lstrip(".").startswith(f"cudasnap-{self.job}-")]
+                for n, names in self.left.items()}
 
     @property
     def out(self) -> Path:
@@ -99,11 +109,15 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
         env: dict[str, str] | None = None, kill_node: int | None = None,
         kill_step: int = -1, kill_when: str = "acked", lose: tuple[int, ...] | None = None,
         timeout: float = 240.0, job: str | None = None,
-        shm_root: Path | None = None, between: Any = None, renumber: bool = False) -> NodeRun:
+        shm_root: Path | None = None, between: Any = None, renumber: bool = False,
+        survivors: str = "kill") -> NodeRun:
     """Attempt 0 (with a node loss at ``kill_step`` when ``kill_node`` is set: that node's
     first rank dies, then every process; the nodes in ``lose`` (default: the killed one)
     lose their shared memory), then attempt 1 to the end; ``between(run)`` is called between
-    the two attempts; ``renumber``: in attempt 1 node n runs node (nodes-1-n)'s ranks."""
+    the two attempts; ``renumber``: in attempt 1 node n runs node (nodes-1-n)'s ranks;
+    ``survivors``: "kill" (every process of the job is killed once the victim died) or
+    "wait" (only the lost node's processes are; the others exit on their own, as the
+    health guard makes them: their exit times are ``survivor_exit``)."""
     t0 = time.monotonic()
     base.mkdir(parents=True, exist_ok=True)
     for d in ("out", "ckpt", "store", "logs"):
@@ -142,9 +156,18 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
                 while victim.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.02)
                 r.t_lost = time.time()
-                for p in procs.values():  # the job's other workers go down too
-                    if p.poll() is None:
+                lost_ranks = {kill_node * per_node + i for i in range(per_node)}
+                for rank_, p in procs.items():  # the job's other workers go down too
+                    if p.poll() is None and (survivors == "kill" or rank_ in lost_ranks):
                         os.killpg(p.pid, signal.SIGKILL)
+                while survivors == "wait" and time.monotonic() < deadline:
+                    for rank_, p in procs.items():
+                        if rank_ not in r.survivor_exit and rank_ not in lost_ranks \
+                                and p.poll() is not None:
+                            r.survivor_exit[rank_] = time.time() - r.t_lost
+                    if all(p.poll() is not None for p in procs.values()):
+                        break
+                    time.sleep(0.01)
                 r.rcs.append(_wait_all(procs, deadline))
                 kill = r.out / "kill.json"
                 r.kill = json.loads(kill.read_text()) if kill.exists() else None
@@ -158,7 +181,8 @@ def run(base: Path, *, nodes: int = 2, per_node: int = 1, steps: int = 30,
                 continue
             r.rcs.append(_wait_all(procs, deadline))
     finally:
-        for d in shm.values():
+        for n, d in shm.items():
+            r.left[n] = sorted(os.listdir(d)) if d.is_dir() else []
             shutil.rmtree(d, ignore_errors=True)
     for rank in range(world):
         f = r.out / f"rank-{rank}.json"

@@ -15,13 +15,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from cudasnap.dist.kv import KV
-from cudasnap.dist.liveness import Liveness, proc_ident
+from cudasnap.dist.liveness import Liveness
 from cudasnap.format import paths
 from cudasnap.storage import posix
 from tests.dist import launch
@@ -30,6 +31,7 @@ SCRIPT = Path(launch.__file__).with_name("end_of_job_worker.py")
 STEPS = 6
 WORLD = 2
 PEER_TIMEOUT_S = 10.0  # the default: a flush that waited out a "silent" peer takes this long
+HB_S = 0.02  # the unit tests' heartbeat: a peer lags after 2 of them
 QUICK_S = 4.0  # well under it: the late rank's 0.5 s, the monitor's join, the writes
 
 
@@ -64,14 +66,19 @@ class _Store:
 
 def _liveness(store: _Store) -> Liveness:
     kv = KV("t/", store=store, monitor_store=store)  # type: ignore[arg-type]
-    return Liveness(kv, 0, 2, 10.0, lambda: [4, 5], lambda: 5)
+    return Liveness(kv, 0, 2, 10.0, lambda: [4, 5], lambda: 5, heartbeat_s=HB_S)
 
 
 def _dead_peer(store: _Store) -> None:
-    """Rank 1's process, as its proc/ key names it, is gone."""
-    p = subprocess.Popen(["true"])
-    p.wait()
-    store.set("t/proc/1", f"{proc_ident()}:{p.pid}")
+    """Rank 1, on this host, lags a heartbeat and its presence port refuses connections
+    (its process is gone)."""
+    import socket
+
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    store.set("t/proc/1", f"127.0.0.1:{port}")
+    store.set("t/host/1", socket.gethostname())
 
 
 def test_a_peer_whose_process_is_gone_is_dead_unless_it_closed() -> None:
@@ -79,13 +86,17 @@ def test_a_peer_whose_process_is_gone_is_dead_unless_it_closed() -> None:
     live = _liveness(store)
     _dead_peer(store)
     store.set("t/hb/1", "7:5:4,5")
-    assert live.check() == [1] and live.dead == {1}
+    found = live.check()  # its port is probed once (is it reachable?) and refuses
+    time.sleep(3 * HB_S)  # else its heartbeat lags: its port is probed again
+    found += live.check()
+    assert found == [1] and live.dead == {1}
 
     store = _Store()
     live = _liveness(store)
     _dead_peer(store)
     store.set("t/hb/1", "closed:5")  # close() with step 5 committed, then exited
     assert live.check() == [] and live.dead == set() and live.closed == {1: 5}
+    time.sleep(3 * HB_S)
     assert live.check() == []  # and stays closed
 
     # Closed (and exited) between the read of its heartbeat and the look at its process.

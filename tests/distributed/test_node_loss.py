@@ -25,6 +25,7 @@ from cudasnap.dist.replica import ring_partner
 from cudasnap.dist.replica_store import GuestStore, guest_path, held_steps
 from cudasnap.dist.replica_wire import WireError, land, recv_msg, send_msg, send_slot, slot_header
 from cudasnap.errors import CorruptSnapshot
+from cudasnap.storage.posix import read_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 import node_launch  # noqa: E402
@@ -198,6 +199,48 @@ def test_fsdp2_two_nodes_of_two_ranks_resume_from_peer_memory_bitwise(tmp_path):
     assert [r.ranks[k]["restore"]["source"] for k in (0, 1)] == ["shm", "shm"]
     assert all(r.ranks[k]["restore"]["source"].startswith("peer-memory:") for k in (2, 3))
     _same(r, ref, world=4)
+
+
+@pytest.mark.slow
+def test_survivors_commit_the_lost_nodes_step_then_a_second_loss_restores_it_from_disk(
+        tmp_path):
+    # FSDP2 on 2 nodes of 2 ranks, the health guard on. Node 1 lost at step 8: the
+    # survivors (node 0) exit on their own after a flush round that writes ranks 2 and 3
+    # from the guest copies node 0 holds and commits step 7 with every rank present. Then
+    # node 0's memory is lost too: attempt 1 restores step 7 from disk, bitwise.
+    env = {"MODE": "fsdp"}
+    ref = node_launch.reference(tmp_path / "ref", nodes=2, per_node=2, steps=12, env=env)
+    assert ref.ok(), ref.logs()
+    # A 60 s peer timeout: only the dead ranks' presence ports can end the round in time.
+    r = node_launch.run(tmp_path / "run", nodes=2, per_node=2, steps=12, kill_node=1,
+                        kill_step=8, lose=(0, 1), survivors="wait", timeout=240,
+                        env=dict(env, CUDASNAP_HEALTH="1", CUDASNAP_PEER_TIMEOUT_S="60"))
+    assert r.ok(), r.logs()
+    assert sorted(r.survivor_exit) == [0, 1] and max(r.survivor_exit.values()) < 30, \
+        (r.survivor_exit, r.logs())
+    step_dir = r.ckpt / "step-00000007"
+    commit = read_commit(step_dir)
+    assert commit["present"] == [0, 1, 2, 3] and commit["dead"] == [2, 3], commit
+    assert "wrote dead rank 2's step 7 from the copy its node holds" in r.logs()
+    assert [r.ranks[k]["restore"]["source"] for k in range(4)] == ["disk"] * 4, r.logs()
+    assert [r.ranks[k]["start"] for k in range(4)] == [8] * 4
+    _same(r, ref, world=4)
+    assert not [d for d in r.ckpt.iterdir() if d.name.startswith("step-")
+                and not (d / "COMMIT").exists()], "an uncommitted step directory was left"
+
+
+@pytest.mark.slow
+def test_both_copies_lost_with_nothing_on_disk_is_an_error_not_a_silent_step_0(tmp_path):
+    # Steps of 0.15 s: the job runs for a while before the loss (its progress is logged
+    # from the first boundary the peer monitor sees, then every 5 s).
+    r = node_launch.run(tmp_path, steps=STEPS, kill_node=1, kill_step=10, lose=(0, 1),
+                        timeout=180, env={"STEP_SLEEP": "0.15"})
+    assert r.ok(), r.logs()
+    assert [r.ranks[k]["start"] for k in (0, 1)] == [0, 0]
+    logs = r.logs()
+    # Nothing on disk, both memories gone: the coordinators' progress events still tell.
+    assert "starting over at step 0" in logs and "records ranks that trained to step" in logs, \
+        logs
 
 
 def test_leftovers_of_dead_processes_and_fresh_guests_are_removed(tmp_path):

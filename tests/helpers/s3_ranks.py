@@ -7,7 +7,8 @@ the state is not replicated, every rank must load its own part).
 
 * ``save``: steps 0-3, flush (every rank), steps 4-5, flush, close: steps 3 and 5 committed.
 * ``kill``: as ``save``, but rank 1 is SIGKILLed while it uploads its part of step 5
-  (the ``upload`` kill point); rank 0's flush then returns None (not committed).
+  (the ``upload`` kill point); rank 0's round fails, and its retry (rank 1 dead) rewrites
+  rank 1's part from its arena and commits.
 * ``restore``: restore_latest() on every rank; the state it restored and where from.
 
 The S3 endpoint, credentials, CUDASNAP_STATE_DIR and CUDASNAP_SHM_DIR come from the
@@ -77,8 +78,8 @@ def main(scenario: str, rank: int, world: int, url: str, base: Path) -> None:
 
             faults.arm_kill("upload")  # rank 1 dies inside its upload of step 5
         elif scenario == "kill":
-            # The job's answer to the death (a new round in which rank 0 also flushes the
-            # arena rank 1 left on this host) is switched off: this is about the torn round.
+            # The job's answer to the death (a trigger's new flush) is switched off: this is
+            # about the round itself, which retries with rank 1 dead.
             snap.dist.local.peer_failure = lambda detail: None
         res["flush5"] = str(snap.flush())
         np.savez(f"{out}-step5.npz", **state(model, opt))
