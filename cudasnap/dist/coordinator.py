@@ -168,9 +168,20 @@ class Coordinator:
     def restore(self) -> int:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""
         try:
-            return self.vote.restore()
+            start = self.vote.restore()
         finally:
             self.live.verify()  # every rank published its presence port before it voted
+        if start > 0 and self.replica is not None:
+            from .replica_store import drop_newer
+
+            mine = {self.local.arena_path_of(r) for r in range(self.world)
+                    if self.live.host_of(r) == self.live.host}
+            n = drop_newer(self.replica.shm, self.local.job, start - 1, mine)
+            if n:
+                log.warning("rank %d: emptied %d slot(s) of copies newer than the restored "
+                            "step %d (the timeline before the restore)", self.rank, n,
+                            start - 1)
+        return start
 
     @property
     def lost(self) -> str | None:

@@ -287,24 +287,31 @@ class FlushRounds:
                 self.events("closed_peers", gen=self.gen, ranks=sorted(lost), newest=newest)
                 return last["path"] if done and last is not None else None
             t0 = time.perf_counter()
-            deadline = time.monotonic() + self.flush_timeout_s
+            written: tuple[int, Path] | None = None
             for tries in range(3):
+                # A round's waits end within flush_timeout_s of its start on this rank.
+                deadline = time.monotonic() + self.flush_timeout_s
                 g = f"flush/{self.gen}"
-                ok, step, path = self._round(g, explicit and tries == 0, newest, deadline)
+                ok, step, path = self._round(g, explicit and tries == 0, newest, deadline,
+                                             written)
                 self.gen += 1
                 self.last = {"step": step, "path": path, "committed": ok,
                              "newest": newest, "seconds": time.perf_counter() - t0}
-                # A rank died during the round: the next one counts it with D (its arena
-                # or its copy written by a survivor), within the same deadline.
-                if ok or self.kv.get(f"{g}/retry") is None or time.monotonic() > deadline:
+                # A rank died during the round: every rank (the committer's key decides,
+                # not a rank's clock) runs the next one, which counts it with D (its
+                # arena or its copy written by a survivor).
+                if ok or self.kv.get(f"{g}/retry") is None:
                     break
-                log.warning("rank %d: rank(s) died during flush round %s; a new round",
-                            self.rank, g)
+                written = (step, path) if step is not None and path is not None else None
+                log.warning("rank %d: rank(s) %s died during flush round %s; a new round",
+                            self.rank, self.kv.get(f"{g}/retry"), g)
             return path if ok else None
 
-    def _round(self, g: str, explicit: bool, newest: int | None,
-               deadline: float) -> tuple[bool, int | None, Path | None]:
-        """One round ``g``: (committed, the agreed step, this rank's directory of it)."""
+    def _round(self, g: str, explicit: bool, newest: int | None, deadline: float,
+               written: tuple[int, Path] | None) -> tuple[bool, int | None, Path | None]:
+        """One round ``g``: (committed, the agreed step, this rank's directory of it).
+        ``written``: (step, directory) this rank wrote in the failed round before: kept,
+        not written again, when the step is the same."""
         opened = self.kv.propose(f"{g}/request", str(self.rank)) == str(self.rank)
         if explicit and opened and newest is not None:
             # Before this rank's have/: a rank that sees it sees the target too.
@@ -321,7 +328,8 @@ class FlushRounds:
         # slow to count and looked dead) the helper on its host; never both.
         if self.kv.propose(f"{g}/writer/{self.rank}", str(self.rank)) == str(self.rank):
             arenas = self.local.arenas()
-            path = self.files.write(self.rank, step, arenas[0] if arenas else None)
+            path = written[1] if written is not None and written[0] == step else \
+                self.files.write(self.rank, step, arenas[0] if arenas else None)
             reach("dist.flush_written", rank=self.rank, step=step)
             self.kv.set(f"{g}/done/{self.rank}", "ok" if path else "missing")
         else:
@@ -368,6 +376,9 @@ class FlushRounds:
             pending = [r for r in range(self.world) if r not in status]
             live.check()
             failed = [r for r in pending if r not in dead and r in live.dead]
+            if self.copies is not None:  # the holder writing a dead rank's copy died
+                failed += [r for r in pending if r in dead and (
+                    h := self.copies.published(g, r)) is not None and h[0] in live.dead]
             waiting = [r for r in pending if r not in dead or r not in live.closed and (
                 live.live_host_mate(r, dead) is not None
                 or self.copies is not None and self.copies.published(g, r) is not None)]

@@ -16,6 +16,7 @@ job is not a peer failure); a flush round does not wait for it (see flush_round)
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import selectors
@@ -42,9 +43,11 @@ class Presence:
     listens (a frozen one too: the heartbeat's silence covers that). No pid is looked up."""
 
     def __init__(self, addr: str) -> None:
-        self.sock = socket.create_server((addr, 0), backlog=128)
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.sock = socket.create_server((addr, 0), family=family, backlog=128)
         self.sock.setblocking(False)
-        self.addr = f"{addr}:{self.sock.getsockname()[1]}"
+        host, port = self.sock.getsockname()[:2]  # numeric: a probe never resolves a name
+        self.addr = f"{host}:{port}"
         _PRESENCE.add(self.sock)
         _close_in_children()
 
@@ -138,8 +141,9 @@ class Liveness:
     its presence port refuses a connection (its process is gone). A peer's port is probed
     only when its heartbeat has not moved for two heartbeats (so a job at rest probes
     nothing), and to learn that another node's address is reachable at all: a refusal
-    from an address of another node counts only once a port on that address accepted a
-    connection (a firewall that rejects connections must not pass for a dead peer). The
+    from an address of another node counts only once a port of that node at that address
+    accepted a connection, and never when it is this rank's own loopback address (a
+    firewall that rejects connections must not pass for a dead peer). The
     addresses are verified by ``verify`` (the coordinator calls it once every rank has
     published its port: after the restore vote) and then VERIFY_BATCH per check."""
 
@@ -174,8 +178,10 @@ class Liveness:
         self.peer_steps: dict[int, list[int]] = {}  # from the last heartbeat of each peer
         self._hosts: dict[int, str] = {rank: self.host}
         self._ports: dict[int, str] = {}  # peers' presence ports
-        self._verified: set[str] = set()  # addresses where a port accepted a connection
-        self._tries: dict[str, int] = {}  # verification probes of an address without answer
+        # (node, address) pairs where a port accepted a connection, and the verification
+        # probes of a pair that got no answer
+        self._verified: set[tuple[str | None, str]] = set()
+        self._tries: dict[tuple[str | None, str], int] = {}
         self._probed: dict[int, float] = {}
         self.dead: set[int] = set()
         # Peers that closed cleanly: rank -> its final committed step (-1: it had none).
@@ -241,20 +247,33 @@ class Liveness:
             self._ports[r] = v
         return self._ports[r]
 
-    @staticmethod
-    def _address(port: str) -> str:
-        return port.rpartition(":")[0]
+    def _address(self, r: int, port: str) -> tuple[str | None, str]:
+        """The (node, address) of ``r``'s port: what a verification is about."""
+        return self.host_of(r), port.rpartition(":")[0]
+
+    def _trusted(self, r: int, port: str) -> bool:
+        """Does a refusal from ``r``'s port mean its process is gone? Yes on this node; on
+        another, once a port of that node at that address answered, unless the address is
+        this rank's own loopback address (every node published ``127.0.0.1``: the probe
+        reached this node, not that one)."""
+        node, addr = self._address(r, port)
+        if node == self.host:
+            return True
+        mine = self._address(self.rank, self.presence.addr)[1]
+        if addr == mine and ipaddress.ip_address(addr.strip("[]")).is_loopback:
+            return False
+        return (node, addr) in self._verified
 
     def _unverified(self, ranks: list[int], now: float, limit: int) -> list[int]:
         """One rank of each address not yet known reachable, up to ``limit``."""
-        out: dict[str, int] = {}
+        out: dict[tuple[str | None, str], int] = {}
         for r in ranks:
             port = self._port(r)
             if port is None or r in self.dead or r in self.closed \
                     or now - self._probed.get(r, 0.0) < 2 * self.heartbeat_s:
                 continue
-            a = self._address(port)
-            if a not in self._verified and a not in out \
+            a = self._address(r, port)
+            if a[0] != self.host and a not in self._verified and a not in out \
                     and self._tries.get(a, 0) < self.VERIFY_TRIES:
                 out[a] = r
         return list(out.values())[:limit]
@@ -276,17 +295,17 @@ class Liveness:
         """Probes ``ports``; the peers whose refusal is trusted (see the class docstring)."""
         gone = []
         for r, res in probe(ports, self.PROBE_WAIT_S).items():
-            a = self._address(ports[r])
+            a = self._address(r, ports[r])
             if res == UP:
                 self._verified.add(a)
-            elif res == REFUSED and (a in self._verified or self.host_of(r) == self.host):
+            elif res == REFUSED and self._trusted(r, ports[r]):
                 gone.append(r)
             elif a not in self._verified:
                 self._tries[a] = self._tries.get(a, 0) + 1
                 if self._tries[a] == self.VERIFY_TRIES:
-                    log.info("rank %d: address %s (peer rank %d's presence port, %s) did not "
-                             "answer; failures there are noticed by the heartbeats' silence "
-                             "only", self.rank, a, r, res)
+                    log.info("rank %d: node %s at %s (peer rank %d's presence port, %s) did "
+                             "not answer; failures there are noticed by the heartbeats' "
+                             "silence only", self.rank, a[0], a[1], r, res)
         return gone
 
     def verify(self) -> None:

@@ -178,6 +178,27 @@ def find_slot(shm: Path, job: str, src: int, step: int,
     return None
 
 
+def drop_newer(shm: Path, job: str, step: int, keep: set[Path]) -> int:
+    """After a restore to ``step``: the slots newer than it in every copy of ``shm`` (guests,
+    own arenas of an earlier rank numbering; ``keep``: the arenas of this node's ranks,
+    which their Snapshotters own) are emptied. They come from the timeline before the
+    restore: a later round or restore must never take one for the resumed run's step of
+    the same number (on a GPU the re-run steps need not be the same bytes). Returns how
+    many were emptied."""
+    n = 0
+    for paths_ in copy_paths(shm, job).values():
+        for p in paths_:
+            if p in keep:
+                continue
+            a = open_copy(p)
+            for i in range(a.num_slots if a is not None else 0):
+                info = a.slot_info(i)  # type: ignore[union-attr]
+                if info["valid"] and int(info["step"]) > step:
+                    a.invalidate(i)  # type: ignore[union-attr]
+                    n += 1
+    return n
+
+
 def make_arena(path: Path, hdr: dict[str, Any], job: str, exact: bool = False) -> Arena:
     """A new two-slot arena sized for ``hdr`` (``exact``: for its bytes only; else for the
     sender's capacities, so later, bigger snapshots of the same layout still fit)."""

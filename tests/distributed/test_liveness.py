@@ -35,9 +35,10 @@ def _closed_port() -> str:
     return f"127.0.0.1:{port}"
 
 
-def _liveness(store: _Store, peer_host: str, port: str) -> Liveness:
+def _liveness(store: _Store, peer_host: str, port: str, addr: str = "127.0.0.2") -> Liveness:
+    """Rank 0 of 2 (its presence port on ``addr``), rank 1 on ``peer_host`` at ``port``."""
     kv = KV("t/", store=store, monitor_store=store)  # type: ignore[arg-type]
-    live = Liveness(kv, 0, 2, 10.0, lambda: [1], lambda: 1, heartbeat_s=HB_S)
+    live = Liveness(kv, 0, 2, 10.0, lambda: [1], lambda: 1, heartbeat_s=HB_S, addr=addr)
     store.set("t/host/1", peer_host)
     store.set("t/proc/1", port)
     store.set("t/hb/1", "1:1:1")
@@ -76,6 +77,18 @@ def test_a_refusal_from_another_host_counts_only_once_its_port_answered() -> Non
     # On this host a refusal is the process gone, verified or not.
     live = _liveness(_Store(), socket.gethostname(), _closed_port())
     assert _checks(live) == [1]
+
+
+def test_a_refusal_at_this_ranks_own_loopback_address_is_not_another_nodes() -> None:
+    # Every node fell back to 127.0.0.1 (no route to MASTER_ADDR): a probe of another
+    # node's "127.0.0.1:port" reaches this node. Even once such a port answered here, its
+    # refusal says nothing of the peer: the silence decides.
+    srv = socket.create_server(("127.0.0.1", 0))
+    live = _liveness(_Store(), "another-host", f"127.0.0.1:{srv.getsockname()[1]}",
+                     addr="127.0.0.1")
+    assert live.check() == []
+    srv.close()
+    assert _checks(live) == [] and live.dead == set()
 
 
 def test_a_peer_whose_heartbeat_moves_is_not_probed() -> None:

@@ -120,6 +120,29 @@ def test_replica_lands_checked_and_a_cut_transfer_keeps_the_previous(tmp_path):
     assert g.read_table(i) == src2.read_table(slot2)
 
 
+def _arena_with_steps(path: Path, steps: tuple[int, ...]):
+    C = _native.native()
+    a = C.Arena.create(str(path), len(steps), 1 << 16, 4096, 4096, "job", False)
+    for step in steps:
+        slot = a.pick_write_slot()
+        a.begin_write(slot, step, b"{}")
+        a.commit(slot, step, 0)
+    return a
+
+
+def test_copies_newer_than_the_restored_step_are_emptied(tmp_path):
+    # After a restore to step 5, a guest's step 6 and a leftover own arena's step 7 are of
+    # the timeline before it: a later round must not take them for the re-run's steps.
+    from cudasnap.dist.replica_store import drop_newer
+
+    _arena_with_steps(tmp_path / "cudasnap-job-g1.arena", (5, 6))
+    _arena_with_steps(tmp_path / "cudasnap-job-r2.arena", (4, 7))
+    mine = tmp_path / "cudasnap-job-r0.arena"
+    _arena_with_steps(mine, (5, 6))
+    assert drop_newer(tmp_path, "job", 5, {mine}) == 2
+    assert held_steps(tmp_path, "job", None) == {0: [6, 5], 1: [5], 2: [4]}
+
+
 def test_land_refuses_a_snapshot_that_does_not_fit(tmp_path):
     payload = b"x" * (300 << 10)
     src, slot = _source(tmp_path, 1, payload)

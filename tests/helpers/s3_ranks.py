@@ -81,8 +81,8 @@ def main(scenario: str, rank: int, world: int, url: str, base: Path) -> None:
             # The job's answer to the death (a trigger's new flush) is switched off: this is
             # about the round itself, which retries with rank 1 dead.
             snap.dist.local.peer_failure = lambda detail: None
+        np.savez(f"{out}-step5.npz", **state(model, opt))  # before rank 1 dies in the flush
         res["flush5"] = str(snap.flush())
-        np.savez(f"{out}-step5.npz", **state(model, opt))
         if scenario == "kill":  # rank 1 is gone: no close, no barrier
             Path(f"{out}.json").write_text(json.dumps(res))
             os._exit(0)
