@@ -13,10 +13,8 @@ by ``cudasnap gc`` once their holder is gone; small states get small slots.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ import torch
 from cudasnap import _native
 from cudasnap.core.slot_geometry import chunk_for
 from cudasnap.dist.replica_store import GuestStore, guest_path, make_arena, sweep
-from cudasnap.dist.replica_wire import WireError, recv_msg, send_slot, slot_header
+from cudasnap.dist.replica_wire import WireError, slot_header
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.tools import cli
 
@@ -139,26 +137,9 @@ def _small_job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _land(src, slot: int, guests: GuestStore, rank: int) -> dict:
     """Sends ``src``'s slot through a socketpair into ``guests`` (as rank ``rank``'s)."""
-    a, b = socket.socketpair()
-    got: dict = {}
+    from tests.distributed.test_node_loss import _transfer
 
-    def rx() -> None:
-        try:
-            got["value"] = guests.receive(b, recv_msg(b), rank)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            got["error"] = e
-        finally:
-            b.close()
-
-    t = threading.Thread(target=rx)
-    t.start()
-    try:
-        send_slot(a, src, slot, slot_header(src, slot))
-    except OSError:  # refused: the receiver closed
-        pass
-    a.close()
-    t.join(60)
-    return got
+    return _transfer(src, slot, lambda sock, hdr: guests.receive(sock, hdr, rank))
 
 
 @pytest.mark.slow  # ~3 s: a Snapshotter, its arena, a guest of it
