@@ -171,17 +171,32 @@ class Coordinator:
             start = self.vote.restore()
         finally:
             self.live.verify()  # every rank published its presence port before it voted
-        if start > 0 and self.replica is not None:
+        if start > 0:
+            self._drop_newer(start - 1)
+        return start
+
+    def _drop_newer(self, step: int) -> None:
+        """The vote may restore a step older than some rank's arena holds: slots newer than
+        ``step`` (this rank's arenas; with replication, every copy on this node but its
+        ranks' own arenas) are of the timeline before the restore. Emptied, so that a round
+        never takes one for the resumed run's step of the same number (a flush picks the
+        first slot of its step; on a GPU the re-run need not give the same bytes)."""
+        n = 0
+        for arena in self.local.arenas():
+            for i in range(arena.num_slots):
+                info = arena.slot_info(i)
+                if info["valid"] and int(info["step"]) > step:
+                    arena.invalidate(i)
+                    n += 1
+        if self.replica is not None:
             from .replica_store import drop_newer
 
             mine = {self.local.arena_path_of(r) for r in range(self.world)
                     if self.live.host_of(r) == self.live.host}
-            n = drop_newer(self.replica.shm, self.local.job, start - 1, mine)
-            if n:
-                log.warning("rank %d: emptied %d slot(s) of copies newer than the restored "
-                            "step %d (the timeline before the restore)", self.rank, n,
-                            start - 1)
-        return start
+            n += drop_newer(self.replica.shm, self.local.job, step, mine)
+        if n:
+            log.warning("rank %d: emptied %d slot(s) newer than the restored step %d (the "
+                        "timeline before the restore)", self.rank, n, step)
 
     @property
     def lost(self) -> str | None:

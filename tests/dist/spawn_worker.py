@@ -144,6 +144,37 @@ def _lost_memory(base: Path, rank: int, world: int, name: str) -> dict[str, Any]
     return res
 
 
+def _restored_older(base: Path, rank: int, world: int, name: str) -> dict[str, Any]:
+    """Step 1 committed, both ranks reach step 3 in shared memory; rank 1's memory is lost.
+    The vote restores step 1 from disk; rank 0's arena still held steps 2 and 3 of the run
+    before: emptied, so a flush of the re-run's step 2 or 3 never takes them."""
+    import cudasnap
+
+    _pg(base, name, rank, world)
+    job = f"{base.name}-{name}"
+    model, opt = _model()
+    snap = cudasnap.Snapshotter(model, opt, directory=base / name, job=job, health=False)
+    _train(model, opt, rank, range(2), snap)
+    snap.flush()
+    _train(model, opt, rank, range(2, 4), snap)
+    arena = snap.arena_path
+    snap.close(keep_arena=True, flush=False)
+    dist.barrier()
+    if rank == 1:
+        arena.unlink()
+    dist.barrier()
+    model, opt = _model()
+    snap = cudasnap.Snapshotter(model, opt, directory=base / name, job=job, health=False)
+    res: dict[str, Any] = {"start": snap.restore_latest()}
+    arenas = snap.dist.local.arenas() if snap.dist is not None else []
+    res["arena_steps"] = sorted(int(a.slot_info(i)["step"]) for a in arenas
+                                for i in range(a.num_slots) if a.slot_info(i)["valid"])
+    snap.close(flush=False)
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
 def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
     torch.set_num_threads(1)
     os.environ.pop("CUDASNAP_HEALTH", None)
@@ -163,6 +194,8 @@ def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
                 res = _restore(base, rank, world, sc, base / "sharded_copy", None)
             elif sc == "lost_memory":
                 res = _lost_memory(base, rank, world, sc)
+            elif sc == "restored_older":
+                res = _restored_older(base, rank, world, sc)
             elif sc == "world1_replicated":
                 res = _restore(base, rank, world, sc, base / "save_replicated", "all")
             else:

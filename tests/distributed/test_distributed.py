@@ -217,6 +217,19 @@ def test_a_step_no_rank_can_assemble_is_never_a_silent_step_0(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_slots_newer_than_the_restored_step_are_emptied(tmp_path: Path) -> None:
+    """Rank 1's memory lost, step 1 on disk: both restore step 1; rank 0's arena no longer
+    holds its steps 2 and 3 of the run before (a flush of the re-run's step 2 would take
+    the first slot of that step it finds)."""
+    res = _spawn(tmp_path, 2, ["restored_older"])["restored_older"]
+    for r in res:
+        assert r["start"] == 2, res
+        assert all(s <= 1 for s in r["arena_steps"]), res
+    for p in Path("/dev/shm").glob(f"cudasnap-{tmp_path.name}-*"):
+        p.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
 def test_spawn_agreed_step_commit_and_join(spawned) -> None:
     base, res = spawned
     r0, r1 = res["save_sharded"]
