@@ -105,8 +105,13 @@ def append_flush_log(directory: Path, rec: dict[str, Any]) -> None:
 
 
 def read_flush_log(directory: Path) -> list[dict[str, Any]]:
+    return _read_log(Path(directory) / FLUSH_LOG, "flush log")
+
+
+def _read_log(path: Path, what: str) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log (the flush log, the coordinators' event log)."""
     try:  # (not a FIFO, not a symlink; a damaged line is skipped, not a crash)
-        raw, _ = _read_regular(Path(directory) / FLUSH_LOG, fmt.MAX_MANIFEST_BYTES, "flush log")
+        raw, _ = _read_regular(path, fmt.MAX_MANIFEST_BYTES, what)
     except SnapshotError:
         return []
     out = []
@@ -146,18 +151,10 @@ def progress_evidence(directory: Path, steps: list[Any]) -> str | None:
 def _earlier_attempts(directory: Path) -> str | None:
     """The steps the coordinators' event log says ranks reached (its ``progress`` events,
     written from a rank's first boundary on: never by a job still restoring), or None."""
-    try:
-        lines = (Path(directory) / DIST_LOG).read_text().splitlines()[-100_000:]
-    except OSError:
-        return None
     epochs: set[int] = set()
     reached = -1
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == "progress" \
+    for rec in _read_log(Path(directory) / DIST_LOG, "coordinators' event log"):
+        if rec.get("event") == "progress" \
                 and isinstance(rec.get("step"), int) and isinstance(rec.get("epoch"), int):
             epochs.add(rec["epoch"])
             reached = max(reached, rec["step"])
