@@ -25,7 +25,7 @@ from .events import PROGRESS_EVERY_S, EventLog
 from .flush_round import FlushRounds, RoundResult
 from .kv import KV, store_is_per_round
 from .liveness import Liveness
-from .local import LocalSnapshots
+from .local import LocalSnapshots, empty_newer
 from .restore_vote import RestoreVote
 
 if TYPE_CHECKING:
@@ -181,13 +181,7 @@ class Coordinator:
         ranks' own arenas) are of the timeline before the restore. Emptied, so that a round
         never takes one for the resumed run's step of the same number (a flush picks the
         first slot of its step; on a GPU the re-run need not give the same bytes)."""
-        n = 0
-        for arena in self.local.arenas():
-            for i in range(arena.num_slots):
-                info = arena.slot_info(i)
-                if info["valid"] and int(info["step"]) > step:
-                    arena.invalidate(i)
-                    n += 1
+        n = sum(empty_newer(arena, step) for arena in self.local.arenas())
         if self.replica is not None:
             from .replica_store import drop_newer
 

@@ -23,6 +23,17 @@ def complete_steps(arenas: list[Arena]) -> list[int]:
     return sorted(out, reverse=True)
 
 
+def empty_newer(arena: Arena, step: int) -> int:
+    """Empties the COMPLETE slots of ``arena`` newer than ``step``; returns how many."""
+    n = 0
+    for i in range(arena.num_slots):
+        info = arena.slot_info(i)
+        if info["valid"] and int(info["step"]) > step:
+            arena.invalidate(i)
+            n += 1
+    return n
+
+
 class LocalSnapshots(Protocol):
     @property
     def rank(self) -> int: ...

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .._native import native
 from .._proc import pid_alive
 from ..errors import SnapshotError
+from .local import empty_newer
 from .replica_wire import WireError, check_geometry, land
 
 if TYPE_CHECKING:
@@ -188,14 +189,8 @@ def drop_newer(shm: Path, job: str, step: int, keep: set[Path]) -> int:
     n = 0
     for paths_ in copy_paths(shm, job).values():
         for p in paths_:
-            if p in keep:
-                continue
-            a = open_copy(p)
-            for i in range(a.num_slots if a is not None else 0):
-                info = a.slot_info(i)  # type: ignore[union-attr]
-                if info["valid"] and int(info["step"]) > step:
-                    a.invalidate(i)  # type: ignore[union-attr]
-                    n += 1
+            a = open_copy(p) if p not in keep else None
+            n += empty_newer(a, step) if a is not None else 0
     return n
 
 
