@@ -23,6 +23,9 @@ shared-memory directory under /dev/shm, own replica address, DDP on gloo), repli
               over with an ERROR naming the lost steps (never a silent step 0)
   renumbered  node 1 lost, then the restart gives each node the other's ranks; the job
               ends cleanly: arenas of the job left in either node's memory (leaked_arenas)
+  parity      four nodes of one rank, node 1 lost: full copies against XOR parity
+              (CUDASNAP_NODE_REPLICA=xor:4), memory per node and replication rate of each
+              (parity_vs_copies)
 
 Prints one JSON line: bitwise, replayed_steps (kill step - restored step), restore_source
 (of the lost node's rank), replication throughput (bytes / seconds from the first header
@@ -154,6 +157,57 @@ def bitwise(a: node_launch.NodeRun, b: node_launch.NodeRun, world: int) -> bool:
     return True
 
 
+def parity_vs_copies(base: Path, shm: Path, env: dict[str, str], steps: int, kill_step: int,
+                     k: int = 4) -> dict:
+    """The same job on k nodes of one rank, node 1 lost at ``kill_step``: full copies
+    (CUDASNAP_NODE_REPLICA=1) against XOR parity (xor:k), run one after the other here.
+    Memory per node: the allocated bytes of its shared-memory files at the end of the
+    restarted run (own arena; guest copies or parity files), the nodes that were not lost;
+    replication rate: bytes a rank sent / seconds sending (copies: per transfer, median;
+    parity: all its segments, each from the first byte to the receiver's reply that it
+    XORed it in); parity's ``round_mb_s``: the same bytes / whole rounds (from the step's
+    agreement to every member's parity written: the store polls and the slowest member)."""
+    ref = node_launch.reference(base / "xref", nodes=k, steps=steps, env=env)
+    runs = {name: node_launch.run(base / name, nodes=k, steps=steps, kill_node=1,
+                                  kill_step=kill_step, shm_root=shm / name, timeout=400,
+                                  env={**env, "CUDASNAP_NODE_REPLICA": mode})
+            for name, mode in (("copies", "1"), ("parity", f"xor:{k}"))}
+    for name, r in (("xref", ref), *runs.items()):
+        if not r.ok():
+            print(r.logs(), file=sys.stderr)
+            raise SystemExit(f"the {name} run ({k} nodes) failed: {r.rcs}")
+    out: dict = {"nodes": k}
+    for name, r in runs.items():
+        rep = r.kill["replica"] if r.kill else {}
+        mem = [r.ranks[n]["shm"] for n in range(k) if n != 1]
+        own = statistics.median(m["own"] for m in mem)
+        extra = statistics.median(m["guest"] + m.get("parity", 0) for m in mem)
+        round_rate = None
+        if name == "copies":
+            rate, sent = rep.get("mb_per_s_median"), rep.get("bytes", 0) / max(1, rep.get("sent") or 1)
+        else:
+            secs, send = rep.get("parity_seconds") or 0.0, rep.get("parity_send_seconds") or 0.0
+            rate = rep.get("parity_bytes", 0) / send / 1e6 if send else None
+            round_rate = rep.get("parity_bytes", 0) / secs / 1e6 if secs else None
+            sent = rep.get("parity_bytes", 0) / max(1, rep.get("parity_rounds") or 1)
+        out[name] = {"bitwise": bitwise(r, ref, k),
+                     "restore_source_lost": r.ranks[1]["restore"]["source"],
+                     "resumed_at": r.ranks[1]["start"],
+                     "memory_per_node_mb": {"own": round(own / 1e6, 1),
+                                            "redundancy": round(extra / 1e6, 1),
+                                            "total": round((own + extra) / 1e6, 1)},
+                     "replication_mb_s": round(rate, 1) if rate else None,
+                     "round_mb_s": round(round_rate, 1) if round_rate else None,
+                     "bytes_sent_per_protected_step_mb": round(sent / 1e6, 2),
+                     "protected_steps": rep.get("sent") if name == "copies"
+                     else rep.get("parity_rounds")}
+    c, p = out["copies"]["memory_per_node_mb"], out["parity"]["memory_per_node_mb"]
+    out["redundancy_parity_vs_copies"] = round(p["redundancy"] / c["redundancy"], 3) \
+        if c["redundancy"] else None
+    out["total_parity_vs_copies"] = round(p["total"] / c["total"], 3) if c["total"] else None
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small state, ~2 min")
@@ -185,6 +239,7 @@ def main() -> int:
         renum = node_launch.run(base / "renum", steps=args.steps, kill_node=1,
                                 kill_step=args.kill_step, renumber=True,
                                 shm_root=shm / "renum", env=env, timeout=400)
+        parity = parity_vs_copies(base, shm, env, args.steps, args.kill_step)
         for name, r in (("reference", ref), ("peer", peer), ("disk", disk), ("guard", guard),
                         ("both", both), ("renumbered", renum)):
             if not r.ok():
@@ -228,10 +283,12 @@ def main() -> int:
                                  "bitwise": bitwise(both, ref, world)},
             "leaked_arenas": sum(len(v) for v in renum.leaked().values()),
             "bitwise_renumbered": bitwise(renum, ref, world),
+            "parity": parity,
         }
         print(json.dumps(out))
         good = out["bitwise"] and out["replayed_steps"] <= 1 and out["guard_run"]["bitwise"] \
-            and out["bitwise_renumbered"] and out["both_copies_lost"]["error_logged"]
+            and out["bitwise_renumbered"] and out["both_copies_lost"]["error_logged"] \
+            and parity["parity"]["bitwise"] and parity["copies"]["bitwise"]
         return 0 if good else 1
     finally:
         shutil.rmtree(base, ignore_errors=True)

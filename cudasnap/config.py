@@ -48,10 +48,12 @@ CUDASNAP_OVERHEAD_BUDGET        float>=0 auto       share of step time snapshots
                                                     auto: 0.01 on the CUDA backend, 0 on the CPU one)
 CUDASNAP_DEVICE_STAGING         int|auto 0          device staging buffer (snapshot-then-offload), bytes;
                                                     auto: up to half the free device memory; 0: off
-CUDASNAP_NODE_REPLICA           bool     0          node-loss protection: each rank's newest COMPLETE
+CUDASNAP_NODE_REPLICA           see right 0         node-loss protection: 1 (each rank's newest COMPLETE
                                                     snapshot is copied in the background into the shared
-                                                    memory of a partner rank on another node
-                                                    (cudasnap.dist.replica; README "Node loss")
+                                                    memory of a partner rank on another node) or xor:K
+                                                    (XOR parity over groups of K nodes instead of full
+                                                    copies; cudasnap.dist.replica, dist.parity; README
+                                                    "Node loss")
 CUDASNAP_NODE_ID                str      hostname   this process's node (partners are chosen by node;
                                                     set it to tell "nodes" on one host apart)
 CUDASNAP_REPLICA_ADDR           str      see right  address the replica server listens on and publishes
@@ -95,7 +97,7 @@ health / watchdog_s  see the variables   -                         CUDASNAP_HEAL
 allow_foreign_owner  False               -                         CUDASNAP_ALLOW_FOREIGN_OWNER
 require_resume       False               -                         CUDASNAP_REQUIRE_RESUME
 arena_sync_max_bytes 16 MiB              -                         CUDASNAP_ARENA_SYNC_MAX_BYTES
-node_replica         False               -                         CUDASNAP_NODE_REPLICA
+node_replica         False               node_replica_mode         CUDASNAP_NODE_REPLICA
 rank / world_size    torch.distributed   -                         RANK / WORLD_SIZE
 distributed          world_size > 1      -                         -
 replicas             "auto"              dist.groups               -
@@ -107,6 +109,7 @@ extra                None                -                         -
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,6 +300,7 @@ class Settings:
     device_staging: int | str = 0
     # node-loss replication (cudasnap.dist.replica): off by default
     node_replica: bool = False
+    node_parity: int = 0  # node_replica="xor:K": K (groups of K nodes); 0: full copies
     node_id: str | None = None
     replica_addr: str | None = None
     replica_max_mbps: float | None = None
@@ -338,7 +342,8 @@ class Settings:
             overhead_budget=_budget_env(e),
             device_staging=_staging_env(e),
             test_hooks=test_hooks_asked(e),
-            node_replica=bool(env_bool(e, "CUDASNAP_NODE_REPLICA")),
+            node_replica=_replica_env(e) >= 1,
+            node_parity=_replica_env(e) if _replica_env(e) >= 2 else 0,
             node_id=_raw(e, "CUDASNAP_NODE_ID"),
             replica_addr=_raw(e, "CUDASNAP_REPLICA_ADDR"),
             replica_max_mbps=env_float(e, "CUDASNAP_REPLICA_MAX_MBPS"),
@@ -371,6 +376,42 @@ def _budget_env(env: Mapping[str, str]) -> float | None:  # core
     except ValueError:
         raise ConfigError(f"environment variable CUDASNAP_OVERHEAD_BUDGET={v!r} is not a "
                           "number") from None
+
+
+def node_replica_mode(value: object) -> int:
+    """``node_replica`` as 0 (off), 1 (full copies on a partner node) or K >= 2 (XOR parity
+    over groups of K nodes): False/True, 0/1, "copy", "xor:K"; ConfigError otherwise."""
+    if isinstance(value, bool) or value is None:
+        return int(bool(value))
+    v = str(value).strip().lower()
+    if v in _FALSE or v == "":
+        return 0
+    if v in _TRUE or v == "copy":
+        return 1
+    m = re.fullmatch(r"xor:(\d+)", v)
+    if m and 2 <= int(m.group(1)) <= 64:
+        return int(m.group(1))
+    raise ConfigError(f"node_replica={value!r}: use 1 (full copies on a partner node), "
+                      "\"xor:K\" with 2 <= K <= 64 (XOR parity over groups of K nodes), or 0")
+
+
+def arena_slots(num_slots: int, spare_slot: bool, world_size: int, node_replica: object,
+                env_parity: int) -> int:
+    """Slots of a rank's arena: ``num_slots``, the spare one (snapshots go on while a flush
+    holds a slot), and with XOR parity (``node_replica`` "xor:K", else the environment's)
+    one more: the slot of the step the parity encodes stays leased until the next round
+    completed (two leases during a round), and snapshots must never stop for it."""
+    parity = node_replica_mode(node_replica) if node_replica is not None else env_parity
+    n = num_slots + (1 if spare_slot else 0) + (1 if world_size > 1 and parity >= 2 else 0)
+    if n > MAX_SLOTS:
+        raise ConfigError(f"num_slots={num_slots} with {'the spare slot and ' if spare_slot else ''}"
+                          f"XOR parity's leased slot needs {n} slots; an arena holds at most "
+                          f"{MAX_SLOTS}")
+    return n
+
+
+def _replica_env(env: Mapping[str, str]) -> int:
+    return node_replica_mode(_raw(env, "CUDASNAP_NODE_REPLICA"))
 
 
 def _staging_env(env: Mapping[str, str]) -> int | str:  # core

@@ -83,10 +83,10 @@ class Snapshotter:
         device_staging: bytes of a device buffer (torch's allocator) each snapshot is
             first copied into, draining to the host behind the fences (snapshot-then-
             offload); "auto": up to half the free device memory; 0 (default): off.
-        node_replica: node-loss protection in distributed mode: each rank's newest
-            COMPLETE snapshot is copied in the background into the shared memory of a
-            partner rank on another node, and a replaced node's ranks restore from it
-            (cudasnap.dist.replica; README "Node loss"). Default $CUDASNAP_NODE_REPLICA.
+        node_replica: node-loss protection in distributed mode: each rank's newest snapshot
+            is copied into the shared memory of a partner rank on another node (True), or
+            "xor:K": XOR parity over groups of K nodes (cudasnap.dist.replica, .parity;
+            README "Node loss"). Default $CUDASNAP_NODE_REPLICA.
         require_resume: ``restore_latest()`` raises instead of starting over when the
             job made progress nothing can restore. Default $CUDASNAP_REQUIRE_RESUME.
     """
@@ -104,7 +104,7 @@ class Snapshotter:
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
                  arena_sync_max_bytes: int | None = None, snapshot_every: int | None = None,
-                 node_replica: bool | None = None, require_resume: bool | None = None,
+                 node_replica: bool | str | None = None, require_resume: bool | None = None,
                  overhead_budget: float | None = None,
                  device_staging: int | str | None = None) -> None:
         cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
@@ -135,8 +135,8 @@ class Snapshotter:
         cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = tuple(rng_sources)
-        # Slots of the arena: the spare one lets snapshots go on while a flush holds a slot.
-        self.num_slots = num_slots + (1 if spare_slot else 0)
+        self.num_slots = cfg.arena_slots(num_slots, spare_slot, self.world_size, node_replica,
+                                         env.node_parity)
         self.spare_slot, self.flush_on_close = bool(spare_slot), flush_on_close
         self.chunk_bytes, self.keep = chunk_bytes, keep
         # Restore refuses snapshot files of another user unless this (or
@@ -189,7 +189,7 @@ class Snapshotter:
 
     def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
                        health: bool | None, policy: Any, inject: str | None,
-                       watchdog_s: float | None, node_replica: bool | None,
+                       watchdog_s: float | None, node_replica: bool | str | None,
                        fresh: bool) -> None:
         """The distributed coordinator and the guard (health monitor, signals, watchdog;
         started by the caller once the components know both)."""

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import Settings
+from ..config import Settings, node_replica_mode
 from ..errors import ConfigError
 from .events import PROGRESS_EVERY_S, EventLog
 from .flush_round import FlushRounds, RoundResult
@@ -64,9 +64,9 @@ class Coordinator:
     def __init__(self, local: LocalSnapshots, replicas: Replicas = "auto", heartbeat_s: float = 0.5,
                  peer_timeout_s: float | None = None, commit_timeout_s: float | None = None,
                  restore_timeout_s: float = 300.0, settings: Settings | None = None,
-                 node_replica: bool | None = None, fresh: bool | None = None) -> None:
-        """``node_replica``: node-loss replication (cudasnap.dist.replica; default
-        CUDASNAP_NODE_REPLICA); ``fresh``: the Snapshotter starts over (its node's guest
+                 node_replica: bool | str | None = None, fresh: bool | None = None) -> None:
+        """``node_replica``: node-loss replication, True or "xor:K" (cudasnap.dist.replica,
+        cudasnap.dist.parity; default CUDASNAP_NODE_REPLICA); ``fresh``: the Snapshotter starts over (its node's guest
         copies of this job are removed; default CUDASNAP_FRESH)."""
         import dataclasses
 
@@ -76,8 +76,10 @@ class Coordinator:
             raise ConfigError("distributed snapshots need torch.distributed initialised")
         cfg = settings or Settings.from_env()
         if node_replica is not None or fresh is not None:  # keyword arguments win
+            mode = node_replica_mode(node_replica) if node_replica is not None else None
             cfg = dataclasses.replace(
-                cfg, node_replica=cfg.node_replica if node_replica is None else node_replica,
+                cfg, node_replica=cfg.node_replica if mode is None else mode >= 1,
+                node_parity=cfg.node_parity if mode is None else mode if mode >= 2 else 0,
                 fresh=cfg.fresh if fresh is None else fresh)
         self.local = local
         self.rank = dist.get_rank()
@@ -173,6 +175,10 @@ class Coordinator:
             self.live.verify()  # every rank published its presence port before it voted
         if start > 0:
             self._drop_newer(start - 1)
+        if self.replica is not None:  # parity of the timeline before the restore
+            from .parity import drop_parity_newer
+
+            drop_parity_newer(self.replica.shm, self.local.job, start - 1)
         return start
 
     def _drop_newer(self, step: int) -> None:

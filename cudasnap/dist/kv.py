@@ -92,6 +92,11 @@ class KV:
             return None
         return str(st.get(self.prefix + key).decode())
 
+    def delete(self, key: str) -> None:
+        """Removes ``key`` (absent: nothing)."""
+        with self._lock:
+            self.store.delete_key(self.prefix + key)
+
     def propose(self, key: str, value: str) -> str:
         """compare_set: the first value stored under ``key`` wins; returns the winner."""
         with self._lock:

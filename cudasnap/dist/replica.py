@@ -51,6 +51,8 @@ from .replica_wire import Throttle, WireError, configure, land, recv_msg, send_m
 if TYPE_CHECKING:
     from cudasnap._C import Arena
 
+    from .parity_rounds import ParityKeeper
+
 log = logging.getLogger("cudasnap.dist")
 
 _POLL_S = 0.02
@@ -106,6 +108,10 @@ class Replicator:
         self.threads = max(1, min(4, local.flush_threads))
         self.guests = GuestStore(self.shm, self.job, self.threads)
         gone = clean_leftovers(self.shm, self.job, guests=cfg.fresh)
+        if cfg.fresh:  # parity files too (cudasnap.dist.parity)
+            from .parity import drop_parity_newer
+
+            drop_parity_newer(self.shm, self.job, -1)
         claim_guests(self.shm, self.job)  # held for this job's restore, not `cudasnap gc`'s
         if gone:
             log.warning("rank %d: removed %d replica arena(s) from %s%s", self.rank, len(gone),
@@ -130,6 +136,12 @@ class Replicator:
         kv.set(f"replica/node/{self.rank}", self.node)
         kv.set(f"replica/addr/{self.rank}", f"{self.addr}:{self._token}")
         self._nodes: dict[int, str] | None = None
+        # node_replica="xor:K": parity rounds instead of full copies (cudasnap.dist.parity_rounds)
+        self.parity: ParityKeeper | None = None
+        if cfg.node_parity >= 2:
+            from .parity_rounds import ParityKeeper
+
+            self.parity = ParityKeeper(self, cfg.node_parity)
         self._server = threading.Thread(target=self._serve, name="cudasnap-replica-server",
                                         daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="cudasnap-replica-sender",
@@ -145,7 +157,20 @@ class Replicator:
             rates = sorted(self._rates)
         s["mb_per_s"] = s["bytes"] / s["seconds"] / 1e6 if s["seconds"] else None
         s["mb_per_s_median"] = rates[len(rates) // 2] if rates else None  # last 32 transfers
+        if self.parity is not None:
+            s.update(self.parity.stats())
         return s
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once stop() began (the parity rounds end with it)."""
+        return self._stop
+
+    def parity_held(self) -> list[dict[str, Any]]:
+        """The parity files this node holds (their trailers), for the restore vote."""
+        from .parity import held_parity
+
+        return held_parity(self.shm, self.job)
 
     def nodes(self, timeout: float = 0.0) -> dict[int, str] | None:
         """Every rank's node id (None until all ranks published theirs)."""
@@ -170,7 +195,8 @@ class Replicator:
         host, port, token = v.rsplit(":", 2)
         return host, int(port), token
 
-    def _connect(self, rank: int) -> tuple[socket.socket, str]:
+    def connect(self, rank: int) -> tuple[socket.socket, str]:
+        """A connection to ``rank``'s replica server and the token its requests carry."""
         host, port, token = self._peer(rank)
         sock = socket.create_connection((host, port), timeout=_IO_TIMEOUT_S)
         configure(sock, _IO_TIMEOUT_S)
@@ -183,6 +209,9 @@ class Replicator:
     # ------------------------------------------------------------ sender
     def _send_loop(self) -> None:
         _background()
+        if self.parity is not None:
+            self.parity.run()
+            return
         partner: int | None = None
         last: tuple[str, int] | None = None
         backoff = 0.0
@@ -239,7 +268,7 @@ class Replicator:
             hdr = slot_header(arena, slot)
             with self._lock:
                 self._stats["in_flight_step"] = hdr["step"]
-            sock, token = self._connect(partner)
+            sock, token = self.connect(partner)
             with sock:
                 hdr.update(op="put", token=token, job=self.job, src=self.rank, node=self.node)
                 t0 = time.perf_counter()
@@ -304,6 +333,11 @@ class Replicator:
                     send_msg(conn, {"ok": True, "step": step})
                 elif hdr.get("op") == "get":
                     self._serve_copy(conn, src, int(hdr["step"]))
+                elif hdr.get("op") in ("xput", "xget") and self.parity is not None:
+                    if hdr["op"] == "xput":
+                        self.parity.serve_put(conn, hdr)
+                    else:
+                        self.parity.serve_get(conn, hdr)
                 else:
                     raise WireError(f"unknown request {hdr.get('op')!r}")
             except (OSError, SnapshotError, KeyError, TypeError, ValueError) as e:
@@ -337,7 +371,7 @@ class Replicator:
     def fetch(self, holder: int, src: int, step: int) -> tuple[Arena, int, Path]:
         """The copy of ``src``'s ``step`` held by ``holder``'s node, landed in a temporary
         arena of this node's shared memory: (arena, slot, path); the caller removes it."""
-        sock, token = self._connect(holder)
+        sock, token = self.connect(holder)
         path = fetch_path(self.shm, self.job, self.rank)
         with sock:
             send_msg(sock, {"op": "get", "token": token, "job": self.job, "src": src,
@@ -371,8 +405,9 @@ class Replicator:
         for t in (self._sender, self._server):
             if t is not threading.current_thread():
                 t.join(timeout=10)
+        gone_parity = self.parity.stop(clean) if self.parity is not None else []
         if clean:
-            gone = self.guests.close() + sweep(self.shm, self.job, keep=self.own_path)
+            gone = self.guests.close() + sweep(self.shm, self.job, keep=self.own_path) + gone_parity
             if gone:
                 log.info("rank %d: clean end: removed %d replica arena(s) from %s: %s",
                          self.rank, len(gone), self.shm, ", ".join(sorted(p.name for p in gone)))

@@ -69,11 +69,13 @@ def copy_paths(shm: Path, job: str) -> dict[int, list[Path]]:
 
 
 def hidden_holder(name: str, job: str | None = None) -> int | None:
-    """The pid a temporary arena's name carries (a fetched copy, a guest being regrown) of
+    """The pid a temporary arena's name carries (a fetched copy, a guest being regrown, a
+    parity file being made) of
     ``job`` (any job's when None); None for another name."""
     j = re.escape(job) if job is not None else ".+"
-    m = re.match(rf"^\.cudasnap-{j}-(?:fetch-r\d+-(\d+)\.arena|g\d+\.arena\.tmp-(\d+))$", name)
-    return None if m is None else int(m.group(1) or m.group(2))
+    m = re.match(rf"^\.cudasnap-{j}-(?:fetch-r\d+-(\d+)\.arena|g\d+\.arena\.tmp-(\d+)"
+                 rf"|x\d+-h\d+-s\d+\.xor\.tmp-(\d+))$", name)
+    return None if m is None else int(m.group(1) or m.group(2) or m.group(3))
 
 
 def clean_leftovers(shm: Path, job: str, guests: bool = False) -> list[Path]:

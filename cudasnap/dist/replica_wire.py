@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._native import native
 from ..errors import CorruptSnapshot, SnapshotError, StagingError
@@ -154,7 +154,26 @@ def check_geometry(hdr: dict[str, Any]) -> tuple[int, int, int, int]:
     return n, m, k, c
 
 
-def land(sock: socket.socket, hdr: dict[str, Any], arena: Arena, threads: int = 2) -> int:
+class Source(Protocol):
+    """Bytes already here for :func:`land` (a rebuilt parity image), not a socket."""
+
+    def read_into(self, mv: memoryview) -> None: ...
+
+
+def _read_into(src: socket.socket | Source, mv: memoryview) -> None:
+    if isinstance(src, socket.socket):
+        recv_into(src, mv)
+    else:
+        src.read_into(mv)
+
+
+def _read(src: socket.socket | Source, n: int) -> bytes:
+    buf = bytearray(n)
+    _read_into(src, memoryview(buf))
+    return bytes(buf)
+
+
+def land(sock: socket.socket | Source, hdr: dict[str, Any], arena: Arena, threads: int = 2) -> int:
     """Receives a snapshot into a free slot of ``arena``; returns the COMPLETE slot.
 
     The slot is WRITING from the first byte on and becomes COMPLETE only after every
@@ -164,8 +183,8 @@ def land(sock: socket.socket, hdr: dict[str, Any], arena: Arena, threads: int = 
             or k > arena.max_chunks:
         raise StagingError(f"{arena.path}: a snapshot of {n} bytes / {m} meta bytes / chunks "
                            f"of {c} does not fit this arena")
-    meta = recv_exact(sock, m)
-    table = recv_exact(sock, 4 * k)
+    meta = _read(sock, m)
+    table = _read(sock, 4 * k)
     slot = arena.pick_write_slot()
     if slot < 0:
         raise StagingError(f"{arena.path}: no free slot for a replica")
@@ -173,7 +192,7 @@ def land(sock: socket.socket, hdr: dict[str, Any], arena: Arena, threads: int = 
     arena.begin_write(slot, step, meta)
     try:
         if n:
-            recv_into(sock, arena.data_view(slot, n))
+            _read_into(sock, arena.data_view(slot, n))
         if k:
             ctypes.memmove(arena.table_ptr(slot), table, len(table))
         crcs = list(struct.unpack(f"<{k}I", table))

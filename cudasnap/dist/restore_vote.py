@@ -28,7 +28,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from ..format.manifest import parse_slot_meta
@@ -58,6 +58,7 @@ class RestoreVote:
         self.replica = replica
         self.lost: str | None = None  # set by restore() (see _say_lost)
         self._copies: dict[int, dict[int, list[int]]] = {}  # holder rank -> src -> steps
+        self._plans: dict[tuple[int, int], dict[str, Any]] = {}  # (rank, step) -> parity rebuild
         self.rank, self.world = local.rank, local.world_size
         self.replica_groups = replica_groups
         self.timeout_s = timeout_s
@@ -151,6 +152,7 @@ class RestoreVote:
         if self.replica is not None:  # before the entry _gather waits for: then it is there
             held = {str(src): steps for src, steps in self.replica.held().items()}
             self.kv.set(f"restore/{n}/held/{self.rank}", json.dumps(held))
+            self.kv.set(f"restore/{n}/xor/{self.rank}", json.dumps(self.replica.parity_held()))
         self.kv.set(f"restore/{n}/{self.rank}", csv(mine))
         peers = [parse_csv(v) for v in self._gather(n)]
         if self.replica is not None:
@@ -295,7 +297,35 @@ class RestoreVote:
             for src, steps in held.items():
                 if 0 <= src < self.world:
                     out[src].update(steps)
+        self._plans = self._parity_plans(n, peers)
+        for src, step in self._plans:
+            if 0 <= src < self.world:
+                out[src].add(step)
         return out
+
+    def _parity_plans(self, n: int, peers: list[set[int]]) -> dict[tuple[int, int], dict[str, Any]]:
+        """XOR parity (cudasnap.dist.parity): the (rank, step) images the survivors of a
+        parity set can rebuild, from every rank's parity files and the slots it serves."""
+        from .parity import plans
+
+        entries: list[tuple[int, dict[str, Any]]] = []
+        for h in range(self.world):
+            try:
+                got = json.loads(self.kv.get(f"restore/{n}/xor/{h}") or "[]")
+                entries += [(h, t) for t in got if isinstance(t, dict)]
+            except (ValueError, TypeError):
+                log.warning("rank %d: rank %d's list of parity files is malformed", self.rank, h)
+        if not entries:
+            return {}
+        serving: dict[int, dict[int, list[int]]] = {}
+        for r, own in enumerate(peers):  # own slots: rank r's node holds r's arena
+            for s in own:
+                serving.setdefault(r, {}).setdefault(s, []).append(r)
+        for h, held in self._copies.items():  # renumbered ranks' arenas
+            for src, steps in held.items():
+                for s in steps:
+                    serving.setdefault(src, {}).setdefault(s, []).append(h)
+        return plans(entries, serving)
 
     def _copy_fits(self, arena: Arena, slot: int, where: str) -> bool:
         """A copy is this rank's snapshot of a job of this world size (else logged, skipped)."""
@@ -349,4 +379,35 @@ class RestoreVote:
             finally:
                 del a
                 path.unlink(missing_ok=True)
-        return None
+        return self._restore_parity(step)
+
+    def _restore_parity(self, step: int) -> int | None:
+        """This rank's ``step`` rebuilt from its parity set's survivors; None when there is
+        no plan for it or the rebuild fails (logged)."""
+        plan = self._plans.get((self.rank, step))
+        if plan is None or self.replica is None or self.replica.parity is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            a, i, path = self.replica.parity.rebuild(plan, self.local.flush_threads)
+        except (OSError, SnapshotError) as e:
+            log.warning("rank %d: rebuilding its step %d from parity set %s failed: %s",
+                        self.rank, step, plan["members"], e)
+            return None
+        try:
+            if int(a.slot_info(i)["step"]) != step or \
+                    not self._copy_fits(a, i, where="the rebuilt image"):
+                log.warning("rank %d: the image rebuilt for step %d does not fit (step %d)",
+                            self.rank, step, int(a.slot_info(i)["step"]))
+                return None
+            got = self.local.restore_from_slot(a, i, f"rebuilt image ({path.name})")
+            log.warning("rank %d restored step %d rebuilt from XOR parity of set %s (%.2f s)",
+                        self.rank, got, plan["members"], time.perf_counter() - t0)
+            self.local.record_restore("peer-parity", got, f"set {plan['members']}")
+            return got
+        except CorruptSnapshot as e:
+            log.warning("rank %d: the rebuilt image of step %d: %s", self.rank, step, e)
+            return None
+        finally:
+            del a
+            path.unlink(missing_ok=True)

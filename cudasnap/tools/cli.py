@@ -21,7 +21,9 @@ EXIT_STATUS = ("exit status: 0 success; 1 verify found a damaged snapshot; 2 an 
                "object store); --debug prints the traceback instead")
 NODE_LOSS = ("Multi-node jobs: CUDASNAP_NODE_REPLICA=1 (with CUDASNAP_HEALTH=1) also keeps "
              "each rank's newest snapshot in another node's memory, so a lost node resumes "
-             "from there; gc removes the copies whose holder is gone (README, 'Node loss').")
+             "from there (CUDASNAP_NODE_REPLICA=xor:K: XOR parity over groups of K nodes, "
+             "about 1/(K-1) of a copy); gc removes the copies and parity files whose holder "
+             "is gone (README, 'Node loss').")
 
 
 def _manifest_row(path: Path, verify: bool = False) -> dict[str, Any]:
@@ -237,7 +239,8 @@ def cmd_export(a: argparse.Namespace) -> int:
 def cmd_gc(a: argparse.Namespace) -> int:
     """Removes every arena in the shared-memory directory whose holder is gone: own arenas
     (of any rank numbering), guest copies of node-loss replication (``-g<src>``) and the
-    temporaries of a fetch or a regrown guest (hidden, the holder's pid in the name)."""
+    temporaries of a fetch or a regrown guest (hidden, the holder's pid in the name), and
+    XOR parity files (``.xor``: their maker's pid in the trailer)."""
     from .._native import native
     from .._proc import pid_alive as _pid_alive
     from ..dist.replica_store import hidden_holder
@@ -246,7 +249,9 @@ def cmd_gc(a: argparse.Namespace) -> int:
     shm = Settings.from_env().shm_dir
     removed = 0
     hidden = [p for p in shm.glob(".cudasnap-*") if hidden_holder(p.name) is not None]
-    for path in sorted(shm.glob(paths.arena_glob())) + sorted(hidden):
+    from ..dist.parity import read_trailer
+
+    for path in sorted(shm.glob(paths.arena_glob())) + sorted(shm.glob("cudasnap-*.xor")) + sorted(hidden):
         try:
             if path.lstat().st_uid != os.getuid() and os.getuid() != 0:
                 print(f"skip   {path} (owned by uid {path.lstat().st_uid})")
@@ -255,7 +260,8 @@ def cmd_gc(a: argparse.Namespace) -> int:
             continue
         pid = hidden_holder(path.name)
         try:
-            owner = pid if pid is not None else native().Arena.open(str(path), False).owner_pid
+            owner = pid if pid is not None else int(read_trailer(path).get("pid", -1)) \
+                if path.suffix == ".xor" else native().Arena.open(str(path), False).owner_pid
         except Exception as e:  # noqa: BLE001
             owner = -1
             log.warning("unreadable arena %s: %s", path, e)

@@ -10,7 +10,8 @@ Env:
   MODE          "ddp" (DDP, fixed bucket layout) or "fsdp" (FSDP2 fully_shard on a 1-D mesh)
   KILL_RANK, KILL_STEP   that rank SIGKILLs itself in the forward of that step (attempt 0)
   KILL_NODE_RANKS        the ranks of its node ("acked": the victim waits for all of them)
-  KILL_WHEN     "acked": first wait until its replica of step KILL_STEP-1 is acknowledged;
+  KILL_WHEN     "acked": first wait until its replica of step KILL_STEP-1 is acknowledged
+                (node_replica xor:K: its parity round of that step completed);
                 "inflight": right after boundary KILL_STEP-1, wait until its replica is in
                 flight and die 0.15 s into the transfer (cut in the middle); "now": no wait
   FLUSH_AT=S    every rank flushes after step S (attempt 0 only)
@@ -68,16 +69,20 @@ def state_arrays(core, opt):
 
 
 def shm_bytes(shm: str) -> dict:
-    own = guest = 0
+    own = guest = parity = 0
     for name in os.listdir(shm) if os.path.isdir(shm) else []:
-        if not name.endswith(".arena") or name.startswith("."):
+        if name.startswith("."):
             continue
         n = os.stat(os.path.join(shm, name)).st_blocks * 512
-        if name.rsplit("-", 1)[-1].startswith("g"):  # cudasnap-<job>-g<rank>.arena
+        if name.endswith(".xor"):  # cudasnap-<job>-x<set>-h<holder>-s<step>.xor
+            parity += n
+        elif not name.endswith(".arena"):
+            continue
+        elif name.rsplit("-", 1)[-1].startswith("g"):  # cudasnap-<job>-g<rank>.arena
             guest += n
         else:
             own += n
-    return {"own": own, "guest": guest}
+    return {"own": own, "guest": guest, "parity": parity}
 
 
 def die(out: str, rank: int, step: int, replica: dict) -> None:
@@ -97,6 +102,8 @@ def wait_replica(snap, step: int, when: str) -> dict:
         s = rep.stats()
         if when == "acked" and s["sent_step"] is not None and s["sent_step"] >= step - 1:
             return s
+        if when == "acked" and s.get("parity_step") is not None and s["parity_step"] >= step - 1:
+            return s  # XOR parity: the round of the previous step completed on every member
         if when == "inflight" and s["sent_step"] is not None and s["in_flight_step"] == step - 1:
             time.sleep(0.15)  # a part of the transfer is on the wire
             return rep.stats()

@@ -29,6 +29,9 @@ from cudasnap.storage.posix import read_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 import node_launch  # noqa: E402
+from replica_fakes import KV as _KV  # noqa: E402
+from replica_fakes import Local as _Local  # noqa: E402
+from replica_fakes import wait as _wait  # noqa: E402
 
 CHUNK = 64 << 10
 
@@ -278,43 +281,6 @@ def test_leftovers_of_dead_processes_and_fresh_guests_are_removed(tmp_path):
     assert sorted(p.name for p in clean_leftovers(tmp_path, "job")) == sorted(names[:2])
     assert [p.name for p in clean_leftovers(tmp_path, "job", guests=True)] == [names[3]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[2], *names[4:]])
-
-
-class _KV:
-    """The KV's get/set on a dict (two Replicators in one process)."""
-
-    def __init__(self) -> None:
-        self.d: dict[str, str] = {}
-
-    def get(self, key: str) -> str | None:
-        return self.d.get(key)
-
-    def set(self, key: str, value: str) -> None:
-        self.d[key] = value
-
-
-class _Local:
-    def __init__(self, rank: int, shm: Path, arena=None) -> None:
-        self.rank, self.world_size, self.job, self.flush_threads = rank, 2, "job", 2
-        self.shm, self._arena = shm, arena
-
-    def arenas(self):
-        return [self._arena] if self._arena is not None else []
-
-    def last_step(self):
-        return 5
-
-    def arena_path_of(self, rank: int) -> Path:
-        return self.shm / f"cudasnap-job-r{rank}.arena"
-
-
-def _wait(cond, timeout: float = 60.0) -> None:
-    import time
-
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.mark.slow

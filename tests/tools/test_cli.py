@@ -375,3 +375,23 @@ def test_console_script_entry_point_resolves_to_the_cli():
     mod = importlib.import_module(m.group(1))
     assert Path(mod.__file__).resolve().is_relative_to(Path(__file__).resolve().parents[2])
     assert getattr(mod, m.group(2)) is cli.main
+
+
+def test_gc_removes_parity_files_of_dead_makers_and_keeps_live_ones(tmp_path, capsys, monkeypatch):
+    # XOR parity files (issue 35 item 6) carry their maker's pid in the trailer
+    from cudasnap.dist.parity import Accumulator, parity_path
+
+    monkeypatch.setenv("CUDASNAP_SHM_DIR", str(tmp_path))
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    paths = {}
+    for name, pid in (("dead", int(dead_pid)), ("live", os.getpid())):
+        acc = Accumulator(parity_path(tmp_path, f"gc-{name}", 0, 1, 5), 64)
+        paths[name] = acc.finish({"sid": 0, "step": 5, "seg": 64, "members": [0, 1],
+                                  "holder": 1, "pid": pid, "tag": "t", "images": {}})
+    half = tmp_path / f".{parity_path(tmp_path, 'gc-dead', 0, 1, 6).name}.tmp-{dead_pid}"
+    half.write_bytes(b"\0" * 64)
+    rc, out = run_cli(capsys, "gc")
+    assert rc == 0 and f"removed {paths['dead']}" in out and f"removed {half}" in out, out
+    assert not paths["dead"].exists() and not half.exists() and paths["live"].exists()
+    assert oct(paths["live"].stat().st_mode)[-3:] == "600"
