@@ -105,8 +105,8 @@ def wire_mb_s(nbytes: int, shm: Path, repeats: int = 5) -> float:
     import struct
 
     from cudasnap import _native
-    from cudasnap.dist.replica_store import GuestStore
-    from cudasnap.dist.replica_wire import configure, recv_msg, send_msg, send_slot, slot_header
+    from cudasnap.distributed.replica_store import GuestStore
+    from cudasnap.distributed.replica_wire import configure, recv_msg, send_msg, send_slot, slot_header
 
     C = _native.native()
     chunk = 4 << 20

@@ -141,19 +141,19 @@ def disk_path(mode: str) -> Iterator[None]:
     """Restores from disk inside take ``mode``'s path: "chunks" (``posix.DataFile``: each
     chunk read, CRC32C-checked and copied into the live tensors, the file's head read ahead
     while the manifest is parsed; what ``Restorer.restore_dir`` reads through
-    ``storage.open_data``), "chunks_noahead" (the same without the read-ahead:
+    ``PosixStorage.open_data``), "chunks_noahead" (the same without the read-ahead:
     ``posix.READ_AHEAD_BYTES`` 0) or "whole" (``storage.read_data``: the whole file into a
     buffer, then the copy, no read-ahead; ``open_data`` replaced for the duration)."""
     from cudasnap import storage
     from cudasnap.storage import posix
 
-    saved, saved_ahead = storage.open_data, posix.READ_AHEAD_BYTES
+    saved, saved_ahead = storage.PosixStorage.open_data, posix.READ_AHEAD_BYTES
     if mode == "whole":
         def open_data(store: Any, ref: Any, manifest: Any, threads: int = 4, *,
                       allow_foreign_owner: bool | None = None, ahead: Any = None) -> Any:
             return store.read_data(ref, manifest, threads,
                                    allow_foreign_owner=allow_foreign_owner)
-        storage.open_data = open_data
+        storage.PosixStorage.open_data = open_data  # type: ignore[method-assign]
     elif mode not in ("chunks", "chunks_noahead"):
         raise ValueError(mode)
     if mode != "chunks":
@@ -161,7 +161,7 @@ def disk_path(mode: str) -> Iterator[None]:
     try:
         yield
     finally:
-        storage.open_data, posix.READ_AHEAD_BYTES = saved, saved_ahead
+        storage.PosixStorage.open_data, posix.READ_AHEAD_BYTES = saved, saved_ahead  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ CUDASNAP_NODE_REPLICA           see right 0         node-loss protection: 1 (eac
                                                     snapshot is copied in the background into the shared
                                                     memory of a partner rank on another node) or xor:K
                                                     (XOR parity over groups of K nodes instead of full
-                                                    copies; cudasnap.dist.replica, dist.parity; README
+                                                    copies; cudasnap.distributed.replica, dist.parity; README
                                                     "Node loss")
 CUDASNAP_NODE_ID                str      hostname   this process's node (partners are chosen by node;
                                                     set it to tell "nodes" on one host apart)
@@ -183,7 +183,7 @@ def check_fresh_url(directory: Any, url: bool, fresh: bool) -> None:
     Why refuse rather than move: an object store has no rename, so "aside" would be a
     copy of every object under ``.old-<time>/`` and a delete of the originals, one
     object at a time: minutes for a large snapshot, and a start killed half-way leaves
-    the old steps half copied and half deleted. The fresh start (core.timeline.move_aside)
+    the old steps half copied and half deleted. The fresh start (storage.fresh.move_aside)
     moves local files only. A new URL prefix is a fresh start that costs nothing and
     loses nothing."""
     if url and fresh:
@@ -298,7 +298,7 @@ class Settings:
     arena_sync_max_bytes: int | None = None
     overhead_budget: float | None = None  # None: auto (core.cadence)
     device_staging: int | str = 0
-    # node-loss replication (cudasnap.dist.replica): off by default
+    # node-loss replication (cudasnap.distributed.replica): off by default
     node_replica: bool = False
     node_parity: int = 0  # node_replica="xor:K": K (groups of K nodes); 0: full copies
     node_id: str | None = None

@@ -85,7 +85,7 @@ class Snapshotter:
             offload); "auto": up to half the free device memory; 0 (default): off.
         node_replica: node-loss protection in distributed mode: each rank's newest snapshot
             is copied into the shared memory of a partner rank on another node (True), or
-            "xor:K": XOR parity over groups of K nodes (cudasnap.dist.replica, .parity;
+            "xor:K": XOR parity over groups of K nodes (cudasnap.distributed.replica, .parity;
             README "Node loss"). Default $CUDASNAP_NODE_REPLICA.
         require_resume: ``restore_latest()`` raises instead of starting over when the
             job made progress nothing can restore. Default $CUDASNAP_REQUIRE_RESUME.
@@ -164,7 +164,7 @@ class Snapshotter:
                      sync_max_bytes=arena_sync_max_bytes, arena_path=self.arena_path,
                      num_slots=self.num_slots, spare_slot=self.spare_slot,
                      chunk_bytes=self.chunk_bytes, job=self.job, rank=self.rank,
-                     world_size=self.world_size, directory=self.directory, keep=self.keep,
+                     world_size=self.world_size, keep=self.keep,
                      copy_threads=self.copy_threads, flush_threads=self.flush_threads,
                      wait_timeout_s=self.wait_timeout_s, snapshot_every=self.snapshot_every,
                      overhead_budget=budget, device_staging=staging,
@@ -196,8 +196,8 @@ class Snapshotter:
         env = Settings.from_env()
         self.dist = None
         if distributed if distributed is not None else dist_on and self.world_size > 1:
-            from .dist.coordinator import Coordinator
-            from .dist.local import SnapshotterLocal
+            from .distributed.coordinator import Coordinator
+            from .distributed.local import SnapshotterLocal
 
             if replicas == "auto":  # HSDP: the replicate dim of the DTensors' mesh
                 from .core.sharded import replica_groups
@@ -331,7 +331,7 @@ class Snapshotter:
         """Zero-overhead mode: copies the newest boundary's live state now when that
         boundary was not copied and no optimizer step ran since (a no-op otherwise).
         The coordinator calls it while an explicit flush round waits for this rank's
-        newest step (cudasnap.dist.flush_round)."""
+        newest step (cudasnap.distributed.flush_round)."""
         self._flusher.settle_newest(timeout)
 
     # ------------------------------------------------------------ restore

@@ -174,7 +174,7 @@ def apply_snapshot(state: Registered, tensors: list[dict[str, Any]], host: dict[
     ``before_copy``: called after the checks, before the first byte (it may raise).
 
     ``data``: the snapshot's bytes, a uint8 tensor (verified), or a
-    ``storage.posix.DataFile`` (``storage.open_data``: checked, not read). A file is read
+    ``storage.posix.DataFile`` (``PosixStorage.open_data``: checked, not read). A file is read
     chunk by chunk straight into the live tensors (``_copy_from_file``: each chunk's
     CRC32C checked before any byte of it is copied) when every live tensor is on the
     CPU and nothing is sharded (``scatters``), else whole first (``DataFile.read``); it is

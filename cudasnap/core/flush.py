@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..format import paths
 from ..storage.progress import bytes_written, io_progress
 
 if TYPE_CHECKING:
@@ -34,11 +33,10 @@ log = logging.getLogger("cudasnap")
 
 class Flusher:
     def __init__(self, storage: Any, keeper: ArenaKeeper, copier: Copier, counters: Counters,
-                 flush_lock: threading.RLock, *, directory: Path, keep: int,
-                 flush_threads: int) -> None:
+                 flush_lock: threading.RLock, *, keep: int, flush_threads: int) -> None:
         self.storage, self._keeper, self._copier = storage, keeper, copier
         self._counters, self.lock = counters, flush_lock
-        self.directory, self.keep, self.flush_threads = directory, keep, flush_threads
+        self.keep, self.flush_threads = keep, flush_threads
         self.flushed_step: int | None = None  # the newest step this process wrote
         self._dist: Any = None
         self._guard: Any = None
@@ -104,7 +102,7 @@ class Flusher:
         """Zero-overhead mode: copies the newest boundary's live state now when that
         boundary was not copied and no optimizer step ran since (a no-op otherwise).
         The coordinator calls it while an explicit flush round waits for this rank's
-        newest step (cudasnap.dist.flush_round)."""
+        newest step (cudasnap.distributed.flush_round)."""
         if self._copier.live is not None:
             self._copier.copy_live(timeout)
 
@@ -122,7 +120,8 @@ class Flusher:
             if slot < 0:
                 return None
             step = int(arena.slot_info(slot)["step"])
-            if step == self.flushed_step or (
-                    self.directory / paths.step_dirname(step) / paths.MANIFEST).is_file():
+            # one rank: the storage's own listing (an object store's for a URL); several:
+            # every rank takes part in the round, as it always did
+            if step == self.flushed_step or (self._dist is None and self.storage.has_step(step)):
                 return None
             return flush()

@@ -11,8 +11,8 @@ then call these. Each first waits for the running copy (``Copier.wait_job``), ho
 the background arena set-up (``ArenaPreparer.paused``) while it reads, tells the
 copier to forget the live state (``Copier.forget_live``) before it writes the state,
 then records the step (``Timeline.restored_at``) and drops the plan
-(``Layouts.invalidate``). The coordinator (``cudasnap.dist``, through
-``cudasnap.dist.local``) calls ``restore_slot`` / ``restore_dir`` / ``record_restore``.
+(``Layouts.invalidate``). The coordinator (``cudasnap.distributed``, through
+``cudasnap.distributed.local``) calls ``restore_slot`` / ``restore_dir`` / ``record_restore``.
 """
 from __future__ import annotations
 
@@ -28,11 +28,9 @@ import torch
 
 from .. import storage as storages
 from .._native import native
-from ..errors import CorruptSnapshot, IncompatibleSnapshot, SnapshotError
+from ..errors import CorruptSnapshot, SnapshotError
 from ..format import manifest as fmt
-from ..format import paths
 from ..format.manifest import validate_manifest
-from ..storage import posix
 from ..storage.progress import bytes_read, io_progress
 from .timeline import resume_message
 
@@ -209,18 +207,18 @@ class Restorer:
 
     def restore_dir(self, ref: Any) -> int:
         """Applies a stored snapshot; returns its step. ``ref``: a snapshot of
-        ``self.storage``'s listing, or a local step/rank directory."""
+        ``self.storage``'s listing, or a local step/rank directory (``storages.local_snapshot``:
+        a multi-rank one loads only when its state is replicated)."""
         if isinstance(ref, Path):
-            ref = posix.StoredSnapshot(-1, ref)
-        if isinstance(ref, posix.StoredSnapshot) and not (ref.path / paths.MANIFEST).exists() \
-                and any(ref.path.glob("rank-*")):
-            ref = posix.StoredSnapshot(ref.step, self._single_rank_view(ref.path))
+            ref = storages.local_snapshot(ref)
+        elif storages.is_local(ref):
+            ref = storages.local_snapshot(ref.path, ref.step)
         # The background arena set-up (pre-faulting every slot) would take the cores, the
         # memory bandwidth and the mmap lock from the read, the CRC check and the copy:
         # held for the restore, as restore_slot does (issue 26: 0.51x -> ~0.9x torch.load).
         # data.bin's head is read beside the manifest's parse and the copy's planning.
         with self._keeper.prep.paused():
-            ahead = storages.read_ahead(self.storage, ref, self.allow_foreign_owner)
+            ahead = self.storage.read_ahead(ref, self.allow_foreign_owner)
             try:
                 return self._restore_dir(ref, ahead)
             finally:  # stops the reader however the restore ends (the DataFile does too)
@@ -231,32 +229,14 @@ class Restorer:
         manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
         name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
         with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", bytes_read):
-            data = storages.open_data(self.storage, ref, manifest, self.flush_threads,
-                                      allow_foreign_owner=self.allow_foreign_owner, ahead=ahead)
+            data = self.storage.open_data(ref, manifest, self.flush_threads,
+                                          allow_foreign_owner=self.allow_foreign_owner, ahead=ahead)
             try:
                 return self._apply(manifest["tensors"], manifest["host"], data, str(ref.path))
-            finally:  # apply closes it once read; also when it fails before that
-                if isinstance(data, posix.DataFile):
-                    data.close()
-
-    def _single_rank_view(self, step_dir: Path) -> Path:
-        """A multi-rank snapshot opened by one process: only replicated state loads."""
-        from ..format.paths import rank_dirname
-        from ..storage.posix import read_commit
-
-        if not posix.is_committed(step_dir):
-            raise CorruptSnapshot(f"{step_dir}: multi-rank snapshot without a COMMIT marker")
-        commit = read_commit(step_dir)
-        groups = commit.get("replica_groups") or []
-        if len(groups) != 1:
-            raise IncompatibleSnapshot(
-                f"{step_dir} holds sharded state of {commit['world_size']} ranks; restore it with "
-                f"torch.distributed and {commit['world_size']} ranks")
-        for r in commit.get("present", range(commit["world_size"])):
-            d = step_dir / rank_dirname(int(r))
-            if (d / paths.MANIFEST).is_file():
-                return d
-        raise CorruptSnapshot(f"{step_dir}: no rank's files are present")
+            finally:  # apply closes a file it read; also when it fails before that
+                close = getattr(data, "close", None)
+                if close is not None:
+                    close()
 
     def restore_slot(self, arena: Any, slot: int, where: str) -> int:
         """Applies an arena slot (validated first); returns its step.

@@ -6,7 +6,7 @@ with a fixed 4 MiB chunk and a 1 MiB manifest floor a 0.6 MB state cost ~6 MB a 
 a quarter of the slot's bytes (a power of two times 4 KiB, at most ``config.CHUNK_BYTES``:
 states of 16 MiB and more keep 4 MiB), and the manifest floor a quarter of the state
 (64 KiB .. 1 MiB); the CRC32C stays per chunk. Guest arenas of node-loss replication take the
-sender's geometry (cudasnap.dist.replica_store.make_arena), so they follow too.
+sender's geometry (cudasnap.distributed.replica_store.make_arena), so they follow too.
 
 Used by cudasnap.core.arena_size (the estimate at construction), cudasnap.core.plan (the
 copy plan's chunk), cudasnap.core.staging (the arena made for a plan) and

@@ -33,15 +33,16 @@ from .._native import native
 from .._proc import pid_alive
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
-from ..storage import posix
+from ..storage.fresh import move_aside
 from . import arena_prep
 from .arena_exit import left_at_exit
 from .arena_prep import ArenaPreparer, Prepared, drop, fully_reserved
 from .arena_size import estimate_meta_len, estimate_state_bytes
 from .slot_geometry import chunk_for, meta_capacity, slot_capacity
-from .timeline import arena_slots, move_aside
+from .timeline import arena_slots
 
 if TYPE_CHECKING:
+    from ..storage import StorageReader
     from .backend import Backend
     from .counters import Counters
     from .state import TrainingState
@@ -66,12 +67,13 @@ def supervisor_job(env_job: str | None, sup_dir: str | None, supervised: bool,
 class ArenaKeeper:
     def __init__(self, backend: Backend, counters: Counters, prep: ArenaPreparer, *,
                  arena_path: Path, num_slots: int, spare_slot: bool, chunk_bytes: int | None,
-                 job: str, directory: Path, flush_threads: int, wait_timeout_s: float,
+                 job: str, storage: StorageReader, flush_threads: int, wait_timeout_s: float,
                  supervised: bool, flush_lock: threading.RLock,
                  wait_copy: Callable[[float], bool], flush: Callable[[], Any]) -> None:
         self._backend, self._counters, self.prep = backend, counters, prep
         self.arena_path, self.num_slots, self.spare_slot = arena_path, num_slots, spare_slot
-        self.chunk_bytes, self.job, self.directory = chunk_bytes, job, directory
+        self.chunk_bytes, self.job, self.storage = chunk_bytes, job, storage
+        self.directory = storage.local_dir  # the fresh start's move (local: never a URL)
         self.flush_threads, self.wait_timeout_s = flush_threads, wait_timeout_s
         self._supervised = supervised  # under `cudasnap run` (its supervisor handles a left arena)
         self._flush_lock = flush_lock  # an arena is never unmapped under a flush of it
@@ -164,7 +166,7 @@ class ArenaKeeper:
 
     def start_fresh(self, world_size: int, rank: int) -> None:
         """``fresh=True``: snapshots (and the inherited arena's newest) go aside, then the
-        inherited arena is removed (cudasnap.core.timeline.move_aside)."""
+        inherited arena is removed (cudasnap.storage.fresh.move_aside)."""
         move_aside(self.directory, self.inherited, self.flush_threads,
                    None if world_size == 1 else paths.rank_dirname(rank))
         if self.inherited is not None:
@@ -395,7 +397,7 @@ class ArenaKeeper:
                 log.warning("state grew: the in-memory snapshot of step %d is dropped with the "
                             "old staging arena (multi-rank flushes are coordinated; flush "
                             "before the state grows to keep it)", step)
-            elif not any(s.step == step for s in posix.list_snapshots(self.directory)):
+            elif not self.storage.has_step(step):
                 log.warning("state grew: writing the snapshot of step %d to disk before its "
                             "staging arena is replaced", step)
                 self._flush()

@@ -45,7 +45,7 @@ class Components(NamedTuple):
 
 def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
          sync_max_bytes: int | None, arena_path: Path, num_slots: int, spare_slot: bool,
-         chunk_bytes: int | None, job: str, rank: int, world_size: int, directory: Path, keep: int,
+         chunk_bytes: int | None, job: str, rank: int, world_size: int, keep: int,
          copy_threads: int, flush_threads: int, wait_timeout_s: float,
          snapshot_every: int | None, overhead_budget: float | None,
          device_staging: int | str,
@@ -61,7 +61,7 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
         be.state_device(state))
     keeper = ArenaKeeper(be, c, prep, arena_path=arena_path, num_slots=num_slots,
                          spare_slot=spare_slot, chunk_bytes=chunk_bytes, job=job,
-                         directory=directory, flush_threads=flush_threads,
+                         storage=storage, flush_threads=flush_threads,
                          wait_timeout_s=wait_timeout_s, supervised=supervised,
                          flush_lock=flush_lock, wait_copy=wait_copy, flush=flush)
     # a plan's chunk: chunk_bytes, else the keeper's pick (its arena's when that one fits)
@@ -69,7 +69,7 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
     cp = Copier(state, be, lays, keeper, c, wait_timeout_s=wait_timeout_s,
                 cadence=Cadence(snapshot_every, overhead_budget, clock_for(be)))
     hooks = fences.install(state, cp, lays.invalidate)
-    flusher = Flusher(storage, keeper, cp, c, flush_lock, directory=directory, keep=keep,
+    flusher = Flusher(storage, keeper, cp, c, flush_lock, keep=keep,
                       flush_threads=flush_threads)
     restorer = Restorer(state, storage, keeper, cp, lays, tl, c, rank=rank,
                         flush_threads=flush_threads, wait_timeout_s=wait_timeout_s,

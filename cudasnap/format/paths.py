@@ -43,7 +43,7 @@ DATA = "data.bin"
 LATEST = "latest"
 COMMIT = "COMMIT"
 FLUSH_LOG = "flush-log.jsonl"
-DIST_LOG = "dist-log.jsonl"  # the coordinator's events (cudasnap.dist.events)
+DIST_LOG = "dist-log.jsonl"  # the coordinator's events (cudasnap.distributed.events)
 EVENT_LOG = "dist-log.jsonl"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 

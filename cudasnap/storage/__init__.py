@@ -11,9 +11,10 @@
 Both follow the names and records of ``cudasnap.format``; both list committed
 snapshots only and verify every manifest and chunk on read. ``local_dir`` is
 the host-local directory holding the lock, the directory id and the flush log.
-``open_data(storage, ref, ...)`` is what a restore into the live state reads: a local
-snapshot's ``posix.DataFile`` (read chunk by chunk into the live tensors), else
-``storage.read_data``.
+``storage.open_data(ref, ...)`` is what a restore into the live state reads: a local
+snapshot's ``posix.DataFile`` (read chunk by chunk into the live tensors), else the
+verified data of ``storage.read_data``; ``storage.has_step(step)`` says whether a step is
+committed there (an object store's listing for a URL, never a local path).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ConfigError
-from ..format.paths import is_url
+from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot
+from ..format.paths import MANIFEST, is_url, rank_dirname
 from . import listing, posix
 from .types import FlushResult
 
@@ -48,6 +49,8 @@ class StorageWriter(Protocol):
 
 
 class StorageReader(Protocol):
+    local_dir: Path
+
     def list_snapshots(self) -> list[posix.StoredSnapshot] | list[RemoteSnapshot]:
         """Committed snapshots, newest first (no validation)."""
 
@@ -62,6 +65,24 @@ class StorageReader(Protocol):
     def progress_evidence(self) -> str | None:
         """What says the job made progress here (flush log, step directories, ``latest``),
         or None (``listing.progress_evidence``)."""
+
+    def has_step(self, step: int) -> bool:
+        """A committed snapshot of ``step`` is stored here."""
+
+    def read_ahead(self, ref: SnapshotRef, allow_foreign_owner: bool | None = None
+                   ) -> FileReadAhead | None:
+        """The head of ``ref``'s data read on a native thread while its manifest is loaded
+        (pass it to ``open_data``); None where the storage has no such reader."""
+
+    def open_data(self, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None,
+                  ahead: FileReadAhead | None = None) -> posix.DataFile | torch.Tensor:
+        """What a restore into the live state applies (``core.restore.Restorer.restore_dir``):
+        a local snapshot's data.bin opened and checked but not read (a ``posix.DataFile``:
+        ``TrainingState.apply`` reads it chunk by chunk into the live tensors, each chunk
+        CRC32C-checked before any byte of it is copied), or ``read_data``'s verified tensor
+        (an object store). ``ahead``: this snapshot's ``read_ahead`` (the DataFile takes it
+        over)."""
 
 
 class PosixStorage:
@@ -102,31 +123,43 @@ class PosixStorage:
         return posix.read_data(self._local(ref).path, manifest, threads,
                                allow_foreign_owner=allow_foreign_owner)
 
+    def has_step(self, step: int) -> bool:
+        return any(s.step == step for s in posix.list_snapshots(self.local_dir))
 
-def read_ahead(storage: StorageReader, ref: SnapshotRef,
-               allow_foreign_owner: bool | None = None) -> FileReadAhead | None:
-    """For a local snapshot of a ``PosixStorage``: its data.bin's head read on a native
-    thread while the manifest is loaded (``posix.read_ahead``; pass it to ``open_data``);
-    None for any other storage."""
-    if isinstance(storage, PosixStorage) and isinstance(ref, posix.StoredSnapshot):
-        return posix.read_ahead(ref.path, allow_foreign_owner)
-    return None
+    def read_ahead(self, ref: SnapshotRef, allow_foreign_owner: bool | None = None
+                   ) -> FileReadAhead | None:
+        return posix.read_ahead(self._local(ref).path, allow_foreign_owner)
+
+    def open_data(self, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None,
+                  ahead: FileReadAhead | None = None) -> posix.DataFile:
+        return posix.DataFile(self._local(ref).path, manifest, threads,
+                              allow_foreign_owner=allow_foreign_owner, ahead=ahead)
 
 
-def open_data(storage: StorageReader, ref: SnapshotRef, manifest: Manifest, threads: int = 4, *,
-              allow_foreign_owner: bool | None = None,
-              ahead: FileReadAhead | None = None) -> posix.DataFile | torch.Tensor:
-    """What a restore into the live state applies (``core.restore.Restorer.restore_dir``):
-    for a local snapshot of a ``PosixStorage`` its data.bin opened and checked but not read
-    (a ``posix.DataFile``: ``TrainingState.apply`` reads it chunk by chunk into the live
-    tensors, each chunk CRC32C-checked before any byte of it is copied); for any other
-    storage (an object store: ``FsspecStorage``, whose local paths name remote objects too)
-    ``storage.read_data(...)``, the whole data verified in a new tensor. ``ahead``: this
-    snapshot's ``read_ahead`` (the DataFile takes it over)."""
-    if isinstance(storage, PosixStorage) and isinstance(ref, posix.StoredSnapshot):
-        return posix.DataFile(ref.path, manifest, threads, allow_foreign_owner=allow_foreign_owner,
-                              ahead=ahead)
-    return storage.read_data(ref, manifest, threads, allow_foreign_owner=allow_foreign_owner)
+def is_local(ref: object) -> bool:
+    """``ref`` names a snapshot of a local directory."""
+    return isinstance(ref, posix.StoredSnapshot)
+
+
+def local_snapshot(path: Path, step: int = -1) -> posix.StoredSnapshot:
+    """A local step or rank directory as a snapshot reference; a multi-rank step directory
+    opened by one process: the files of one of its ranks, when its state is replicated
+    (IncompatibleSnapshot for sharded state)."""
+    if (path / MANIFEST).exists() or not any(path.glob("rank-*")):
+        return posix.StoredSnapshot(step, path)
+    if not posix.is_committed(path):
+        raise CorruptSnapshot(f"{path}: multi-rank snapshot without a COMMIT marker")
+    commit = posix.read_commit(path)
+    if len(commit.get("replica_groups") or []) != 1:
+        raise IncompatibleSnapshot(
+            f"{path} holds sharded state of {commit['world_size']} ranks; restore it with "
+            f"torch.distributed and {commit['world_size']} ranks")
+    for r in commit.get("present", range(commit["world_size"])):
+        d = path / rank_dirname(int(r))
+        if (d / MANIFEST).is_file():
+            return posix.StoredSnapshot(step, d)
+    raise CorruptSnapshot(f"{path}: no rank's files are present")
 
 
 def open_storage(directory: str | os.PathLike[str]) -> PosixStorage | FsspecStorage:

@@ -398,6 +398,16 @@ class FsspecStorage:
             raise CorruptSnapshot(f"{self._url(key)}: chunk {bad} fails its CRC32C")
         return buf
 
+    def has_step(self, step: int) -> bool:
+        return any(s.step == step for s in self.list_snapshots())
+
+    def read_ahead(self, ref: SnapshotRef, allow_foreign_owner: bool | None = None) -> None:
+        return None  # the download is one read of its own
+
+    def open_data(self, ref: SnapshotRef, manifest: fmt.Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None, ahead: Any = None) -> torch.Tensor:
+        return self.read_data(ref, manifest, threads, allow_foreign_owner=allow_foreign_owner)
+
     def verify(self, ref: RemoteSnapshot, threads: int = 4) -> tuple[bool, str]:
         """(ok, message) for ``cudasnap verify``: manifest checks and every chunk's CRC (of
         every rank's part of a multi-rank step)."""

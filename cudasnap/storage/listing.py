@@ -8,8 +8,8 @@ one ``latest`` names).
 
 Call order: ``posix.write_slot`` calls ``prune`` then ``append_flush_log`` after a step is
 committed and ``latest`` moved (the fsspec backend appends to its local log likewise);
-``cudasnap.dist.flush_round`` calls ``write_commit`` once every rank's files are in place, and
-restore, the vote of ``cudasnap.dist.restore_vote``, the supervisor and the command line read
+``cudasnap.distributed.flush_round`` calls ``write_commit`` once every rank's files are in place, and
+restore, the vote of ``cudasnap.distributed.restore_vote``, the supervisor and the command line read
 with ``list_snapshots`` / ``committed_steps`` / ``read_commit``. Re-exported by
 ``cudasnap.storage.posix``.
 """

@@ -40,7 +40,7 @@ distributed flush round and the timeline each call ``posix.write_slot`` (looked 
 module, so a test's patch of ``posix.write_slot`` reaches them all): ``complete_slot`` ->
 data and manifest into ``.tmp`` -> rename -> ``latest.replace_latest`` -> ``listing.prune``
 -> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``, or opens
-a ``DataFile`` (``cudasnap.storage.open_data``, for a ``PosixStorage``'s local snapshot: read
+a ``DataFile`` (``PosixStorage.open_data``, for a ``PosixStorage``'s local snapshot: read
 by ``TrainingState.apply`` chunk by chunk into the live tensors, issue 26).
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
         stale = target.with_name(f"{target.name}.old-{os.getpid()}")
     if subdir:
         # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid>
-        # and renames it into place; the COMMIT marker (cudasnap.dist.flush_round)
+        # and renames it into place; the COMMIT marker (cudasnap.distributed.flush_round)
         # makes the step visible, never the directory itself.
         tmp = final / f"{subdir}.tmp-{os.getpid()}"
         tmp_target = tmp
@@ -292,7 +292,7 @@ def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None
 
 
 class DataFile:
-    """A snapshot's data.bin, opened and checked but not read (``cudasnap.storage.open_data``).
+    """A snapshot's data.bin, opened and checked but not read (``PosixStorage.open_data``).
 
     The restore (``TrainingState.apply``) either reads it chunk by chunk straight into
     the live tensors (``scatter``: each chunk's CRC32C checked in a small buffer before

@@ -7,7 +7,7 @@ Layout under the URL ``ROOT`` (the names of a multi-rank POSIX directory)::
     ROOT/step-00000041/COMMIT       last, by one rank, once every rank's part is there
     ROOT/step-00000041/rank-00001/.writer-<host>-<pid>       while that part is uploaded
 
-Protocol (``cudasnap.dist.flush_round`` drives it through ``storage.rounds``): the ranks
+Protocol (``cudasnap.distributed.flush_round`` drives it through ``storage.rounds``): the ranks
 agree on a step through the c10d store, each uploads its part (data, then manifest; a
 rank that finds the step committed with other content deletes its ``COMMIT`` first, so
 the step is invisible until the round commits it again), the lowest live rank waits for
@@ -23,7 +23,7 @@ uncommitted step alone while such a marker names a live process on this host, or
 on another host younger than :data:`GRACE_S`: ``cudasnap run``'s flush of a dead attempt
 runs while the restarted attempt starts, and the ranks of a job start at different times.
 
-The local index (``sync_index``). The agreed restore (``cudasnap.dist.restore_vote``)
+The local index (``sync_index``). The agreed restore (``cudasnap.distributed.restore_vote``)
 lists the steps of the rank's local directory; for a URL that is the state directory
 (``fsspec.state_dir``), where the index holds, per committed multi-rank step,
 ``step-N/COMMIT`` (a copy of the store's) and an empty ``step-N/rank-R/manifest.json``

@@ -1,4 +1,4 @@
-"""What one distributed flush round writes (``cudasnap.dist.flush_round``), on disk or in a store.
+"""What one distributed flush round writes (``cudasnap.distributed.flush_round``), on disk or in a store.
 
 ``round_store(directory)``: the rank's directory (``LocalSnapshots.directory``) is a local
 snapshot directory (``PosixRounds``), or the state directory of an object-store URL
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from .fsspec import FsspecStorage
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 
 class RoundStore(Protocol):

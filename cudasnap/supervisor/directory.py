@@ -233,7 +233,7 @@ def _damaged(step_dir: Path) -> str | None:
 def start_over(directory: Path) -> Path | None:
     """``--fresh``: moves the snapshots aside (as ``fresh=True`` does) and renews the
     directory's identity, so this job's old arenas are not adopted (``gc`` removes them)."""
-    from ..core.timeline import move_aside
+    from ..storage.fresh import move_aside
 
     aside = move_aside(directory, None, threads=1)
     paths.renew_id(directory)

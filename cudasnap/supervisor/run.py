@@ -11,7 +11,7 @@ there, else disk).
 
 With torchrun, torchrun stays the engine: run ``torchrun --max-restarts=N
 train.py`` with ``CUDASNAP_HEALTH=1`` exported; each restarted rank restores
-from the shared-memory slot its predecessor left (see cudasnap.dist).
+from the shared-memory slot its predecessor left (see cudasnap.distributed).
 ``cudasnap run`` supervises single-process jobs (or one torchrun agent:
 ``cudasnap run -- torchrun ...`` flushes every rank's arena when the agent dies).
 

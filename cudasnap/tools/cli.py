@@ -243,13 +243,13 @@ def cmd_gc(a: argparse.Namespace) -> int:
     XOR parity files (``.xor``: their maker's pid in the trailer)."""
     from .._native import native
     from .._proc import pid_alive as _pid_alive
-    from ..dist.replica_store import hidden_holder
+    from ..distributed.replica_store import hidden_holder
     from ..format import paths
 
     shm = Settings.from_env().shm_dir
     removed = 0
     hidden = [p for p in shm.glob(".cudasnap-*") if hidden_holder(p.name) is not None]
-    from ..dist.parity import read_trailer
+    from ..distributed.parity import read_trailer
 
     for path in sorted(shm.glob(paths.arena_glob())) + sorted(shm.glob("cudasnap-*.xor")) + sorted(hidden):
         try:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "cudasnap"
 
 # Edges allowed to close a cycle for now (none left: the Coordinator depends on the
-# LocalSnapshots protocol of cudasnap/dist/local.py, not on the Snapshotter).
+# LocalSnapshots protocol of cudasnap/distributed/local.py, not on the Snapshotter).
 KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
@@ -111,7 +111,7 @@ def test_no_import_cycle() -> None:
 def test_coordinator_does_not_reach_back_into_the_snapshotter() -> None:
     graph = import_graph()
     for mod, deps in graph.items():
-        if mod.startswith("cudasnap.dist"):
+        if mod.startswith("cudasnap.distributed"):
             assert "cudasnap.snapshotter" not in deps, f"{mod} imports the Snapshotter"
 
 
@@ -128,7 +128,7 @@ def test_trigger_modules_do_not_reach_back_into_the_snapshotter() -> None:
 TRIGGER_MODULES = sorted(_module_name(p) for p in (PKG / "triggers").glob("*.py"))
 
 
-DIST_MODULES = sorted(_module_name(p) for p in (PKG / "dist").glob("*.py"))
+DIST_MODULES = sorted(_module_name(p) for p in (PKG / "distributed").glob("*.py"))
 
 
 @pytest.mark.parametrize("mod", TRIGGER_MODULES + DIST_MODULES

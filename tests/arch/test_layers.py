@@ -42,7 +42,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("format", ("cudasnap.format",)),
     ("storage", ("cudasnap.storage",)),
     ("core", ("cudasnap.core", "cudasnap._cuda")),
-    ("services", ("cudasnap.triggers", "cudasnap.dist")),
+    ("services", ("cudasnap.triggers", "cudasnap.distributed")),
     ("facade", ("cudasnap.snapshotter", "cudasnap")),
     ("apps", ("cudasnap.tools", "cudasnap.integrations", "cudasnap.demo", "cudasnap.supervisor",
               "cudasnap.modelling", "cudasnap._autoload", "cudasnap.__main__")),

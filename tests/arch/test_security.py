@@ -193,11 +193,18 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
         # local state directory (a hash of the user's URL, never a manifest string)
         "rank_dirname(rank)", "rank_dirname(r)", "ID_FILE", "URL_FILE", "'.cache'", "'cudasnap'",
         "f'url-{url_hash(url)}'",
+        # the fresh start's move (fresh.py): a UTC time stamp and a counter, the names of
+        # what the directory listing and the constants give, a step from an int
+        "f'.old-{stamp}'", "f'.old-{stamp}-{n}'", "p.name", "n", "paths.step_dirname(step)",
+        "subdir or ''",
+        # the package (__init__.py): a one-rank view of a multi-rank step, ranks as ints
+        "rank_dirname(int(r))",
     }
     modules = ("posix.py", "latest.py", "listing.py", "safe_io.py", "rounds.py", "remote_ranks.py",
-               "remote_latest.py", "remote_base.py", "remote_report.py", "fsspec.py")
+               "remote_latest.py", "remote_base.py", "remote_report.py", "fsspec.py", "fresh.py",
+               "__init__.py")
     storage = {p.name for p in (PKG / "storage").glob("*.py")}
-    assert storage <= {*modules, "__init__.py", "counters.py", "partial.py",
+    assert storage <= {*modules, "counters.py", "partial.py",
                        "progress.py", "types.py"}, f"new storage modules to review: {storage}"
     for name in modules:
         t = ast.parse((PKG / "storage" / name).read_text())

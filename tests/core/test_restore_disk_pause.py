@@ -36,14 +36,14 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, copy_threads=1,
                                 chunk_bytes=CHUNK, arena_sync_max_bytes=0)
     seen: list[bool] = []
-    opened = storage.open_data  # what Restorer.restore_dir reads data.bin through
+    opened = storage.PosixStorage.open_data  # what Restorer.restore_dir reads data.bin through
 
     def spy(*a, **kw):
         seen.append(snap._prep._cancel.paused)
         gate.set()  # the held set-up may start now: it must still wait for the restore
         return opened(*a, **kw)
 
-    monkeypatch.setattr(storage, "open_data", spy)
+    monkeypatch.setattr(storage.PosixStorage, "open_data", spy)
     scatter = posix.DataFile.scatter  # the reads themselves: chunk by chunk, in the apply
 
     def scatter_spy(self, *a, **kw):

@@ -191,7 +191,7 @@ def test_a_restore_from_disk_reads_ahead_and_ends_bitwise_equal(snap_env, monkey
     want, _ = snapshot_to_disk(snap_env, 400)
     scattered: list[dict] = []
     files: list[posix.DataFile] = []
-    real_scatter, real_open = posix.DataFile.scatter, storage.open_data
+    real_scatter, real_open = posix.DataFile.scatter, storage.PosixStorage.open_data
 
     def scatter(self, plan, extra):
         handed = self.ahead is not None  # by restore_dir (unless READ_AHEAD_BYTES is 0)
@@ -207,7 +207,7 @@ def test_a_restore_from_disk_reads_ahead_and_ends_bitwise_equal(snap_env, monkey
         return files[-1]
 
     monkeypatch.setattr(posix.DataFile, "scatter", scatter)
-    monkeypatch.setattr(storage, "open_data", open_data)
+    monkeypatch.setattr(storage.PosixStorage, "open_data", open_data)
     got, step, _ = restore_fresh(snap_env, 400, "ahead")
     assert step == 1 and len(scattered) == 1 and scattered[0]["handed"]
     assert scattered[0]["ahead"] > 0, "the restore took nothing from the read-ahead"
@@ -243,7 +243,7 @@ def test_the_read_ahead_is_stopped_when_its_snapshot_fails(snap_env, monkeypatch
     raw[len(raw) // 2] ^= 0x01
     mpath.write_bytes(bytes(raw))
     spies: list[_Spy] = []
-    real = storage.read_ahead
+    real = storage.PosixStorage.read_ahead
 
     def read_ahead(store, ref, allow_foreign_owner=None):
         a = real(store, ref, allow_foreign_owner)
@@ -252,7 +252,7 @@ def test_the_read_ahead_is_stopped_when_its_snapshot_fails(snap_env, monkeypatch
             return spies[-1]
         return a
 
-    monkeypatch.setattr(storage, "read_ahead", read_ahead)
+    monkeypatch.setattr(storage.PosixStorage, "read_ahead", read_ahead)
     _, step, _ = restore_fresh(snap_env, 0, "fallback")
     assert step == 1  # the older snapshot (step 0), resumed at 1
     assert len(spies) == 1 and spies[0].finished >= 1

@@ -49,7 +49,7 @@ class Run:
         return json.loads(p.read_text()) if p.exists() else None
 
     def events(self) -> list[dict[str, Any]]:
-        from cudasnap.dist.events import read_events
+        from cudasnap.distributed.events import read_events
 
         return read_events(self.ckpt)
 

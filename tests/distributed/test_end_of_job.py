@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cudasnap.dist.kv import KV
-from cudasnap.dist.liveness import Liveness
+from cudasnap.distributed.kv import KV
+from cudasnap.distributed.liveness import Liveness
 from cudasnap.format import paths
 from cudasnap.storage import posix
 from tests.dist import launch

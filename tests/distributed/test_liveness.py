@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cudasnap.dist.kv import KV
-from cudasnap.dist.liveness import REFUSED, UNKNOWN, UP, Liveness, probe
+from cudasnap.distributed.kv import KV
+from cudasnap.distributed.liveness import REFUSED, UNKNOWN, UP, Liveness, probe
 from tests.dist import launch
 from tests.distributed.test_end_of_job import _Store
 
@@ -103,7 +103,7 @@ def test_a_peer_whose_heartbeat_moves_is_not_probed() -> None:
 
 _HOLDER = r"""
 import os, signal, sys, time
-from cudasnap.dist.liveness import Presence
+from cudasnap.distributed.liveness import Presence
 p = Presence("127.0.0.1")
 if sys.argv[1] == "fork":
     if os.fork() == 0:  # a DataLoader worker's kind of child: lives on after its parent

@@ -22,8 +22,8 @@ import torch
 
 from cudasnap import _native
 from cudasnap.core.slot_geometry import chunk_for
-from cudasnap.dist.replica_store import GuestStore, guest_path, make_arena, sweep
-from cudasnap.dist.replica_wire import WireError, slot_header
+from cudasnap.distributed.replica_store import GuestStore, guest_path, make_arena, sweep
+from cudasnap.distributed.replica_wire import WireError, slot_header
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.tools import cli
 

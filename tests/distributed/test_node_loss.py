@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from cudasnap import _native
-from cudasnap.dist.replica import ring_partner
-from cudasnap.dist.replica_store import GuestStore, guest_path, held_steps
-from cudasnap.dist.replica_wire import WireError, land, recv_msg, send_msg, send_slot, slot_header
+from cudasnap.distributed.replica import ring_partner
+from cudasnap.distributed.replica_store import GuestStore, guest_path, held_steps
+from cudasnap.distributed.replica_wire import WireError, land, recv_msg, send_msg, send_slot, slot_header
 from cudasnap.errors import CorruptSnapshot
 from cudasnap.storage.posix import read_commit
 
@@ -113,7 +113,7 @@ def test_replica_lands_checked_and_a_cut_transfer_keeps_the_previous(tmp_path):
     assert held_steps(shm, "job", None) == {3: [7]}
     ok = _transfer(src2, slot2, lambda s, h: guests.receive(s, h, 3))
     assert ok.get("value") == 8 and held_steps(shm, "job", None) == {3: [8, 7]}
-    from cudasnap.dist.replica_store import claim_guests
+    from cudasnap.distributed.replica_store import claim_guests
 
     assert claim_guests(shm, "job") == 1  # a restarted holder keeps them from `cudasnap gc`
     C = _native.native()
@@ -136,7 +136,7 @@ def _arena_with_steps(path: Path, steps: tuple[int, ...]):
 def test_copies_newer_than_the_restored_step_are_emptied(tmp_path):
     # After a restore to step 5, a guest's step 6 and a leftover own arena's step 7 are of
     # the timeline before it: a later round must not take them for the re-run's steps.
-    from cudasnap.dist.replica_store import drop_newer
+    from cudasnap.distributed.replica_store import drop_newer
 
     _arena_with_steps(tmp_path / "cudasnap-job-g1.arena", (5, 6))
     _arena_with_steps(tmp_path / "cudasnap-job-r2.arena", (4, 7))
@@ -270,7 +270,7 @@ def test_both_copies_lost_with_nothing_on_disk_is_an_error_not_a_silent_step_0(t
 
 
 def test_leftovers_of_dead_processes_and_fresh_guests_are_removed(tmp_path):
-    from cudasnap.dist.replica_store import clean_leftovers
+    from cudasnap.distributed.replica_store import clean_leftovers
 
     dead = 2 ** 22 + 12345  # above pid_max's default: never a live process
     names = [f".cudasnap-job-fetch-r1-{dead}.arena", f".cudasnap-job-g1.arena.tmp-{dead}",
@@ -286,7 +286,7 @@ def test_leftovers_of_dead_processes_and_fresh_guests_are_removed(tmp_path):
 @pytest.mark.slow
 def test_replicators_send_to_the_other_node_and_serve_the_copy_back(tmp_path):
     from cudasnap.config import Settings
-    from cudasnap.dist.replica import Replicator
+    from cudasnap.distributed.replica import Replicator
 
     shm0, shm1 = tmp_path / "n0", tmp_path / "n1"
     shm0.mkdir()
@@ -316,7 +316,7 @@ def test_replicators_send_to_the_other_node_and_serve_the_copy_back(tmp_path):
 
 def test_a_replica_address_that_is_not_here_is_a_config_error(tmp_path):
     from cudasnap.config import Settings
-    from cudasnap.dist.replica import Replicator
+    from cudasnap.distributed.replica import Replicator
     from cudasnap.errors import ConfigError
 
     with pytest.raises(ConfigError, match="CUDASNAP_REPLICA_ADDR"):
@@ -339,7 +339,7 @@ def _write(a, step: int, payload: bytes) -> int:
 @pytest.mark.slow
 def test_snapshots_completed_during_a_transfer_are_skipped_and_counted(tmp_path):
     from cudasnap.config import Settings
-    from cudasnap.dist.replica import Replicator
+    from cudasnap.distributed.replica import Replicator
 
     shm0, shm1 = tmp_path / "n0", tmp_path / "n1"
     shm0.mkdir()

@@ -42,7 +42,7 @@ def test_torchrun_node_replaced_resumes_from_peer_memory_bitwise(tmp_path, guard
         x, y = r.state(rank), ref.state(rank)
         assert sorted(x) == sorted(y) and all(np.array_equal(x[k], y[k]) for k in x), rank
     if guard == "on":
-        from cudasnap.dist.events import read_events
+        from cudasnap.distributed.events import read_events
 
         committed = [e for e in read_events(r.ckpt) if e["event"] == "committed"
                      and e["step"] == 9]

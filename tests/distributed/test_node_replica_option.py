@@ -1,5 +1,5 @@
 """The Snapshotter's ``node_replica`` keyword (and ``fresh``) reach the distributed
-coordinator, which starts node-loss replication (cudasnap.dist.replica): keyword wins,
+coordinator, which starts node-loss replication (cudasnap.distributed.replica): keyword wins,
 None leaves the choice to CUDASNAP_NODE_REPLICA / CUDASNAP_FRESH. The replication itself
 is tested end to end in tests/distributed/test_node_loss.py."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudasnap
-import cudasnap.dist.coordinator as coordinator
+import cudasnap.distributed.coordinator as coordinator
 
 
 class Spy:

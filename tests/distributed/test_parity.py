@@ -21,7 +21,7 @@ import pytest
 
 from cudasnap import _native
 from cudasnap.config import Settings, node_replica_mode
-from cudasnap.dist.parity import (
+from cudasnap.distributed.parity import (
     Accumulator,
     Image,
     land_image,
@@ -160,7 +160,7 @@ def test_the_mode_is_parsed_once_with_clear_errors():
 
 
 def test_parity_of_the_timeline_after_a_restored_step_is_removed(tmp_path):
-    from cudasnap.dist.parity import drop_parity_newer
+    from cudasnap.distributed.parity import drop_parity_newer
 
     for step in (4, 5, 6):
         parity_path(tmp_path, "job", 0, 1, step).write_bytes(b"x")
@@ -217,7 +217,7 @@ def test_plans_need_every_other_members_parity_and_slot():
 
 # ------------------------------------------------------------------ live keepers
 def _keepers(tmp_path: Path, payloads: dict[int, bytes], step: int):
-    from cudasnap.dist.replica import Replicator
+    from cudasnap.distributed.replica import Replicator
 
     kv = _KV()
     reps, arenas = [], []

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from cudasnap.dist import restore_vote  # noqa: E402
-from cudasnap.dist.kv import KV  # noqa: E402
-from cudasnap.dist.restore_vote import RestoreVote  # noqa: E402
+from cudasnap.distributed import restore_vote  # noqa: E402
+from cudasnap.distributed.kv import KV  # noqa: E402
+from cudasnap.distributed.restore_vote import RestoreVote  # noqa: E402
 from cudasnap.errors import ConfigError, SnapshotError  # noqa: E402
 
 GUARD_S = 120.0  # the restore timeout: a failure guard, never reached when things work
@@ -81,7 +81,7 @@ def test_ranks_of_one_job_still_agree(tmp_path):
 def test_a_missing_peer_is_reported_early_then_named_at_the_timeout(tmp_path, monkeypatch,
                                                                    caplog):
     monkeypatch.setattr(restore_vote, "WAIT_WARN_S", 0.0)
-    caplog.set_level(logging.WARNING, logger="cudasnap.dist")
+    caplog.set_level(logging.WARNING, logger="cudasnap.distributed")
     vote = _vote(dist.HashStore(), 0, 2, "job-a", tmp_path, timeout_s=0.5)
     with pytest.raises(SnapshotError, match=r"rank\(s\) \[1\] did not take part"):
         vote.restore()

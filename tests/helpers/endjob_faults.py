@@ -89,7 +89,7 @@ def _judge(case: Any, *, rc: int, log: str, ckpt: Path, out: Path, late_rank: in
             errs.append(f"the late rank was not gated on the round: {ranks[late_rank].get('gate')}")
     flush = {r: round(i["flush_s"], 2) for r, i in ranks.items() if "flush_s" in i}
     if scenario == "dead":
-        from cudasnap.dist.events import read_events
+        from cudasnap.distributed.events import read_events
 
         ev = [e for e in read_events(ckpt) if e.get("rank") == 0]
         start = next((e for e in ev if e["event"] == "flush_start"

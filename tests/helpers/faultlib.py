@@ -812,7 +812,7 @@ def _who(m: torch.nn.Module) -> tuple[int, int] | None:
 
 
 def build_dist_layout(ctx: Ctx, steps: tuple[int, ...] = (1, 2)) -> Path:
-    """DIR/step-N/rank-RRRRR/ + DIR/step-N/COMMIT + latest, as cudasnap.dist writes."""
+    """DIR/step-N/rank-RRRRR/ + DIR/step-N/COMMIT + latest, as cudasnap.distributed writes."""
     from cudasnap.format.paths import COMMIT, rank_dirname
 
     d = ctx.dir("dist")

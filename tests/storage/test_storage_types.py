@@ -24,7 +24,7 @@ import torch
 from helpers.trainlib import train
 
 import cudasnap
-from cudasnap.dist.restore_vote import RestoreVote
+from cudasnap.distributed.restore_vote import RestoreVote
 from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot
 from cudasnap.storage import PosixStorage, posix
 
@@ -117,9 +117,37 @@ def test_world_change_with_a_malformed_commit_record_is_incompatible(groups):
 
 @pytest.mark.parametrize("bad", ["bogus", 5, [[0, "x"], [1]], [0, 1], [[0.0], [1]]])
 def test_malformed_replicas_are_a_config_error_naming_them(bad):
-    from cudasnap.dist.coordinator import replica_groups
+    from cudasnap.distributed.coordinator import replica_groups
 
     with pytest.raises(ConfigError, match=r"replicas=.*expected 'auto', 'all', 'none' or a list"):
         replica_groups(bad, 2, False)
     assert replica_groups([[1, 0]], 2, False) == [[0, 1]]
     assert replica_groups("none", 2, True) == [[0], [1]]
+
+
+def test_has_step_asks_the_storage_itself_never_a_local_path(tmp_path, monkeypatch):
+    """Issue 36: "is this step on disk" was a local listing, also for an object store
+    (a regrown arena's snapshot then looked stored when a local folder of that name
+    existed, and never did otherwise). Now the storage's own ``has_step``."""
+    pytest.importorskip("fsspec")
+    from cudasnap.storage.fsspec import FsspecStorage
+
+    monkeypatch.setenv("CUDASNAP_STATE_DIR", str(tmp_path / "state"))
+    model, opt = small_job()
+    url = f"memory://has-step-{tmp_path.name}/run"
+    for directory in (tmp_path / "d", url):
+        snap = cudasnap.Snapshotter(model, opt, directory=directory, backend="cpu",
+                                    flush_on_close=False, health=False)
+        try:
+            train(model, opt, snap, 2)
+            assert snap.flush() is not None
+            store = snap.storage
+            assert store.has_step(1) and not store.has_step(0) and not store.has_step(2)
+        finally:
+            snap.close()
+    remote = FsspecStorage(url)
+    fake = remote.local_dir / "step-00000007"  # a local folder of a step's name
+    fake.mkdir(parents=True)
+    (fake / "manifest.json").write_text("{}")
+    assert not remote.has_step(7) and remote.has_step(1)
+    assert remote.read_ahead(remote.list_snapshots()[0]) is None

@@ -379,7 +379,7 @@ def test_console_script_entry_point_resolves_to_the_cli():
 
 def test_gc_removes_parity_files_of_dead_makers_and_keeps_live_ones(tmp_path, capsys, monkeypatch):
     # XOR parity files (issue 35 item 6) carry their maker's pid in the trailer
-    from cudasnap.dist.parity import Accumulator, parity_path
+    from cudasnap.distributed.parity import Accumulator, parity_path
 
     monkeypatch.setenv("CUDASNAP_SHM_DIR", str(tmp_path))
     dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from ..errors import ConfigError
 from .kv import KV
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 CLOSED = "closed:"  # prefix of the heartbeat of a rank that closed cleanly
 

@@ -21,9 +21,9 @@ heartbeats continue during a flush.
 
 Flush round ``g``: agree on the newest step COMPLETE on every rank (dead ranks counted
 with their arenas), write the per-rank files, commit; the protocol is described once, in
-:mod:`cudasnap.dist.flush_round`. Restore: every rank loads the same step (its own
+:mod:`cudasnap.distributed.flush_round`. Restore: every rank loads the same step (its own
 shared-memory slot, its files, or a replica's files), or none does: see
-:mod:`cudasnap.dist.restore_vote`. The shared filesystem must show every rank the same
+:mod:`cudasnap.distributed.restore_vote`. The shared filesystem must show every rank the same
 ``DIR``. Keys are namespaced by job and by ``TORCHELASTIC_RESTART_COUNT``.
 
 Modules: kv (store client), liveness (heartbeats, presence ports, dead peers), flush_round
@@ -32,7 +32,7 @@ writes a lost node's ranks from the copies a survivor holds), restore_vote, even
 LocalSnapshots protocol), coordinator (wires them), replica / replica_store / replica_wire
 (node-loss replication into a partner node's memory).
 The step layout and the COMMIT marker are cudasnap.format.paths and
-cudasnap.storage.posix (write_commit, read_commit), shared with one-rank snapshots.
+cudasnap.storage.posix (write_commit) and .listing (read_commit), shared with one-rank snapshots.
 
 Events (flush_start, agreed, written, committed, restore_start, restored) are
 appended with wall-clock times to ``DIR/dist-log.jsonl``.

@@ -7,10 +7,10 @@ started by its Coordinator:
   store with a random per-process token that every request must carry) and serves two
   requests, each on its own thread: ``put`` (a partner's snapshot lands in a guest arena of
   this node's shared memory, checked chunk by chunk against the CRC32C table that travels
-  with it: cudasnap.dist.replica_store) and ``get`` (a copy this node holds is sent back to
+  with it: cudasnap.distributed.replica_store) and ``get`` (a copy this node holds is sent back to
   a rank that lost its node, for its restore);
 - a **sender** thread watches this rank's arena for a newer COMPLETE slot, leases it, and
-  sends it (meta, CRC table, data: cudasnap.dist.replica_wire) to its partner. The
+  sends it (meta, CRC table, data: cudasnap.distributed.replica_wire) to its partner. The
   training thread never waits for it. One transfer at a time: snapshots completed while one
   is in flight are skipped (``stats()["skipped"]``), so the replica is at most one snapshot
   behind plus the one in flight. The send pauses while a flush of this process writes, and
@@ -22,7 +22,7 @@ ordered by their lowest rank, form a ring; the j-th rank of a node sends to the
 (j mod n)-th rank of the next node. A node's ranks never replicate to their own node; a
 job on one node replicates nothing (logged once).
 
-Restore (cudasnap.dist.restore_vote) counts every copy a node holds as a candidate: a rank
+Restore (cudasnap.distributed.restore_vote) counts every copy a node holds as a candidate: a rank
 whose node was replaced fetches its copy from the holder (``fetch``) into a temporary arena
 of its own shared memory, restores from it like from its own slot, and removes it.
 """
@@ -44,8 +44,16 @@ from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from .kv import KV
 from .local import LocalSnapshots
-from .replica_store import (GuestStore, claim_guests, clean_leftovers, fetch_path, find_slot, held_steps,
-                            make_arena, sweep)
+from .replica_store import (
+    GuestStore,
+    claim_guests,
+    clean_leftovers,
+    fetch_path,
+    find_slot,
+    held_steps,
+    make_arena,
+    sweep,
+)
 from .replica_wire import Throttle, WireError, configure, land, recv_msg, send_msg, send_slot, slot_header
 
 if TYPE_CHECKING:
@@ -53,7 +61,7 @@ if TYPE_CHECKING:
 
     from .parity_rounds import ParityKeeper
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 _POLL_S = 0.02
 _IO_TIMEOUT_S = 60.0
@@ -108,7 +116,7 @@ class Replicator:
         self.threads = max(1, min(4, local.flush_threads))
         self.guests = GuestStore(self.shm, self.job, self.threads)
         gone = clean_leftovers(self.shm, self.job, guests=cfg.fresh)
-        if cfg.fresh:  # parity files too (cudasnap.dist.parity)
+        if cfg.fresh:  # parity files too (cudasnap.distributed.parity)
             from .parity import drop_parity_newer
 
             drop_parity_newer(self.shm, self.job, -1)
@@ -136,7 +144,7 @@ class Replicator:
         kv.set(f"replica/node/{self.rank}", self.node)
         kv.set(f"replica/addr/{self.rank}", f"{self.addr}:{self._token}")
         self._nodes: dict[int, str] | None = None
-        # node_replica="xor:K": parity rounds instead of full copies (cudasnap.dist.parity_rounds)
+        # node_replica="xor:K": parity rounds instead of full copies (cudasnap.distributed.parity_rounds)
         self.parity: ParityKeeper | None = None
         if cfg.node_parity >= 2:
             from .parity_rounds import ParityKeeper

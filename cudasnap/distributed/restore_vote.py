@@ -16,7 +16,7 @@ that finds a peer of another job
 fails at once with a ConfigError naming both, and a rank still waiting for a peer
 after :data:`WAIT_WARN_S` says so (which ranks, how long, the likely causes).
 
-With node-loss replication (cudasnap.dist.replica), each rank also publishes the copies its
+With node-loss replication (cudasnap.distributed.replica), each rank also publishes the copies its
 node holds of other ranks' snapshots (guest arenas, or arenas of renumbered ranks); a step
 is a candidate when every rank can obtain it from its own slot or from some node's copy. A
 rank whose node was replaced fetches its copy from the holder; one with no copy in memory
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, SnapshotError
 from ..format.manifest import parse_slot_meta
 from ..format.paths import MANIFEST, rank_dirname
-from ..storage.posix import StoredSnapshot, committed_steps, read_commit
+from ..storage.listing import StoredSnapshot, committed_steps, read_commit
 from .events import EventLog
 from .kv import KV, csv, parse_csv
 from .local import LocalSnapshots, complete_steps
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from .replica import Replicator
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 #: a rank waiting this long for its peers' restore entries logs which ones and why
 WAIT_WARN_S = 10.0
@@ -304,7 +304,7 @@ class RestoreVote:
         return out
 
     def _parity_plans(self, n: int, peers: list[set[int]]) -> dict[tuple[int, int], dict[str, Any]]:
-        """XOR parity (cudasnap.dist.parity): the (rank, step) images the survivors of a
+        """XOR parity (cudasnap.distributed.parity): the (rank, step) images the survivors of a
         parity set can rebuild, from every rank's parity files and the slots it serves."""
         from .parity import plans
 

@@ -2,7 +2,7 @@
 
 The guest copy of rank ``src`` of a job is ``SHM/cudasnap-<job>-g<src>.arena``: an arena
 of two slots (the newest COMPLETE replica, and the one being received), written by the
-slot protocol of csrc/staging.h (cudasnap.dist.replica_wire.land), so a transfer cut at
+slot protocol of csrc/staging.h (cudasnap.distributed.replica_wire.land), so a transfer cut at
 any byte never shows a torn replica. A guest whose geometry no longer fits (the state
 grew) is made anew under a hidden temporary name, filled, committed, then renamed over
 the old one: the path always names a complete arena (0600, as every arena).
@@ -38,7 +38,7 @@ from .replica_wire import WireError, check_geometry, land
 if TYPE_CHECKING:
     from cudasnap._C import Arena
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 GUEST_SLOTS = 2
 

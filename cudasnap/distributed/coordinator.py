@@ -1,7 +1,7 @@
 """The distributed side of one rank's snapshots: wires the store client, liveness, rounds, vote.
 
 The Coordinator knows this rank's snapshots only through ``LocalSnapshots``
-(dist/local.py). Two threads per rank: the peer monitor (heartbeats, peer
+(distributed/local.py). Two threads per rank: the peer monitor (heartbeats, peer
 checks, noticing a round another rank requested) and an action thread that
 runs what the monitor asks for (join a round, react to dead peers), so
 heartbeats go on during a flush. Newly dead peers trigger ``peer_failure``
@@ -31,7 +31,7 @@ from .restore_vote import RestoreVote
 if TYPE_CHECKING:
     from .replica import Replicator
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 
 #: ``Snapshotter(replicas=...)``: "auto", "all"/True, None/False/"none", or rank groups
@@ -65,9 +65,9 @@ class Coordinator:
                  peer_timeout_s: float | None = None, commit_timeout_s: float | None = None,
                  restore_timeout_s: float = 300.0, settings: Settings | None = None,
                  node_replica: bool | str | None = None, fresh: bool | None = None) -> None:
-        """``node_replica``: node-loss replication, True or "xor:K" (cudasnap.dist.replica,
-        cudasnap.dist.parity; default CUDASNAP_NODE_REPLICA); ``fresh``: the Snapshotter starts over (its node's guest
-        copies of this job are removed; default CUDASNAP_FRESH)."""
+        """``node_replica``: node-loss replication, True or "xor:K" (.replica, .parity;
+        default CUDASNAP_NODE_REPLICA); ``fresh``: the Snapshotter starts over (its node's
+        guest copies of this job are removed; default CUDASNAP_FRESH)."""
         import dataclasses
 
         import torch.distributed as dist

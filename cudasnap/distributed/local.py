@@ -1,6 +1,6 @@
 """What the coordinator needs of this rank's local snapshots: the ``LocalSnapshots`` protocol.
 
-The coordinator (``cudasnap.dist``) never imports the Snapshotter. It reads
+The coordinator (``cudasnap.distributed``) never imports the Snapshotter. It reads
 and drives this rank's snapshots only through this protocol; the Snapshotter
 passes a ``SnapshotterLocal`` adapter (below), the one place that knows which
 Snapshotter fields hold the arenas and how a slot or a directory is applied.

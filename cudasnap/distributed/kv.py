@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 
 def csv(steps: Iterable[int]) -> str:

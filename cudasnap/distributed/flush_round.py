@@ -7,7 +7,7 @@ Round ``g`` (any trigger on any rank; the others join when they see
      deadline (``peer_timeout_s`` + slack) form the dead set D. A dead rank
      counts with the steps in its arena, read directly by a live rank on its
      host (``left/<rank>``), or with the steps of the copies a live node holds
-     (node-loss replication: ``held/<rank>``, cudasnap.dist.held_copies); with
+     (node-loss replication: ``held/<rank>``, cudasnap.distributed.held_copies); with
      neither it counts with its last heartbeat, or not at all when a live rank
      replicates its state. The
      newest step COMPLETE everywhere and D are proposed with compare_set;
@@ -15,7 +15,7 @@ Round ``g`` (any trigger on any rank; the others join when they see
   2. each live rank writes ``DIR/step-N/rank-RRRRR/`` and sets ``done/<rank>``;
      the lowest live rank on a host also flushes the arena of each rank of D
      on that host, and the holder of a copy of a rank of D writes it from the
-     copy (cudasnap.dist.rank_files), each setting its ``done`` marker;
+     copy (cudasnap.distributed.rank_files), each setting its ``done`` marker;
   3. the lowest rank not in D waits for the markers (a rank of D with no live
      rank on its host is not waited for), then writes ``DIR/step-N/COMMIT``
      and ``latest``. (An object-store URL: the same names under the URL, uploaded;
@@ -65,7 +65,7 @@ from .rank_files import RankFiles
 if TYPE_CHECKING:
     from .held_copies import HeldCopies
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 
 class RoundResult(TypedDict):

@@ -13,7 +13,7 @@ so each member holds parity for 1/(K-1) of an image, and every member's image is
 over the others' parity. A lost member L is rebuilt from the K-1 survivors: segment
 ((p - L - 1) mod K) of L's image is P[p] XOR the matching segments of the other survivors'
 images (:func:`rebuild`). All members encode the **same step**, and each keeps the slot of
-that step leased until the next round completed everywhere (cudasnap.dist.parity_rounds):
+that step leased until the next round completed everywhere (cudasnap.distributed.parity_rounds):
 the survivors' own bytes are half of every rebuild.
 
 A parity file (``SHM/cudasnap-<job>-x<set>-h<holder>-s<step>.xor``, 0600) is the parity
@@ -29,7 +29,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -39,12 +39,39 @@ from .replica_store import fetch_path, make_arena
 from .replica_wire import MAX_HEADER, WireError, check_geometry, land, slot_header
 
 if TYPE_CHECKING:
+    import socket
+    import threading
     from collections.abc import Callable
 
     from cudasnap._C import Arena
 
+    from .kv import KV
+    from .local import LocalSnapshots
+
 MAGIC = b"CSXOR001"
 _ALIGN = 64
+
+
+class Link(Protocol):
+    """What a ParityKeeper needs of its Replicator (cudasnap.distributed.replica)."""
+
+    kv: KV
+    local: LocalSnapshots
+    rate: float | None  # bytes/s cap of background sends (None: none)
+    rank: int
+    job: str
+    shm: Path
+    node: str
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set when replication stops: every wait of a round ends."""
+
+    def nodes(self, timeout: float = 0.0) -> dict[int, str] | None:
+        """Every rank's node id, None until all published theirs."""
+
+    def connect(self, rank: int) -> tuple[socket.socket, str]:
+        """A connection to ``rank``'s replica server and the token its requests carry."""
 
 
 def parity_sets(nodes: dict[int, str], k: int) -> list[list[int]]:

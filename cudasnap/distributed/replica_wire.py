@@ -1,4 +1,4 @@
-"""Wire format of node-loss replication (cudasnap.dist.replica): raw bytes on a TCP stream.
+"""Wire format of node-loss replication (cudasnap.distributed.replica): raw bytes on a TCP stream.
 
 One transfer per connection. A message is a header (4-byte big-endian length, then a JSON
 object of at most :data:`MAX_HEADER` bytes); a snapshot follows its header as raw bytes:

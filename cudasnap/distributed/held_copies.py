@@ -1,6 +1,6 @@
 """Survivors commit for the dead: a flush round uses the copies of dead ranks this node holds.
 
-With node-loss replication (cudasnap.dist.replica) a node's shared memory holds copies of
+With node-loss replication (cudasnap.distributed.replica) a node's shared memory holds copies of
 other nodes' ranks: guest arenas, or own arenas of an earlier rank numbering. When a node
 is lost, its ranks are dead in the survivors' flush round and no live rank shares their
 host, so no one can read their arenas; but the node holding their copies can. In round
@@ -19,7 +19,7 @@ host, so no one can read their arenas; but the node holding their copies can. In
      so a later loss of the holder too still restores the step from disk.
 
 A copy is used only when it holds exactly the agreed step, checked chunk by chunk when it
-landed (cudasnap.dist.replica_wire.land) and by the slot protocol's commit.
+landed (cudasnap.distributed.replica_wire.land) and by the slot protocol's commit.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from .replica import Replicator
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 
 class HeldCopies:

@@ -1,7 +1,7 @@
 """XOR parity rounds (``node_replica="xor:K"``): encoding in the background, rebuilding at restore.
 
-The math, images and files are cudasnap.dist.parity's; this module runs them for one rank
-inside its Replicator (cudasnap.dist.replica), which owns the sockets and the threads.
+The math, images and files are cudasnap.distributed.parity's; this module runs them for one rank
+inside its Replicator (cudasnap.distributed.replica), which owns the sockets and the threads.
 
 Call order (the Replicator's): ``ParityKeeper(replicator, k)`` -> ``run()`` on its sender
 thread (rounds until the stop event) -> ``serve_put``/``serve_get`` on its server's request
@@ -32,13 +32,23 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._proc import pid_alive
 from ..errors import SnapshotError
-from .parity import (Accumulator, Image, land_image, parity_files, parity_path, parity_sets, read_parity,
-                     read_trailer, rebuild, seg_bytes, seg_index)
+from .parity import (
+    Accumulator,
+    Image,
+    Link,
+    parity_files,
+    parity_path,
+    parity_sets,
+    read_parity,
+    read_trailer,
+    seg_bytes,
+    seg_index,
+)
 from .replica_store import find_slot
 from .replica_wire import PIECE, Throttle, WireError, recv_into, recv_msg, send_msg
 
@@ -47,10 +57,8 @@ if TYPE_CHECKING:
 
     from cudasnap._C import Arena
 
-    from .kv import KV
-    from .local import LocalSnapshots
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 _POLL_S = 0.02  # idle: a newer snapshot to encode
 _ROUND_POLL_S = 0.01  # within a round: the peers' keys
@@ -81,28 +89,6 @@ def _send_range(sock: socket.socket, img: Image, off: int, n: int, stop: threadi
             throttle.pace(m, stop)
         if stop.is_set():
             raise WireError("replication stopped")
-
-
-class Link(Protocol):
-    """What a ParityKeeper needs of its Replicator (cudasnap.dist.replica)."""
-
-    kv: KV
-    local: LocalSnapshots
-    rate: float | None  # bytes/s cap of background sends (None: none)
-    rank: int
-    job: str
-    shm: Path
-    node: str
-
-    @property
-    def stopping(self) -> threading.Event:
-        """Set when replication stops: every wait of a round ends."""
-
-    def nodes(self, timeout: float = 0.0) -> dict[int, str] | None:
-        """Every rank's node id, None until all published theirs."""
-
-    def connect(self, rank: int) -> tuple[socket.socket, str]:
-        """A connection to ``rank``'s replica server and the token its requests carry."""
 
 
 class ParityKeeper:
@@ -414,38 +400,12 @@ class ParityKeeper:
             a.release(i)
 
     # ------------------------------------------------------------ restore side
-    def _get(self, rank: int, req: dict[str, Any], desc: dict[str, int] | None = None) -> bytes:
-        """Bytes of a parity file or of an image (``desc``: what the encoding round
-        recorded of that image; a slot that is not it is refused)."""
-        sock, token = self.rep.connect(rank)
-        with sock:
-            send_msg(sock, dict(req, op="xget", token=token, job=self.job, src=req.get("src", 0)))
-            hdr = recv_msg(sock)
-            if not hdr.get("ok"):
-                raise WireError(f"rank {rank}: {hdr.get('error')}")
-            if desc is not None and hdr.get("desc") != desc:
-                raise WireError(f"rank {rank}'s slot of rank {req.get('src')} step "
-                                f"{req.get('step')} is not the image the parity encodes")
-            buf = bytearray(int(hdr["n"]))
-            recv_into(sock, memoryview(buf))
-        return bytes(buf)
-
     def rebuild(self, plan: dict[str, Any], threads: int) -> tuple[Arena, int, Path]:
-        """This rank's image of ``plan["step"]`` rebuilt from its set's survivors (the plan
-        of cudasnap.dist.parity.plans), landed in a temporary arena: (arena, slot, path)."""
-        step, sid, seg = int(plan["step"]), int(plan["sid"]), int(plan["seg"])
-        pfrom, dfrom = plan["parity_from"], plan["data_from"]
+        """This rank's image of ``plan["step"]`` rebuilt from its set's survivors, landed in
+        a temporary arena (cudasnap.distributed.parity_rebuild): (arena, slot, path)."""
+        from .parity_rebuild import rebuild_rank
 
-        def parity_of(m: int) -> bytes:
-            return self._get(pfrom[m], {"what": "parity", "sid": sid, "holder": m, "step": step})
-
-        def segment_of(m: int, s: int) -> bytes:
-            return self._get(dfrom[m], {"what": "image", "src": m, "step": step,
-                                        "off": s * seg, "n": seg}, plan["descs"].get(m))
-
-        desc = plan["desc"]
-        image = rebuild(self.rank, plan["members"], seg, int(desc["len"]), parity_of, segment_of)
-        return land_image(image, desc, self.shm, self.job, self.rank, threads)
+        return rebuild_rank(self.rep, self.rank, plan, threads)
 
     def stop(self, clean: bool) -> list[Path]:
         """Releases the lease; ``clean``: removes the parity files this process made, and

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..format.paths import DIST_LOG as EVENT_LOG
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 PROGRESS_EVERY_S = 5.0
 
 

@@ -1,6 +1,6 @@
 """A rank's directory of a step, written from a slot of shared memory: this rank's own
 arena, a dead host mate's arena, or a copy this node holds of a lost node's rank (steps 2
-of the round in cudasnap.dist.flush_round; held copies: cudasnap.dist.held_copies)."""
+of the round in cudasnap.distributed.flush_round; held copies: cudasnap.distributed.held_copies)."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this mod
 
     from .held_copies import HeldCopies
 
-log = logging.getLogger("cudasnap.dist")
+log = logging.getLogger("cudasnap.distributed")
 
 
 def write_slot(store: RoundStore, arena: Arena, rank: int, step: int, threads: int,
