@@ -201,6 +201,18 @@ def resolve_threads(copy_threads: int | None, flush_threads: int | None,
     return (copy_threads or max(1, min(4, n - 1)), flush_threads or min(8, max(2, n)))
 
 
+def resolve_rank(rank: int | None, world_size: int | None, env: Settings
+                 ) -> tuple[int, int, bool]:
+    """(rank, world size, torch.distributed is initialised): the keywords, else the
+    initialised process group's, else the launcher's (RANK / WORLD_SIZE)."""
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    r = rank if rank is not None else dist.get_rank() if on else env.rank
+    w = world_size if world_size is not None else dist.get_world_size() if on else env.world_size
+    return r, w, on
+
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

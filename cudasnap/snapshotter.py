@@ -29,7 +29,7 @@ from .core.timeline import final_flush
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError
 from .format import paths
-from .storage import open_storage, posix
+from .storage import clean_partial, open_storage, posix
 
 log = logging.getLogger("cudasnap")
 
@@ -114,24 +114,14 @@ class Snapshotter:
         env = Settings.from_env()  # keyword arguments win over the environment
         vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         fresh = env.fresh if fresh is None else bool(fresh)
-        # Copy every k-th boundary (k: snapshot_every, else the overhead budget's,
-        # core.cadence); a flush with no optimizer step since the last boundary copies the
-        # live state (replay <= 1).
+        # Copy every k-th boundary (k: snapshot_every, else the overhead budget's: core.cadence)
         self.snapshot_every = snapshot_every
-        budget = env.overhead_budget if overhead_budget is None else float(overhead_budget)
-        staging = env.device_staging if device_staging is None else device_staging
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
-        if directory is None:
-            directory = env.directory or "ckpt"
+        directory = env.directory or "ckpt" if directory is None else directory
         self.storage = open_storage(directory)
         self.directory = self.storage.local_dir
-        import torch.distributed as dist
-
-        dist_on = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else dist.get_rank() if dist_on else env.rank
-        self.world_size = world_size if world_size is not None else \
-            dist.get_world_size() if dist_on else env.world_size
+        self.rank, self.world_size, dist_on = cfg.resolve_rank(rank, world_size, env)
         cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = tuple(rng_sources)
@@ -150,24 +140,22 @@ class Snapshotter:
         self.arena_path = paths.arena_path(shm, self.job, self.rank)
         self._lock = posix.DirectoryLock(self.directory, self.rank)
         self._lock.acquire()
-        removed = self.storage.clean_partial()
-        if removed:
-            log.warning("removed %d interrupted flush(es): %s", len(removed),
-                        ", ".join(str(p).rstrip("/").rsplit("/", 1)[-1] for p in removed))
+        clean_partial(self.storage)
         self._closed = False
         self._wait_timeout_s = env.wait_s  # read-only: the components get it at birth
-        if arena_sync_max_bytes is None:
-            arena_sync_max_bytes = env.arena_sync_max_bytes
         # The components (docs/design.md §2.1); the keeper's two upward edges (a regrowth)
         # are callables: the copier and the flush exist by the time they run.
         parts = wire(self.state, self.storage, backend=backend, supervised=env.supervised,
-                     sync_max_bytes=arena_sync_max_bytes, arena_path=self.arena_path,
+                     sync_max_bytes=env.arena_sync_max_bytes if arena_sync_max_bytes is None
+                     else arena_sync_max_bytes, arena_path=self.arena_path,
                      num_slots=self.num_slots, spare_slot=self.spare_slot,
                      chunk_bytes=self.chunk_bytes, job=self.job, rank=self.rank,
                      world_size=self.world_size, keep=self.keep,
                      copy_threads=self.copy_threads, flush_threads=self.flush_threads,
                      wait_timeout_s=self.wait_timeout_s, snapshot_every=self.snapshot_every,
-                     overhead_budget=budget, device_staging=staging,
+                     overhead_budget=env.overhead_budget if overhead_budget is None
+                     else float(overhead_budget),
+                     device_staging=env.device_staging if device_staging is None else device_staging,
                      allow_foreign_owner=self.allow_foreign_owner, fresh=fresh,
                      require_resume=env.require_resume if require_resume is None
                      else bool(require_resume),
@@ -178,10 +166,7 @@ class Snapshotter:
         try:
             self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
                                 watchdog_s, node_replica, fresh)
-            attach_triggers(parts, self.dist, self.guard)  # before a trigger can flush
-            if self.guard is not None:
-                self.guard.start()
-            self._layouts.prestart()  # last: a large state's first build thread, parked
+            attach_triggers(parts, self.dist, self.guard)  # then starts the guard
         except BaseException:
             self._keeper.shutdown(min(60.0, self.wait_timeout_s))
             self._lock.release()

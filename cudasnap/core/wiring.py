@@ -86,9 +86,14 @@ def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
 
 
 def attach_triggers(parts: Components, dist: Any, guard: Any) -> None:
-    """The distributed coordinator (or None) and the guard (or None), once made."""
+    """The distributed coordinator (or None) and the guard (or None), once made, handed to
+    the components before any trigger can flush; then the guard starts, and last a large
+    state's first layout build thread (parked)."""
     parts.flusher.attach(dist, guard)
     if dist is not None:
         parts.copier.cadence.coordinated()  # every rank copies the same boundaries
     parts.restorer.attach(dist, guard)
     parts.keeper.attach(coordinated=dist is not None)
+    if guard is not None:
+        guard.start()
+    parts.layouts.prestart()

@@ -131,14 +131,25 @@ class FlushRounds:
         target, see the module docstring) the proposal waits, within the same deadline,
         for every live rank to hold the target step.
         """
-        live, kv = self.live, self.kv
         mine = self.complete_steps()
-        kv.set(f"{g}/have/{self.rank}", csv(mine))
-        sets: dict[int, set[int]] = {self.rank: set(mine)}
-        left: dict[int, set[int] | None] = {}
-        end = time.monotonic() + live.peer_timeout_s + 4 * self.heartbeat_s
+        self.kv.set(f"{g}/have/{self.rank}", csv(mine))
+        end = time.monotonic() + self.live.peer_timeout_s + 4 * self.heartbeat_s
         if deadline is not None:
             end = min(end, deadline)
+        won, sets, left = self._gather(g, set(mine), end)
+        if won is None:  # this rank proposes: the first proposal stored wins
+            won = self.kv.propose(f"{g}/step", self._proposal(g, sets, left))
+        return self._parse_agreed(won)
+
+    def _gather(self, g: str, mine: set[int], end: float
+                ) -> tuple[str | None, dict[int, set[int]], dict[int, set[int] | None]]:
+        """Every rank's COMPLETE steps (``have/``), a dead rank's from its arena read by a
+        host mate (``left/``) or its copy's holder, until none is awaited or ``end``:
+        (the agreed step's record when another rank's proposal won meanwhile, else None;
+        steps by rank; steps read from dead ranks' arenas)."""
+        live, kv = self.live, self.kv
+        sets: dict[int, set[int]] = {self.rank: mine}
+        left: dict[int, set[int] | None] = {}
         checked = 0.0
         target: int | None = None
         behind: list[int] = []
@@ -147,7 +158,7 @@ class FlushRounds:
         while True:
             won = kv.get(f"{g}/step")
             if won is not None:
-                return self._parse_agreed(won)
+                return won, sets, left
             if time.monotonic() - checked > 0.1:
                 live.check()
                 checked = time.monotonic()
@@ -200,6 +211,14 @@ class FlushRounds:
                                 behind, target, live.peer_timeout_s + 4 * self.heartbeat_s)
                 break
             time.sleep(0.02)
+        return None, sets, left
+
+    def _proposal(self, g: str, sets: dict[int, set[int]],
+                  left: dict[int, set[int] | None]) -> str:
+        """This rank's proposal ``"<step>;<dead ranks>"``: the newest step every rank holds
+        (a dead rank: its arena as read, its held copy, a replica's files, or what its
+        heartbeats said), -1 for none."""
+        live, kv = self.live, self.kv
         dead = {r for r in range(self.world) if r not in sets}
         use = dict(sets)
         fallback: dict[int, set[int]] = {}
@@ -230,8 +249,7 @@ class FlushRounds:
             common = set.intersection(*[v for r, v in use.items() if r not in fallback])
         if not common:
             log.error("no step is COMPLETE on every rank: %s", {r: sorted(v) for r, v in use.items()})
-        proposal = f"{max(common) if common else -1};{csv(dead)}"
-        return self._parse_agreed(kv.propose(f"{g}/step", proposal))
+        return f"{max(common) if common else -1};{csv(dead)}"
 
     def final_step(self) -> int | None:
         """This rank's newest COMPLETE step if it is committed with this rank's files (-1:

@@ -74,31 +74,7 @@ def advise(
     res = compare(s)
     per, jit = res["periodic"], res["jit"]
     pick = "jit" if jit["wasted_fraction"] < per["wasted_fraction"] else "periodic"
-    reasons: list[str] = []
-    diff = abs(per["wasted_gpu_hours_per_day"] - jit["wasted_gpu_hours_per_day"])
-    lo, hi = sorted((per["wasted_fraction"], jit["wasted_fraction"]))
-    other = "periodic" if pick == "jit" else "jit"
-    reasons.append(
-        f"{pick} wastes {100 * lo:.3g}% of GPU time vs {100 * hi:.3g}% for {other} "
-        f"({hi / lo if lo > 0 else math.inf:.3g}x less, {_gpu_hours(diff)} GPU-hours/day saved)"
-    )
-    reasons.append(
-        f"job MTBF {res['job_mtbf_hours']:.4g} h ({res['failures_per_day']:.3g} failures/day)"
-    )
-    reasons.append(
-        f"periodic: checkpoint every {per['interval_seconds'] / 60:.3g} min (Daly) costs "
-        f"C/tau = {100 * c / per['interval_seconds']:.3g}% plus, per failure, "
-        f"~{per['lost_work_expected_seconds'] / 60:.3g} min lost work + D+R = {d + r:.4g} s"
-    )
-    reasons.append(
-        f"jit: per failure D+F+R = {d + f + r:.4g} s plus <= 1 iteration "
-        f"(expected {jit['lost_work_expected_seconds']:.3g} s), steady overhead {100 * o:.3g}%"
-    )
-    if pick == "periodic":
-        if o >= c / per["interval_seconds"]:
-            reasons.append("the JIT steady-state overhead exceeds the periodic checkpoint overhead")
-        if f > per["lost_work_expected_seconds"]:
-            reasons.append("the JIT flush takes longer than the work periodic loses per failure")
+    reasons = _reasons(res, pick, c=c, f=f, d=d, r=r, o=o)
     notes = [
         "JIT needs a surviving copy of every state shard (e.g. data-parallel replicas); "
         "keep infrequent periodic checkpoints as a fallback for failures that lose all copies",
@@ -126,6 +102,39 @@ def advise(
         "reasons": reasons,
         "notes": notes,
     }
+
+
+def _reasons(res: dict[str, Any], pick: str, *, c: float, f: float, d: float, r: float,
+             o: float) -> list[str]:
+    """Why ``pick`` wins, in words: the waste of each, the job MTBF, what each costs per
+    failure (C, F, D, R, the JIT overhead ``o`` as in ``advise``)."""
+    per, jit = res["periodic"], res["jit"]
+    reasons: list[str] = []
+    diff = abs(per["wasted_gpu_hours_per_day"] - jit["wasted_gpu_hours_per_day"])
+    lo, hi = sorted((per["wasted_fraction"], jit["wasted_fraction"]))
+    other = "periodic" if pick == "jit" else "jit"
+    reasons.append(
+        f"{pick} wastes {100 * lo:.3g}% of GPU time vs {100 * hi:.3g}% for {other} "
+        f"({hi / lo if lo > 0 else math.inf:.3g}x less, {_gpu_hours(diff)} GPU-hours/day saved)"
+    )
+    reasons.append(
+        f"job MTBF {res['job_mtbf_hours']:.4g} h ({res['failures_per_day']:.3g} failures/day)"
+    )
+    reasons.append(
+        f"periodic: checkpoint every {per['interval_seconds'] / 60:.3g} min (Daly) costs "
+        f"C/tau = {100 * c / per['interval_seconds']:.3g}% plus, per failure, "
+        f"~{per['lost_work_expected_seconds'] / 60:.3g} min lost work + D+R = {d + r:.4g} s"
+    )
+    reasons.append(
+        f"jit: per failure D+F+R = {d + f + r:.4g} s plus <= 1 iteration "
+        f"(expected {jit['lost_work_expected_seconds']:.3g} s), steady overhead {100 * o:.3g}%"
+    )
+    if pick == "periodic":
+        if o >= c / per["interval_seconds"]:
+            reasons.append("the JIT steady-state overhead exceeds the periodic checkpoint overhead")
+        if f > per["lost_work_expected_seconds"]:
+            reasons.append("the JIT flush takes longer than the work periodic loses per failure")
+    return reasons
 
 
 def _gpu_hours(x: float) -> str:

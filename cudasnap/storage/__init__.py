@@ -18,6 +18,7 @@ committed there (an object store's listing for a URL, never a local path).
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +27,8 @@ from ..errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot
 from ..format.paths import MANIFEST, is_url, rank_dirname
 from . import listing, posix
 from .types import FlushResult
+
+log = logging.getLogger("cudasnap")
 
 if TYPE_CHECKING:  # type-only: importing cudasnap.storage loads neither torch nor _C
     import torch
@@ -135,6 +138,14 @@ class PosixStorage:
                   ahead: FileReadAhead | None = None) -> posix.DataFile:
         return posix.DataFile(self._local(ref).path, manifest, threads,
                               allow_foreign_owner=allow_foreign_owner, ahead=ahead)
+
+
+def clean_partial(storage: StorageWriter) -> None:
+    """What interrupted flushes left in ``storage`` removed, and said (a WARNING)."""
+    removed = storage.clean_partial()
+    if removed:
+        log.warning("removed %d interrupted flush(es): %s", len(removed),
+                    ", ".join(str(p).rstrip("/").rsplit("/", 1)[-1] for p in removed))
 
 
 def is_local(ref: object) -> bool:

@@ -105,6 +105,18 @@ def complete_slot(arena: Arena, slot: int) -> tuple[SlotInfo, dict[str, Any]]:
     return info, fmt.parse_slot_meta(arena.read_meta(slot), f"slot {slot} of {arena.path}")
 
 
+def _copy_at(target: Path, info: SlotInfo, meta: dict[str, Any]) -> bool | None:
+    """Is this slot already stored at ``target``: True (this very slot: same seq, same job),
+    False (another run's or a corrupt copy of its step), None (nothing there)."""
+    if not (target / MANIFEST).exists():
+        return None
+    try:
+        prev = json.loads(_read_regular(target / MANIFEST, fmt.MAX_MANIFEST_BYTES, "manifest")[0])
+        return bool(prev.get("slot_seq") == int(info["seq"]) and prev.get("job") == meta.get("job"))
+    except (SnapshotError, ValueError, RecursionError, AttributeError):
+        return False
+
+
 def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
                io_bytes: int = 16 << 20, keep: int = 3, extra_manifest: dict[str, Any] | None = None,
                subdir: str | None = None, update_latest: bool = True) -> tuple[Path, FlushResult]:
@@ -116,39 +128,28 @@ def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
     directory = Path(directory)
     final = directory / step_dirname(step)
     target = final / subdir if subdir else final
-    stale: Path | None = None
-    if (target / MANIFEST).exists():
-        try:
-            prev = json.loads(_read_regular(target / MANIFEST, fmt.MAX_MANIFEST_BYTES,
-                                            "manifest")[0])
-            same = prev.get("slot_seq") == int(info["seq"]) and prev.get("job") == meta.get("job")
-        except (SnapshotError, ValueError, RecursionError, AttributeError):
-            same = False
-        if same:
-            log.info("step %d already on disk at %s", step, target)
-            return target, {"bytes": 0, "seconds": 0.0, "skipped": True, "step": step}
-        # Another run's (or a corrupt) copy of this step: replace it; it is moved
-        # aside only once the new copy is complete, then removed.
-        stale = target.with_name(f"{target.name}.old-{os.getpid()}")
-    if subdir:
-        # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid>
-        # and renames it into place; the COMMIT marker (cudasnap.distributed.flush_round)
-        # makes the step visible, never the directory itself.
-        tmp = final / f"{subdir}.tmp-{os.getpid()}"
-        tmp_target = tmp
-    else:
-        tmp = directory / f"{step_dirname(step)}.tmp-{os.getpid()}"
-        tmp_target = tmp
+    there = _copy_at(target, info, meta)
+    if there:
+        log.info("step %d already on disk at %s", step, target)
+        return target, {"bytes": 0, "seconds": 0.0, "skipped": True, "step": step}
+    # Another run's (or a corrupt) copy of this step: replace it; it is moved
+    # aside only once the new copy is complete, then removed.
+    stale = target.with_name(f"{target.name}.old-{os.getpid()}") if there is False else None
+    # Ranks share the step directory: each writes DIR/step-N/<subdir>.tmp-<pid> and renames
+    # it into place; the COMMIT marker (cudasnap.distributed.flush_round) makes the step
+    # visible, never the directory itself.
+    tmp = final / f"{subdir}.tmp-{os.getpid()}" if subdir else \
+        directory / f"{step_dirname(step)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         if subdir:
             final.mkdir(mode=0o700, exist_ok=True)
-        tmp_target.mkdir(mode=0o700)
-        st = C.write_slot_file(arena, slot, str(tmp_target / DATA), threads, io_bytes, True)
+        tmp.mkdir(mode=0o700)
+        st = C.write_slot_file(arena, slot, str(tmp / DATA), threads, io_bytes, True)
         body = fmt.stored_manifest(meta, info, arena.chunk_bytes, st["crc32c"], extra_manifest)
-        _write_file_durable(tmp_target / MANIFEST, body)
+        _write_file_durable(tmp / MANIFEST, body)
         kill_point("manifest")
-        C.fsync_dir(str(tmp_target))
+        C.fsync_dir(str(tmp))
         kill_point("rename")
         if stale is not None:
             os.rename(target, stale)

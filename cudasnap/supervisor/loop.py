@@ -115,8 +115,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                       extra_env: dict[str, str] | None, report: list[dict[str, Any]] | None,
                       auto: bool, warm_next: bool = True, verdict: Path | None = None,
                       url: str | None = None, remote: FsspecStorage | None = None) -> int:
-    # Load the extension (and torch) now, beside the first attempt: after a death the
-    # flush must start at once, not after a multi-second import.
+    # The extension (and torch) loaded beside the first attempt: a flush after a death starts at once
     preload = threading.Thread(target=native, name="cudasnap-preload", daemon=True)
     preload.start()
     flusher: threading.Thread | None = None
@@ -140,29 +139,9 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
         return rc if rc >= 0 else 128 - rc
 
     def attempt_env(n: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": url or str(directory),
-                    "CUDASNAP_JOB": job, "CUDASNAP_SHM_DIR": str(shm),
-                    "CUDASNAP_RESTART": str(n), "CUDASNAP_SUPERVISED": "1",
-                    "CUDASNAP_SUPERVISOR_PID": str(os.getpid())})
-        if url is not None:  # derived from the state directory, as here (see supervise)
-            env.pop("CUDASNAP_JOB")
-        if verdict is not None:
-            env[VERDICT_ENV] = str(verdict)
-        if watchdog_s:
-            env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
-        if auto:
-            env["CUDASNAP_AUTO"] = "1"
-            pkg = Path(__file__).resolve().parents[1]  # cudasnap/
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(pkg / "_autoload"), str(pkg.parent)] +
-                ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        if inject_first and n == 0:
-            env["CUDASNAP_INJECT"] = inject_first
-        elif n > 0:
-            env.pop("CUDASNAP_INJECT", None)
-        env.update(extra_env or {})
-        return env
+        return _attempt_env(n, directory=directory, url=url, job=job, shm=shm, verdict=verdict,
+                            watchdog_s=watchdog_s, auto=auto, inject_first=inject_first,
+                            extra_env=extra_env)
 
     standby: Standby | None = None
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
@@ -173,24 +152,18 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             standby = None
             if verdict is not None:
                 verdict.unlink(missing_ok=True)
-            # The supervisor's process group; SIGTERM (its guard flushes) if we die.
-            child = warm if warm is not None else subprocess.Popen(
-                _cold_command(cmd), env=attempt_env(attempt),
-                preexec_fn=parent_death_signal(signal.SIGTERM, os.getpid()))
+            child = warm if warm is not None else _cold_start(cmd, attempt_env(attempt))
             if warm_next and attempt < max_restarts:
                 # The next attempt's interpreter, torch imported, waiting for this one's
                 # death (cudasnap.supervisor.standby): a restart then skips the imports.
                 standby = Standby.spawn(cmd, attempt_env(attempt + 1))
             if stop_requested and child.poll() is None:
-                # The signal came before this child existed (or during the restart
-                # gap): it must not run on as if nothing had been asked.
+                # The signal came before this child existed (or in the restart gap): forwarded
                 log.warning("forwarding %s to the training process", stop_signal.name)
                 child.send_signal(stop_signal)
             rc, how = _wait_child(child, watchdog_s or cfg_watchdog)
-            t_dead = time.time()
-            entry: dict[str, Any] = {"attempt": attempt, "rc": rc, "started": t_start,
-                                     "died": t_dead, "exit": how or describe_exit(rc),
-                                     "warm": warm is not None}
+            entry: dict[str, Any] = {"attempt": attempt, "rc": rc, "started": t_start, "died": time.time(),
+                                     "exit": how or describe_exit(rc), "warm": warm is not None}
             if report is not None:
                 report.append(entry)
             if rc == 0:  # finished: never restarted
@@ -204,31 +177,8 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             except ConfigError as e:
                 log.error("%s: not flushing, not restarting", e)
                 return 2
-            entry["flush_start"] = time.time()
-            leased: list[tuple[Path, Any, int, int]] = []
-            if any(shm.glob(paths.arena_glob(job))):  # else no need to wait for torch
-                preload.join()
-                leased = _orphan_slots(directory, job, shm, remote)
-
-            def flush(entry: dict[str, Any] = entry,
-                      leased: list[tuple[Path, Any, int, int]] = leased) -> None:
-                entry["flushed"] = _flush_leased(directory, leased, remote=remote)
-                entry["flush_done"] = time.time()
-
-            # The flush runs beside the restart: the restarted process restores from
-            # shared memory anyway, and the leased slot is not reused until it is written.
-            flusher = threading.Thread(target=flush, name="cudasnap-orphan-flush", daemon=True)
-            flusher.start()
-            if stop_requested:
-                log.warning("stop requested: not restarting")
-                return finish(rc)
-            if config_error is not None:
-                entry["config_error"] = config_error
-                log.error("the training process failed with a configuration error (%s): a "
-                          "restart cannot fix it, not restarting", config_error)
-                return finish(rc)
-            if attempt >= max_restarts:
-                log.error("giving up after %d restart(s)", max_restarts)
+            flusher = _orphan_flush(directory, job, shm, remote, preload, entry)
+            if not _restart(stop_requested, config_error, attempt, max_restarts, entry):
                 return finish(rc)
             attempt += 1
             log.warning("restarting (restart %d of %d)", attempt, max_restarts)
@@ -240,3 +190,80 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
         if flusher is not None:
             flusher.join()  # (an exception on the way out: the flush still completes)
         _remove_own_partial(directory)
+
+
+def _orphan_flush(directory: Path, job: str, shm: Path, remote: FsspecStorage | None,
+                  preload: threading.Thread, entry: dict[str, Any]) -> threading.Thread:
+    """The dead attempt's newest slots leased now and flushed on a thread, beside the
+    restart: the restarted process restores from shared memory anyway, and a leased slot is
+    not reused until it is written. ``entry`` (the attempt's report) gets the times and
+    what was flushed."""
+    entry["flush_start"] = time.time()
+    leased: list[tuple[Path, Any, int, int]] = []
+    if any(shm.glob(paths.arena_glob(job))):  # else no need to wait for torch
+        preload.join()
+        leased = _orphan_slots(directory, job, shm, remote)
+
+    def flush() -> None:
+        entry["flushed"] = _flush_leased(directory, leased, remote=remote)
+        entry["flush_done"] = time.time()
+
+    t = threading.Thread(target=flush, name="cudasnap-orphan-flush", daemon=True)
+    t.start()
+    return t
+
+
+def _attempt_env(n: int, *, directory: Path, url: str | None, job: str, shm: Path,
+                 verdict: Path | None, watchdog_s: float | None, auto: bool,
+                 inject_first: str | None, extra_env: dict[str, str] | None) -> dict[str, str]:
+    """The environment of attempt ``n``: the guard on, the snapshot directory, job, shared
+    memory and restart count the attempt's Snapshotter reads (cudasnap.config), the fault
+    injection of the first attempt only, ``extra_env`` last."""
+    env = dict(os.environ)
+    env.update({"CUDASNAP_HEALTH": "1", "CUDASNAP_DIR": url or str(directory),
+                "CUDASNAP_JOB": job, "CUDASNAP_SHM_DIR": str(shm),
+                "CUDASNAP_RESTART": str(n), "CUDASNAP_SUPERVISED": "1",
+                "CUDASNAP_SUPERVISOR_PID": str(os.getpid())})
+    if url is not None:  # derived from the state directory, as here (see supervise)
+        env.pop("CUDASNAP_JOB")
+    if verdict is not None:
+        env[VERDICT_ENV] = str(verdict)
+    if watchdog_s:
+        env["CUDASNAP_WATCHDOG_S"] = str(watchdog_s)
+    if auto:
+        env["CUDASNAP_AUTO"] = "1"
+        pkg = Path(__file__).resolve().parents[1]  # cudasnap/
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(pkg / "_autoload"), str(pkg.parent)] +
+            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if inject_first and n == 0:
+        env["CUDASNAP_INJECT"] = inject_first
+    elif n > 0:
+        env.pop("CUDASNAP_INJECT", None)
+    env.update(extra_env or {})
+    return env
+
+
+def _cold_start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """An attempt started from scratch, in the supervisor's process group; SIGTERM (its
+    guard flushes) if the supervisor dies."""
+    return subprocess.Popen(_cold_command(cmd), env=env,
+                            preexec_fn=parent_death_signal(signal.SIGTERM, os.getpid()))
+
+
+def _restart(stop_requested: bool, config_error: str | None, attempt: int, max_restarts: int,
+             entry: dict[str, Any]) -> bool:
+    """Whether a failed attempt is restarted (else why not, logged): not after a stop was
+    asked, a configuration error (a restart cannot fix it), or the last restart."""
+    if stop_requested:
+        log.warning("stop requested: not restarting")
+        return False
+    if config_error is not None:
+        entry["config_error"] = config_error
+        log.error("the training process failed with a configuration error (%s): a "
+                  "restart cannot fix it, not restarting", config_error)
+        return False
+    if attempt >= max_restarts:
+        log.error("giving up after %d restart(s)", max_restarts)
+        return False
+    return True

@@ -93,6 +93,99 @@ def _scheduler_extra(extra: dict[str, Any]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+class _Claims:
+    """The keys taken so far: each key names one value (a clash is logged and left out)."""
+
+    def __init__(self, out: DcpKeys) -> None:
+        self.out, self.taken = out, set[str]()
+
+    def claim(self, keys: list[str], what: str, strict: bool = False) -> list[str]:
+        kept = []
+        for k in keys:
+            if k in self.taken:
+                if strict and k == keys[0]:
+                    raise CorruptSnapshot(f"{what}: DCP key {k!r} is used twice")
+                log.warning("export --to dcp: key %r of %s is taken; that name is left out",
+                            k, what)
+                continue
+            self.taken.add(k)
+            kept.append(k)
+        return kept
+
+    def put(self, tree: dict[str, Any], what: str) -> None:
+        for k, v in _flatten(tree).items():
+            if self.claim([k], what):
+                self.out.objects[k] = v
+
+
+def _tensor_keys(name: str, ent: dict[str, Any], renamed: dict[str, str],
+                 param_fqns: dict[str, list[Any]], titan: bool) -> list[str]:
+    """The keys of one tensor chunk entry: a model tensor under its state_dict names (and
+    torchtitan's top-level ones), an optimizer state tensor under its parameter's FQN."""
+    kind, _, gkey = ent["group"].partition(":")
+    keys: list[str] = []
+    if kind == "model":
+        for n in (name, *ent["aliases"]):
+            keys.append(renamed.get(n, n))
+        keys += [n for n in (name, *ent["aliases"]) if n not in keys]  # the raw names too
+        if titan:
+            keys += [renamed.get(n, n)[len("model."):] for n in (name, *ent["aliases"])]
+    elif kind == "optim" and ent.get("param_index") is not None:
+        idx, key = int(ent["param_index"]), str(ent["state_key"])
+        fqns = param_fqns.get(gkey) or []
+        fqn = fqns[idx] if idx < len(fqns) else None
+        if fqn is not None:
+            keys.append(f"{gkey}.state.{fqn}.{key}")
+            if titan:
+                keys.append(f"{TORCHTITAN_OPTIM}.state.{fqn}.{key}")
+        keys.append(name)  # optim.state.<index>.<key>: load_resharded, old exports
+    else:
+        keys.append(name)
+    return list(dict.fromkeys(keys))
+
+
+def _optim_keys(c: _Claims, okey: str, h: dict[str, Any], param_fqns: dict[str, list[Any]],
+                titan: bool) -> None:
+    """One optimizer's param groups and non-tensor state under get_state_dict's keys
+    (nested, and flattened per parameter FQN when every parameter is named)."""
+    fqns = param_fqns.get(okey) or []
+    groups = [expand_params(g) for g in h.get("param_groups", [])]
+    n_params = sum(len(g["params"]) for g in groups)
+    named = len(fqns) == n_params and all(f is not None for f in fqns)
+    if param_fqns and not named:
+        log.warning("export --to dcp: optimizer %r has parameters outside the registered "
+                    "model(s); its param groups keep parameter indices", okey)
+    if named:
+        for g in groups:
+            g["params"] = [fqns[i] for i in g["params"]]
+    # get_state_dict's default (nested) form: <okey>.param_groups.<i>.<key>
+    c.put({okey: {"param_groups": groups}}, f"optimizer {okey!r} param groups")
+    scalars = [(int(i), str(k), v) for i, k, v in h.get("scalars", [])]
+    if not named:
+        if scalars:
+            c.put({okey: {"state": {str(i): {k: v} for i, k, v in scalars}}},
+                  f"optimizer {okey!r} scalar state")
+        return
+    for prefix in (okey, TORCHTITAN_OPTIM) if titan else (okey,):
+        # flatten_optimizer_state_dict=True: <prefix>.param_groups.<fqn>.<key>, one
+        # stored value per group and key, the other parameters' names point at it
+        for gi, g in enumerate(groups):
+            for k, v in g.items():
+                if k == "params" or not g["params"]:
+                    continue
+                first: str | None = None
+                for fqn in g["params"]:
+                    tk = f"{prefix}.param_groups.{fqn}.{k}"
+                    if not c.claim([tk], f"param group {gi} of {okey!r}"):
+                        continue
+                    if first is None:
+                        c.out.objects[first := tk] = v
+                    else:
+                        c.out.same_as[tk] = first
+        for i, k, v in scalars:  # state that is no tensor: <prefix>.state.<fqn>.<key>
+            c.put({f"{prefix}.state.{fqns[i]}.{k}": v}, f"optimizer {okey!r} scalar state")
+
+
 def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict[str, Any],
          step: int, other_hosts: Sequence[dict[str, Any]] = ()) -> DcpKeys:
     """The keys of every tensor chunk entry and host value (see the module doc).
@@ -106,105 +199,29 @@ def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict
                      if e["group"].startswith("model:")})
     optims = host.get("optim") or {}
     titan = models == ["model"] and len(optims) <= 1 and "dcp_names" in manifest
-    taken: set[str] = set()
-
-    def claim(keys: list[str], what: str, strict: bool = False) -> list[str]:
-        kept = []
-        for k in keys:
-            if k in taken:
-                if strict and k == keys[0]:
-                    raise CorruptSnapshot(f"{what}: DCP key {k!r} is used twice")
-                log.warning("export --to dcp: key %r of %s is taken; that name is left out",
-                            k, what)
-                continue
-            taken.add(k)
-            kept.append(k)
-        return kept
-
+    c = _Claims(out)
     # Tensors: model first (their names win a clash with the top-level torchtitan names).
-    order = sorted(chunks, key=lambda n: not chunks[n]["group"].startswith("model:"))
-    for name in order:
-        ent = chunks[name]
-        kind, _, gkey = ent["group"].partition(":")
-        keys: list[str] = []
-        if kind == "model":
-            for n in (name, *ent["aliases"]):
-                keys.append(renamed.get(n, n))
-            keys += [n for n in (name, *ent["aliases"]) if n not in keys]  # the raw names too
-            if titan:
-                keys += [renamed.get(n, n)[len("model."):] for n in (name, *ent["aliases"])]
-        elif kind == "optim" and ent.get("param_index") is not None:
-            idx, key = int(ent["param_index"]), str(ent["state_key"])
-            fqns = param_fqns.get(gkey) or []
-            fqn = fqns[idx] if idx < len(fqns) else None
-            if fqn is not None:
-                keys.append(f"{gkey}.state.{fqn}.{key}")
-                if titan:
-                    keys.append(f"{TORCHTITAN_OPTIM}.state.{fqn}.{key}")
-            keys.append(name)  # optim.state.<index>.<key>: load_resharded, old exports
-        else:
-            keys.append(name)
-        out.tensors[name] = claim(list(dict.fromkeys(keys)), name, strict=True)
-
-    def put(tree: dict[str, Any], what: str) -> None:
-        for k, v in _flatten(tree).items():
-            if claim([k], what):
-                out.objects[k] = v
-
+    for name in sorted(chunks, key=lambda n: not chunks[n]["group"].startswith("model:")):
+        out.tensors[name] = c.claim(_tensor_keys(name, chunks[name], renamed, param_fqns, titan),
+                                    name, strict=True)
     for okey, h in optims.items():
-        fqns = param_fqns.get(okey) or []
-        groups = [expand_params(g) for g in h.get("param_groups", [])]
-        n_params = sum(len(g["params"]) for g in groups)
-        named = len(fqns) == n_params and all(f is not None for f in fqns)
-        if param_fqns and not named:
-            log.warning("export --to dcp: optimizer %r has parameters outside the registered "
-                        "model(s); its param groups keep parameter indices", okey)
-        if named:
-            for g in groups:
-                g["params"] = [fqns[i] for i in g["params"]]
-        # get_state_dict's default (nested) form: <okey>.param_groups.<i>.<key>
-        put({okey: {"param_groups": groups}}, f"optimizer {okey!r} param groups")
-        scalars = [(int(i), str(k), v) for i, k, v in h.get("scalars", [])]
-        if not named:
-            if scalars:
-                put({okey: {"state": {str(i): {k: v} for i, k, v in scalars}}},
-                    f"optimizer {okey!r} scalar state")
-            continue
-        for prefix in (okey, TORCHTITAN_OPTIM) if titan else (okey,):
-            # flatten_optimizer_state_dict=True: <prefix>.param_groups.<fqn>.<key>, one
-            # stored value per group and key, the other parameters' names point at it
-            for gi, g in enumerate(groups):
-                for k, v in g.items():
-                    if k == "params" or not g["params"]:
-                        continue
-                    first: str | None = None
-                    for fqn in g["params"]:
-                        tk = f"{prefix}.param_groups.{fqn}.{k}"
-                        if not claim([tk], f"param group {gi} of {okey!r}"):
-                            continue
-                        if first is None:
-                            out.objects[first := tk] = v
-                        else:
-                            out.same_as[tk] = first
-            for i, k, v in scalars:  # state that is no tensor: <prefix>.state.<fqn>.<key>
-                put({f"{prefix}.state.{fqns[i]}.{k}": v}, f"optimizer {okey!r} scalar state")
-
+        _optim_keys(c, okey, h, param_fqns, titan)
     extra = host.get("extra") or {}
     for name, ent in extra.items():
         if isinstance(ent, dict) and "state" in ent:
-            put({name: ent["state"]}, f"extra[{name!r}]")
+            c.put({name: ent["state"]}, f"extra[{name!r}]")
     for other in other_hosts:  # keys only another rank has (rank 0's copy wins a clash)
         for name, ent in (other.get("extra") or {}).items():
             if isinstance(ent, dict) and "state" in ent:
                 for k, v in _flatten({name: ent["state"]}).items():
-                    if k not in taken:
-                        taken.add(k)
+                    if k not in c.taken:
+                        c.taken.add(k)
                         out.objects[k] = v
     if titan:
         sched = _scheduler_extra(extra)
         if sched is not None and sched != TORCHTITAN_SCHEDULER:
-            put({TORCHTITAN_SCHEDULER: extra[sched]["state"]}, f"extra[{sched!r}]")
+            c.put({TORCHTITAN_SCHEDULER: extra[sched]["state"]}, f"extra[{sched!r}]")
         if TORCHTITAN_TRAIN_STATE not in extra:
-            put({TORCHTITAN_TRAIN_STATE: {"step": torch.tensor(step, dtype=torch.int32)}},
-                "train_state")
+            c.put({TORCHTITAN_TRAIN_STATE: {"step": torch.tensor(step, dtype=torch.int32)}},
+                  "train_state")
     return out
