@@ -30,7 +30,8 @@ Modules: kv (store client), liveness (heartbeats, presence ports, dead peers), f
 (agree, write, commit), rank_files (a rank's directory from a slot), held_copies (a round
 writes a lost node's ranks from the copies a survivor holds), restore_vote, events, local (the
 LocalSnapshots protocol), coordinator (wires them), replica / replica_store / replica_wire
-(node-loss replication into a partner node's memory).
+(node-loss replication into a partner node's memory), parity / parity_rounds /
+parity_rebuild (``node_replica="xor:K"``: XOR parity across groups of K nodes instead).
 The step layout and the COMMIT marker are cudasnap.format.paths and
 cudasnap.storage.posix (write_commit) and .listing (read_commit), shared with one-rank snapshots.
 

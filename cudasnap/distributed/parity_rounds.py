@@ -100,6 +100,7 @@ class ParityKeeper:
         self.members: list[int] | None = None
         self.sid = -1
         self._pinned: tuple[Arena, int, int] | None = None  # (arena, slot, step) of the last round
+        self._tried = -1  # the step of the last round agreed (completed or aborted)
         self._accs: dict[tuple[int, int], Accumulator] = {}  # (sid, round) -> parity being made
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {"parity_set": None, "parity_rounds": 0, "parity_step": None,
@@ -247,10 +248,12 @@ class ParityKeeper:
         assert self.members is not None
         members, k, key = self.members, len(self.members), self._key(n)
         pos = members.index(self.rank)
-        last = self._pinned[2] if self._pinned is not None else None
-        while True:  # a snapshot newer than the last round's
+        # a snapshot newer than the last round's, completed or aborted: a round that aborted
+        # (a member skipped its step) is not proposed again at once, the store not churned
+        last = max(self._pinned[2] if self._pinned is not None else -1, self._tried)
+        while True:
             newest = self._newest()
-            if newest is not None and (last is None or newest[2] > last):
+            if newest is not None and newest[2] > last:
                 break
             if self.rep.stopping.wait(_POLL_S):
                 raise _Abort
@@ -258,6 +261,7 @@ class ParityKeeper:
         # the same number in an earlier run of the job (an old store) never pass for it
         won = self.kv.propose(f"{key}/step", f"{newest[2]}:{secrets.token_hex(8)}")
         step, tag = int(won.split(":")[0]), f"{key}:{won}"
+        self._tried = max(self._tried, step)
         arena, slot = self._wait(n, lambda: self._slot_of(n, step))
         ok = False
         try:
