@@ -323,6 +323,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         e = os.environ if env is None else env
+        replica = _replica_env(e)  # 0, 1 or K (xor:K)
         return cls(
             directory=_raw(e, "CUDASNAP_DIR"),
             job=_raw(e, "CUDASNAP_JOB"),
@@ -354,8 +355,8 @@ class Settings:
             overhead_budget=_budget_env(e),
             device_staging=_staging_env(e),
             test_hooks=test_hooks_asked(e),
-            node_replica=_replica_env(e) >= 1,
-            node_parity=_replica_env(e) if _replica_env(e) >= 2 else 0,
+            node_replica=replica >= 1,
+            node_parity=replica if replica >= 2 else 0,
             node_id=_raw(e, "CUDASNAP_NODE_ID"),
             replica_addr=_raw(e, "CUDASNAP_REPLICA_ADDR"),
             replica_max_mbps=env_float(e, "CUDASNAP_REPLICA_MAX_MBPS"),
