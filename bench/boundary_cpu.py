@@ -75,6 +75,23 @@ def adam_state(ntensors: int) -> tuple[Any, Any]:
     return model, opt
 
 
+def _running_job(snap: Any) -> Any:
+    """The copy in flight (None: none): the Copier's; a tree from before issue 24 (run by
+    --against) kept it on the Snapshotter."""
+    copier = getattr(snap, "_copier", None)
+    return copier.job if copier is not None else getattr(snap, "_job", None)
+
+
+def _set_rescan_every(snap: Any, n: int) -> None:
+    """Boundaries between two full re-scans of the state: the Layouts' setting; a tree from
+    before issue 24 kept it on the Snapshotter (``RESCAN_EVERY``)."""
+    layouts = getattr(snap, "_layouts", None)
+    if layouts is not None and hasattr(layouts, "rescan_every"):
+        layouts.rescan_every = n
+    else:
+        snap.RESCAN_EVERY = n
+
+
 def run(ntensors: int, boundaries: int, every: int, spin: bool = False,
         rescan_every: int | None = None, restart: bool = False) -> dict[str, Any]:
     import cudasnap
@@ -95,7 +112,7 @@ def run(ntensors: int, boundaries: int, every: int, spin: bool = False,
         if restart:
             start = snap.restore_latest()
         if rescan_every is not None:  # --rescan-every: the periodic re-scan K x as often
-            snap.RESCAN_EVERY = rescan_every
+            _set_rescan_every(snap, rescan_every)
         # The first boundary builds the layout (tensor table, copy plan) on the training
         # thread: timed on its own (issue 26: no boundary over 5 ms, the first included).
         # Its Python allocations may also reach a full GC pass of the process.
@@ -106,7 +123,7 @@ def run(ntensors: int, boundaries: int, every: int, spin: bool = False,
         snap.arena_ready()  # large arenas are set up in the background (target 1)
         ts, cpu = [], []
         for step in range(start + 1, start + boundaries + 1):
-            cjob = snap._job
+            cjob = _running_job(snap)
             while spin and cjob is not None and not cjob.done(1):
                 pass  # --spin: the training thread never sleeps (its caches stay warm)
             opt.step()
@@ -128,7 +145,7 @@ def run(ntensors: int, boundaries: int, every: int, spin: bool = False,
             "tensors": ntensors, "median_ms": statistics.median(ts) / 1e6,
             "p90_ms": sorted(ts)[int(len(ts) * 0.9)] / 1e6,
             # The slowest boundary and its thread CPU (a periodic full re-scan of the
-            # state runs every RESCAN_EVERY x ceil(n / 1024) boundaries: 256 at 4,000).
+            # state runs every rescan_every x ceil(n / 1024) boundaries: 256 at 4,000).
             "max_ms": max(ts) / 1e6, "max_cpu_ms": cpu[ts.index(max(ts))] / 1e6,
             "over_5ms": sum(t > 5e6 for t in ts),
             "over_5ms_cpu": sum(c > 5e6 for c in cpu), "max_cpu_any_ms": max(cpu) / 1e6,
@@ -174,7 +191,10 @@ def first_only(ntensors: int, trials: int, compare_no_prestart: bool) -> dict[st
     """``--first``: the first boundary of ``trials`` fresh Snapshotters (see the docstring);
     {mode: {"wall_ms": [...], "cpu_ms": [...]}} for "prestart" (and "no_prestart")."""
     import cudasnap
-    from cudasnap.core.layout import Layouts
+    try:
+        from cudasnap.core.layouts import Layouts
+    except ImportError:  # a tree before issue 36 (--against)
+        from cudasnap.core.layout import Layouts  # type: ignore[attr-defined,no-redef]
 
     model, opt = adam_state(ntensors)
     modes = ["prestart", "no_prestart"] if compare_no_prestart else ["prestart"]
@@ -213,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                         "that slept in the fence comes back to cold caches)")
     p.add_argument("--against", help="a tree to compare with (before/after, alternating)")
     p.add_argument("--rescan-every", type=int, default=None,
-                   help="Snapshotter.RESCAN_EVERY (default 64: a re-scan every 64 x "
+                   help="the layouts' rescan_every (default 64: a re-scan every 64 x "
                         "ceil(n/1024) boundaries); 1 runs the periodic re-scan of the state "
                         "often enough to be timed (it is spread over boundaries in pieces)")
     p.add_argument("--restart", action="store_true",

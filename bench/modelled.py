@@ -145,7 +145,7 @@ def section_a(m: Model, fig: dict[str, Any], tmp: Path, sizes_mib: list[int],
                 e0.record()
                 t0 = time.perf_counter()
                 snap.boundary(i)
-                e1.record(torch.cuda.ExternalStream(snap._cuda.engine.copy_stream))
+                e1.record(torch.cuda.ExternalStream(snap.copy_stream_handle()))
                 assert snap.wait(timeout=120)
                 t1 = time.perf_counter()
                 e1.synchronize()

@@ -56,6 +56,250 @@ void read_exact(int fd, uint8_t* dst, uint64_t n, uint64_t off, bool direct,
   }
 }
 
+// The file as the manifest describes it (a chunk size up to 4 GiB, one checksum per
+// chunk, a regular file of `nbytes`); *st is its fstat. Returns the number of chunks.
+uint64_t check_file(int fd, const std::string& name, uint64_t nbytes, uint64_t chunk_bytes,
+                    uint64_t ncrcs, struct stat* st) {
+  CUDASNAP_CHECK(chunk_bytes > 0, "read_verify_scatter: chunk_bytes is 0");
+  CUDASNAP_CHECK(chunk_bytes <= (1ull << 32), "read_verify_scatter: chunk_bytes " << chunk_bytes
+                                                  << " is larger than 4 GiB");
+  const uint64_t nchunks = nbytes / chunk_bytes + (nbytes % chunk_bytes != 0);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, ncrcs == nchunks,
+                      name << ": manifest lists " << ncrcs << " chunk checksums for "
+                           << nchunks << " chunks");
+  CUDASNAP_SYSCHECK(::fstat(fd, st), ErrorKind::Io, "fstat of " << name);
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, S_ISREG(st->st_mode), name << " is not a regular file");
+  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, static_cast<uint64_t>(st->st_size) == nbytes,
+                      name << " is " << st->st_size << " bytes, the manifest says " << nbytes
+                           << " (truncated or replaced)");
+  return nchunks;
+}
+
+// The bytes of the file read already: [0, n) at `data`.
+struct Head {
+  const uint8_t* data = nullptr;
+  uint64_t n = 0;
+};
+
+// The head read beside the caller's planning, if it is of this very file (`st`); its
+// chunks are checked like the ones read.
+Head take_head(FileReadAhead* ahead, const struct stat& st, uint64_t nbytes) {
+  Head head;
+  if (ahead != nullptr) {
+    const uint64_t held = ahead->finish();
+    if (ahead->dev() == static_cast<uint64_t>(st.st_dev) &&
+        ahead->ino() == static_cast<uint64_t>(st.st_ino)) {
+      head.data = ahead->data();
+      head.n = std::min(held, nbytes);
+    }
+  }
+  return head;
+}
+
+// A destination [lo, hi) of span `span`.
+struct Range {
+  uint64_t lo, hi, span;
+};
+
+// Every span checked before the first read (copy_spans' rules, the file as source); the
+// destinations of the spans that copy bytes, sorted by address space (host first, then
+// the `every[n_host..]` device ones), then address.
+std::vector<Range> checked_destinations(const std::vector<HostSpan>& every, uint64_t n_host,
+                                        uint64_t nbytes) {
+  std::vector<Range> dsts;
+  dsts.reserve(every.size());
+  for (uint64_t i = 0; i < every.size(); ++i) {
+    const HostSpan& s = every[i];
+    if (s.nbytes == 0) continue;
+    CUDASNAP_CHECK(s.src_offset <= nbytes && s.nbytes <= nbytes - s.src_offset,
+                   "read_verify_scatter: span " << i << " reads bytes [" << s.src_offset << ", "
+                                                << s.src_offset << " + " << s.nbytes
+                                                << ") outside the file of " << nbytes << " bytes");
+    CUDASNAP_CHECK(s.dst != 0, "read_verify_scatter: span " << i << " has a null destination");
+    CUDASNAP_CHECK(s.nbytes <= std::numeric_limits<uint64_t>::max() - s.dst,
+                   "read_verify_scatter: span " << i << " destination of " << s.nbytes
+                                                << " bytes wraps around");
+    dsts.push_back({s.dst, s.dst + s.nbytes, i});
+  }
+  // Overlaps only within one address space.
+  std::sort(dsts.begin(), dsts.end(), [&](const Range& a, const Range& b) {
+    return (a.span >= n_host) != (b.span >= n_host) ? a.span < n_host : a.lo < b.lo;
+  });
+  for (uint64_t k = 1; k < dsts.size(); ++k) {
+    if ((dsts[k].span >= n_host) != (dsts[k - 1].span >= n_host)) continue;
+    CUDASNAP_CHECK(dsts[k].lo >= dsts[k - 1].hi,
+                   "read_verify_scatter: destinations of spans " << dsts[k - 1].span << " and "
+                                                                  << dsts[k].span << " overlap");
+  }
+  return dsts;
+}
+
+// Each span cut at chunk boundaries; the pieces of chunk c are
+// pieces[first[c] .. first[c + 1]), in file order within a chunk.
+struct ChunkPieces {
+  std::vector<uint64_t> first;
+  std::vector<Piece> pieces;
+};
+
+ChunkPieces cut_at_chunks(const std::vector<HostSpan>& every, const std::vector<Range>& dsts,
+                          uint64_t n_host, uint64_t nchunks, uint64_t chunk_bytes) {
+  std::vector<uint64_t> count(nchunks + 1, 0);
+  for (const Range& r : dsts) {
+    const HostSpan& s = every[r.span];
+    for (uint64_t c = s.src_offset / chunk_bytes; c * chunk_bytes < s.src_offset + s.nbytes; ++c)
+      ++count[c];
+  }
+  ChunkPieces cut;
+  std::vector<uint64_t>& first = cut.first;
+  first.assign(nchunks + 1, 0);
+  for (uint64_t c = 0; c < nchunks; ++c) first[c + 1] = first[c] + count[c];
+  std::vector<Piece>& pieces = cut.pieces;
+  pieces.resize(first[nchunks]);
+  std::vector<uint64_t> fill(first);
+  // In file order within a chunk: the copies then read the buffer front to back.
+  std::vector<uint64_t> order(dsts.size());
+  for (uint64_t k = 0; k < dsts.size(); ++k) order[k] = dsts[k].span;
+  std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
+    return every[a].src_offset < every[b].src_offset;
+  });
+  for (uint64_t i : order) {
+    const HostSpan& s = every[i];
+    uint64_t off = s.src_offset, end = s.src_offset + s.nbytes;
+    while (off < end) {
+      const uint64_t c = off / chunk_bytes;
+      const uint64_t n = std::min(end, (c + 1) * chunk_bytes) - off;
+      pieces[fill[c]++] = {s.dst + (off - s.src_offset), off - c * chunk_bytes, n, i >= n_host};
+      off += n;
+    }
+  }
+  return cut;
+}
+
+// O_DIRECT on `fd` where asked and possible (*old_flags: the flags to put back), else
+// the sequential read-ahead hint where asked. Returns whether O_DIRECT is on.
+bool set_read_mode(int fd, const ScatterOptions& opts, uint64_t nbytes, uint64_t chunk_bytes,
+                   int* old_flags) {
+  bool direct = false;
+  if (opts.direct && nbytes > 0 && chunk_bytes % kAlign == 0) {
+    *old_flags = ::fcntl(fd, F_GETFL);
+    direct = *old_flags >= 0 && ::fcntl(fd, F_SETFL, *old_flags | O_DIRECT) == 0;
+  }
+  if (!direct && opts.sequential && nbytes > 0)
+    (void)::posix_fadvise(fd, 0, static_cast<off_t>(nbytes), POSIX_FADV_SEQUENTIAL);
+  return direct;
+}
+
+// The readers of one call: each claims units of `per` whole chunks until none is left or
+// a chunk failed, reads the unit (or takes it from the head), checks each chunk's CRC32C,
+// then copies the chunk's pieces.
+struct Readers {
+  int fd;
+  const std::string& name;
+  uint64_t nbytes, chunk_bytes, nchunks;
+  const std::vector<uint32_t>& crcs;
+  const ChunkPieces& cut;
+  Head head;
+  UnitSink* sink;
+  bool direct;
+  uint64_t per, units, unit_bytes;
+
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> read_bytes{0}, applied{0}, from_head{0};
+  std::atomic<int64_t> bad{-1};
+  std::mutex bad_mu{};
+  uint32_t bad_stored = 0, bad_read = 0;
+
+  void work(int t);
+  // [lo, hi) of the file, read into `buf` or taken from the head; where it lies.
+  const uint8_t* fetch_unit(uint64_t lo, uint64_t hi, uint8_t* buf);
+  // Checks chunks [c0, c1) at `base`, copying each one's pieces once it passed; false when
+  // one failed (recorded, every reader told to stop, the unit done with the sink).
+  bool verify_and_copy(int t, uint64_t c0, uint64_t c1, const uint8_t* base);
+  void record_bad(uint64_t c, uint32_t crc);
+};
+
+void Readers::work(int t) {
+  // One unit, never more than the file (a chunk size larger than the data is allowed).
+  const uint64_t cap =
+      std::max(kAlign, (std::min(unit_bytes, nbytes) + kAlign - 1) / kAlign * kAlign);
+  std::unique_ptr<uint8_t, FreeDeleter> own;
+  if (sink == nullptr) {
+    uint8_t* raw = nullptr;
+    if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign, cap) != 0 || raw == nullptr)
+      throw std::bad_alloc();
+    own.reset(raw);
+  }
+  for (;;) {
+    if (stop.load(std::memory_order_acquire)) return;
+    const uint64_t u = next.fetch_add(1);
+    if (u >= units) return;
+    const uint64_t c0 = u * per, c1 = std::min(nchunks, c0 + per);
+    const uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
+    // The sink's buffers rotate per unit (a device copy may still read the last one).
+    uint8_t* buf = sink ? sink->buffer(t, cap) : own.get();
+    if (!verify_and_copy(t, c0, c1, fetch_unit(lo, hi, buf))) return;
+    if (sink) sink->unit_done(t);
+  }
+}
+
+const uint8_t* Readers::fetch_unit(uint64_t lo, uint64_t hi, uint8_t* buf) {
+  if (hi <= head.n) {  // read already (FileReadAhead): checked all the same
+    const uint8_t* base = head.data + lo;
+    if (sink) {  // a device copy reads page-locked memory: the sink's buffer
+      std::memcpy(buf, head.data + lo, hi - lo);
+      base = buf;
+    }
+    from_head.fetch_add(hi - lo, std::memory_order_relaxed);
+    return base;
+  }
+  read_exact(fd, buf, hi - lo, lo, direct, name);
+  read_bytes.fetch_add(hi - lo, std::memory_order_relaxed);
+  return buf;
+}
+
+bool Readers::verify_and_copy(int t, uint64_t c0, uint64_t c1, const uint8_t* base) {
+  for (uint64_t c = c0; c < c1; ++c) {
+    const uint8_t* chunk = base + (c - c0) * chunk_bytes;
+    const uint64_t n = std::min(chunk_bytes, nbytes - c * chunk_bytes);
+    const uint32_t crc = crc32c(0, chunk, n);
+    if (crc != crcs[c]) {  // nothing of this chunk (or the rest of the unit) is copied
+      record_bad(c, crc);
+      if (sink) sink->unit_done(t);  // the copies of its chunks before this one
+      return false;
+    }
+    uint64_t moved = 0;
+    for (uint64_t k = cut.first[c]; k < cut.first[c + 1]; ++k) {
+      const Piece& p = cut.pieces[k];
+      if (p.device)
+        sink->copy(t, p.dst, chunk + p.off, p.n);
+      else
+        copy_bytes(reinterpret_cast<uint8_t*>(p.dst), chunk + p.off, p.n);
+      moved += p.n;
+    }
+    applied.fetch_add(moved, std::memory_order_relaxed);
+  }
+  return true;
+}
+
+void Readers::record_bad(uint64_t c, uint32_t crc) {
+  std::lock_guard<std::mutex> g(bad_mu);
+  if (bad.load() < 0 || static_cast<int64_t>(c) < bad.load()) {
+    bad.store(static_cast<int64_t>(c));
+    bad_stored = crcs[c];
+    bad_read = crc;
+  }
+  stop.store(true, std::memory_order_release);
+}
+
+// The readers' figures and the time since `t0` into *stats (bad_chunk left to the caller).
+void fill_stats(const Readers& r, uint64_t t0, ScatterStats* stats) {
+  stats->read_bytes = r.read_bytes.load();
+  stats->ahead_bytes = r.from_head.load();
+  stats->applied_bytes = r.applied.load();
+  stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+}
+
 }  // namespace
 
 void FileReadAhead::Free::operator()(uint8_t* p) const { std::free(p); }
@@ -152,31 +396,9 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
   CUDASNAP_CHECK(stats != nullptr, "read_verify_scatter: no stats");
   *stats = ScatterStats{};
   const uint64_t t0 = monotonic_ns();
-  CUDASNAP_CHECK(chunk_bytes > 0, "read_verify_scatter: chunk_bytes is 0");
-  CUDASNAP_CHECK(chunk_bytes <= (1ull << 32), "read_verify_scatter: chunk_bytes " << chunk_bytes
-                                                  << " is larger than 4 GiB");
-  const uint64_t nchunks = nbytes / chunk_bytes + (nbytes % chunk_bytes != 0);
-  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, crcs.size() == nchunks,
-                      name << ": manifest lists " << crcs.size() << " chunk checksums for "
-                           << nchunks << " chunks");
   struct stat st {};
-  CUDASNAP_SYSCHECK(::fstat(fd, &st), ErrorKind::Io, "fstat of " << name);
-  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, S_ISREG(st.st_mode), name << " is not a regular file");
-  CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, static_cast<uint64_t>(st.st_size) == nbytes,
-                      name << " is " << st.st_size << " bytes, the manifest says " << nbytes
-                           << " (truncated or replaced)");
-  // The head read beside the caller's planning, if it is of this very file; its
-  // chunks are checked below like the ones read here.
-  const uint8_t* head = nullptr;
-  uint64_t head_n = 0;
-  if (opts.ahead != nullptr) {
-    const uint64_t held = opts.ahead->finish();
-    if (opts.ahead->dev() == static_cast<uint64_t>(st.st_dev) &&
-        opts.ahead->ino() == static_cast<uint64_t>(st.st_ino)) {
-      head = opts.ahead->data();
-      head_n = std::min(held, nbytes);
-    }
-  }
+  const uint64_t nchunks = check_file(fd, name, nbytes, chunk_bytes, crcs.size(), &st);
+  const Head head = take_head(opts.ahead, st, nbytes);
 
   // Host spans, then the device ones (their own address space: copied by the sink).
   const uint64_t n_host = spans.size();
@@ -189,188 +411,53 @@ void read_verify_scatter(int fd, const std::string& name, uint64_t nbytes, uint6
     all_spans.insert(all_spans.end(), opts.device_spans->begin(), opts.device_spans->end());
   }
   const std::vector<HostSpan>& every = with_device ? all_spans : spans;
-  UnitSink* const sink = opts.sink;
-
-  // Every span checked before the first read (copy_spans' rules, the file as source).
-  struct Range {
-    uint64_t lo, hi, span;
-  };
-  std::vector<Range> dsts;
-  dsts.reserve(every.size());
-  for (uint64_t i = 0; i < every.size(); ++i) {
-    const HostSpan& s = every[i];
-    if (s.nbytes == 0) continue;
-    CUDASNAP_CHECK(s.src_offset <= nbytes && s.nbytes <= nbytes - s.src_offset,
-                   "read_verify_scatter: span " << i << " reads bytes [" << s.src_offset << ", "
-                                                << s.src_offset << " + " << s.nbytes
-                                                << ") outside the file of " << nbytes << " bytes");
-    CUDASNAP_CHECK(s.dst != 0, "read_verify_scatter: span " << i << " has a null destination");
-    CUDASNAP_CHECK(s.nbytes <= std::numeric_limits<uint64_t>::max() - s.dst,
-                   "read_verify_scatter: span " << i << " destination of " << s.nbytes
-                                                << " bytes wraps around");
-    dsts.push_back({s.dst, s.dst + s.nbytes, i});
-  }
-  // Sorted by address space (host first), then address: overlaps only within one space.
-  std::sort(dsts.begin(), dsts.end(), [&](const Range& a, const Range& b) {
-    return (a.span >= n_host) != (b.span >= n_host) ? a.span < n_host : a.lo < b.lo;
-  });
-  for (uint64_t k = 1; k < dsts.size(); ++k) {
-    if ((dsts[k].span >= n_host) != (dsts[k - 1].span >= n_host)) continue;
-    CUDASNAP_CHECK(dsts[k].lo >= dsts[k - 1].hi,
-                   "read_verify_scatter: destinations of spans " << dsts[k - 1].span << " and "
-                                                                  << dsts[k].span << " overlap");
-  }
-
-  // Each span cut at chunk boundaries; the pieces of chunk c are
-  // pieces[first[c] .. first[c + 1]).
-  std::vector<uint64_t> count(nchunks + 1, 0);
-  for (const Range& r : dsts) {
-    const HostSpan& s = every[r.span];
-    for (uint64_t c = s.src_offset / chunk_bytes; c * chunk_bytes < s.src_offset + s.nbytes; ++c)
-      ++count[c];
-  }
-  std::vector<uint64_t> first(nchunks + 1, 0);
-  for (uint64_t c = 0; c < nchunks; ++c) first[c + 1] = first[c] + count[c];
-  std::vector<Piece> pieces(first[nchunks]);
-  std::vector<uint64_t> fill(first);
-  // In file order within a chunk: the copies then read the buffer front to back.
-  std::vector<uint64_t> order(dsts.size());
-  for (uint64_t k = 0; k < dsts.size(); ++k) order[k] = dsts[k].span;
-  std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
-    return every[a].src_offset < every[b].src_offset;
-  });
-  for (uint64_t i : order) {
-    const HostSpan& s = every[i];
-    uint64_t off = s.src_offset, end = s.src_offset + s.nbytes;
-    while (off < end) {
-      const uint64_t c = off / chunk_bytes;
-      const uint64_t n = std::min(end, (c + 1) * chunk_bytes) - off;
-      pieces[fill[c]++] = {s.dst + (off - s.src_offset), off - c * chunk_bytes, n, i >= n_host};
-      off += n;
-    }
-  }
+  const ChunkPieces cut =
+      cut_at_chunks(every, checked_destinations(every, n_host, nbytes), n_host, nchunks,
+                    chunk_bytes);
 
   const uint64_t per = std::max<uint64_t>(1, opts.io_bytes / chunk_bytes);
   const uint64_t units = nchunks / per + (nchunks % per != 0);
-  const uint64_t unit_bytes = per * chunk_bytes;
-  bool direct = false;
   int old_flags = -1;
-  if (opts.direct && nbytes > 0 && chunk_bytes % kAlign == 0) {
-    old_flags = ::fcntl(fd, F_GETFL);
-    direct = old_flags >= 0 && ::fcntl(fd, F_SETFL, old_flags | O_DIRECT) == 0;
-  }
-  if (!direct && opts.sequential && nbytes > 0)
-    (void)::posix_fadvise(fd, 0, static_cast<off_t>(nbytes), POSIX_FADV_SEQUENTIAL);
+  const bool direct = set_read_mode(fd, opts, nbytes, chunk_bytes, &old_flags);
   stats->direct = direct;
 
-  std::atomic<uint64_t> next{0};
-  std::atomic<bool> stop{false};
-  std::atomic<uint64_t> read_bytes{0}, applied{0}, from_head{0};
-  std::atomic<int64_t> bad{-1};
-  std::mutex bad_mu;
-  uint32_t bad_stored = 0, bad_read = 0;
+  Readers r{fd, name, nbytes, chunk_bytes, nchunks, crcs, cut, head, opts.sink, direct,
+            per, units, per * chunk_bytes};
   const int threads = static_cast<int>(
       std::min<uint64_t>(static_cast<uint64_t>(std::max(opts.threads, 1)), std::max<uint64_t>(units, 1)));
-  auto work = [&](int t) {
-    // One unit, never more than the file (a chunk size larger than the data is allowed).
-    const uint64_t cap =
-        std::max(kAlign, (std::min(unit_bytes, nbytes) + kAlign - 1) / kAlign * kAlign);
-    std::unique_ptr<uint8_t, FreeDeleter> own;
-    if (sink == nullptr) {
-      uint8_t* raw = nullptr;
-      if (::posix_memalign(reinterpret_cast<void**>(&raw), kAlign, cap) != 0 || raw == nullptr)
-        throw std::bad_alloc();
-      own.reset(raw);
-    }
-    for (;;) {
-      if (stop.load(std::memory_order_acquire)) return;
-      const uint64_t u = next.fetch_add(1);
-      if (u >= units) return;
-      const uint64_t c0 = u * per, c1 = std::min(nchunks, c0 + per);
-      const uint64_t lo = c0 * chunk_bytes, hi = std::min(nbytes, c1 * chunk_bytes);
-      // The sink's buffers rotate per unit (a device copy may still read the last one).
-      uint8_t* buf = sink ? sink->buffer(t, cap) : own.get();
-      const uint8_t* base = nullptr;
-      if (hi <= head_n) {  // read already (FileReadAhead): checked below all the same
-        base = head + lo;
-        if (sink) {  // a device copy reads page-locked memory: the sink's buffer
-          std::memcpy(buf, head + lo, hi - lo);
-          base = buf;
-        }
-        from_head.fetch_add(hi - lo, std::memory_order_relaxed);
-      } else {
-        read_exact(fd, buf, hi - lo, lo, direct, name);
-        read_bytes.fetch_add(hi - lo, std::memory_order_relaxed);
-        base = buf;
-      }
-      for (uint64_t c = c0; c < c1; ++c) {
-        const uint8_t* chunk = base + (c - c0) * chunk_bytes;
-        const uint64_t n = std::min(chunk_bytes, nbytes - c * chunk_bytes);
-        const uint32_t crc = crc32c(0, chunk, n);
-        if (crc != crcs[c]) {  // nothing of this chunk (or the rest of the unit) is copied
-          std::lock_guard<std::mutex> g(bad_mu);
-          if (bad.load() < 0 || static_cast<int64_t>(c) < bad.load()) {
-            bad.store(static_cast<int64_t>(c));
-            bad_stored = crcs[c];
-            bad_read = crc;
-          }
-          stop.store(true, std::memory_order_release);
-          if (sink) sink->unit_done(t);  // the copies of its chunks before this one
-          return;
-        }
-        uint64_t moved = 0;
-        for (uint64_t k = first[c]; k < first[c + 1]; ++k) {
-          const Piece& p = pieces[k];
-          if (p.device)
-            sink->copy(t, p.dst, chunk + p.off, p.n);
-          else
-            copy_bytes(reinterpret_cast<uint8_t*>(p.dst), chunk + p.off, p.n);
-          moved += p.n;
-        }
-        applied.fetch_add(moved, std::memory_order_relaxed);
-      }
-      if (sink) sink->unit_done(t);
-    }
-  };
   auto worker = [&](uint64_t i) {
     try {
-      work(static_cast<int>(i));
+      r.work(static_cast<int>(i));
     } catch (...) {  // a failed read (or no buffer): the other readers stop too
-      stop.store(true, std::memory_order_release);
+      r.stop.store(true, std::memory_order_release);
       throw;
     }
   };
   try {
     parallel_for(static_cast<uint64_t>(threads), threads, worker);
-    if (sink) sink->drain();  // every device copy done before this returns
+    if (r.sink) r.sink->drain();  // every device copy done before this returns
   } catch (...) {
-    stop.store(true);
-    if (sink) {
+    r.stop.store(true);
+    if (r.sink) {
       try {
-        sink->drain();  // no copy may still read a buffer (the sink frees them)
+        r.sink->drain();  // no copy may still read a buffer (the sink frees them)
       } catch (...) {
       }
     }
     if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
-    stats->read_bytes = read_bytes.load();
-    stats->ahead_bytes = from_head.load();
-    stats->applied_bytes = applied.load();
-    stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+    fill_stats(r, t0, stats);
     throw;
   }
   if (direct) (void)::fcntl(fd, F_SETFL, old_flags);
-  stats->read_bytes = read_bytes.load();
-  stats->ahead_bytes = from_head.load();
-  stats->applied_bytes = applied.load();
-  stats->bad_chunk = bad.load();
-  stats->seconds = static_cast<double>(monotonic_ns() - t0) * 1e-9;
+  fill_stats(r, t0, stats);
+  stats->bad_chunk = r.bad.load();
   if (stats->bad_chunk >= 0) {
     const uint64_t c = static_cast<uint64_t>(stats->bad_chunk);
     const uint64_t lo = c * chunk_bytes, hi = std::min(nbytes, lo + chunk_bytes);
     CUDASNAP_CHECK_KIND(ErrorKind::Corrupt, false,
                         name << ": chunk " << c << " (bytes " << lo << ".." << hi
-                             << ") fails its CRC32C (stored " << bad_stored << ", read "
-                             << bad_read << "); none of its bytes was copied, "
+                             << ") fails its CRC32C (stored " << r.bad_stored << ", read "
+                             << r.bad_read << "); none of its bytes was copied, "
                              << stats->applied_bytes
                              << " bytes of chunks verified before it had been");
   }

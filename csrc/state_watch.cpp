@@ -7,15 +7,9 @@
 #include <mutex>
 
 #include "error.h"
+#include "raw_bytes.h"
 
 namespace cudasnap {
-
-namespace {
-template <typename T>
-void put_raw(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(v));
-}
-}  // namespace
 
 StateWatch::StateWatch(std::vector<std::pair<uint64_t, uint64_t>> regions, bool torch_cpu_rng)
     : regions_(std::move(regions)), torch_(torch_cpu_rng) {

@@ -45,7 +45,7 @@ def __getattr__(name: str) -> Any:
 
         return Snapshotter
     if name == "load_resharded":  # a cudasnap export --to dcp checkpoint, any mesh
-        from .tools.export import load_resharded
+        from .core.dcp_load import load_resharded
 
         return load_resharded
     raise AttributeError(f"module 'cudasnap' has no attribute {name!r}")

@@ -3,9 +3,9 @@
 ``Settings.from_env()`` reads the environment once and returns a frozen
 ``Settings``; a value that does not parse raises ``ConfigError`` naming the
 variable and the value. It is not cached: each entry point (a Snapshotter, the
-coordinator, ``cudasnap run``) calls it once when it starts, so a test or a
-supervisor that changes the environment before starting one is seen. Keyword
-arguments passed to an API always win over the environment.
+coordinator, ``cudasnap run``) calls it once when it starts, so a change to
+``os.environ`` made in the process before one starts is seen. Keyword arguments
+passed to an API always win over the environment.
 
 Run-time variables (booleans accept 1/0, true/false, yes/no, on/off; empty = unset):
 

@@ -18,18 +18,24 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from . import config as cfg
 from .config import Settings
 from .core import vml_warmup
-from .core.staging import supervisor_job
+from .core.options import Options
 from .core.state import TrainingState
-from .core.timeline import final_flush
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError
-from .format import paths
 from .storage import clean_partial, open_storage, posix
+
+if TYPE_CHECKING:
+    from cudasnap._C import Arena
+
+    from .storage.fsspec import RemoteSnapshot
+    from .storage.posix import StoredSnapshot
+    from .triggers.policy import Policy
 
 log = logging.getLogger("cudasnap")
 
@@ -91,15 +97,15 @@ class Snapshotter:
             job made progress nothing can restore. Default $CUDASNAP_REQUIRE_RESUME.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None,
+    def __init__(self, model: object, optimizer: object = None,
                  directory: str | os.PathLike | None = None,
-                 *, extra: Mapping[str, Any] | None = None, num_slots: int = cfg.NUM_SLOTS,
+                 *, extra: Mapping[str, object] | None = None, num_slots: int = cfg.NUM_SLOTS,
                  backend: str = "auto", copy_threads: int | None = None,
                  flush_threads: int | None = None, chunk_bytes: int | None = None,
                  keep: int = cfg.KEEP, shm_dir: str | os.PathLike | None = None, job: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  health: bool | None = None, watchdog_s: float | None = None,
-                 policy: Any = None, inject: str | None = None, distributed: bool | None = None,
+                 policy: Policy | None = None, inject: str | None = None, distributed: bool | None = None,
                  replicas: Any = "auto", rng_sources: tuple[str, ...] = cfg.RNG_SOURCES,
                  allow_foreign_owner: bool | None = None, spare_slot: bool = True,
                  flush_on_close: bool = True, fresh: bool | None = None,
@@ -107,73 +113,48 @@ class Snapshotter:
                  node_replica: bool | str | None = None, require_resume: bool | None = None,
                  overhead_budget: float | None = None,
                  device_staging: int | str | None = None) -> None:
-        cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
-                          chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
-                          rng_sources=rng_sources, overhead_budget=overhead_budget,
-                          device_staging=device_staging)
         env = Settings.from_env()  # keyword arguments win over the environment
-        vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
-        fresh = env.fresh if fresh is None else bool(fresh)
-        # Copy every k-th boundary (k: snapshot_every, else the overhead budget's: core.cadence)
-        self.snapshot_every = snapshot_every
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
         directory = env.directory or "ckpt" if directory is None else directory
-        self.storage = open_storage(directory)
+        rank, world_size, dist_on = cfg.resolve_rank(rank, world_size, env)
+
+        def open_dir() -> Path:  # once every keyword passed its check
+            self.storage = open_storage(directory)
+            return self.storage.local_dir
+
+        opts = self.options = Options.resolve(
+            env, directory=directory, open_dir=open_dir,
+            rank=rank, world_size=world_size, num_slots=num_slots, spare_slot=spare_slot,
+            chunk_bytes=chunk_bytes, keep=keep, backend=backend, copy_threads=copy_threads,
+            flush_threads=flush_threads, snapshot_every=snapshot_every,
+            overhead_budget=overhead_budget, device_staging=device_staging,
+            arena_sync_max_bytes=arena_sync_max_bytes, allow_foreign_owner=allow_foreign_owner,
+            fresh=fresh, require_resume=require_resume, flush_on_close=flush_on_close,
+            rng_sources=rng_sources, node_replica=node_replica, shm_dir=shm_dir, job=job)
+        vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         self.directory = self.storage.local_dir
-        self.rank, self.world_size, dist_on = cfg.resolve_rank(rank, world_size, env)
-        cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
         self.state = TrainingState(model, optimizer, extra)
-        self.state.rng_sources = tuple(rng_sources)
-        self.num_slots = cfg.arena_slots(num_slots, spare_slot, self.world_size, node_replica,
-                                         env.node_parity)
-        self.spare_slot, self.flush_on_close = bool(spare_slot), flush_on_close
-        self.chunk_bytes, self.keep = chunk_bytes, keep
-        # Restore refuses snapshot files of another user unless this (or
-        # CUDASNAP_ALLOW_FOREIGN_OWNER=1) says so: see cudasnap.storage.posix._check_trust.
-        self.allow_foreign_owner = allow_foreign_owner
-        self.copy_threads, self.flush_threads = cfg.resolve_threads(copy_threads, flush_threads)
-        shm = Path(shm_dir) if shm_dir else env.shm_dir
-        # The arena name carries the directory's identity (cudasnap.format.paths).
-        self.job = job or supervisor_job(env.job, env.directory, env.supervised,
-                                         self.directory) or paths.snapshotter_job(self.directory, shm)
-        self.arena_path = paths.arena_path(shm, self.job, self.rank)
-        self._lock = posix.DirectoryLock(self.directory, self.rank)
+        self.state.rng_sources = opts.rng_sources
+        self._lock = posix.DirectoryLock(self.directory, opts.rank)
         self._lock.acquire()
         clean_partial(self.storage)
         self._closed = False
-        self._wait_timeout_s = env.wait_s  # read-only: the components get it at birth
-        # The components (docs/design.md §2.1); the keeper's two upward edges (a regrowth)
-        # are callables: the copier and the flush exist by the time they run.
-        parts = wire(self.state, self.storage, backend=backend, supervised=env.supervised,
-                     sync_max_bytes=env.arena_sync_max_bytes if arena_sync_max_bytes is None
-                     else arena_sync_max_bytes, arena_path=self.arena_path,
-                     num_slots=self.num_slots, spare_slot=self.spare_slot,
-                     chunk_bytes=self.chunk_bytes, job=self.job, rank=self.rank,
-                     world_size=self.world_size, keep=self.keep,
-                     copy_threads=self.copy_threads, flush_threads=self.flush_threads,
-                     wait_timeout_s=self.wait_timeout_s, snapshot_every=self.snapshot_every,
-                     overhead_budget=env.overhead_budget if overhead_budget is None
-                     else float(overhead_budget),
-                     device_staging=env.device_staging if device_staging is None else device_staging,
-                     allow_foreign_owner=self.allow_foreign_owner, fresh=fresh,
-                     require_resume=env.require_resume if require_resume is None
-                     else bool(require_resume),
-                     wait_copy=lambda timeout: self._copier.wait_job(timeout),
-                     flush=lambda: self.flush(wait=False))
+        # The components (docs/design.md §2.1).
+        parts = wire(self.state, self.storage, opts)
         (self._counters, self._timeline, self._backend, self._layouts, self._keeper,
          self._copier, self._flusher, self._restorer, self._early, self._hooks) = parts
         try:
             self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
-                                watchdog_s, node_replica, fresh)
+                                watchdog_s, node_replica, opts.fresh)
             attach_triggers(parts, self.dist, self.guard)  # then starts the guard
         except BaseException:
-            self._keeper.shutdown(min(60.0, self.wait_timeout_s))
+            self._keeper.shutdown(opts.waits.close_s)
             self._lock.release()
             raise
 
     def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
-                       health: bool | None, policy: Any, inject: str | None,
+                       health: bool | None, policy: Policy | None, inject: str | None,
                        watchdog_s: float | None, node_replica: bool | str | None,
                        fresh: bool) -> None:
         """The distributed coordinator and the guard (health monitor, signals, watchdog;
@@ -198,7 +179,7 @@ class Snapshotter:
             self.guard = Guard(self, policy=policy, inject=inject, watchdog_s=watchdog_s)
 
     # ---------------------------------------------------------- snapshots
-    def boundary(self, step: int, **values: Any) -> None:
+    def boundary(self, step: int, **values: object) -> None:
         """Snapshot the state after ``step``'s optimizer step; returns at once.
 
         ``values``: plain per-step state (JSON-able values, tensors) saved with the
@@ -233,7 +214,7 @@ class Snapshotter:
         """
         self._copier.fence(1)
 
-    def add_writer_stream(self, stream: Any) -> None:
+    def add_writer_stream(self, stream: object) -> None:
         """``stream`` (a ``torch.cuda.Stream``) writes the state besides the one calling
         ``boundary()`` (a step or CUDA-graph replay run there): each copy waits for its
         queued work, each fence (hooks, ``fence()``) holds it too. CPU backend: ignored."""
@@ -252,13 +233,13 @@ class Snapshotter:
         replacement is otherwise found by the rotating identity check within
         ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
         checks a window of them), and tensors added to a module or an existing
-        ``opt.state[p]`` only by the full re-scan every ``RESCAN_EVERY`` x
-        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.plan.Layout). The
+        ``opt.state[p]`` only by the full re-scan every ``Layouts.RESCAN_EVERY`` (64) x
+        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.layout.Layout). The
         running copy keeps reading the old tensors, which stay alive until it completes.
         """
         self._layouts.invalidate()
 
-    def coverage(self) -> dict[str, Any]:
+    def coverage(self) -> dict[str, object]:
         """Live device bytes vs bytes covered by the registered state (CUDA backend)."""
         return self._layouts.coverage()
 
@@ -269,7 +250,7 @@ class Snapshotter:
         """
         return self._keeper.ready(timeout)
 
-    def staged_arenas(self) -> list[Any]:
+    def staged_arenas(self) -> list[Arena]:
         """This rank's open arenas: its own, then one inherited from a predecessor."""
         return self._keeper.staged_arenas()
 
@@ -282,19 +263,20 @@ class Snapshotter:
                        doc='"cpu" or "cuda" from the first boundary on (None before).')
     last_step = property(lambda self: self._timeline.last_step,
                          doc="The newest boundary's step (None before the first).")
-    RESCAN_EVERY = property(  # settable, for tests and bench/boundary_cpu.py
-        lambda self: self._layouts.rescan_every,
-        lambda self, n: setattr(self._layouts, "rescan_every", n),
-        doc="Boundaries between two full re-scans of the state (see invalidate_layout).")
 
     # -------------------------------------------------------------- flush
-    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | None:
-        """Writes the newest COMPLETE snapshot to disk now; returns its directory.
+    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | str | None:
+        """Writes the newest COMPLETE snapshot to disk now; returns its directory (its URL
+        for an object store).
 
         With ``wait`` the running copy (if any) is given ``timeout`` seconds to
         complete first, so the flushed step is the newest one. Returns None when
         no snapshot exists yet. Before the staging arena is ready, the newest
         boundary is snapshotted synchronously first (cudasnap.core.early).
+        ``timeout`` (None: unbounded) also bounds each wait on the way down: the copy
+        of a boundary not copied yet, and the storage's wait on other writers of the
+        ``latest`` pointer (``StorageWriter.write_slot``; past it ``latest`` stays, the
+        step is committed). The write of the data itself is never cut short.
 
         Multi-rank: called by the program itself with ``wait`` (e.g. at the end of the
         job, on every rank), the coordinated round waits, bounded, for every live rank's
@@ -307,10 +289,10 @@ class Snapshotter:
         self._early.before_flush(timeout)
         return self._flusher.flush(wait, timeout)
 
-    def flush_if_new(self, wait_s: float = 60.0) -> Path | None:
+    def flush_if_new(self, wait_s: float = 60.0) -> Path | str | None:
         """Flushes the newest COMPLETE snapshot unless that step is already on disk
         (``close()``'s final flush); None when there was nothing new to write."""
-        return self._flusher.flush_if_new(self.flush, wait_s)
+        return self._flusher.flush_if_new(wait_s)
 
     def settle_newest(self, timeout: float | None) -> None:
         """Zero-overhead mode: copies the newest boundary's live state now when that
@@ -342,12 +324,12 @@ class Snapshotter:
             raise SnapshotError("rollback() on a closed Snapshotter")
         return self._restorer.rollback()
 
-    def restore_dir(self, ref: Any) -> int:
+    def restore_dir(self, ref: Path | StoredSnapshot | RemoteSnapshot) -> int:
         """Applies a stored snapshot; returns its step. ``ref``: a snapshot of
         ``self.storage``'s listing, or a local step/rank directory."""
         return self._restorer.restore_dir(ref)
 
-    def restore_slot(self, arena: Any, slot: int, where: str) -> int:
+    def restore_slot(self, arena: Arena, slot: int, where: str) -> int:
         """Applies an arena slot (validated first); returns its step."""
         return self._restorer.restore_slot(arena, slot, where)
 
@@ -359,28 +341,28 @@ class Snapshotter:
         """Notes where a restore came from (``stats()["restore"]``; the coordinator's vote)."""
         self._restorer.record_restore(source, step, where)
 
-    def last_restore(self) -> dict[str, Any] | None:
+    def last_restore(self) -> dict[str, object] | None:
         """What the last restore loaded: source, step, where (None before any)."""
         return self._restorer.last_restore()
 
-    @property
-    def wait_timeout_s(self) -> float:
-        """Bound of every wait on a copy (fences, submit, close()): CUDASNAP_WAIT_S, read-only."""
-        return self._wait_timeout_s
+    # The resolved options (read-only; ``options`` holds them all: cudasnap.core.options).
+    wait_timeout_s = property(lambda self: self.options.waits.copy_s, doc="Bound of every wait "
+                              "on a copy (fences, submit, close()): CUDASNAP_WAIT_S.")
+    rank = property(lambda self: self.options.rank, doc="This process's rank.")
+    world_size = property(lambda self: self.options.world_size, doc="The job's ranks.")
+    job = property(lambda self: self.options.job, doc="The job id (names the arena).")
+    arena_path = property(lambda self: self.options.arena_path, doc="This rank's arena file.")
+    keep = property(lambda self: self.options.keep, doc="Committed snapshots kept.")
+    num_slots = property(lambda self: self.options.num_slots, doc="The arena's slots in all.")
+    chunk_bytes = property(lambda self: self.options.chunk_bytes, doc="None: follows the state.")
+    copy_threads = property(lambda self: self.options.copy_threads, doc="Copy engine threads.")
+    flush_threads = property(lambda self: self.options.flush_threads, doc="Flusher threads.")
 
     @property
-    def values(self) -> dict[str, Any]:
+    def values(self) -> dict[str, object]:
         """The ``boundary(step, **values)`` of the restored step ({} before a restore)."""
         return self.state.values
 
-    # Read-only views of the components' state for tests, tests/helpers/faultlib and
-    # bench/boundary_cpu.py --spin (whose --against runs the old tree too); never set.
-    _arena = property(lambda self: self._keeper.arena)
-    _prep = property(lambda self: self._keeper.prep)
-    _cuda = property(lambda self: self._backend.cuda)
-    _job = property(lambda self: self._copier.job)
-    _layout = property(lambda self: self._layouts.layout)
-    _partly_applied = property(lambda self: self._restorer.partly_applied)
 
     # -------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
@@ -402,16 +384,16 @@ class Snapshotter:
         if self._closed:
             return
         if flush is None:
-            flush = self.flush_on_close and not keep_arena and self.dist is None
+            flush = self.options.flush_on_close and not keep_arena and self.dist is None
         if flush or keep_arena:
             self._early.at_close(keep_arena)
-        self._keeper.shutdown(min(60.0, self.wait_timeout_s))  # a set-up in progress
-        if flush and not final_flush(self):
+        self._keeper.shutdown(self.options.waits.close_s)  # a set-up in progress
+        if flush and not self._flusher.final_flush():
             keep_arena = True  # the arena holds the only copy of the final state
         self._early.warn_if_nothing_saved()
         self._closed = True
         try:
-            self._copier.wait_job(min(60.0, self.wait_timeout_s))
+            self._copier.wait_job(self.options.waits.close_s)
         finally:
             if self.guard is not None:
                 self.guard.stop()
@@ -420,7 +402,7 @@ class Snapshotter:
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
-            self._layouts.join_build(min(60.0, self.wait_timeout_s))  # it may make the engine
+            self._layouts.join_build(self.options.waits.close_s)  # it may make the engine
             self._layouts.release_at_close(self._backend.stop())
             self._keeper.release(unlink=not keep_arena)
             self._lock.release()
@@ -428,7 +410,8 @@ class Snapshotter:
     def __enter__(self) -> "Snapshotter":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None and self.guard is not None:
             self.guard.on_exception(exc)
         # Keep the arena after a failure: the supervisor or the next process uses it.

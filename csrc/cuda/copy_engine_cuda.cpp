@@ -396,6 +396,161 @@ uint64_t CudaCopyEngine::device_staging_bytes() const {
   return staging_bytes_;
 }
 
+void CudaCopyEngine::check_compute_stream(cudaStream_t compute, uint64_t stream) {
+  DeviceGuard g(device_);  // stream 0: this device's legacy default stream
+  if (stream != 0) {
+    int sdev = -1;
+    CUDASNAP_CUDA_CHECK(cudaStreamGetDevice(compute, &sdev));
+    CUDASNAP_CHECK_KIND(ErrorKind::Cuda, sdev == device_,
+                        "compute stream 0x" << std::hex << stream << std::dec
+                                            << " belongs to cuda:" << sdev
+                                            << ", the copy engine to cuda:" << device_);
+  }
+  // Work recorded on a capturing stream would go into the trainer's graph
+  // (and an event wait from outside would invalidate it): no snapshot now.
+  // Staging kind: Snapshotter.boundary() skips the step and counts it.
+  bool implicit = false;
+  CUDASNAP_CHECK_KIND(
+      ErrorKind::Staging, !stream_capturing(compute, &implicit),
+      "snapshot skipped: "
+          << (implicit ? "another (blocking) stream of cuda:" + std::to_string(device_) +
+                             " is capturing a CUDA graph, which the legacy default stream "
+                             "(the compute stream) joins"
+                       : std::string("the compute stream is capturing a CUDA graph"))
+          << "; call boundary() outside graph capture");
+}
+
+int CudaCopyEngine::claim_ring(uint64_t total_bytes, uint64_t* staged) {
+  std::unique_lock<std::mutex> lk(mu_);
+  CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+  double wait_s = wait_timeout_s();  // one snapshot at a time, waited for a bounded time
+  bool idle = idle_cv_.wait_for(lk, std::chrono::duration<double>(wait_s),
+                                [&] { return !in_flight_ || shut_; });
+  CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
+  CUDASNAP_CHECK_KIND(ErrorKind::Staging, idle,
+                      "the previous snapshot is still copying after " << wait_s << " s");
+  in_flight_ = true;
+  *staged = std::min(staging_bytes_, total_bytes);
+  const int ring = ring_next_;
+  ring_next_ = (ring_next_ + 1) % kRing;
+  return ring;
+}
+
+void CudaCopyEngine::not_in_flight() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    in_flight_ = false;
+  }
+  idle_cv_.notify_all();
+}
+
+void CudaCopyEngine::reserve_gather_descs(int ring, uint64_t ngather) {
+  if (ngather <= desc_cap_[ring]) return;
+  CaptureModeGuard relaxed;  // another thread may be capturing a graph
+  if (desc_[ring]) CUDASNAP_CUDA_CHECK(cudaFreeHost(desc_[ring]));
+  desc_[ring] = nullptr;
+  desc_cap_[ring] = 0;
+  uint64_t want = std::max<uint64_t>(ngather * 2, 256);
+  CUDASNAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&desc_[ring]),
+                                    want * sizeof(GatherDesc),
+                                    cudaHostAllocPortable | cudaHostAllocMapped));
+  desc_cap_[ring] = want;
+}
+
+std::shared_ptr<CudaCopyEngine::Work> CudaCopyEngine::new_work(
+    const std::shared_ptr<CopyJob>& job, const std::shared_ptr<Arena>& arena,
+    const std::shared_ptr<const CopyPlan>& plan, int slot, int ring) {
+  auto w = std::make_shared<Work>();
+  w->job = job;
+  w->arena = arena;
+  w->plan = plan;
+  w->slot = slot;
+  w->ring = ring;
+  uint64_t cursor = 0;  // alignment padding: zeroed by the completion thread
+  for (const PlanRange& r : plan->ranges) {
+    if (r.dst > cursor) w->pads.emplace_back(cursor, r.dst);
+    cursor = std::max(cursor, r.dst + r.nbytes);
+  }
+  if (cursor < plan->total_bytes) w->pads.emplace_back(cursor, plan->total_bytes);
+  return w;
+}
+
+std::vector<std::pair<int, uint64_t>> CudaCopyEngine::issue_copies(
+    const CopyPlan& plan, cudaStream_t compute, uint8_t* data, uint64_t data_dev, int ring,
+    uint64_t staged) {
+  uint64_t desc_used = 0;
+  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][0], compute));
+  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));
+  if (uint64_t us = test_delay_us_.load())
+    CUDASNAP_CUDA_CHECK(cudaLaunchHostFunc(copy_stream_, sleep_host_fn,
+                                           reinterpret_cast<void*>(uintptr_t(us))));
+  std::vector<std::pair<int, uint64_t>> marks;
+  issue(plan, 0, data, data_dev, ring, desc_used, nullptr, staged);
+  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][1], copy_stream_));
+  issue(plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);
+  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences' "done"
+  if (staged) {
+    // The fences are released; the staged part drains to the host behind them.
+    drain(plan, staged, data, ring, &marks);
+    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][3], copy_stream_));
+  }
+  return marks;
+}
+
+void CudaCopyEngine::add_segments(Work& w, const CopyPlan& plan, int ring, uint64_t staged,
+                                  const std::vector<std::pair<int, uint64_t>>& marks) {
+  const uint64_t nch = plan.num_chunks(), cb = plan.chunk_bytes;
+  auto add_marks = [&](uint64_t c, uint64_t limit) {  // -> the first chunk after them
+    for (const auto& [k, cov] : marks) {
+      uint64_t u = std::min(cov, limit);
+      if (u > c) w.segs.push_back(Seg{ev_mark_[ring][k], c, u, false});
+      c = std::max(c, u);
+    }
+    return c;
+  };
+  if (staged) {
+    const uint64_t d = std::min(nch, (staged + cb - 1) / cb);  // chunks with staged bytes
+    w.segs.push_back(Seg{ev_[ring][1], 0, 0, true});
+    w.segs.push_back(Seg{ev_[ring][2], d, nch, false});  // copied directly: landed at done
+    w.segs.push_back(Seg{ev_[ring][3], add_marks(0, d), d, false});
+    w.last = ev_[ring][3];
+  } else {
+    const uint64_t p0 = std::min(plan.phase0_bytes / cb, nch);  // wholly phase-0 chunks
+    w.segs.push_back(Seg{ev_[ring][1], 0, p0, true});
+    w.segs.push_back(Seg{ev_[ring][2], add_marks(p0, nch), nch, false});
+    w.last = ev_[ring][2];
+  }
+}
+
+void CudaCopyEngine::abort_submit(Arena& arena, int slot, bool issued, bool began) {
+  if (issued) {
+    // Never leave a DMA running into a slot we give up on (bounded wait).
+    DeviceGuard dev(device_, DeviceGuard::NoThrow{});  // the drain event: this device's
+    CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});  // cudaEventQuery
+    cudaEvent_t drain = nullptr;
+    bool drained = false;
+    if (cudaEventCreateWithFlags(&drain, cudaEventDisableTiming) == cudaSuccess) {
+      if (cudaEventRecord(drain, copy_stream_) == cudaSuccess) {
+        try {
+          wait_event(drain, deadline_after(wait_timeout_s()), "the aborted copy");
+          drained = true;
+        } catch (...) {
+        }
+      }
+      (void)cudaEventDestroy(drain);
+    }
+    if (!drained) note_dma_abandoned(arena);  // see finish()
+    (void)cudaGetLastError();
+  }
+  if (began) {
+    try {
+      arena.invalidate(slot);
+    } catch (...) {
+    }
+  }
+  not_in_flight();
+}
+
 std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& arena, int slot,
                                                 const std::shared_ptr<const CopyPlan>& plan,
                                                 int64_t step, const SlotMeta& meta,
@@ -412,69 +567,16 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     if (!r.host && r.nbytes && gather_small_ && r.nbytes < gather_max_) ++ngather;
 
   cudaStream_t compute = reinterpret_cast<cudaStream_t>(stream);
-  {
-    DeviceGuard g(device_);  // stream 0: this device's legacy default stream
-    if (stream != 0) {
-      int sdev = -1;
-      CUDASNAP_CUDA_CHECK(cudaStreamGetDevice(compute, &sdev));
-      CUDASNAP_CHECK_KIND(ErrorKind::Cuda, sdev == device_,
-                          "compute stream 0x" << std::hex << stream << std::dec
-                                              << " belongs to cuda:" << sdev
-                                              << ", the copy engine to cuda:" << device_);
-    }
-    // Work recorded on a capturing stream would go into the trainer's graph
-    // (and an event wait from outside would invalidate it): no snapshot now.
-    // Staging kind: Snapshotter.boundary() skips the step and counts it.
-    bool implicit = false;
-    CUDASNAP_CHECK_KIND(
-        ErrorKind::Staging, !stream_capturing(compute, &implicit),
-        "snapshot skipped: "
-            << (implicit ? "another (blocking) stream of cuda:" + std::to_string(device_) +
-                               " is capturing a CUDA graph, which the legacy default stream "
-                               "(the compute stream) joins"
-                         : std::string("the compute stream is capturing a CUDA graph"))
-            << "; call boundary() outside graph capture");
-  }
+  check_compute_stream(compute, stream);
 
-  int ring;
   uint64_t staged = 0;  // bytes of this snapshot staged on the device
-  {
-    std::unique_lock<std::mutex> lk(mu_);
-    CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
-    double wait_s = wait_timeout_s();  // one snapshot at a time, waited for a bounded time
-    bool idle = idle_cv_.wait_for(lk, std::chrono::duration<double>(wait_s),
-                                  [&] { return !in_flight_ || shut_; });
-    CUDASNAP_CHECK(!shut_, "CUDA copy engine is shut down");
-    CUDASNAP_CHECK_KIND(ErrorKind::Staging, idle,
-                        "the previous snapshot is still copying after " << wait_s << " s");
-    in_flight_ = true;
-    staged = std::min(staging_bytes_, plan->total_bytes);
-    if (staged) ngather *= 2;  // a small range may be split into a staged and a direct part
-    ring = ring_next_;
-    ring_next_ = (ring_next_ + 1) % kRing;
-  }
-  auto not_in_flight = [this] {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      in_flight_ = false;
-    }
-    idle_cv_.notify_all();
-  };
+  const int ring = claim_ring(plan->total_bytes, &staged);
+  if (staged) ngather *= 2;  // a small range may be split into a staged and a direct part
 
   bool began = false, issued = false;
   try {
     DeviceGuard g(device_);
-    if (ngather > desc_cap_[ring]) {
-      CaptureModeGuard relaxed;  // another thread may be capturing a graph
-      if (desc_[ring]) CUDASNAP_CUDA_CHECK(cudaFreeHost(desc_[ring]));
-      desc_[ring] = nullptr;
-      desc_cap_[ring] = 0;
-      uint64_t want = std::max<uint64_t>(ngather * 2, 256);
-      CUDASNAP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&desc_[ring]),
-                                        want * sizeof(GatherDesc),
-                                        cudaHostAllocPortable | cudaHostAllocMapped));
-      desc_cap_[ring] = want;
-    }
+    reserve_gather_descs(ring, ngather);
     uint64_t data_dev = 0;
     uint8_t* data = arena->data(slot);
     if (ngather) {
@@ -501,57 +603,12 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
       return job;
     }
 
-    auto w = std::make_shared<Work>();
-    w->job = job;
-    w->arena = arena;
-    w->plan = plan;
-    w->slot = slot;
-    w->ring = ring;
-    uint64_t cursor = 0;  // alignment padding: zeroed by the completion thread
-    for (const PlanRange& r : plan->ranges) {
-      if (r.dst > cursor) w->pads.emplace_back(cursor, r.dst);
-      cursor = std::max(cursor, r.dst + r.nbytes);
-    }
-    if (cursor < plan->total_bytes) w->pads.emplace_back(cursor, plan->total_bytes);
-
+    std::shared_ptr<Work> w = new_work(job, arena, plan, slot, ring);
     last_memcpy_.store(0);
     last_gathered_.store(0);
-    uint64_t desc_used = 0;
     issued = true;
-    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][0], compute));
-    CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));
-    if (uint64_t us = test_delay_us_.load())
-      CUDASNAP_CUDA_CHECK(cudaLaunchHostFunc(copy_stream_, sleep_host_fn,
-                                             reinterpret_cast<void*>(uintptr_t(us))));
-    std::vector<std::pair<int, uint64_t>> marks;
-    issue(*plan, 0, data, data_dev, ring, desc_used, nullptr, staged);
-    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][1], copy_stream_));
-    issue(*plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);
-    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences' "done"
-    const uint64_t nch = plan->num_chunks(), cb = plan->chunk_bytes;
-    auto add_marks = [&](uint64_t c, uint64_t limit) {  // -> the first chunk after them
-      for (const auto& [k, cov] : marks) {
-        uint64_t u = std::min(cov, limit);
-        if (u > c) w->segs.push_back(Seg{ev_mark_[ring][k], c, u, false});
-        c = std::max(c, u);
-      }
-      return c;
-    };
-    if (staged) {
-      // The fences are released; the staged part drains to the host behind them.
-      drain(*plan, staged, data, ring, &marks);
-      CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][3], copy_stream_));
-      const uint64_t d = std::min(nch, (staged + cb - 1) / cb);  // chunks with staged bytes
-      w->segs.push_back(Seg{ev_[ring][1], 0, 0, true});
-      w->segs.push_back(Seg{ev_[ring][2], d, nch, false});  // copied directly: landed at done
-      w->segs.push_back(Seg{ev_[ring][3], add_marks(0, d), d, false});
-      w->last = ev_[ring][3];
-    } else {
-      const uint64_t p0 = std::min(plan->phase0_bytes / cb, nch);  // wholly phase-0 chunks
-      w->segs.push_back(Seg{ev_[ring][1], 0, p0, true});
-      w->segs.push_back(Seg{ev_[ring][2], add_marks(p0, nch), nch, false});
-      w->last = ev_[ring][2];
-    }
+    const auto marks = issue_copies(*plan, compute, data, data_dev, ring, staged);
+    add_segments(*w, *plan, ring, staged, marks);
     last_staged_.store(staged);
     CUDASNAP_CUDA_CHECK(wake_after(copy_stream_, wake_));  // COMPLETE without a poll's delay
     {
@@ -561,32 +618,7 @@ std::shared_ptr<CopyJob> CudaCopyEngine::submit(const std::shared_ptr<Arena>& ar
     cv_.notify_all();
     return job;
   } catch (...) {
-    if (issued) {
-      // Never leave a DMA running into a slot we give up on (bounded wait).
-      DeviceGuard dev(device_, DeviceGuard::NoThrow{});  // the drain event: this device's
-      CaptureModeGuard relaxed(CaptureModeGuard::NoThrow{});  // cudaEventQuery
-      cudaEvent_t drain = nullptr;
-      bool drained = false;
-      if (cudaEventCreateWithFlags(&drain, cudaEventDisableTiming) == cudaSuccess) {
-        if (cudaEventRecord(drain, copy_stream_) == cudaSuccess) {
-          try {
-            wait_event(drain, deadline_after(wait_timeout_s()), "the aborted copy");
-            drained = true;
-          } catch (...) {
-          }
-        }
-        (void)cudaEventDestroy(drain);
-      }
-      if (!drained) note_dma_abandoned(*arena);  // see finish()
-      (void)cudaGetLastError();
-    }
-    if (began) {
-      try {
-        arena->invalidate(slot);
-      } catch (...) {
-      }
-    }
-    not_in_flight();
+    abort_submit(*arena, slot, issued, began);
     throw;
   }
 }

@@ -118,6 +118,28 @@ class CudaCopyEngine : public CopyEngine {
     std::vector<Seg> segs;
     cudaEvent_t last = nullptr;  // the snapshot's last copy event (done, or landed)
   };
+  // The pieces of submit(), in its order. The compute stream: on this device, not capturing.
+  void check_compute_stream(cudaStream_t compute, uint64_t stream);
+  // Waits (bounded) until no snapshot is in flight, marks one in flight; returns its event
+  // ring and sets *staged (bytes of it to stage on the device).
+  int claim_ring(uint64_t total_bytes, uint64_t* staged);
+  void not_in_flight();  // the in-flight snapshot is over (finished, failed or given up)
+  // Room for `ngather` gather descriptors in `ring`'s mapped buffer.
+  void reserve_gather_descs(int ring, uint64_t ngather);
+  std::shared_ptr<Work> new_work(const std::shared_ptr<CopyJob>& job,
+                                 const std::shared_ptr<Arena>& arena,
+                                 const std::shared_ptr<const CopyPlan>& plan, int slot, int ring);
+  // On the copy stream, behind the compute stream's ready event: the phase-0 copies, the
+  // phase0 event, the phase-1 copies, the done event, then (device staging) the drain to
+  // the host and the landed event. Returns the progress marks recorded.
+  std::vector<std::pair<int, uint64_t>> issue_copies(const CopyPlan& plan, cudaStream_t compute,
+                                                     uint8_t* data, uint64_t data_dev, int ring,
+                                                     uint64_t staged);
+  // `w`'s checksum regions, in the order their bytes land.
+  void add_segments(Work& w, const CopyPlan& plan, int ring, uint64_t staged,
+                    const std::vector<std::pair<int, uint64_t>>& marks);
+  // A submit() that threw: waits (bounded) for copies issued, invalidates a begun slot.
+  void abort_submit(Arena& arena, int slot, bool issued, bool began);
   void completion_loop();
   void finish(Work& w);
   void crc_chunks(const CopyPlan& plan, const uint8_t* data, uint32_t* table, uint64_t c0,

@@ -6,12 +6,34 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <functional>
 #include <tuple>
 #include <vector>
 
 #include "../file_restore.h"
 
 namespace cudasnap::bindings {
+
+// A stats struct as a dict, one way everywhere: to_dict(s, field("key", &S::member), ...)
+// makes {"key": s.member, ...} in the order given. A field reads a data member, or a callable
+// that takes the struct (for a value worked out from it, such as a name for a state code).
+// Each value is converted as pybind11 converts its C++ type (an integer stays int, a double
+// float, a vector a list). Holds the GIL: call it after any gil_scoped_release has ended.
+template <typename Get>
+struct Field {
+  const char* key;
+  Get get;
+};
+template <typename Get>
+constexpr Field<Get> field(const char* key, Get get) {
+  return {key, get};
+}
+template <typename S, typename... Get>
+pybind11::dict to_dict(const S& s, const Field<Get>&... fields) {
+  pybind11::dict d;
+  ((d[fields.key] = std::invoke(fields.get, s)), ...);
+  return d;
+}
 
 // Shared by the restore bindings (bindings_staging.cpp, the CUDA ones): a scatter's
 // figures as a dict, its options, and (dst, offset, bytes) tuples as spans.

@@ -31,40 +31,30 @@ struct PlannedCopy {
 };
 
 py::dict slot_info_dict(const SlotInfo& s) {
-  py::dict d;
-  d["index"] = s.index;
-  d["state"] = slot_state_name(s.state);
-  d["valid"] = s.valid;
-  d["problem"] = s.problem;
-  d["seq"] = s.seq;
-  d["step"] = s.step;
-  d["data_bytes"] = s.data_bytes;
-  d["meta_bytes"] = s.meta_bytes;
-  d["num_chunks"] = s.num_chunks;
-  d["complete_ns"] = s.complete_ns;
-  d["writer_pid"] = s.writer_pid;
-  return d;
+  return to_dict(s, field("index", &SlotInfo::index),
+                 field("state", [](const SlotInfo& i) { return slot_state_name(i.state); }),
+                 field("valid", &SlotInfo::valid), field("problem", &SlotInfo::problem),
+                 field("seq", &SlotInfo::seq), field("step", &SlotInfo::step),
+                 field("data_bytes", &SlotInfo::data_bytes),
+                 field("meta_bytes", &SlotInfo::meta_bytes),
+                 field("num_chunks", &SlotInfo::num_chunks),
+                 field("complete_ns", &SlotInfo::complete_ns),
+                 field("writer_pid", &SlotInfo::writer_pid));
 }
 
 py::dict flush_stats_dict(const FlushStats& s) {
-  py::dict d;
-  d["bytes"] = s.bytes;
-  d["seconds"] = s.seconds;
-  d["fsync_seconds"] = s.fsync_seconds;
-  d["crc32c"] = s.crcs;
-  return d;
+  return to_dict(s, field("bytes", &FlushStats::bytes), field("seconds", &FlushStats::seconds),
+                 field("fsync_seconds", &FlushStats::fsync_seconds),
+                 field("crc32c", &FlushStats::crcs));
 }
 
 }  // namespace
 
 py::dict scatter_stats_dict(const ScatterStats& st) {
-  py::dict d;
-  d["bytes"] = st.read_bytes;
-  d["applied"] = st.applied_bytes;
-  d["seconds"] = st.seconds;
-  d["direct"] = st.direct;
-  d["ahead"] = st.ahead_bytes;
-  return d;
+  return to_dict(st, field("bytes", &ScatterStats::read_bytes),
+                 field("applied", &ScatterStats::applied_bytes),
+                 field("seconds", &ScatterStats::seconds), field("direct", &ScatterStats::direct),
+                 field("ahead", &ScatterStats::ahead_bytes));
 }
 
 ScatterOptions scatter_options(int threads, uint64_t io_bytes, bool direct,
@@ -256,7 +246,10 @@ void init_copy_engine(py::module_& m) {
       .def("set_test_chunk_delay_us", &CpuCopyEngine::set_test_chunk_delay_us, py::arg("us"));
 }
 
-void init_flusher(py::module_& m) {
+namespace {
+
+// An arena slot or a buffer written to a file (the flusher), figures back as a dict.
+void bind_file_writes(py::module_& m) {
   m.def("write_slot_file",
         [](const Arena& a, int slot, const std::string& path, int threads, uint64_t io_bytes,
            bool durable) {
@@ -282,6 +275,10 @@ void init_flusher(py::module_& m) {
         },
         py::arg("ptr"), py::arg("nbytes"), py::arg("chunk_bytes"), py::arg("path"),
         py::arg("threads") = 4, py::arg("io_bytes") = 16 << 20, py::arg("durable") = true);
+}
+
+// A file read back (whole or scattered), a buffer checked, spans copied in memory.
+void bind_file_reads(py::module_& m) {
   m.def("read_file_verified",
         [](const std::string& path, uint64_t dst, uint64_t nbytes, uint64_t chunk_bytes,
            const std::vector<uint32_t>& crcs, int threads) {
@@ -324,9 +321,7 @@ void init_flusher(py::module_& m) {
         [](uint64_t src, uint64_t src_nbytes,
            const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, int threads,
            uint64_t piece_bytes) {
-          std::vector<HostSpan> v;
-          v.reserve(spans.size());
-          for (const auto& [dst, off, n] : spans) v.push_back({dst, off, n});
+          std::vector<HostSpan> v = host_spans(spans);
           py::gil_scoped_release nogil;
           return copy_spans(reinterpret_cast<const uint8_t*>(src), src_nbytes, v, threads,
                             piece_bytes);
@@ -335,6 +330,10 @@ void init_flusher(py::module_& m) {
         py::arg("piece_bytes") = kHostCopyPiece,
         "copies (dst_ptr, src_offset, nbytes) spans out of [src, src + src_nbytes) on "
         "`threads` threads; every span is checked first");
+}
+
+// RestorePlan: restore's planned byte copies, run from memory or from a file.
+void bind_restore_plan(py::module_& m) {
   py::class_<PlannedCopy>(m, "RestorePlan",
                           "restore's byte copies, planned by plan_pairs; run() copies them")
       .def_property_readonly("slow", [](const PlannedCopy& p) { return p.plan.slow; },
@@ -395,6 +394,9 @@ void init_flusher(py::module_& m) {
            "spans (the bytes torch's copy_ will read from that buffer); marks the planned "
            "destinations modified in place. `ahead`: a FileReadAhead of this file (finished "
            "here; its bytes are checked like the ones read)");
+}
+
+void bind_file_read_ahead(py::module_& m) {
   py::class_<FileReadAhead>(m, "FileReadAhead",
                             "the head of a file read on a thread of its own (best effort: "
                             "`error` says why it stopped short); RestorePlan.run_file takes it")
@@ -416,6 +418,10 @@ void init_flusher(py::module_& m) {
       .def_property_readonly("held", &FileReadAhead::held)
       .def_property_readonly("target", &FileReadAhead::target)
       .def_property_readonly("error", &FileReadAhead::error);
+}
+
+// After RestorePlan is bound, so that its signature names the class.
+void bind_plan_pairs(py::module_& m) {
   m.def("plan_pairs",
         [](py::list dsts, py::list srcs, py::dict dtypes, py::tuple plain_types,
            py::object src_type, uint64_t lo, uint64_t size) {
@@ -431,6 +437,10 @@ void init_flusher(py::module_& m) {
         py::arg("src_type"), py::arg("lo"), py::arg("size"),
         "restore's copy-back plan: which (dst, src) pairs are byte copies (src a manifest "
         "entry or a tensor inside [lo, lo + size)), without a Python call per pair");
+}
+
+// The flusher's process-wide counters, and fsync of a directory.
+void bind_flush_counters(py::module_& m) {
   m.def("fsync_dir", &fsync_dir, py::call_guard<py::gil_scoped_release>());
   m.def("flush_active", &flush_active, "flusher writes running now in this process");
   m.def("flushes_started", &flushes_started);
@@ -440,6 +450,18 @@ void init_flusher(py::module_& m) {
   }, "(bytes written, bytes read) by the flusher in this process since load");
   m.def("_test_flush_active_add", &test_flush_active_add, py::arg("delta"),
         "TEST-ONLY: pretend a flush starts (+1) or ends (-1)");
+}
+
+}  // namespace
+
+// In this order: a function's signature names the classes bound before it.
+void init_flusher(py::module_& m) {
+  bind_file_writes(m);
+  bind_file_reads(m);
+  bind_restore_plan(m);
+  bind_file_read_ahead(m);
+  bind_plan_pairs(m);
+  bind_flush_counters(m);
 }
 
 }  // namespace cudasnap::bindings

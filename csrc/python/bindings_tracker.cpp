@@ -19,13 +19,15 @@ namespace cudasnap::bindings {
 
 namespace {
 
+using Pair = std::pair<uint64_t, uint64_t>;
+using Registry = py::class_<AllocatorRegistry, std::shared_ptr<AllocatorRegistry>>;
+
 py::object get(const py::dict& d, const char* k, py::object dflt) {
   return d.contains(k) ? py::object(d[k]) : dflt;
 }
 
 // One segment dict of torch.cuda.memory_snapshot() (extra keys ignored).
 SeedSegment seed_segment(const py::dict& sd) {
-  using Pair = std::pair<uint64_t, uint64_t>;
   SeedSegment ss;
   ss.addr = sd["address"].cast<uint64_t>();
   ss.size = sd["total_size"].cast<uint64_t>();
@@ -45,42 +47,59 @@ SeedSegment seed_segment(const py::dict& sd) {
   return ss;
 }
 
-}  // namespace
+std::vector<Span> to_spans(const std::vector<Pair>& v) {
+  std::vector<Span> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = Span{v[i].first, v[i].second};
+  return out;
+}
 
-void init_allocator_tracker(py::module_& m) {
-  using Pair = std::pair<uint64_t, uint64_t>;
-  auto to_spans = [](const std::vector<Pair>& v) {
-    std::vector<Span> out(v.size());
-    for (size_t i = 0; i < v.size(); ++i) out[i] = Span{v[i].first, v[i].second};
-    return out;
-  };
-  auto block_tuple = [](const LiveBlock& b) {
-    return py::make_tuple(b.addr, b.size, b.stream, py::make_tuple(b.pool.first, b.pool.second));
-  };
-  m.def("trace_actions", [] {
-    py::list out;
-    for (int i = 0; i <= static_cast<int>(TraceAction::UNKNOWN); ++i)
-      out.append(trace_action_name(static_cast<TraceAction>(i)));
-    return out;
-  });
-  py::class_<AllocatorRegistry, std::shared_ptr<AllocatorRegistry>>(m, "AllocatorRegistry")
-      .def(py::init<>())
-      .def("record",
-           [](AllocatorRegistry& r, const std::string& action, int device, uint64_t addr,
-              uint64_t size, uint64_t stream, Pair pool) {
-             TraceEvent ev;
-             CUDASNAP_CHECK(parse_trace_action(action, &ev.action),
-                            "unknown trace action '" << action << "'");
-             ev.device = device;
-             ev.addr = addr;
-             ev.size = size;
-             ev.stream = stream;
-             ev.pool = pool;
-             py::gil_scoped_release nogil;
-             r.record(ev);
-           },
-           py::arg("action"), py::arg("device"), py::arg("addr"), py::arg("size"),
-           py::arg("stream") = 0, py::arg("pool") = Pair{0, 0})
+py::tuple block_tuple(const LiveBlock& b) {
+  return py::make_tuple(b.addr, b.size, b.stream, py::make_tuple(b.pool.first, b.pool.second));
+}
+
+py::dict coverage_dict(const CoverageReport& c) {
+  return to_dict(c, field("live_bytes", &CoverageReport::live_bytes),
+                 field("covered_bytes", &CoverageReport::covered_bytes),
+                 field("uncovered_bytes", &CoverageReport::uncovered_bytes),
+                 field("live_blocks", &CoverageReport::live_blocks),
+                 field("uncovered_blocks", &CoverageReport::uncovered_blocks),
+                 field("span_bytes", &CoverageReport::span_bytes),
+                 field("outside_bytes", &CoverageReport::outside_bytes),
+                 field("pending_free_blocks", &CoverageReport::pending_free_blocks),
+                 field("largest_uncovered", [](const CoverageReport& r) {
+                   py::list top;
+                   for (const LiveBlock& b : r.largest_uncovered)
+                     top.append(py::make_tuple(b.addr, b.size));
+                   return top;
+                 }));
+}
+
+py::dict registry_stats_dict(const RegistryStats& s) {
+  return to_dict(s, field("recorded", &RegistryStats::recorded),
+                 field("applied", &RegistryStats::applied),
+                 field("ignored", &RegistryStats::ignored),
+                 field("dropped", &RegistryStats::dropped), field("queued", &RegistryStats::queued),
+                 field("seeded_blocks", &RegistryStats::seeded_blocks));
+}
+
+// Events in: one recorded, the queue drained, a seed from torch.cuda.memory_snapshot().
+void bind_registry_events(Registry& reg) {
+  reg.def("record",
+          [](AllocatorRegistry& r, const std::string& action, int device, uint64_t addr,
+             uint64_t size, uint64_t stream, Pair pool) {
+            TraceEvent ev;
+            CUDASNAP_CHECK(parse_trace_action(action, &ev.action),
+                           "unknown trace action '" << action << "'");
+            ev.device = device;
+            ev.addr = addr;
+            ev.size = size;
+            ev.stream = stream;
+            ev.pool = pool;
+            py::gil_scoped_release nogil;
+            r.record(ev);
+          },
+          py::arg("action"), py::arg("device"), py::arg("addr"), py::arg("size"),
+          py::arg("stream") = 0, py::arg("pool") = Pair{0, 0})
       .def("drain", &AllocatorRegistry::drain, py::call_guard<py::gil_scoped_release>())
       .def("seed",
            // segments as torch.cuda.memory_snapshot() returns them (dicts; extra keys ignored)
@@ -95,15 +114,19 @@ void init_allocator_tracker(py::module_& m) {
              return r.seed(device, segs);
            },
            py::arg("device"), py::arg("segments"))
-      .def("seeded", &AllocatorRegistry::seeded)
-      .def("live_blocks",
-           [block_tuple](AllocatorRegistry& r, int device) {
-             py::list out;
-             for (const LiveBlock& b : r.live_blocks(device)) out.append(block_tuple(b));
-             return out;
-           })
+      .def("seeded", &AllocatorRegistry::seeded);
+}
+
+// What the registry holds: live blocks, pending frees, segments, devices.
+void bind_registry_contents(Registry& reg) {
+  reg.def("live_blocks",
+          [](AllocatorRegistry& r, int device) {
+            py::list out;
+            for (const LiveBlock& b : r.live_blocks(device)) out.append(block_tuple(b));
+            return out;
+          })
       .def("pending_free",
-           [block_tuple](AllocatorRegistry& r, int device) {
+           [](AllocatorRegistry& r, int device) {
              py::list out;
              for (const LiveBlock& b : r.pending_free(device)) out.append(block_tuple(b));
              return out;
@@ -117,34 +140,24 @@ void init_allocator_tracker(py::module_& m) {
              return out;
            })
       .def("devices", &AllocatorRegistry::devices)
-      .def("generation", &AllocatorRegistry::generation)
-      .def("coverage",
-           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
-                      size_t top_n) {
-             CoverageReport c;
-             {
-               auto sp = to_spans(spans);
-               py::gil_scoped_release nogil;
-               c = r.coverage(device, sp, top_n);
-             }
-             py::dict d;
-             d["live_bytes"] = c.live_bytes;
-             d["covered_bytes"] = c.covered_bytes;
-             d["uncovered_bytes"] = c.uncovered_bytes;
-             d["live_blocks"] = c.live_blocks;
-             d["uncovered_blocks"] = c.uncovered_blocks;
-             d["span_bytes"] = c.span_bytes;
-             d["outside_bytes"] = c.outside_bytes;
-             d["pending_free_blocks"] = c.pending_free_blocks;
-             py::list top;
-             for (const LiveBlock& b : c.largest_uncovered) top.append(py::make_tuple(b.addr, b.size));
-             d["largest_uncovered"] = top;
-             return d;
-           },
-           py::arg("device"), py::arg("spans"), py::arg("top_n") = 8)
+      .def("generation", &AllocatorRegistry::generation);
+}
+
+// Spans against the live blocks: how much they cover, where each lies, merged ranges.
+void bind_registry_span_queries(Registry& reg) {
+  reg.def("coverage",
+          [](AllocatorRegistry& r, int device, const std::vector<Pair>& spans, size_t top_n) {
+            CoverageReport c;
+            {
+              auto sp = to_spans(spans);
+              py::gil_scoped_release nogil;
+              c = r.coverage(device, sp, top_n);
+            }
+            return coverage_dict(c);
+          },
+          py::arg("device"), py::arg("spans"), py::arg("top_n") = 8)
       .def("locate",
-           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
-                      bool strict) {
+           [](AllocatorRegistry& r, int device, const std::vector<Pair>& spans, bool strict) {
              std::vector<LocateResult> res = r.locate(device, to_spans(spans), strict);
              py::list out;
              for (const LocateResult& x : res) {
@@ -158,33 +171,43 @@ void init_allocator_tracker(py::module_& m) {
            },
            py::arg("device"), py::arg("spans"), py::arg("strict") = false)
       .def("coalesce",
-           [to_spans](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
-                      uint64_t merge_gap) {
+           [](AllocatorRegistry& r, int device, const std::vector<Pair>& spans,
+              uint64_t merge_gap) {
              Coalesced c = r.coalesce(device, to_spans(spans), merge_gap);
              py::list ranges, placement;
              for (const Span& s : c.ranges) ranges.append(py::make_tuple(s.addr, s.nbytes));
              for (const auto& p : c.placement) placement.append(py::make_tuple(p.first, p.second));
              return py::make_tuple(ranges, placement);
            },
-           py::arg("device"), py::arg("spans"), py::arg("merge_gap") = 4096)
-      .def("stats",
-           [](const AllocatorRegistry& r) {
-             RegistryStats s = r.stats();
-             py::dict d;
-             d["recorded"] = s.recorded;
-             d["applied"] = s.applied;
-             d["ignored"] = s.ignored;
-             d["dropped"] = s.dropped;
-             d["queued"] = s.queued;
-             d["seeded_blocks"] = s.seeded_blocks;
-             return d;
-           })
+           py::arg("device"), py::arg("spans"), py::arg("merge_gap") = 4096);
+}
+
+// Its health: the counters, and the auto-drain thread.
+void bind_registry_health(Registry& reg) {
+  reg.def("stats", [](const AllocatorRegistry& r) { return registry_stats_dict(r.stats()); })
       .def_property_readonly("healthy", &AllocatorRegistry::healthy)
       .def("start_auto_drain", &AllocatorRegistry::start_auto_drain, py::arg("threshold"))
       .def("stop_auto_drain", &AllocatorRegistry::stop_auto_drain,
            py::call_guard<py::gil_scoped_release>())
       .def("wait_auto_drained", &AllocatorRegistry::wait_auto_drained, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+void init_allocator_tracker(py::module_& m) {
+  m.def("trace_actions", [] {
+    py::list out;
+    for (int i = 0; i <= static_cast<int>(TraceAction::UNKNOWN); ++i)
+      out.append(trace_action_name(static_cast<TraceAction>(i)));
+    return out;
+  });
+  Registry reg(m, "AllocatorRegistry");
+  reg.def(py::init<>());
+  bind_registry_events(reg);
+  bind_registry_contents(reg);
+  bind_registry_span_queries(reg);
+  bind_registry_health(reg);
 }
 
 #ifdef CUDASNAP_WITH_CUDA

@@ -4,15 +4,9 @@
 #include <stdexcept>
 
 #include "../error.h"
+#include "../raw_bytes.h"
 
 namespace cudasnap {
-
-namespace {
-template <typename T>
-void put_raw(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(v));
-}
-}  // namespace
 
 void put_plain_value(std::string& cur_, PyObject* v, int depth) {
   if (depth > 64) throw std::invalid_argument("ValueWatch: nested deeper than 64");

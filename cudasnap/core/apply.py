@@ -15,30 +15,34 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from ..errors import IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import dtype_key, dtype_name, expand_params
+from ..format.manifest import TensorEntry, dtype_key, dtype_name, expand_params
 from . import copy_back, device_restore, sharded, values
+from .copy_back import Pair
 from .live_tensor import _PLAIN, LiveTensor, _param_order
 from .rng import apply_rng
+
+if TYPE_CHECKING:
+    from .types import SnapshotFile, Stateful
 
 
 class Registered(Protocol):
     """What a restore needs of a ``TrainingState``: the registered objects and the walk."""
 
-    models: dict[str, Any]
-    optimizers: dict[str, Any]
-    extra: dict[str, Any]
+    models: dict[str, torch.nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer]
+    extra: dict[str, object]
 
     def live_tensors(self) -> list[LiveTensor]: ...
 
 
-def check_classes(state: Registered, hd: Any, where: str) -> None:
+def check_classes(state: Registered, hd: object, where: str) -> None:
     """IncompatibleSnapshot when an optimizer (or LR scheduler) is of another class than the
     one snapshotted; snapshots without the recorded class (older format) pass."""
     if not isinstance(hd, dict):
@@ -56,7 +60,7 @@ def check_classes(state: Registered, hd: Any, where: str) -> None:
                 f"{type(obj).__qualname__} here; restore it into a {was}")
 
 
-def _unexpanded(t: torch.Tensor, e: dict[str, Any]) -> tuple[Any, Any]:
+def _unexpanded(t: torch.Tensor, e: TensorEntry) -> tuple[torch.Tensor, TensorEntry]:
     """(``t``, ``e``) as a restore can write them: an ``expand()``ed tensor (a stride-0 dim
     of size > 1: its elements overlap, which ``copy_`` refuses to write) is written through
     index 0 of each such dim, in ``t`` and in the snapshot entry ``e`` alike (same bytes:
@@ -91,7 +95,7 @@ def _gc_held() -> Iterator[None]:
         gc.enable()
 
 
-def _copy_from_file(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any,
+def _copy_from_file(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile,
                     before: Callable[[], None] | None) -> None:
     """``copy_back.copy_into(pairs, data)`` with ``data`` still on disk: ``file`` (a
     storage.posix.DataFile) is read chunk by chunk into a small buffer, each chunk's CRC32C
@@ -116,7 +120,7 @@ def _copy_from_file(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any,
     plan = native().plan_pairs([d for d, _ in pairs], [s for _, s in pairs], copy_back._dtypes(),
                                _PLAIN, torch.Tensor, lo, size)
     slow = plan.slow
-    rest = [(pairs[i][0], copy_back.entry_view(data, s) if type(s) is dict else s)
+    rest = [(pairs[i][0], copy_back.entry_view(data, s) if type(s) is dict else cast(torch.Tensor, s))
             for i in slow for s in (pairs[i][1],)]
     extra = copy_back.ranges_read(rest, lo, size)
     if before is not None:
@@ -127,7 +131,7 @@ def _copy_from_file(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any,
             d.copy_(s)
 
 
-def check_compatible(state: Registered, tensors: list[dict[str, Any]], where: str,
+def check_compatible(state: Registered, tensors: list[TensorEntry], where: str,
                      live_tensors: list[LiveTensor] | None = None) -> None:
     """Raises IncompatibleSnapshot naming the first model tensor that differs.
     ``live_tensors``: ``state.live_tensors()`` when the caller has it already."""
@@ -163,9 +167,9 @@ def check_compatible(state: Registered, tensors: list[dict[str, Any]], where: st
                 raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
 
 
-def apply_snapshot(state: Registered, tensors: list[dict[str, Any]], host: dict[str, Any],
-                   data: Any, where: str, before_copy: Callable[[], None] | None = None
-                   ) -> tuple[int, dict[str, Any]]:
+def apply_snapshot(state: Registered, tensors: list[TensorEntry], host: dict[str, object],
+                   data: torch.Tensor | SnapshotFile, where: str,
+                   before_copy: Callable[[], None] | None = None) -> tuple[int, dict[str, object]]:
     """Copies a snapshot into the live objects of ``state``; returns its step and the values
     saved with it (``boundary(step, **values)``; ``TrainingState.apply`` keeps them).
 
@@ -190,9 +194,9 @@ def apply_snapshot(state: Registered, tensors: list[dict[str, Any]], host: dict[
             return _apply_state(state, tensors, host, None, data, where, before_copy)
 
 
-def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[str, Any],
-                 data: torch.Tensor | None, file: Any, where: str,
-                 before_copy: Callable[[], None] | None) -> tuple[int, dict[str, Any]]:
+def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, object],
+                 data: torch.Tensor | None, file: SnapshotFile | None, where: str,
+                 before_copy: Callable[[], None] | None) -> tuple[int, dict[str, object]]:
     lts = state.live_tensors()  # once per restore: it walks every module and optimizer
     check_compatible(state, tensors, where, lts)
     hd = codec.decode(host, "host")
@@ -211,14 +215,14 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
     for lt in lts:
         for a in lt.aliases:
             live[a] = lt
-    by_group: dict[str, list[dict[str, Any]]] = {}
+    by_group: dict[str, list[TensorEntry]] = {}
     for e in tensors:
         by_group.setdefault(e["group"], []).append(e)
     # Model tensors by entry: copy_back builds a view only where torch must copy.
-    pairs: list[tuple[Any, Any]] = [_unexpanded(live[e["name"]].tensor, e)
+    pairs: list[Pair] = [_unexpanded(live[e["name"]].tensor, e)
                                     for g, es in by_group.items()
                                     if g.startswith("model:") for e in es]
-    finish = []
+    finish: list[Callable[[], None]] = []
     for okey, opt in state.optimizers.items():
         more, done = _prepare_optimizer(okey, opt, by_group.get(f"optim:{okey}", []),
                                         hd.get("optim", {}).get(okey), where, data)
@@ -243,14 +247,14 @@ def _apply_state(state: Registered, tensors: list[dict[str, Any]], host: dict[st
         elif ent.get("kind") == "value" or not callable(getattr(obj, "load_state_dict", None)):
             values.restore_into(obj, ent["state"], key, where)
         else:
-            obj.load_state_dict(ent["state"])
+            cast("Stateful", obj).load_state_dict(ent["state"])
     saved = dict(hd.get("values") or {})
     apply_rng(hd.get("rng", {}))
     return int(hd.get("step", -1)), saved
 
 
 def device_scatters(state: Registered, lts: list[LiveTensor],
-                    tensors: list[dict[str, Any]]) -> int | None:
+                    tensors: list[TensorEntry]) -> int | None:
     """The CUDA device a restore from a file can go to chunk by chunk through page-locked
     buffers (``device_restore.copy_to_device``; CPU tensors beside it, e.g. Adam's ``step``, are copied
     from the same chunks), or None: no CUDA tensor, several devices, a CPU-only build, or
@@ -270,7 +274,7 @@ def device_scatters(state: Registered, lts: list[LiveTensor],
     return int(dev if dev is not None else torch.cuda.current_device())
 
 
-def scatters(state: Registered, lts: list[LiveTensor], tensors: list[dict[str, Any]]) -> bool:
+def scatters(state: Registered, lts: list[LiveTensor], tensors: list[TensorEntry]) -> bool:
     """Whether a restore from a file can go chunk by chunk into the live tensors
     (``_copy_from_file``): every live tensor on the CPU and nothing sharded (a DTensor's
     value is built from the snapshot's bytes before the copy, so they must be read)."""
@@ -284,9 +288,8 @@ def scatters(state: Registered, lts: list[LiveTensor], tensors: list[dict[str, A
 
 
 def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
-                       entries: list[dict[str, Any]], host: dict[str, Any] | None,
-                       where: str, data: torch.Tensor
-                       ) -> tuple[list[tuple[Any, Any]], Callable[[], None]]:
+                       entries: list[TensorEntry], host: Mapping[str, object] | None,
+                       where: str, data: torch.Tensor) -> tuple[list[Pair], Callable[[], None]]:
     """Checks an optimizer's snapshot state; returns the (live tensor, snapshot value)
     pairs to copy and what to run after the copy (scalars, param groups, or
     ``load_state_dict`` when the optimizer's state is not the snapshot's shape)."""
@@ -294,7 +297,7 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
         raise IncompatibleSnapshot(f"{where}: no host state for optimizer {okey!r}")
     params = _param_order(opt)
     dt_cls = sharded._dtensor_cls()  # once, not is_dtensor() per entry
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[int, dict[str, object]] = {}
     for e in entries:
         idx, key = e.get("param_index"), e.get("state_key")
         if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
@@ -304,15 +307,16 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
         state.setdefault(idx, {})[key] = copy_back.Ref(e) if "shard" not in e and not (
             dt_cls is not None and isinstance(p, dt_cls)) else sharded.like_param(
                 copy_back.entry_view(data, e), e, p, where)
-    for idx, key, value in host.get("scalars", []):
+    # (param index, state key, value) of each scalar (TrainingState.capture_host)
+    for idx, key, value in cast("list[tuple[int, str, object]]", host.get("scalars", [])):
         state.setdefault(int(idx), {})[key] = value
     # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.
     if len(opt.state) == len(state) and all(
             params[i] in opt.state and set(opt.state[params[i]]) == set(s)
             and all(copy_back.fits_in_place(opt.state[params[i]][k], v) for k, v in s.items())
             for i, s in state.items()):
-        pairs: list[tuple[Any, Any]] = []
-        scalars: list[tuple[dict[str, Any], str, Any]] = []
+        pairs: list[Pair] = []
+        scalars: list[tuple[dict[str, object], str, object]] = []
         for i, s in state.items():
             st = opt.state[params[i]]
             for k, v in s.items():
@@ -322,7 +326,7 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
                     pairs.append((st[k], v))
                 else:
                     scalars.append((st, k, v))
-        groups = host["param_groups"]
+        groups = cast("list[dict[str, object]]", host["param_groups"])
         if len(groups) != len(opt.param_groups):
             raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} has {len(opt.param_groups)}"
                                        f" param groups, the snapshot {len(groups)}")
@@ -336,18 +340,19 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
                         g[k] = v
 
         return pairs, set_host
-    expanded = [expand_params(g) for g in host["param_groups"]]
-    clones: list[tuple[Any, Any]] = []  # (new tensor, snapshot value): one native copy
-    sd_state: dict[int, dict[str, Any]] = {}
+    expanded = [expand_params(g) for g in cast("list[dict[str, object]]", host["param_groups"])]
+    clones: list[Pair] = []  # (new tensor, snapshot value): one native copy
+    sd_state: dict[int, dict[str, object]] = {}
     for i, s in state.items():
-        d = sd_state[i] = {}
+        d: dict[str, object] = {}
+        sd_state[i] = d
         for k, v in s.items():
             if isinstance(v, copy_back.Ref):
-                d[k] = copy_back.empty_like_entry(data, v.e)
-                clones.append((d[k], v.e))
+                d[k] = new = copy_back.empty_like_entry(data, v.e)
+                clones.append((new, v.e))
             elif isinstance(v, torch.Tensor):
-                d[k] = torch.empty_like(v)
-                clones.append((d[k], v))
+                d[k] = new = torch.empty_like(v)
+                clones.append((new, v))
             else:
                 d[k] = v
 

@@ -29,7 +29,7 @@ runs and small models snapshot from step 0 on. (Each slot also has a fixed
 loaded 2-core VM, a few ms on a quiet host.)
 
 Split (issue 24): the policy of when and what to set up is the ``ArenaKeeper``'s
-(:mod:`cudasnap.core.staging`: ``start_at_construction``, ``ensure``, ``shutdown``); this
+(:mod:`cudasnap.core.arena_keeper`: ``start_at_construction``, ``ensure``, ``shutdown``); this
 module holds the background jobs it hands the preparer; :mod:`cudasnap.core.arena_size`
 sizes the arena (``estimate_state_bytes``, slot and manifest capacities) and
 :mod:`cudasnap.core.arena_preparer` runs the set-up (``ArenaPreparer``, ``Prepared``,
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .arena_preparer import ArenaPreparer, Prepared, drop, pin
 from .arena_size import estimate_meta_len, estimate_state_bytes, meta_capacity, slot_capacity
@@ -48,10 +48,13 @@ __all__ = ["SYNC_MAX_BYTES", "ArenaPreparer", "Prepared", "drop", "estimate_meta
            "estimate_state_bytes", "fully_reserved", "meta_capacity", "pin", "prefault_then",
            "slot_capacity", "warm_job"]
 
+if TYPE_CHECKING:
+    from cudasnap._C import Arena, CancelFlag
+
 SYNC_MAX_BYTES = 16 << 20
 
 
-def fully_reserved(arena: Any) -> bool:
+def fully_reserved(arena: Arena) -> bool:
     """Every page of ``arena``'s file is allocated (a set-up that crashed half-way
     leaves holes: a copy into one could SIGBUS when /dev/shm is full)."""
     try:
@@ -61,15 +64,16 @@ def fully_reserved(arena: Any) -> bool:
     return st.st_blocks * 512 >= arena.total_bytes
 
 
-def prefault_then(arena: Any, cancel: Any) -> None:
+def prefault_then(arena: Arena | None, cancel: CancelFlag) -> None:
     """Follow-up of a CPU arena already in use: maps its pages (content untouched)."""
     if arena is not None:
         arena.prefault(cancel)
 
 
-def warm_job(arena: Any, device: int | None) -> Callable[[Any], tuple[Any, str | None, bool]]:
+def warm_job(arena: Arena, device: int | None
+             ) -> Callable[[CancelFlag], tuple[Arena, str | None, bool]]:
     """The preparer's job for an inherited arena: pre-fault it, then page-lock it."""
-    def job(cancel: Any) -> tuple[Any, str | None, bool]:
+    def job(cancel: CancelFlag) -> tuple[Arena, str | None, bool]:
         arena.prefault(cancel)
         got, reason = pin(arena, device)
         return got, reason, False

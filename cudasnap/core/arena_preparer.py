@@ -29,13 +29,21 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import _points
 from .._native import native
 from ..errors import SnapshotError, StagingError
+
+if TYPE_CHECKING:
+    from cudasnap._C import Arena, CancelFlag
+
+# A set-up's job: (cancel flag) -> (arena or None, why it is process-private, a new file)
+Job = Callable[["CancelFlag"], "tuple[Arena | None, str | None, bool]"]
+# Its follow-up, once the arena was handed over: (arena, cancel flag)
+Then = Callable[["Arena | None", "CancelFlag"], None]
 
 log = logging.getLogger("cudasnap")
 
@@ -44,13 +52,13 @@ log = logging.getLogger("cudasnap")
 class Prepared:
     """What a finished set-up hands to the training thread."""
 
-    arena: Any  # None: nothing to adopt (the regrowth gave up; the next boundary retries)
+    arena: Arena | None  # None: nothing to adopt (the regrowth gave up; the next boundary retries)
     seconds: float
     fallback_reason: str | None  # why the arena is process-private (register refused)
     created: bool  # a new arena file (not the inherited one)
 
 
-def pin(arena: Any, device: int | None) -> tuple[Any, str | None]:
+def pin(arena: Arena, device: int | None) -> tuple[Arena, str | None]:
     """Page-locks ``arena`` for ``device`` (None: CPU backend, nothing to do)."""
     if device is None:
         return arena, None
@@ -59,7 +67,7 @@ def pin(arena: Any, device: int | None) -> tuple[Any, str | None]:
     return pin_arena(arena, device)
 
 
-def drop(arena: Any) -> None:
+def drop(arena: Arena | None) -> None:
     """Unregisters (CUDA) and removes an arena that holds no snapshot anyone needs."""
     if arena is None:
         return
@@ -102,16 +110,16 @@ class ArenaPreparer:
         self.sync_max_bytes = int(sync_max_bytes)
         self.device = device
         self.fallback_reason: str | None = None
-        self.warmed: Any = None  # the inherited arena, once pre-faulted/registered
+        self.warmed: Arena | None = None  # the inherited arena, once pre-faulted/registered
         self.skipped = 0
         self._thread: threading.Thread | None = None
-        self._cancel: Any = None
+        self._cancel: CancelFlag | None = None
         self._result: Prepared | None = None
         self._error: BaseException | None = None
         self._handed = threading.Event()  # the job's result is ready (a follow-up may run)
         self._started = False  # past the hold point: the job does real work
         self._logged = False
-        self._what = ""
+        self.what = ""  # the running set-up, in words (logs)
         self._speculative = False
 
     @property
@@ -130,9 +138,9 @@ class ArenaPreparer:
         """The running job began its work (it is not held before it)."""
         return self._started
 
-    def start(self, what: str, job: Callable[[Any], tuple[Any, str | None, bool]] | None,
+    def start(self, what: str, job: Job | None,
               speculative: bool = False,
-              then: Callable[[Any, Any], None] | None = None) -> None:
+              then: Then | None = None) -> None:
         """Runs ``job(cancel_flag) -> (arena, fallback_reason, created)`` in the background,
         then ``then(arena, cancel_flag)`` once the arena was handed over (``job`` None:
         nothing to hand over, only ``then(None, cancel_flag)``).
@@ -153,7 +161,7 @@ class ArenaPreparer:
             self._handed.set()  # nothing to wait for: the arena is usable already
         self._started = False
         self._logged = False
-        self._what = what
+        self.what = what
         self.skipped = 0
         self._thread = threading.Thread(target=self._run, args=(job, then, self._cancel),
                                         name="cudasnap-arena-prep", daemon=True)
@@ -161,7 +169,7 @@ class ArenaPreparer:
         _running.add(self)
         log.info("cudasnap: preparing %s in the background", what)
 
-    def run_here(self, job: Callable[[Any], tuple[Any, str | None, bool]]) -> Prepared:
+    def run_here(self, job: Job) -> Prepared:
         """The same job, synchronously (small arenas)."""
         t0 = time.perf_counter()
         arena, reason, created = job(native().CancelFlag())
@@ -170,7 +178,7 @@ class ArenaPreparer:
         return Prepared(arena, time.perf_counter() - t0, reason, created)
 
     @staticmethod
-    def _hold(cancel: Any) -> None:
+    def _hold(cancel: CancelFlag) -> None:
         """A point where a test can hold the set-up before its work starts
         (cudasnap._testing.arena_gate; a cancel meanwhile raises StagingError there)."""
         _points.reach("arena_prep.hold", cancel=cancel)
@@ -182,8 +190,7 @@ class ArenaPreparer:
         except OSError:
             pass
 
-    def _run(self, job: Callable[[Any], tuple[Any, str | None, bool]] | None,
-             then: Callable[[Any, Any], None] | None, cancel: Any) -> None:
+    def _run(self, job: Job | None, then: Then | None, cancel: CancelFlag) -> None:
         arena = None
         try:
             if job is not None:
@@ -211,10 +218,10 @@ class ArenaPreparer:
             then(arena, cancel)
         except BaseException as e:  # a pre-fault: the arena works without it
             if cancel.is_set:
-                log.debug("cudasnap: pre-fault of %s stopped on request (%s)", self._what, e)
+                log.debug("cudasnap: pre-fault of %s stopped on request (%s)", self.what, e)
             else:
                 log.warning("cudasnap: pre-faulting %s failed (%s); copies fault its pages in "
-                            "themselves", self._what, e)
+                            "themselves", self.what, e)
 
     def note_skip(self, step: int) -> None:
         """Counts a boundary skipped for want of an arena; logs the first one only."""
@@ -224,7 +231,7 @@ class ArenaPreparer:
             log.warning("cudasnap: step %d not snapshotted: %s is being prepared in the "
                         "background; boundaries are skipped until it is ready (counted in "
                         "stats()['skipped_not_ready']; a flush, close() or a trigger meanwhile "
-                        "snapshots the live state synchronously)", step, self._what)
+                        "snapshots the live state synchronously)", step, self.what)
 
     def take(self) -> Prepared | None:
         """The finished set-up (once), or None. Raises the set-up's error (once)."""
@@ -233,17 +240,17 @@ class ArenaPreparer:
         err, res = self._error, self._result
         self._error = self._result = None
         if err is not None and self._cancel is not None and self._cancel.is_set:
-            log.debug("cudasnap: preparing %s stopped on request (%s)", self._what, err)
+            log.debug("cudasnap: preparing %s stopped on request (%s)", self.what, err)
             return None  # cancelled by close() or a newer set-up: not a failure
         if err is not None and self._speculative:
             log.warning("cudasnap: preparing %s failed (%s); the first boundary sizes the "
-                        "arena from its copy plan instead", self._what, err)
+                        "arena from its copy plan instead", self.what, err)
             return None
         if err is not None:
             raise err
         if res is not None and self.skipped:
             log.info("cudasnap: %s ready after %.2f s; %d boundaries were skipped meanwhile",
-                     self._what, res.seconds, self.skipped)
+                     self.what, res.seconds, self.skipped)
         return res
 
     @contextlib.contextmanager

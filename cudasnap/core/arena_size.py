@@ -8,7 +8,7 @@ manifest capacities (:func:`slot_capacity`, :func:`meta_capacity`,
 :func:`chunk_for`, live in cudasnap.core.slot_geometry, torch-free). Pure arithmetic: it
 makes no arena and starts no thread.
 
-Call order: ``cudasnap.core.staging.ArenaKeeper.start_at_construction`` (from the Snapshotter's
+Call order: ``cudasnap.core.arena_keeper.ArenaKeeper.start_at_construction`` (from the Snapshotter's
 constructor) sizes the arena it prepares in the background with
 ``estimate_state_bytes`` -> ``slot_capacity`` / ``estimate_meta_len`` -> ``meta_capacity``;
 ``ArenaKeeper.ensure`` (each boundary, a flush) sizes it from the copy plan with
@@ -17,19 +17,22 @@ constructor) sizes the arena it prepares in the background with
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import module_state
 from .slot_geometry import PAGE, chunk_for, meta_capacity, slot_capacity
 
+if TYPE_CHECKING:
+    from .state import TrainingState
+
 __all__ = ["PAGE", "chunk_for", "estimate_meta_len", "estimate_state_bytes", "meta_capacity",
            "slot_capacity"]
 
 # Per-parameter state tensors that known optimizers create at their first step:
 # (full-size slots, scalar tensor slots) given the parameter group.
-_Slots = Callable[[dict[str, Any]], tuple[int, int]]
+_Slots = Callable[[dict[str, object]], tuple[int, int]]
 _OPT_SLOTS: dict[str, _Slots] = {
     "Adam": lambda g: (2 + bool(g.get("amsgrad")), 1),
     "AdamW": lambda g: (2 + bool(g.get("amsgrad")), 1),
@@ -60,7 +63,7 @@ def _opt_slots(opt: torch.optim.Optimizer) -> _Slots | None:
     return None
 
 
-def estimate_state_bytes(state: Any) -> tuple[int, int]:
+def estimate_state_bytes(state: TrainingState) -> tuple[int, int]:
     """(slot bytes, tensor count) the state will need once every optimizer has stepped.
 
     Tensors that exist are counted as they are; parameters without optimizer

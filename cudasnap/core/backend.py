@@ -5,8 +5,8 @@ then); ``Layouts.current()`` calls :meth:`Backend.ensure` with the live tensors 
 the first layout build, which picks the engine ("auto": CUDA when state lives on a
 GPU) and makes it; from then on the ``Copier`` submits to ``engine`` and the
 ``ArenaKeeper`` page-locks arenas through ``cuda`` (None on the CPU backend).
-``close()`` calls :meth:`Backend.stop` last. Tests may replace ``engine`` (a stalled
-engine, a gathering one): every user reads it from here at each call.
+``close()`` calls :meth:`Backend.stop` last. No user keeps the engine: each reads
+``engine`` (and ``cuda``) from here at each call, so the engine in use is the one held here.
 """
 from __future__ import annotations
 

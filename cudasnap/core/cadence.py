@@ -35,9 +35,14 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .. import config as cfg
+
+if TYPE_CHECKING:  # type-only: torch is imported when a CUDA clock is made
+    import torch
+
+    from .backend import Backend
 
 log = logging.getLogger("cudasnap")
 
@@ -90,8 +95,8 @@ class CudaClock:
 
         self._torch = torch
         self._device = device  # the state's device: its current stream is timed
-        self._pending: deque[tuple[Any, bool]] = deque()
-        self._free: list[Any] = []
+        self._pending: deque[tuple[torch.cuda.Event, bool]] = deque()
+        self._free: list[torch.cuda.Event] = []
 
     def mark(self, after_copy: bool) -> None:
         torch = self._torch
@@ -243,10 +248,10 @@ class Cadence:
             self._capped = True
         return cfg.MAX_EVERY
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         """k, the budget and what was measured (``overhead``: the share of step time the
         snapshots cost at this k; None until measured)."""
-        out: dict[str, Any] = {"k": self.k, "budget": self.budget if self.fixed is None else None,
+        out: dict[str, object] = {"k": self.k, "budget": self.budget if self.fixed is None else None,
                                "fixed": self.fixed is not None, "overhead": None,
                                "step_ms": None, "snapshot_ms": None}
         cost = self._cost_at.get(self.k, (None, 0))[0]
@@ -270,7 +275,7 @@ def smallest_k(cost_of: Callable[[int], float], step_s: float, budget: float,
     return None
 
 
-def clock_for(backend: Any) -> Callable[[], StepClock | None]:
+def clock_for(backend: Backend) -> Callable[[], StepClock | None]:
     """The clock of ``backend`` (core.backend.Backend), once it has resolved its engine."""
     def make() -> StepClock | None:
         if backend.name is None:

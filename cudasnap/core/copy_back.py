@@ -14,15 +14,18 @@ checks every span lies inside ``data`` before writing a byte.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
-from ..format.manifest import dtype_key, span_bytes, torch_dtype
+from ..format.manifest import TensorEntry, dtype_key, span_bytes, torch_dtype
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-Entry = dict[str, Any]  # a manifest tensor entry (format.manifest.TensorEntry)
+Entry = TensorEntry  # a manifest tensor entry
+# A snapshot value: a tensor, or the entry of one in the snapshot's buffer (a view made on demand).
+Source = torch.Tensor | Entry
+Pair = tuple[torch.Tensor, Source]  # (live tensor, snapshot value)
 
 
 def entry_view(data: torch.Tensor, e: Entry) -> torch.Tensor:
@@ -33,7 +36,7 @@ def entry_view(data: torch.Tensor, e: Entry) -> torch.Tensor:
     return flat.as_strided(e["shape"], e["stride"]) if n else flat.reshape(e["shape"])
 
 
-def entry_span(dst: Any, e: Entry, size: int, device: str = "cpu") -> tuple[int, int, int] | None:
+def entry_span(dst: torch.Tensor, e: Entry, size: int, device: str = "cpu") -> tuple[int, int, int] | None:
     """``byte_span(dst, entry_view(data, e), ...)`` without building the view: (dst
     pointer, offset in data, bytes), or None when torch's copy_ must do it. ``e``'s
     stride must be ``dst``'s (a contiguous dst has a contiguous view then); ``dst`` must
@@ -54,11 +57,11 @@ class Ref:
 
     __slots__ = ("e",)
 
-    def __init__(self, e: dict[str, Any]) -> None:
+    def __init__(self, e: Entry) -> None:
         self.e = e
 
 
-def fits_in_place(have: Any, v: Any) -> bool:
+def fits_in_place(have: object, v: object) -> bool:
     """Whether the live optimizer value ``have`` can take snapshot value ``v`` in place:
     a tensor of the same shape and dtype for a tensor, anything for a scalar."""
     if isinstance(v, Ref):
@@ -77,7 +80,7 @@ def contiguous_strides(shape: list[int]) -> list[int]:
     return out
 
 
-def empty_like_entry(data: torch.Tensor, e: dict[str, Any]) -> torch.Tensor:
+def empty_like_entry(data: torch.Tensor, e: Entry) -> torch.Tensor:
     """``torch.empty_like(entry_view(data, e))``, without the view when the
     entry is contiguous (the common case)."""
     if e["nbytes"] and e["stride"] == contiguous_strides(e["shape"]):
@@ -94,7 +97,7 @@ def copy_threads() -> int:
     return max(1, min(8, n))
 
 
-def _extent(t: Any, span: tuple[int, int, int] | None) -> tuple[int, int] | None:
+def _extent(t: torch.Tensor, span: tuple[int, int, int] | None) -> tuple[int, int] | None:
     """[lo, hi) bytes a plain strided CPU tensor covers (its byte span, when it has one),
     None for any other."""
     if span is not None:
@@ -105,7 +108,7 @@ def _extent(t: Any, span: tuple[int, int, int] | None) -> tuple[int, int] | None
     return (t.data_ptr(), t.data_ptr() + n) if n else None
 
 
-def _overlapping(pairs: list[tuple[Any, Any]],
+def _overlapping(pairs: list[Pair],
                  spans: list[tuple[int, int, int] | None]) -> list[list[int]]:
     """Groups (2 or more pair indices) whose destinations overlap one another."""
     ext = sorted((e[0], e[1], i) for i, e in enumerate(
@@ -125,7 +128,7 @@ def _overlapping(pairs: list[tuple[Any, Any]],
     return groups
 
 
-def byte_span(dst: Any, src: Any, lo: int, hi: int) -> tuple[int, int, int] | None:
+def byte_span(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> tuple[int, int, int] | None:
     """(dst pointer, offset in data, bytes) when ``dst.copy_(src)`` is a byte copy out of
     the buffer at [lo, hi); None when torch's copy_ must do it."""
     if (type(dst) not in _PLAIN or type(src) is not torch.Tensor or not dst.is_cpu
@@ -141,7 +144,7 @@ def byte_span(dst: Any, src: Any, lo: int, hi: int) -> tuple[int, int, int] | No
     return dst.data_ptr(), s - lo, n
 
 
-def _dtypes() -> dict[str, Any]:
+def _dtypes() -> dict[str, torch.dtype]:
     """{manifest dtype name: torch.dtype} for the native planner (made once)."""
     global _DTYPES
     if _DTYPES is None:
@@ -151,10 +154,10 @@ def _dtypes() -> dict[str, Any]:
     return _DTYPES
 
 
-_DTYPES: dict[str, Any] | None = None
+_DTYPES: dict[str, torch.dtype] | None = None
 
 
-def plan_reference(pairs: list[tuple[Any, Any]], data: torch.Tensor
+def plan_reference(pairs: list[Pair], data: torch.Tensor
                    ) -> tuple[list[tuple[int, int, int]], list[int], list[int]]:
     """The reference planner, in Python (the native ``copy_pairs`` follows its rules):
     (byte-copy spans, their pair indices, indices of the pairs left to torch copy_)."""
@@ -164,7 +167,7 @@ def plan_reference(pairs: list[tuple[Any, Any]], data: torch.Tensor
     for d, s in pairs:
         sp = entry_span(d, s, hi - lo) if lo and type(s) is dict else None
         if sp is None and lo:
-            sp = byte_span(d, entry_view(data, s) if type(s) is dict else s, lo, hi)
+            sp = byte_span(d, entry_view(data, s) if type(s) is dict else cast(torch.Tensor, s), lo, hi)
         spans.append(sp)
     for group in _overlapping(pairs, spans):
         for i in group:
@@ -174,7 +177,7 @@ def plan_reference(pairs: list[tuple[Any, Any]], data: torch.Tensor
         i for i, sp in enumerate(spans) if sp is None]
 
 
-def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
+def copy_into(pairs: list[Pair], data: torch.Tensor,
               threads: int | None = None, *, reference: bool = False,
               before: Callable[[], None] | None = None) -> int:
     """``dst.copy_(src)`` for each pair (under no_grad; ``src``: a tensor or a manifest
@@ -190,7 +193,7 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
     """
     lo = data.data_ptr() if data.numel() and data.is_cpu else 0
     size = data.numel() * data.element_size()
-    run: Any = None
+    run: Callable[[int], int] | None = None
     slow: list[int] = list(range(len(pairs)))
     if lo and pairs:
         from .._native import native
@@ -199,16 +202,17 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
         if reference:
             spans, fast, slow = plan_reference(pairs, data)
 
-            def run(n: int) -> int:
+            def run_spans(n: int) -> int:
                 moved = C.copy_spans(lo, size, spans, n) if spans else 0
                 for i in fast:  # what copy_ does: autograd sees the in-place change
                     torch.autograd.graph.increment_version(pairs[i][0])
                 return moved
+            run = run_spans
         else:
             plan = C.plan_pairs([d for d, _ in pairs], [s for _, s in pairs], _dtypes(),
                                 _PLAIN, torch.Tensor, lo, size)
             slow, run = plan.slow, plan.run
-    rest = [(pairs[i][0], entry_view(data, s) if type(s) is dict else s)
+    rest = [(pairs[i][0], entry_view(data, s) if type(s) is dict else cast(torch.Tensor, s))
             for i in slow for s in (pairs[i][1],)]
     if before is not None:
         before()
@@ -219,7 +223,7 @@ def copy_into(pairs: list[tuple[Any, Any]], data: torch.Tensor,
     return moved
 
 
-def ranges_read(rest: list[tuple[Any, Any]], lo: int, size: int) -> list[tuple[int, int, int]]:
+def ranges_read(rest: Sequence[tuple[torch.Tensor, Source]], lo: int, size: int) -> list[tuple[int, int, int]]:
     """The (dst pointer, file offset, bytes) spans that fill the bytes of the buffer at
     ``lo`` (``size`` bytes) which the sources of ``rest`` read: merged, so that no two
     overlap."""

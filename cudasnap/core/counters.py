@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,7 +27,7 @@ class Counters:
     last_flush_path: str | None = None
     arena_setup_seconds: float | None = None
     health_events: int = 0
-    restore: dict[str, Any] | None = None  # what the last restore loaded (restorer)
+    restore: dict[str, object] | None = None  # what the last restore loaded: source, step, seconds, where
     layout_rebuilds: int = 0
     abandoned: int = 0              # copies a fence gave up on (wait_timeout_s)
     arena_regrowths: int = 0
@@ -45,7 +44,7 @@ class Counters:
         if len(ns) > 4096:
             del ns[:2048]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """``stats()``'s counters: every field, with the boundary-time median (us) and the
         fence waits (s) in place of the raw ``boundary_ns`` / ``fence_wait_ns``."""
         s = {f.name: getattr(self, f.name) for f in fields(self)}

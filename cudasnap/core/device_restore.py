@@ -9,11 +9,15 @@ rest, from the bytes read into the stand-in buffer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from . import copy_back
+from .copy_back import Pair
+
+if TYPE_CHECKING:
+    from .types import SnapshotFile
 
 
 def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
@@ -26,7 +30,7 @@ def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
     return bad
 
 
-def copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, device: int,
+def copy_to_device(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile, device: int,
                     before: Callable[[], None] | None) -> None:
     """``apply._copy_from_file`` for a state on a GPU (issue 34 item 5): one native call reads the
     file chunk by chunk into page-locked buffers, checks each chunk's CRC32C, then copies
@@ -38,10 +42,10 @@ def copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, 
     size = file.nbytes
     dev: list[tuple[int, int, int]] = []
     host: list[tuple[int, int, int]] = []
-    moved: list[Any] = []
-    rest: list[tuple[Any, Any]] = []
-    dev_pairs: list[tuple[Any, Any]] = []
-    host_pairs: list[tuple[Any, Any]] = []
+    moved: list[torch.Tensor] = []
+    rest: list[Pair] = []
+    dev_pairs: list[Pair] = []
+    host_pairs: list[Pair] = []
     for d, s in pairs:
         if type(s) is dict:
             span = copy_back.entry_span(d, s, size, "cuda")
@@ -60,8 +64,9 @@ def copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, 
             rest.append(kept.pop(i))
             spans.pop(i)
         moved += [d for d, _ in kept]
-    rest = [(d, copy_back.entry_view(data, s) if type(s) is dict else s) for d, s in rest]
-    host += copy_back.ranges_read(rest, data.data_ptr(), size)
+    views = [(d, copy_back.entry_view(data, s) if type(s) is dict else cast(torch.Tensor, s))
+             for d, s in rest]
+    host += copy_back.ranges_read(views, data.data_ptr(), size)
     if before is not None:
         before()
     # The copies run on streams of their own: whatever is still queued for these tensors
@@ -73,5 +78,5 @@ def copy_to_device(pairs: list[tuple[Any, Any]], data: torch.Tensor, file: Any, 
         if not t.is_inference():
             torch.autograd.graph.increment_version(t)
     with torch.no_grad():
-        for d, s in rest:
-            d.copy_(s)
+        for d, v in views:
+            d.copy_(v)

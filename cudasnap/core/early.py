@@ -3,7 +3,7 @@
 Before the arena is ready (issue 23 item 2). A large arena is made (or an inherited
 one warmed) on a background thread from construction on (cudasnap.core.arena_prep);
 boundaries until then are skipped. Each skipped boundary still records its host
-state (``Copier.live``), so that the live tensors, as long as no optimizer step
+state (``Copier.live``, a ``LiveState``), so that the live tensors, as long as no optimizer step
 ran since, ARE that step. A flush (explicit, or a trigger's: SIGUSR1, SIGTERM, a
 health event, the hang watchdog) or ``close()`` arriving meanwhile calls
 :meth:`EarlySaver.before_flush` / :meth:`EarlySaver.at_close`: the arena is made (or
@@ -18,8 +18,10 @@ the attempt saved says so in a WARNING (:meth:`EarlySaver.warn_if_nothing_saved`
 Call order: the facade's ``flush()`` calls ``before_flush`` first, ``close()`` calls
 ``at_close`` then ``warn_if_nothing_saved``; ``boundary()`` calls
 :meth:`EarlySaver.boundary_done` after its copy was handed over (it records the step and
-wakes a waiting flush). The copier records the skipped boundary (``Copier.live``,
-``Copier.unprotected_thread``).
+wakes a waiting flush). The copier records the skipped boundary (``LiveState.record``).
+A regrowth inside ``save_now`` (the arena replaced while made synchronously) writes the
+old arena's snapshot through ``Flusher.flush_newest``, never through ``flush()``: nothing
+here is re-entered.
 
 An arena left at exit: :mod:`cudasnap.core.arena_exit`.
 """
@@ -33,10 +35,11 @@ from typing import TYPE_CHECKING
 from ..errors import SnapshotError
 
 if TYPE_CHECKING:
+    from .arena_keeper import ArenaKeeper
+    from .copier import Copier
     from .counters import Counters
-    from .layout import Layouts
-    from .staging import ArenaKeeper
-    from .submit import Copier
+    from .layouts import Layouts
+    from .options import Waits
     from .timeline import Timeline
 
 log = logging.getLogger("cudasnap")
@@ -46,16 +49,16 @@ log = logging.getLogger("cudasnap")
 class EarlySaver:
     def __init__(self, keeper: ArenaKeeper, copier: Copier, layouts: Layouts,
                  timeline: Timeline, counters: Counters, flush_lock: threading.RLock, *,
-                 wait_timeout_s: float) -> None:
+                 waits: Waits) -> None:
         self._keeper, self._copier, self._layouts = keeper, copier, layouts
         self._timeline, self._counters, self._flush_lock = timeline, counters, flush_lock
-        self.wait_timeout_s = wait_timeout_s
+        self._waits = waits
+        self.wait_timeout_s = waits.copy_s
         self.boundary_event: threading.Event | None = None  # set by the next boundary
         # The step of the newest boundary() that returned past its copy (or skip): what a
         # flush waiting for "the next boundary" compares with, not Timeline.last_step,
         # which boundary() advances before its copy is handed over.
         self.done_step: int | None = None
-        self._saving = False  # a regrowth's flush inside save_now re-enters flush(): not again
 
     def boundary_done(self, step: int) -> None:
         """``boundary()``, after its copy was handed over (or skipped): a flush waiting for
@@ -67,22 +70,21 @@ class EarlySaver:
 
     def _needs_arena(self) -> bool:
         """The newest boundary is in no arena and a flush could not copy it now."""
-        return self._copier.live is not None and (
+        return self._copier.live.pending() is not None and (
             self._keeper.arena is None or self._keeper.prep.pending)
 
     def save_now(self, timeout: float | None, why: str) -> bool:
         """Makes (or adopts) the arena on this thread and copies the live state of the newest
         boundary into it. True when that step is now COMPLETE in the arena."""
         copier = self._copier
-        live = copier.live
-        if self._saving or live is None or not self._needs_arena():
+        live = copier.live.pending()
+        if live is None or not self._needs_arena():
             return False
         lock = self._keeper.lock
         if not lock.acquire(timeout=self.wait_timeout_s):
             log.error("cudasnap: %s before the staging arena was ready, and it stayed busy for "
                       "%.0f s: nothing snapshotted", why, self.wait_timeout_s)
             return False
-        self._saving = True  # ArenaKeeper.retire's flush re-enters flush(): not again
         try:
             # Lock order: the keeper's lock, then the flush lock (a background regrowth,
             # waited for inside ensure(), takes the flush lock itself: not held here yet).
@@ -97,7 +99,7 @@ class EarlySaver:
                 return False
             if arena is None:
                 return False
-            if copier.live is not live or copier.live_dirty:
+            if copier.live.pending() is not live or not copier.live.clean():
                 return False  # moved on meanwhile: the caller waits for the next boundary
             before = self._counters.live_saves
             with self._flush_lock:
@@ -109,7 +111,6 @@ class EarlySaver:
                         "synchronously from the live state", why, step)
             return True
         finally:
-            self._saving = False
             lock.release()
 
     def before_flush(self, timeout: float | None) -> None:
@@ -120,14 +121,12 @@ class EarlySaver:
         which snapshots into it, is waited for (up to ``timeout``), so the flush writes it;
         on the training thread itself the flush writes what there is (the arena is ready
         for the next boundaries)."""
-        if self._saving or not self._needs_arena() or \
-                threading.current_thread() is self._keeper.prep._thread:  # a regrowth's flush
+        if not self._needs_arena() or self.save_now(timeout, "flush requested"):
             return
-        if self.save_now(timeout, "flush requested"):
-            return
-        live = self._copier.live  # read once: the boundary we wait past
-        if live is None or not self._copier.live_dirty or self._keeper.arena is None \
-                or threading.get_ident() == self._copier.unprotected_thread:
+        state = self._copier.live
+        live = state.pending()  # read once: the boundary we wait past
+        if live is None or state.clean() or self._keeper.arena is None \
+                or state.unprotected_here():
             return
         _wait_next_boundary(self, live[0], self.wait_timeout_s if timeout is None else timeout)
 
@@ -136,8 +135,8 @@ class EarlySaver:
         made now (flushed by close's final flush, or kept for a restart when ``keep``).
         A boundary not copied (the cadence skipped it, or its plan was being built) is
         copied now, unless the state moved past it."""
-        timeout = min(60.0, self.wait_timeout_s)
-        if self._needs_arena() and not self._copier.live_dirty:
+        timeout = self._waits.close_s
+        if self._needs_arena() and self._copier.live.clean():
             self.save_now(timeout, "close()" if not keep else "close(keep_arena=True)")
         self._copier.settle_deferred(timeout)
 
@@ -170,7 +169,7 @@ def _wait_next_boundary(early: EarlySaver, step: int, timeout: float) -> None:
                           "step", timeout)
                 return
             ev.clear()
-        if early._needs_arena() and not copier.live_dirty:  # that boundary found no arena
+        if early._needs_arena() and copier.live.clean():  # that boundary found no arena
             early.save_now(timeout, "flush requested")
     finally:
         early.boundary_event = None

@@ -5,7 +5,7 @@ the phase of that copy it would overwrite: the optimizer's step pre-hook and
 ``load_state_dict`` pre-hook (phase 1: parameters and optimizer state), the
 forward pre-hook of every module owning buffers (phase 0: buffers), and the
 explicit ``Snapshotter.fence()``. Each calls ``Copier.fence(phase)``
-(cudasnap.core.submit). A wait longer than ``wait_timeout_s`` abandons that
+(cudasnap.core.copier). A wait longer than ``wait_timeout_s`` abandons that
 snapshot (logged), so a stalled copier never hangs training.
 
 Under ``torch.compile`` (Dynamo traces the hooks into the graph) a hook emits the
@@ -18,29 +18,33 @@ It never writes them. See docs/design.md §3.2.1.
 
 Call order: the facade calls :func:`install` once at construction (after the
 ``Copier`` exists) and removes the returned hook handles at ``close()``. The hooks
-call ``copier.fence`` by attribute at each call (a test may replace it).
-How long the copied tensors are held: ``cudasnap.core.layout.Layouts``.
+call ``copier.fence`` by attribute at each call.
+How long the copied tensors are held: ``cudasnap.core.layouts.Layouts``.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from . import optim_wrap
 
 if TYPE_CHECKING:
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from .copier import Copier
     from .state import TrainingState
-    from .submit import Copier
 
 # Copiers by the key their compiled fences carry (a graph holds an int, not the object).
 _BY_KEY: weakref.WeakValueDictionary[int, Copier] = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
-_FENCE_OP: Any = None
+FenceOp = Callable[[int, int, "list[torch.Tensor]"], None]
+_FENCE_OP: FenceOp | None = None
 
 
-def fence_op() -> Any:
+def fence_op() -> FenceOp:
     """``torch.ops.cudasnap.fence.default``, registered on first use.
 
     ``fence(key, phase, state)`` runs ``fence(phase)`` of the Copier ``key``
@@ -68,7 +72,8 @@ def fence_op() -> Any:
     return _FENCE_OP
 
 
-def install(state: TrainingState, copier: Copier, invalidate: Callable[[], None]) -> list[Any]:
+def install(state: TrainingState, copier: Copier,
+            invalidate: Callable[[], None]) -> list[RemovableHandle]:
     """The fence hooks of ``state``'s optimizers and buffer-owning modules, calling
     ``copier.fence``; ``invalidate``: after an optimizer's ``load_state_dict`` (the plan
     is rebuilt). Returns the hook handles (``close()`` removes them)."""
@@ -83,39 +88,34 @@ def install(state: TrainingState, copier: Copier, invalidate: Callable[[], None]
     plain = (torch.Tensor, torch.nn.Parameter)
     token = [torch.empty(0)]  # for a call with no plain tensor (never dead code)
 
-    def _state(ts: Any) -> list[Any]:
+    def _state(ts: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         # Plain tensors only: a wrapper subclass (DTensor, FSDP2/TP) would need a
         # rule for the op; its writes stay ordered by program order / torch.optim's
         # graph break (docs/design.md §3.2.1).
         return [t for t in ts if type(t) in plain] or token
 
-    def step_pre(o: Any, *_: Any) -> None:
+    def step_pre(o: torch.optim.Optimizer, *_: object) -> None:
         if compiling():  # traced (torch.compile(opt.step)): the op joins the graph
             with torch.no_grad():
                 op(key, 1, _state(p for g in o.param_groups for p in g["params"]))
             return
         copier.fence(1)
 
-    def forward_pre(module: Any, _: Any) -> None:
+    def forward_pre(module: torch.nn.Module, _: object) -> None:
         if compiling():  # traced: fence before this module's own buffers are written
             bufs = list(module.buffers(False))
             if bufs:
                 op(key, 0, _state(bufs))
             return
-        # Eager: fence's no-op case inline (the common one), in fence's order:
-        # mark dirty first, then look for a flush's live copy.
-        copier.live_dirty = True
-        if copier.live_copy is None and (copier.job is None or copier.fenced[0]):
-            return
-        copier.fence(0)
+        copier.fence(0)  # eager (its no-op case, the common one, is its first lines)
 
-    def before_load(*_: Any) -> None:
+    def before_load(*_: object) -> None:
         copier.fence(1)  # never let load_state_dict race a running copy
 
     def first_step(key: str) -> Callable[..., None]:
         done = [False]
 
-        def step_post(o: Any, *_: Any) -> None:
+        def step_post(o: torch.optim.Optimizer, *_: object) -> None:
             if compiling():  # traced: the check is Python over the parameters
                 return
             if not done[0]:  # once: is this a container cudasnap cannot see into?
@@ -123,7 +123,7 @@ def install(state: TrainingState, copier: Copier, invalidate: Callable[[], None]
                 optim_wrap.check_stepped(key, o)
         return step_post
 
-    hooks: list[Any] = []
+    hooks: list[RemovableHandle] = []
     for okey, opt in state.optimizers.items():
         hooks.append(opt.register_step_pre_hook(step_pre))
         hooks.append(opt.register_step_post_hook(first_step(okey)))

@@ -6,47 +6,86 @@ object store); in distributed mode the coordinator runs a flush round instead.
 
 Call order: the facade makes the ``Flusher`` with the flush lock it also hands the
 keeper and the early saver, and calls :meth:`Flusher.attach` once the triggers exist.
-``Snapshotter.flush()`` (explicit, a trigger's, ``ArenaKeeper.retire``'s) runs the early
-saver first, then :meth:`Flusher.flush`: under the flush lock, ``Copier.wait_job`` (with
-``wait``), ``Copier.copy_live`` (zero-overhead mode), then the coordinator's round or the
-newest COMPLETE slot leased under the copier's slot lock and written by the storage.
-``close()`` calls :meth:`Flusher.flush_if_new` (via ``timeline.final_flush``).
+``Snapshotter.flush()`` (explicit, a trigger's) runs the early saver first, then
+:meth:`Flusher.flush`: under the flush lock, ``Copier.wait_job`` (with ``wait``),
+``Copier.copy_live`` (a boundary not copied), then the coordinator's round or
+:meth:`Flusher.flush_newest`: the newest COMPLETE slot leased under the copier's slot lock
+and written by the storage. ``ArenaKeeper.retire`` (a regrowth) calls
+:meth:`Flusher.flush_newest` itself: the old arena's newest snapshot, nothing copied
+first. ``close()`` calls :meth:`Flusher.final_flush` (:meth:`Flusher.flush_if_new`).
+Nothing here calls back into the facade.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
+from ..errors import SnapshotError
+from ..storage import StorageReader, StorageWriter
 from ..storage.progress import bytes_written, io_progress
 
 if TYPE_CHECKING:
+    from .arena_keeper import ArenaKeeper
+    from .copier import Copier
     from .counters import Counters
-    from .staging import ArenaKeeper
-    from .submit import Copier
 
 log = logging.getLogger("cudasnap")
 
 
+class FlushRounds(Protocol):
+    """The coordinator's flush rounds (``cudasnap.distributed.coordinator``)."""
+
+    def flush(self, explicit: bool = False) -> Path | None: ...
+
+    @property
+    def last_flush(self) -> Mapping[str, object] | None: ...
+
+
+class Flushing(Protocol):
+    """The trigger dispatcher: whether a trigger's flush runs (``triggers.dispatch``)."""
+
+    @property
+    def flushing(self) -> bool: ...
+
+
+class FlushGuard(Protocol):
+    """The health guard (``cudasnap.triggers.guard``) as a flush sees it."""
+
+    @property
+    def dispatcher(self) -> Flushing: ...
+
+    def paused(self) -> AbstractContextManager[None]: ...
+
+
+class Storage(StorageWriter, StorageReader, Protocol):
+    """A storage that writes and lists (``cudasnap.storage``: POSIX or fsspec)."""
+
+
 class Flusher:
-    def __init__(self, storage: Any, keeper: ArenaKeeper, copier: Copier, counters: Counters,
+    def __init__(self, storage: Storage, keeper: ArenaKeeper, copier: Copier, counters: Counters,
                  flush_lock: threading.RLock, *, keep: int, flush_threads: int) -> None:
         self.storage, self._keeper, self._copier = storage, keeper, copier
         self._counters, self.lock = counters, flush_lock
         self.keep, self.flush_threads = keep, flush_threads
         self.flushed_step: int | None = None  # the newest step this process wrote
-        self._dist: Any = None
-        self._guard: Any = None
+        self._dist: FlushRounds | None = None
+        self._guard: FlushGuard | None = None
 
-    def attach(self, dist: Any, guard: Any) -> None:
+    def attach(self, dist: FlushRounds | None, guard: FlushGuard | None) -> None:
         """After the triggers exist: the coordinator (multi-rank flush rounds) and the
         guard (paused while a flush runs)."""
         self._dist, self._guard = dist, guard
 
-    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | None:
+    def _paused(self) -> AbstractContextManager[None]:
+        guard = self._guard
+        return guard.paused() if guard is not None else contextlib.nullcontext()
+
+    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | str | None:
         """Writes the newest COMPLETE snapshot to disk now; returns its directory.
 
         With ``wait`` the running copy (if any) is given ``timeout`` seconds to
@@ -60,25 +99,33 @@ class Flusher:
         without ``wait`` waits for no rank's boundary.
         """
         guard, dist, copier = self._guard, self._dist, self._copier
-        with self.lock, (guard.paused() if guard is not None else contextlib.nullcontext()):
+        with self.lock, self._paused():
             if wait:
                 copier.wait_job(timeout)
-            if copier.live is not None:
-                copier.copy_live(timeout)
-            if dist is not None:
-                triggered = guard is not None and guard.dispatcher.flushing
-                path = dist.flush(explicit=wait and not triggered)
-                if path is not None:
-                    self._counters.flushes += 1
-                    self._counters.last_flush_path = str(path)
-                    self._counters.last_flush_seconds = dist.last_flush["seconds"]
-                return path
+            copier.copy_live(timeout)
+            if dist is None:
+                return self.flush_newest(timeout)
+            triggered = guard is not None and guard.dispatcher.flushing
+            path = dist.flush(explicit=wait and not triggered)
+            done = dist.last_flush
+            if path is not None and done is not None:
+                self._counters.flushes += 1
+                self._counters.last_flush_path = str(path)
+                self._counters.last_flush_seconds = float(done["seconds"])  # type: ignore[arg-type]
+            return path
+
+    def flush_newest(self, timeout: float | None = None) -> Path | str | None:
+        """This rank's newest COMPLETE slot to disk, as it is (nothing copied or waited for
+        first; no round): a flush's last step, and ``ArenaKeeper.retire``'s write of the
+        old arena before a regrowth. None when no COMPLETE slot exists. ``timeout`` bounds
+        the storage's waits on other writers (``StorageWriter.write_slot``)."""
+        with self.lock, self._paused():
             arenas = self._keeper.staged_arenas()
             arena = arenas[0] if arenas else None
             if arena is None:
                 log.warning("flush requested before the first snapshot: nothing to write")
                 return None
-            with copier.slot_lock:
+            with self._copier.slot_lock:
                 slot = arena.newest_complete()
                 if slot < 0:
                     log.warning("flush requested but no COMPLETE snapshot exists yet")
@@ -89,7 +136,7 @@ class Flusher:
                 with io_progress(nbytes, f"cudasnap flush step {arena.slot_info(slot)['step']}",
                                  bytes_written):
                     path, st = self.storage.write_slot(arena, slot, threads=self.flush_threads,
-                                                       keep=self.keep)
+                                                       keep=self.keep, timeout=timeout)
             finally:
                 arena.release(slot)
             self._counters.flushes += 1
@@ -99,17 +146,14 @@ class Flusher:
             return path
 
     def settle_newest(self, timeout: float | None) -> None:
-        """Zero-overhead mode: copies the newest boundary's live state now when that
-        boundary was not copied and no optimizer step ran since (a no-op otherwise).
-        The coordinator calls it while an explicit flush round waits for this rank's
-        newest step (cudasnap.distributed.flush_round)."""
-        if self._copier.live is not None:
-            self._copier.copy_live(timeout)
+        """A boundary not copied: copies its live state now when no optimizer step ran
+        since (a no-op otherwise). The coordinator calls it while an explicit flush round
+        waits for this rank's newest step (cudasnap.distributed.flush_round)."""
+        self._copier.copy_live(timeout)
 
-    def flush_if_new(self, flush: Callable[[], Path | None],
-                     wait_s: float = 60.0) -> Path | None:
-        """Flushes (``flush()``: the facade's) the newest COMPLETE snapshot unless that step
-        is already on disk (``close()``'s final flush); None when there was nothing new."""
+    def flush_if_new(self, wait_s: float = 60.0) -> Path | str | None:
+        """Flushes the newest COMPLETE snapshot unless that step is already stored;
+        None when there was nothing new."""
         arenas = self._keeper.staged_arenas()
         if not arenas:
             return None
@@ -124,4 +168,18 @@ class Flusher:
             # every rank takes part in the round, as it always did
             if step == self.flushed_step or (self._dist is None and self.storage.has_step(step)):
                 return None
-            return flush()
+            return self.flush()
+
+    def final_flush(self) -> bool:
+        """``close()`` with ``flush_on_close``: flushes the newest snapshot unless that step
+        is already stored. False when the flush failed (the caller then keeps the arena)."""
+        arenas = self._keeper.staged_arenas()
+        if not arenas:
+            return True
+        try:
+            self.flush_if_new(60.0)
+            return True
+        except SnapshotError as e:
+            log.error("close(): the final flush failed (%s); the arena %s is kept", e,
+                      arenas[0].path)
+            return False

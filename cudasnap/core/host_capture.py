@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import random
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,11 @@ import torch
 from .._native import native
 from ..format import slot_manifest as sm
 from ..format.slot_manifest import EMPTY_EXTRA, HOST_CLOSE, host_open
+
+if TYPE_CHECKING:
+    from cudasnap._C import ValueWatch
+
+    from .state import TrainingState
 
 log = logging.getLogger("cudasnap")
 
@@ -39,7 +44,7 @@ class _Unkeyable(Exception):
     pass
 
 
-def exact_key(v: Any) -> Any:
+def exact_key(v: object) -> object:
     """An exact, immutable stand-in for a plain value (raises _Unkeyable)."""
     t = type(v)
     if t is float:
@@ -47,9 +52,9 @@ def exact_key(v: Any) -> Any:
     if t in _SCALARS:
         return (t, v)
     if t is tuple or t is list:
-        return (t, tuple(exact_key(x) for x in v))
+        return (t, tuple(exact_key(x) for x in cast("Iterable[object]", v)))
     if t is dict:
-        return (dict, tuple((k, exact_key(x)) for k, x in v.items()))
+        return (dict, tuple((k, exact_key(x)) for k, x in cast("dict[object, object]", v).items()))
     raise _Unkeyable
 
 
@@ -58,10 +63,10 @@ class HostEncoder:
     thread's boundary() is its only user)."""
 
     def __init__(self) -> None:
-        self._parts: dict[str, tuple[Any, str]] = {}
+        self._parts: dict[str, tuple[object, str]] = {}
         self.encoded = 0  # parts encoded afresh (the rest reused their text)
 
-    def part(self, name: str, value: Any, path: str) -> str:
+    def part(self, name: str, value: object, path: str) -> str:
         try:
             key = exact_key(value)
         except _Unkeyable:
@@ -88,7 +93,7 @@ class HostEncoder:
 _MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
 
 
-def _object_region(obj: Any) -> tuple[int, int]:
+def _object_region(obj: object) -> tuple[int, int]:
     """(address, bytes) of a fixed-size CPython object's fields after its header."""
     if sys.implementation.name != "cpython":
         raise _Unwatchable("not CPython")
@@ -103,7 +108,13 @@ class _Unwatchable(Exception):
     pass
 
 
-def _python_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, ...]]:
+# (object, attribute path, expected object): an identity ``HostWatch`` checks natively
+_Same = tuple[object, tuple[str, ...], object]
+# (regions, identity checks, object whose ``gauss_next`` is compared, held objects)
+_SourceWatch = tuple[list[tuple[int, int]], list[_Same], object, tuple[object, ...]]
+
+
+def _python_watch() -> _SourceWatch:
     """Watch of the ``random`` module's generator (the one ``random.getstate`` reads):
     (regions, identity checks, object whose ``gauss_next`` is compared, held objects)."""
     inst = getattr(random.getstate, "__self__", None)
@@ -113,7 +124,7 @@ def _python_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, .
     return [_object_region(inst)], [(random, ("getstate", "__self__"), inst)], inst, (inst,)
 
 
-def _numpy_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, ...]]:
+def _numpy_watch() -> _SourceWatch:
     """Watch of NumPy's global RandomState: its own fields (the cached gauss) and the
     Mersenne-Twister state of its bit generator (what ``np.random.get_state`` reads)."""
     rs = getattr(np.random.get_state, "__self__", None)
@@ -121,11 +132,11 @@ def _numpy_watch() -> tuple[list[tuple[int, int]], list[Any], Any, tuple[Any, ..
     if bg is None or type(bg).__name__ != "MT19937" or type(rs).__name__ != "RandomState":
         raise _Unwatchable("np.random is not a legacy RandomState over MT19937")
     addr = int(bg.ctypes.state_address)
-    same = [(np.random, ("get_state", "__self__"), rs), (rs, ("_bit_generator",), bg)]
+    same: list[_Same] = [(np.random, ("get_state", "__self__"), rs), (rs, ("_bit_generator",), bg)]
     return [_object_region(rs), (addr, _MT19937_STATE_BYTES)], same, None, (rs, bg)
 
 
-def _still_watched(src: str, held: tuple[Any, ...]) -> bool:
+def _still_watched(src: str, held: tuple[object, ...]) -> bool:
     """The objects a watch reads are still the ones ``capture_rng`` reads.
 
     ``HostWatch`` compares the same identities natively (its private ``still_same``)
@@ -136,7 +147,8 @@ def _still_watched(src: str, held: tuple[Any, ...]) -> bool:
     if src == "python":
         return getattr(random.getstate, "__self__", None) is held[0]
     if src == "numpy":
-        rs = getattr(np.random.get_state, "__self__", None)
+        # (None, when np.random is not bound to a RandomState, is never held[0])
+        rs = cast("np.random.RandomState", getattr(np.random.get_state, "__self__", None))
         return rs is held[0] and rs._bit_generator is held[1]
     return True
 
@@ -162,20 +174,20 @@ class HostText:
     """
 
     def __init__(self, sources: tuple[str, ...],
-                 capture_rng: Callable[[tuple[str, ...]], dict[str, Any]]) -> None:
+                 capture_rng: Callable[[tuple[str, ...]], dict[str, object]]) -> None:
         self.sources = sources
         self._capture_rng = capture_rng  # cudasnap.core.rng.capture_rng
         self.enc = HostEncoder()
         self.read = 0  # RNG states read through their Python API
         self._hw = native().HostWatch()
         self._bit: dict[str, int] = {}
-        self._watch: dict[str, tuple[Any, ...]] = {}  # watched source -> objects it reads
+        self._watch: dict[str, tuple[object, ...]] = {}  # watched source -> objects it reads
         self._text: dict[str, bytes] = {}
         self._rng: list[bytes] | None = None  # the RNG text pieces of the last boundary
         self._rng_mask = 0
         self._rest_text: dict[str, bytes] = {}
-        self._values: dict[str, Any] = {}  # native ValueWatch per top-level key
-        self._bound: Any = None  # the TrainingState whose optimizers _hw watches
+        self._values: dict[str, ValueWatch] = {}  # native ValueWatch per top-level key
+        self._bound: TrainingState | None = None  # the TrainingState whose optimizers _hw watches
         self._optim: bytes | None = None  # ',"optim":<text>' while the groups did not change
         self._optim_bit = int(self._hw.OPTIM_BIT)
         for src in sources:
@@ -216,7 +228,7 @@ class HostText:
     def _read(self, src: str) -> bytes:
         """``"src":<text>`` (``slot_manifest.rng_member``) of one RNG source read now (_NO_TEXT: nothing to save)."""
         if src == "cuda" and not torch.cuda.is_initialized():
-            got: dict[str, Any] = {}  # what capture_rng gives then, without its ~20 us check
+            got: dict[str, object] = {}  # what capture_rng gives then, without its ~20 us check
         else:
             got = self._capture_rng((src,))
         if src not in got:
@@ -227,7 +239,7 @@ class HostText:
         self._text[src] = text
         return text
 
-    def parts(self, state: Any, step: int) -> list[bytes]:
+    def parts(self, state: TrainingState, step: int) -> list[bytes]:
         """The host JSON text in pieces (the copy engine writes them one after the other;
         joining them here would allocate the whole text at every boundary)."""
         if state is not self._bound:
@@ -256,7 +268,7 @@ class HostText:
         out.append(HOST_CLOSE)
         return out
 
-    def _rest(self, key: str, value: Any) -> bytes:
+    def _rest(self, key: str, value: object) -> bytes:
         """``,"key":<text>`` (``slot_manifest.host_member``), reused while ``value`` is
         exactly the same plain value (compared natively: a ValueWatch per key; no Python
         objects, no allocation)."""

@@ -9,7 +9,7 @@ space of /dev/shm and MemAvailable, with the live host state beside them.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TypedDict
 
 from .. import config as cfg
 from .cadence import smallest_k
@@ -17,6 +17,27 @@ from .slot_geometry import chunk_for, meta_floor, slot_capacity
 
 GB = 1e9
 DEFAULT_COPY_GBPS = 20.0  # device -> pinned host (PCIe Gen4 x16 ~25 GB/s)
+
+
+class HostFit(TypedDict):
+    """``host_fit``: the staging bytes one node needs against this host's limits."""
+
+    ranks_per_node: int
+    slots: int
+    need_bytes: int
+    shm_free_bytes: int | None
+    mem_available_bytes: int | None
+    fits: bool
+    message: str
+
+
+class EveryPick(TypedDict):
+    """``pick_snapshot_every``: the k the overhead budget picks and what it costs."""
+
+    snapshot_every: int
+    copy_seconds: float
+    crash_replay_max_seconds: float
+    message: str
 
 
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -39,7 +60,7 @@ def shm_free_bytes(shm_dir: str = "/dev/shm") -> int | None:
 
 
 def host_fit(state_gb: float, ranks_per_node: int, *, num_slots: int = 2, spare_slot: bool = True,
-             shm_free: int | None = None, mem_available: int | None = None) -> dict[str, Any]:
+             shm_free: int | None = None, mem_available: int | None = None) -> HostFit:
     """Bytes the arenas of one node need vs what this host has; ``fits`` and a message."""
     slots = num_slots + (1 if spare_slot else 0)
     nbytes = int(state_gb * GB)
@@ -69,7 +90,7 @@ def host_fit(state_gb: float, ranks_per_node: int, *, num_slots: int = 2, spare_
 
 def pick_snapshot_every(state_gb: float, iter_seconds: float,
                         copy_gbps: float = DEFAULT_COPY_GBPS,
-                        budget: float = cfg.OVERHEAD_BUDGET) -> dict[str, Any]:
+                        budget: float = cfg.OVERHEAD_BUDGET) -> EveryPick:
     """The k the overhead budget would pick (core.cadence.smallest_k, the same rule):
     a copy that outlasts k iterations stalls the next one by the difference, so the
     smallest k whose stall fits the budget; a crash replays <= k steps, a signal/hang/peer

@@ -18,20 +18,28 @@ freed memory. ``Snapshotter.invalidate_layout()`` makes a change visible at once
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from .live_tensor import LiveTensor, _param_order
 from .state import TrainingState
 
+if TYPE_CHECKING:
+    from cudasnap._C import LayoutGuard
+
 WINDOW = 256
 
+# (container, key, expected object): a module's ``_parameters``/``_buffers`` or an
+# optimizer's ``state[p]``, the key the planned tensor is held under, the tensor.
+IdentityEntry = tuple[Mapping[str, object], str | None, torch.Tensor]
 
-def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[tuple[Any, Any, Any]]:
+
+def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[IdentityEntry]:
     """(container, key, expected object) for every planned tensor and optimizer state dict."""
-    out: list[tuple[Any, Any, Any]] = []
-    owners: dict[str, Any] = {}
+    out: list[IdentityEntry] = []
+    owners: dict[str, tuple[str, torch.nn.Module]] = {}
     for mkey, mod in state.models.items():
         owners[f"model:{mkey}"] = (mkey, mod)
     params: dict[str, list[torch.Tensor]] = {k: _param_order(o) for k, o in state.optimizers.items()}
@@ -70,9 +78,9 @@ class Watch:
     lookups, no Python loop).
     """
 
-    def __init__(self, entries: list[tuple[Any, Any, Any]]) -> None:
+    def __init__(self, entries: list[IdentityEntry]) -> None:
         self.entries = entries
 
-    def attach(self, guard: Any) -> None:
+    def attach(self, guard: LayoutGuard) -> None:
         """Checks run in ``guard`` (a native LayoutGuard) from now on."""
         guard.set_entries(self.entries)

@@ -9,8 +9,9 @@ boundary.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -18,6 +19,9 @@ from ..errors import ConfigError
 from ..format import codec
 from ..format.manifest import dtype_key, dtype_names, span_bytes
 from . import sharded
+
+if TYPE_CHECKING:  # type-only: torch.distributed.tensor is imported once a DTensor exists
+    from torch.distributed.tensor import DTensor
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Lazy modules' parameters and buffers before their first forward (no shape yet).
@@ -34,11 +38,11 @@ class LiveTensor:
     state_key: str | None = None
     aliases: list[str] = field(default_factory=list)
     # Sharded state (cudasnap.core.sharded): ``tensor`` is the local shard of ``owner``.
-    owner: Any = None
-    shard: dict[str, Any] | None = None
+    owner: DTensor | None = None
+    shard: sharded.ShardInfo | None = None
 
     @property
-    def ident(self) -> Any:
+    def ident(self) -> torch.Tensor:
         """The object its container (module, optimizer state) holds."""
         return self.tensor if self.owner is None else self.owner
 
@@ -52,7 +56,8 @@ class LiveTensor:
         return span_bytes(list(t.shape), list(t.stride()), t.element_size())
 
 
-def single_cuda_device(tensors: Any, expect: int | None = None) -> torch.device:
+def single_cuda_device(tensors: Iterable[LiveTensor | torch.Tensor],
+                       expect: int | None = None) -> torch.device:
     """The one CUDA device the state lives on; ConfigError naming the devices when
     it spans several (one Snapshotter copies from one device: its plan offsets
     would assume tensors the device's engine cannot read).
@@ -62,7 +67,7 @@ def single_cuda_device(tensors: Any, expect: int | None = None) -> torch.device:
     """
     first: dict[int, str] = {}
     for i, it in enumerate(tensors):
-        t = getattr(it, "tensor", it)
+        t = cast("torch.Tensor", getattr(it, "tensor", it))
         if not getattr(t, "is_cuda", False):
             continue
         idx = t.device.index if t.device.index is not None else -1

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
@@ -66,7 +65,7 @@ def custom(m: torch.nn.Module) -> bool:
                 or type(m).get_extra_state is not _BASE_EXTRA)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
     from . import sharded
 
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and sharded.is_dtensor(t):
@@ -77,9 +76,9 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, int] | None:
         return None
 
 
-def _emitted(m: torch.nn.Module) -> dict[str, Any]:
+def _emitted(m: torch.nn.Module) -> dict[str, object]:
     """What ``m``'s own ``_save_to_state_dict`` override emits (no hooks, no children)."""
-    dest: dict[str, Any] = {}
+    dest: dict[str, object] = {}
     m._save_to_state_dict(dest, "", True)
     return dest
 
@@ -131,21 +130,22 @@ def check(mkey: str, mod: torch.nn.Module) -> None:
 # {"kind": ..., "names": [the state_dict keys a hook makes of it, relative], ...}}.
 # Registered by an integration (cudasnap.integrations.torchtitan: FusedQKVLinear); a DCP
 # export writes those keys, computed from the parameter (cudasnap.tools.dcp_views).
-VIEW_PROVIDERS: dict[type, Callable[[torch.nn.Module], dict[str, dict[str, Any]]]] = {}
+ViewSpec = dict[str, object]  # {"kind": ..., "names": [...], ...} (JSON-like)
+ViewProvider = Callable[[torch.nn.Module], dict[str, ViewSpec]]
+VIEW_PROVIDERS: dict[type, ViewProvider] = {}
 
 
-def register_views(cls: type, fn: Callable[[torch.nn.Module], dict[str, dict[str, Any]]]
-                   ) -> None:
+def register_views(cls: type, fn: ViewProvider) -> None:
     """Declares how ``cls``'s state_dict hook derives its keys from its parameters, in a
     form ``cudasnap export --to dcp`` can compute offline (a ``kind`` it knows)."""
     VIEW_PROVIDERS[cls] = fn
 
 
-def views(mod: torch.nn.Module) -> list[tuple[str, str, dict[str, Any]]]:
+def views(mod: torch.nn.Module) -> list[tuple[str, str, ViewSpec]]:
     """(module path, parameter path relative to it, view spec) of the registered modules."""
     if not VIEW_PROVIDERS:
         return []
-    out: list[tuple[str, str, dict[str, Any]]] = []
+    out: list[tuple[str, str, ViewSpec]] = []
     for path, m in mod.named_modules():
         fn = VIEW_PROVIDERS.get(type(m))
         if fn is not None:

@@ -21,8 +21,9 @@ and what to pass), unless it is known to keep none (``SGD`` without momentum, or
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 
@@ -31,10 +32,10 @@ from ..errors import ConfigError
 Optimizer = torch.optim.Optimizer
 
 
-def _inner(obj: Any) -> list[Any]:
+def _inner(obj: object) -> list[Optimizer]:
     """The optimizers ``obj`` holds in its attributes (an optimizer; a list, tuple or dict
     of them), in attribute order."""
-    found: list[Any] = []
+    found: list[Optimizer] = []
     try:
         attrs = vars(obj)
     except TypeError:
@@ -51,7 +52,7 @@ def _inner(obj: Any) -> list[Any]:
     return found
 
 
-def is_optimizer_like(obj: Any) -> bool:
+def is_optimizer_like(obj: object) -> bool:
     """An optimizer, or a wrapper object (not an Optimizer) holding optimizers."""
     return isinstance(obj, Optimizer) or bool(_inner(obj))
 
@@ -59,26 +60,26 @@ def is_optimizer_like(obj: Any) -> bool:
 @dataclass
 class Wrapped:
     key: str
-    wrapper: Any
-    inner: list[Any]
+    wrapper: object
+    inner: list[Optimizer]
 
 
-def flatten(optimizers: dict[str, Any]) -> tuple[dict[str, Optimizer], list[Wrapped]]:
+def flatten(optimizers: Mapping[str, object]) -> tuple[dict[str, Optimizer], list[Wrapped]]:
     """(the optimizers to snapshot by key, the wrappers they came from); see the module
     docstring."""
     out: dict[str, Optimizer] = {}
     wrapped: list[Wrapped] = []
 
-    def leaves(obj: Any, depth: int) -> list[Any]:
+    def leaves(obj: object, depth: int) -> list[Optimizer]:
         inner = _inner(obj)
-        if not inner or depth > 8:
-            return [obj]
+        if not inner or depth > 8:  # an optimizer (is_optimizer_like), or nested too deep
+            return [cast(Optimizer, obj)]
         return [leaf for o in inner for leaf in leaves(o, depth + 1)]
 
     for key, obj in optimizers.items():
         inner = leaves(obj, 0)
         if inner == [obj]:
-            out[key] = obj
+            out[key] = cast(Optimizer, obj)
             continue
         wrapped.append(Wrapped(key, obj, inner))
         if len(inner) == 1:
@@ -106,13 +107,13 @@ def check_wrappers(wrapped: list[Wrapped]) -> None:
             "pass the optimizers whose state it holds explicitly, as a dict")
 
 
-def _stateless(opt: Any) -> bool:
+def _stateless(opt: Optimizer) -> bool:
     if getattr(opt, "cudasnap_stateless", False):
         return True
     return type(opt) is torch.optim.SGD and all(not g.get("momentum") for g in opt.param_groups)
 
 
-def check_stepped(key: str, opt: Any) -> None:
+def check_stepped(key: str, opt: Optimizer) -> None:
     """After ``opt``'s first step: ConfigError when it has parameters with gradients and
     still holds no state (see the module docstring)."""
     if opt.state or _stateless(opt):

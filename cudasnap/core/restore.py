@@ -21,8 +21,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -35,29 +36,46 @@ from ..storage.progress import bytes_read, io_progress
 from .timeline import resume_message
 
 if TYPE_CHECKING:
-    from cudasnap._C import FileReadAhead
+    from cudasnap._C import Arena, FileReadAhead
 
+    from ..format.manifest import TensorEntry
+    from ..storage import StorageReader
+    from ..storage.listing import StoredSnapshot
+    from ..storage.remote_base import RemoteSnapshot
+    from .arena_keeper import ArenaKeeper
+    from .copier import Copier
     from .counters import Counters
-    from .layout import Layouts
-    from .staging import ArenaKeeper
+    from .layouts import Layouts
     from .state import TrainingState
-    from .submit import Copier
     from .timeline import Timeline
+    from .types import SnapshotFile
 
 log = logging.getLogger("cudasnap")
+
+
+class Coordinated(Protocol):
+    """The coordinator of a multi-rank restore (``cudasnap.distributed.coordinator``)."""
+
+    def restore(self) -> int: ...
+
+
+class Pausable(Protocol):
+    """The health guard (``cudasnap.triggers.guard``): hang detection paused in a block."""
+
+    def paused(self) -> AbstractContextManager[None]: ...
 
 
 class _Verify:
     """``fn(*args)`` (verify_buffer) on its own thread; ``result()`` waits for it."""
 
-    def __init__(self, fn: Callable[..., int], *args: Any) -> None:
+    def __init__(self, fn: Callable[..., int], *args: object) -> None:
         self._out: int | None = None
         self._err: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
                                         name="cudasnap-verify")
         self._thread.start()
 
-    def _run(self, fn: Callable[..., int], args: tuple[Any, ...]) -> None:
+    def _run(self, fn: Callable[..., int], args: tuple[object, ...]) -> None:
         try:
             self._out = fn(*args)
         except BaseException as e:  # handed to the caller by result()
@@ -75,7 +93,7 @@ class _Verify:
 
 
 class Restorer:
-    def __init__(self, state: TrainingState, storage: Any, keeper: ArenaKeeper, copier: Copier,
+    def __init__(self, state: TrainingState, storage: StorageReader, keeper: ArenaKeeper, copier: Copier,
                  layouts: Layouts, timeline: Timeline, counters: Counters, *, rank: int,
                  flush_threads: int, wait_timeout_s: float,
                  allow_foreign_owner: bool | None, require_resume: bool = False) -> None:
@@ -86,10 +104,10 @@ class Restorer:
         self.require_resume = require_resume
         self.partly_applied: str | None = None  # a snapshot that failed half-way through
         self._resume_logged = False
-        self._dist: Any = None
-        self._guard: Any = None
+        self._dist: Coordinated | None = None
+        self._guard: Pausable | None = None
 
-    def attach(self, dist: Any, guard: Any) -> None:
+    def attach(self, dist: Coordinated | None, guard: Pausable | None) -> None:
         """After the triggers exist: the coordinator (multi-rank restores) and the guard
         (paused during a rollback)."""
         self._dist, self._guard = dist, guard
@@ -119,16 +137,17 @@ class Restorer:
                 log.info("rank %d restored step %d from %s", self.rank, nxt - 1, r.get("source"))
                 if not self._resume_logged:
                     self._resume_logged = True
-                    log.warning("rank %d: %s", self.rank,
-                                resume_message(nxt - 1, r.get("source"), r.get("where")))
+                    src, where = cast("str | None", r.get("source")), cast("str | None", r.get("where"))
+                    log.warning("rank %d: %s", self.rank, resume_message(nxt - 1, src, where))
             else:
                 self._refuse_partly_applied()
                 self._starting_over(getattr(self._dist, "lost", None))
             return nxt
-        candidates: list[tuple[int, int, str, Any]] = []
+        # (step, order among a step's copies, source, slot or stored snapshot)
+        candidates: list[tuple[int, int, str, int | StoredSnapshot | RemoteSnapshot]] = []
         self.partly_applied = None
         arenas = self._keeper.staged_arenas()
-        arena: Any = arenas[0] if arenas else None
+        arena: Arena | None = arenas[0] if arenas else None
         if arena is not None:
             for slot in range(arena.num_slots):  # every COMPLETE slot: the older one too
                 info = arena.slot_info(slot)
@@ -142,12 +161,14 @@ class Restorer:
         candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
         for _step, _, source, ref in candidates:
             try:
-                if source == "shm":
-                    where = f"{arena.path} slot {ref}"
-                    got = self.restore_slot(arena, ref, where)
+                if source == "shm":  # a slot of ``arena`` (listed only when there is one)
+                    shm, slot = cast("Arena", arena), cast(int, ref)
+                    where = f"{shm.path} slot {slot}"
+                    got = self.restore_slot(shm, slot, where)
                 else:
-                    where = str(ref.path)
-                    got = self.restore_dir(ref)
+                    snap = cast("StoredSnapshot | RemoteSnapshot", ref)
+                    where = str(snap.path)
+                    got = self.restore_dir(snap)
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s: %s", where, e)
                 continue
@@ -189,7 +210,8 @@ class Restorer:
                 "through being applied: the live model/optimizer are no longer in their "
                 "initial state; remove that snapshot and rebuild them before training")
 
-    def _apply(self, tensors: Any, host: Any, data: Any, where: str,
+    def _apply(self, tensors: list[TensorEntry], host: dict[str, object],
+               data: torch.Tensor | SnapshotFile, where: str,
                before_copy: Callable[[], None] | None = None) -> int:
         """state.apply, with a malformed (CRC-consistent but hostile) host state reported
         as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
@@ -205,14 +227,14 @@ class Restorer:
             raise CorruptSnapshot(
                 f"{where}: malformed snapshot state ({type(e).__name__}: {e})") from e
 
-    def restore_dir(self, ref: Any) -> int:
+    def restore_dir(self, ref: Path | StoredSnapshot | RemoteSnapshot) -> int:
         """Applies a stored snapshot; returns its step. ``ref``: a snapshot of
         ``self.storage``'s listing, or a local step/rank directory (``storages.local_snapshot``:
         a multi-rank one loads only when its state is replicated)."""
         if isinstance(ref, Path):
             ref = storages.local_snapshot(ref)
         elif storages.is_local(ref):
-            ref = storages.local_snapshot(ref.path, ref.step)
+            ref = storages.local_snapshot(cast(Path, ref.path), ref.step)
         # The background arena set-up (pre-faulting every slot) would take the cores, the
         # memory bandwidth and the mmap lock from the read, the CRC check and the copy:
         # held for the restore, as restore_slot does (issue 26: 0.51x -> ~0.9x torch.load).
@@ -225,7 +247,7 @@ class Restorer:
                 if ahead is not None:
                     ahead.release()
 
-    def _restore_dir(self, ref: Any, ahead: FileReadAhead | None) -> int:
+    def _restore_dir(self, ref: StoredSnapshot | RemoteSnapshot, ahead: FileReadAhead | None) -> int:
         manifest = self.storage.load_manifest(ref, allow_foreign_owner=self.allow_foreign_owner)
         name = str(ref.path).rstrip("/").rsplit("/", 1)[-1]
         with io_progress(int(manifest["data"]["bytes"]), f"cudasnap restore {name}", bytes_read):
@@ -238,7 +260,7 @@ class Restorer:
                 if close is not None:
                     close()
 
-    def restore_slot(self, arena: Any, slot: int, where: str) -> int:
+    def restore_slot(self, arena: Arena, slot: int, where: str) -> int:
         """Applies an arena slot (validated first); returns its step.
 
         The chunks' CRC32C check runs on its own thread (native, GIL released) while
@@ -250,7 +272,7 @@ class Restorer:
         with self._keeper.prep.paused():
             return self._restore_slot(arena, slot, where)
 
-    def _restore_slot(self, arena: Any, slot: int, where: str) -> int:
+    def _restore_slot(self, arena: Arena, slot: int, where: str) -> int:
         info = arena.slot_info(slot)
         nbytes = info["data_bytes"]
         if nbytes > arena.data_capacity:  # never read past the slot (slot_info says so too)
@@ -318,7 +340,6 @@ class Restorer:
         """Notes where a restore came from (``stats()["restore"]``; the coordinator's vote)."""
         self._counters.restore = {"source": source, "step": step, "where": where}
 
-    def last_restore(self) -> dict[str, Any] | None:
+    def last_restore(self) -> dict[str, object] | None:
         """What the last restore loaded: source, step, where (None before any)."""
-        r: dict[str, Any] | None = self._counters.restore
-        return r
+        return self._counters.restore

@@ -9,7 +9,8 @@ from __future__ import annotations
 import array
 import logging
 import random
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -19,20 +20,20 @@ from ..config import RNG_SOURCES  # the option's one home
 log = logging.getLogger("cudasnap.state")
 
 
-def _bytes_tensor(v: Any) -> torch.Tensor:
+def _bytes_tensor(v: torch.Tensor | bytes) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v
     return torch.frombuffer(bytearray(v), dtype=torch.uint8)
 
 
-def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, Any]:
+def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, object]:
     """RNG states as compact bytes (encoded once as base64 by the codec).
 
     Per boundary cost matters here (~20 us with all four sources); drop
     "numpy"/"python" from ``rng_sources`` if the training loop never draws
     from them.
     """
-    rng: dict[str, Any] = {}
+    rng: dict[str, object] = {}
     if "torch" in sources:
         rng["torch"] = torch.get_rng_state().numpy().tobytes()
     if "python" in sources:
@@ -40,7 +41,7 @@ def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, Any]:
         rng["python"] = {"version": version, "state": array.array("I", words).tobytes(),
                          "gauss": gauss}
     if "numpy" in sources:
-        np_state: Any = np.random.get_state()
+        np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
         _, key, pos, has_gauss, gauss = np_state
         rng["numpy"] = {"key": key.tobytes(), "pos": int(pos), "has_gauss": int(has_gauss),
                         "gauss": float(gauss)}
@@ -49,26 +50,26 @@ def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict[str, Any]:
     return rng
 
 
-def apply_rng(rng: dict[str, Any]) -> None:
+def apply_rng(rng: Mapping[str, object]) -> None:
     """Sets the RNG states ``capture_rng`` read (decoded host state ``"rng"``); the CUDA
     states only when this process sees as many devices as the snapshot holds."""
     if "torch" in rng:
-        torch.set_rng_state(_bytes_tensor(rng["torch"]))
+        torch.set_rng_state(_bytes_tensor(cast("torch.Tensor | bytes", rng["torch"])))
     if "python" in rng:
         p = rng["python"]
         if isinstance(p, dict):
             words = array.array("I")
             words.frombytes(p["state"])
             p = (p["version"], tuple(words.tolist()), p["gauss"])
-        random.setstate(p)
+        random.setstate(cast("tuple[object, ...]", p))
     if "numpy" in rng:
         n = rng["numpy"]
         if isinstance(n, dict):
             key = np.frombuffer(n["key"], dtype=np.uint32).copy()
             n = ("MT19937", key, n["pos"], n["has_gauss"], n["gauss"])
-        np.random.set_state(n)
+        np.random.set_state(cast("tuple[str, np.ndarray, int, int, float]", n))
     if rng.get("cuda") is not None and torch.cuda.is_available():
-        states = [_bytes_tensor(c) for c in rng["cuda"]]
+        states = [_bytes_tensor(c) for c in cast("list[torch.Tensor | bytes]", rng["cuda"])]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
         else:

@@ -19,30 +19,40 @@ Nothing here imports ``torch.distributed.tensor`` unless a DTensor exists.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from ..errors import IncompatibleSnapshot
 
-ShardInfo = dict[str, Any]
+if TYPE_CHECKING:  # type-only: torch.distributed.tensor is imported once a DTensor exists
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+    from typing_extensions import TypeIs
+
+    from ..format.manifest import TensorEntry
+
+# JSON-like (the manifest's "shard" record): global_shape, mesh_shape, mesh_dims,
+# placements, coord, offset.
+ShardInfo = dict[str, object]
 
 
-def _dtensor_cls() -> Any:
+def _dtensor_cls() -> type[DTensor] | None:
     mod = sys.modules.get("torch.distributed.tensor")
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> TypeIs[DTensor]:
     """True for a torch.distributed.tensor.DTensor (its module was imported to make one)."""
     cls = _dtensor_cls()
     return cls is not None and isinstance(t, cls)
 
 
-def local_shard(t: Any) -> Any:
+def local_shard(t: DTensor) -> torch.Tensor:
     """The plain tensor holding this rank's bytes of DTensor ``t`` (same object every call)."""
     return t._local_tensor
 
 
-def placement_name(p: Any) -> str:
+def placement_name(p: Placement) -> str:
     """``Shard(0)``, ``Replicate()``, ``Partial(sum)``; other kinds by their repr."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -55,7 +65,7 @@ def placement_name(p: Any) -> str:
     return repr(p)  # e.g. _StridedShard(dim=0, sf=2): restore compares it as text
 
 
-def shard_info(t: Any) -> ShardInfo:
+def shard_info(t: DTensor) -> ShardInfo:
     """Where DTensor ``t``'s local shard lies in the global tensor, on which mesh."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -74,10 +84,11 @@ def describe(info: ShardInfo | None) -> str:
     """One line naming a mesh and placements, for error messages."""
     if not info:
         return "no device mesh (a plain tensor)"
-    dims = info.get("mesh_dims")
+    dims = cast("list[str] | None", info.get("mesh_dims"))
     names = f" dims {tuple(dims)}" if dims else ""
-    return (f"mesh {tuple(info['mesh_shape'])}{names} placements "
-            f"[{', '.join(info['placements'])}] global shape {list(info['global_shape'])}")
+    mesh, placements = cast("list[int]", info["mesh_shape"]), cast("list[str]", info["placements"])
+    return (f"mesh {tuple(mesh)}{names} placements "
+            f"[{', '.join(placements)}] global shape {list(cast('list[int]', info['global_shape']))}")
 
 
 # Not "coord": an HSDP replica holds the same shard at another replicate-dim coordinate.
@@ -98,7 +109,8 @@ def check_same(name: str, saved: ShardInfo | None, live: ShardInfo | None, where
         "`cudasnap export DIR --to dcp OUT` and load that with cudasnap.load_resharded()")
 
 
-def like_param(value: Any, entry: dict[str, Any], param: Any, where: str) -> Any:
+def like_param(value: torch.Tensor, entry: TensorEntry, param: torch.Tensor,
+               where: str) -> torch.Tensor:
     """An optimizer state value read from a snapshot, as the live optimizer holds it.
 
     ``value`` is the plain local shard; when the parameter is a DTensor the
@@ -122,7 +134,7 @@ def like_param(value: Any, entry: dict[str, Any], param: Any, where: str) -> Any
                               shape=param.shape, stride=param.stride())
 
 
-def replica_groups(tensors: list[Any], world: int) -> list[list[int]] | None:
+def replica_groups(tensors: list[DTensor], world: int) -> list[list[int]] | None:
     """Ranks holding identical state, from the DTensors' meshes (HSDP: the replicate dim).
 
     ``tensors``: the live DTensors. A mesh dimension along which EVERY DTensor is

@@ -8,13 +8,19 @@ states of 16 MiB and more keep 4 MiB), and the manifest floor a quarter of the s
 (64 KiB .. 1 MiB); the CRC32C stays per chunk. Guest arenas of node-loss replication take the
 sender's geometry (cudasnap.distributed.replica_store.make_arena), so they follow too.
 
-Used by cudasnap.core.arena_size (the estimate at construction), cudasnap.core.plan (the
-copy plan's chunk), cudasnap.core.staging (the arena made for a plan) and
-cudasnap.core.host_fit (the memory a node needs).
+Used by cudasnap.core.arena_size (the estimate at construction), cudasnap.core.layout (the
+copy plan's chunk), cudasnap.core.arena_keeper (the arena made for a plan) and
+cudasnap.core.host_fit (the memory a node needs); ``arena_slots``: the slot facts of
+``stats()`` (the ArenaKeeper).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .. import config as cfg
+
+if TYPE_CHECKING:
+    from cudasnap._C import Arena
 
 PAGE = 4096
 MIN_META = 1 << 20  # the manifest floor of a slot of 4 MiB and more
@@ -52,3 +58,11 @@ def meta_floor(nbytes: int) -> int:
     """The least manifest bytes of a slot of ``nbytes``: a quarter of it, in
     ``SMALL_META`` .. ``MIN_META``."""
     return min(MIN_META, max(SMALL_META, nbytes // 4))
+
+
+def arena_slots(arena: Arena | None, num_slots: int, spare: bool) -> dict[str, int | None]:
+    """stats() fields: the arena's slot count and bytes, and what the spare slot costs."""
+    n = arena.num_slots if arena is not None else num_slots
+    per_slot = (arena.total_bytes - 4096) // n if arena is not None else None
+    return {"arena_slots": n, "arena_bytes": arena.total_bytes if arena is not None else None,
+            "spare_slot_bytes": (per_slot if spare else 0) if per_slot is not None else None}

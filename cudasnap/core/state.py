@@ -15,19 +15,25 @@ capture and restore in cudasnap.core.rng.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
 from ..errors import ConfigError
+from ..format.manifest import TensorEntry
 from . import apply as apply_mod
 from . import module_state, optim_wrap, sharded, values
 from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
 from .rng import RNG_SOURCES, capture_rng
 
+if TYPE_CHECKING:
+    from .types import SnapshotFile, Stateful
 
-def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, Any]:
+_T = TypeVar("_T")
+
+
+def _as_mapping(obj: object, default_key: str, kind: type[_T], what: str) -> dict[str, _T]:
     if obj is None:
         return {}
     if isinstance(obj, kind):
@@ -40,7 +46,7 @@ def _as_mapping(obj: Any, default_key: str, kind: type, what: str) -> dict[str, 
     raise ConfigError(f"{what} must be a {kind.__name__} or a dict of them, got {type(obj).__name__}")
 
 
-def _optimizer_mapping(obj: Any) -> dict[str, Any]:
+def _optimizer_mapping(obj: object) -> dict[str, object]:
     if obj is None:
         return {}
     if optim_wrap.is_optimizer_like(obj):
@@ -64,7 +70,7 @@ def dcp_fqn(module: torch.nn.Module, key: str) -> str:
     ``module.``, torch.compile's ``_orig_mod.``, ``_checkpoint_wrapped_module.``,
     ``_fsdp_wrapped_module.``), as its ``_get_fqns`` does."""
     out: list[str] = []
-    cur: Any = module
+    cur: object = module
     ddp = torch.nn.parallel.DistributedDataParallel
     for atom in key.split("."):
         nxt = cur._modules.get(atom) if isinstance(cur, torch.nn.Module) else None
@@ -77,14 +83,15 @@ def dcp_fqn(module: torch.nn.Module, key: str) -> str:
 class TrainingState:
     """The registered objects of one Snapshotter."""
 
-    def __init__(self, model: Any, optimizer: Any = None, extra: Mapping[str, Any] | None = None):
+    def __init__(self, model: object, optimizer: object = None,
+                 extra: Mapping[str, object] | None = None):
         self.models = _as_mapping(model, "model", torch.nn.Module, "model")
         if not self.models:
             raise ConfigError("Snapshotter needs a torch.nn.Module (or a dict of them) as model")
         # Wrappers (torchtitan's OptimizersContainer, accelerate's AcceleratedOptimizer,
         # Lightning's LightningOptimizer) are replaced by the optimizers they step.
         self.optimizers, self.wrapped = optim_wrap.flatten(_optimizer_mapping(optimizer))
-        self.extra: dict[str, Any] = {}
+        self.extra: dict[str, object] = {}
         for key, obj in (extra or {}).items():
             if not isinstance(key, str):
                 raise ConfigError(f"extra keys must be strings, got {key!r}")
@@ -101,8 +108,8 @@ class TrainingState:
                     "or must be a torch.Generator")
         self._scalar_keys: dict[str, list[tuple[int, str]]] = {}
         # boundary(step, **values): saved with the step; restore puts them in ``values``.
-        self.step_values: dict[str, Any] = {}
-        self.values: dict[str, Any] = {}
+        self.step_values: dict[str, object] = {}
+        self.values: dict[str, object] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
@@ -152,7 +159,7 @@ class TrainingState:
     # Tensors per piece of the periodic identity re-scan (~1 ms of Python each).
     SCAN_PIECE = 2048
 
-    def identity_pieces(self, dedup: bool = True) -> Iterator[list[Any]]:
+    def identity_pieces(self, dedup: bool = True) -> Iterator[list[torch.Tensor]]:
         """The objects ``live_tensors()`` would list (``LiveTensor.ident``: the tensor a
         module or ``opt.state[p]`` holds), in its order, in pieces of ~``SCAN_PIECE``
         tensors. No LiveTensor, no checks: the periodic re-scan compares identities only
@@ -166,7 +173,7 @@ class TrainingState:
         seen: set[int] = set()
         plain = (torch.Tensor, torch.nn.Parameter)
 
-        def keep(ts: Any) -> list[Any]:
+        def keep(ts: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
             out = [t for t in ts if t is not None and (type(t) in plain or
                                                        isinstance(t, torch.Tensor))]
             if dedup:
@@ -177,7 +184,7 @@ class TrainingState:
             if len(list(mod.modules())) != sum(1 for _ in mod.modules(remove_duplicate=False)):
                 yield keep(t for _, t, _ in module_state.entries(mod))  # a module reached twice
                 continue
-            part: list[Any] = []
+            part: list[torch.Tensor] = []
             for m in mod.modules():
                 nonp = m._non_persistent_buffers_set
                 part += keep(m._parameters.values())
@@ -194,7 +201,7 @@ class TrainingState:
                 yield [v for p in params[lo:lo + step] for v in (st.get(p) or {}).values()
                        if type(v) in plain or isinstance(v, torch.Tensor)]
 
-    def dcp_names(self) -> dict[str, Any]:
+    def dcp_names(self) -> dict[str, object]:
         """The names ``get_state_dict`` would use, for ``cudasnap export --to dcp``:
         ``{"model": {tensor name: DCP name}}`` for the names that differ (wrappers' prefixes;
         DCP name = ``<model key>.<fqn>``) and ``{"optim": {optimizer key: [parameter FQN or
@@ -215,30 +222,30 @@ class TrainingState:
                                   else dcp_fqn(mod, key))
         optim = {okey: [fqn_of.get(id(p)) for p in _param_order(opt)]
                  for okey, opt in self.optimizers.items()}
-        out: dict[str, Any] = {"model": renamed, "optim": optim}
+        out: dict[str, object] = {"model": renamed, "optim": optim}
         hooked = {mkey: h for mkey, mod in self.models.items() if (h := module_state.hooked(mod))}
         if hooked:  # modules whose state_dict is built by hooks (export --to dcp warns)
             out["hooked"] = hooked
-        views: dict[str, Any] = {}
+        views: dict[str, dict[str, object]] = {}
         for mkey, mod in self.models.items():
             for path, rel, spec in module_state.views(mod):
                 name = f"{mkey}.{module_state.drop_renamed(f'{path}.{rel}' if path else rel)}"
                 base = dcp_fqn(mod, path) if path else ""
                 views[name] = {**spec, "names": [f"{mkey}.{base}.{n}" if base else f"{mkey}.{n}"
-                                                 for n in spec["names"]]}
+                                                 for n in cast("list[str]", spec["names"])]}
         if views:  # keys a hook makes of these tensors, computed by the export
             out["views"] = views
         return out
 
     # ------------------------------------------------------- host state
-    def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, Any]:
+    def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, object]:
         """Host-side state at a boundary, as codec-ready Python values.
 
         ``rng=False``: no RNG state (``"rng": {}``); ``optim=False``: no ``"optim"`` key.
         The boundary reads those itself, only when they changed
         (cudasnap.core.host_capture.HostText)."""
         rng_states = capture_rng(self.rng_sources) if rng else {}
-        groups_of: dict[str, Any] = {}
+        groups_of: dict[str, object] = {}
         for okey, opt in self.optimizers.items() if optim else ():
             groups = []
             idx = 0
@@ -254,16 +261,16 @@ class TrainingState:
                        if params[i] in opt.state and k in opt.state[params[i]]]
             groups_of[okey] = {"param_groups": groups, "scalars": scalars,
                                "class": type(opt).__qualname__}
-        extra: dict[str, Any] = {}
+        extra: dict[str, object] = {}
         for key, obj in self.extra.items():
             if isinstance(obj, torch.Generator):
                 extra[key] = {"kind": "generator", "state": obj.get_state()}
             elif not callable(getattr(obj, "state_dict", None)):
                 extra[key] = {"kind": "value", "state": obj}
             else:
-                extra[key] = {"kind": "state_dict", "state": obj.state_dict(),
+                extra[key] = {"kind": "state_dict", "state": cast("Stateful", obj).state_dict(),
                               "class": type(obj).__qualname__}
-        out = {"step": step, "rng": rng_states, "optim": groups_of, "extra": extra}
+        out: dict[str, object] = {"step": step, "rng": rng_states, "optim": groups_of, "extra": extra}
         if not optim:
             del out["optim"]
         if self.step_values:
@@ -271,14 +278,14 @@ class TrainingState:
         return out
 
     # ------------------------------------------------------------ apply
-    def check_compatible(self, tensors: list[dict[str, Any]], where: str,
+    def check_compatible(self, tensors: list[TensorEntry], where: str,
                          live_tensors: list[LiveTensor] | None = None) -> None:
         """Raises IncompatibleSnapshot naming the first model tensor that differs
         (``core.apply.check_compatible``)."""
         apply_mod.check_compatible(self, tensors, where, live_tensors)
 
-    def apply(self, tensors: list[dict[str, Any]], host: dict[str, Any], data: Any,
-              where: str, before_copy: Callable[[], None] | None = None) -> int:
+    def apply(self, tensors: list[TensorEntry], host: dict[str, object],
+              data: torch.Tensor | SnapshotFile, where: str, before_copy: Callable[[], None] | None = None) -> int:
         """Copies a snapshot into the live objects; returns its step
         (``core.apply.apply_snapshot``: every check before the first byte, one copy of every
         tensor, then the host state). ``data``: a verified uint8 tensor or a

@@ -1,4 +1,6 @@
-"""The step rule of ``Snapshotter.boundary()`` and the resume / fresh-start bookkeeping.
+"""The Timeline: the step rule of ``Snapshotter.boundary()`` and the resume message.
+
+(The fresh start's move is ``cudasnap.storage.fresh``; the final flush ``Flusher.final_flush``.)
 
 Step rule: a step is a non-negative integer (``bool`` and floats are refused;
 numpy/torch integer scalars are accepted) and steps strictly increase. The
@@ -17,16 +19,13 @@ rollback; the flusher, the early saver and the coordinator's adapter read
 """
 from __future__ import annotations
 
-import logging
 import operator
-from pathlib import Path
-from typing import Any, Protocol
+from typing import SupportsIndex, cast
 
-from ..errors import ConfigError, SnapshotError
+from ..errors import ConfigError
 
-log = logging.getLogger("cudasnap")
 
-def check_step(step: Any, last: int | None, restored: int | None) -> int:
+def check_step(step: object, last: int | None, restored: int | None) -> int:
     """Returns ``step`` as an int, or raises ConfigError naming the rule it breaks.
 
     ``last`` is the previous boundary's step, ``restored`` the step a restore put
@@ -35,7 +34,7 @@ def check_step(step: Any, last: int | None, restored: int | None) -> int:
     if isinstance(step, bool):
         raise ConfigError(f"boundary({step!r}): the step must be an int, got a bool")
     try:
-        value = operator.index(step)
+        value = operator.index(cast(SupportsIndex, step))  # TypeError: not an integer
     except TypeError:
         raise ConfigError(f"boundary({step!r}): the step must be an int, got "
                           f"{type(step).__name__}") from None
@@ -58,7 +57,7 @@ class Timeline:
         self.restored: int | None = None  # the step a restore put back after it
         self.boundaries = 0  # boundary() calls of this process that passed the rule
 
-    def advance(self, step: Any) -> int:
+    def advance(self, step: object) -> int:
         """The step rule for ``boundary(step)``; records and returns the step as an int.
         (The common case, an int above the last step, costs four comparisons.)"""
         last = self.last_step
@@ -77,33 +76,3 @@ class Timeline:
 def resume_message(step: int, source: str | None, where: str | None) -> str:
     return (f"resuming at step {step + 1} from the snapshot of step {step} in {source} "
             f"({where}); pass fresh=True (cudasnap run --fresh) to start over")
-
-
-class ClosingSnapshots(Protocol):
-    """What ``final_flush`` needs of the Snapshotter (no private fields)."""
-
-    def staged_arenas(self) -> list[Any]: ...
-    def flush_if_new(self, wait_s: float = 60.0) -> Path | None: ...
-
-
-def final_flush(closing: ClosingSnapshots) -> bool:
-    """``close()`` with ``flush_on_close``: flushes the newest snapshot unless that step is
-    already on disk. False when the flush failed (the caller then keeps the arena)."""
-    arenas = closing.staged_arenas()
-    if not arenas:
-        return True
-    try:
-        closing.flush_if_new(60.0)
-        return True
-    except SnapshotError as e:
-        log.error("close(): the final flush failed (%s); the arena %s is kept", e,
-                  arenas[0].path)
-        return False
-
-
-def arena_slots(arena: Any, num_slots: int, spare: bool) -> dict[str, Any]:
-    """stats() fields: the arena's slot count and bytes, and what the spare slot costs."""
-    n = arena.num_slots if arena is not None else num_slots
-    per_slot = (arena.total_bytes - 4096) // n if arena is not None else None
-    return {"arena_slots": n, "arena_bytes": arena.total_bytes if arena is not None else None,
-            "spare_slot_bytes": (per_slot if spare else 0) if per_slot is not None else None}

@@ -16,13 +16,11 @@ inline up to its size limit and come back on the CPU.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
 
 
-def accepts(key: str, obj: Any) -> bool:
+def accepts(key: str, obj: object) -> bool:
     """True for a tensor, dict or list ``extra`` value (restored in place); ConfigError for
     an immutable plain value, which a restore could not give back to the caller."""
     import torch
@@ -42,7 +40,7 @@ def accepts(key: str, obj: Any) -> bool:
     return False
 
 
-def restore_into(obj: Any, value: Any, key: str, where: str) -> None:
+def restore_into(obj: object, value: object, key: str, where: str) -> None:
     """Puts a restored ``extra`` value back into the live object, in place."""
     import torch
 

@@ -1,9 +1,10 @@
 """How the Snapshotter's components are made and wired (docs/design.md §2.1).
 
 Order: the ones that use no other first (``Counters``, ``Timeline``, ``Backend``),
-then ``Layouts`` (the backend), the ``ArenaKeeper`` (the backend; the copier's wait
-and the facade's flush as callables), the ``Copier`` (layouts, keeper) and its fence
-hooks, the ``Flusher`` and the ``Restorer`` (keeper, copier, ...), the ``EarlySaver``;
+then ``Layouts`` (the backend), the ``ArenaKeeper`` (the backend), the ``Copier``
+(layouts, keeper) and its fence hooks, the ``Flusher`` (keeper, copier), then the keeper's
+two upward edges (``ArenaKeeper.connect``: ``Copier.wait_job``, ``Flusher.flush_newest``),
+the ``Restorer`` (keeper, copier, ...), the ``EarlySaver``;
 last the keeper takes the arena a previous process left, moves the old snapshots aside
 (``fresh``) and starts a large arena's set-up. Each component receives the components
 and callables it uses, never the Snapshotter. Once the facade made the triggers (the
@@ -12,22 +13,34 @@ coordinator and the guard, which take the facade), :func:`attach_triggers`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from . import arena_prep, fences
+from .arena_keeper import ArenaKeeper
 from .backend import Backend
 from .cadence import Cadence, clock_for
+from .copier import Copier
 from .counters import Counters
 from .early import EarlySaver
-from .flush import Flusher
-from .layout import Layouts
-from .restore import Restorer
-from .staging import ArenaKeeper
+from .flush import Flusher, FlushGuard, FlushRounds, Storage
+from .layouts import Layouts
+from .options import Options
+from .restore import Coordinated, Restorer
 from .state import TrainingState
-from .submit import Copier
 from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+
+class Coordinator(FlushRounds, Coordinated, Protocol):
+    """The distributed coordinator as the components see it (flush rounds, the restore)."""
+
+
+class Guard(FlushGuard, Protocol):
+    """The health guard as the components see it; started once they know it."""
+
+    def start(self) -> None: ...
 
 
 class Components(NamedTuple):
@@ -40,52 +53,44 @@ class Components(NamedTuple):
     flusher: Flusher
     restorer: Restorer
     early: EarlySaver
-    hooks: list[Any]  # the fence hooks' handles (close() removes them)
+    hooks: list[RemovableHandle]  # the fence hooks' handles (close() removes them)
 
 
-def wire(state: TrainingState, storage: Any, *, backend: str, supervised: bool,
-         sync_max_bytes: int | None, arena_path: Path, num_slots: int, spare_slot: bool,
-         chunk_bytes: int | None, job: str, rank: int, world_size: int, keep: int,
-         copy_threads: int, flush_threads: int, wait_timeout_s: float,
-         snapshot_every: int | None, overhead_budget: float | None,
-         device_staging: int | str,
-         allow_foreign_owner: bool | None, fresh: bool, wait_copy: Callable[[float], bool],
-         flush: Callable[[], Any], require_resume: bool = False) -> Components:
+def wire(state: TrainingState, storage: Storage, opts: Options) -> Components:
     c = Counters()
     tl = Timeline()
-    be = Backend(backend, copy_threads, wait_timeout_s, arena_path, device_staging)
+    wait_s = opts.waits.copy_s
+    be = Backend(opts.backend, opts.copy_threads, wait_s, opts.arena_path, opts.device_staging)
     # Re-entrant: a signal handler may flush while the main thread is in boundary().
     flush_lock = threading.RLock()
     prep = arena_prep.ArenaPreparer(
-        arena_prep.SYNC_MAX_BYTES if sync_max_bytes is None else sync_max_bytes,
+        arena_prep.SYNC_MAX_BYTES if opts.sync_max_bytes is None else opts.sync_max_bytes,
         be.state_device(state))
-    keeper = ArenaKeeper(be, c, prep, arena_path=arena_path, num_slots=num_slots,
-                         spare_slot=spare_slot, chunk_bytes=chunk_bytes, job=job,
-                         storage=storage, flush_threads=flush_threads,
-                         wait_timeout_s=wait_timeout_s, supervised=supervised,
-                         flush_lock=flush_lock, wait_copy=wait_copy, flush=flush)
+    keeper = ArenaKeeper(be, c, prep, storage, flush_lock, opts)
     # a plan's chunk: chunk_bytes, else the keeper's pick (its arena's when that one fits)
-    lays = Layouts(state, be, c, chunk=keeper.chunk, rank=rank, world_size=world_size, job=job)
-    cp = Copier(state, be, lays, keeper, c, wait_timeout_s=wait_timeout_s,
-                cadence=Cadence(snapshot_every, overhead_budget, clock_for(be)))
+    lays = Layouts(state, be, c, chunk=keeper.chunk, rank=opts.rank,
+                   world_size=opts.world_size, job=opts.job)
+    cp = Copier(state, be, lays, keeper, c, wait_timeout_s=wait_s,
+                cadence=Cadence(opts.snapshot_every, opts.overhead_budget, clock_for(be)))
     hooks = fences.install(state, cp, lays.invalidate)
-    flusher = Flusher(storage, keeper, cp, c, flush_lock, keep=keep,
-                      flush_threads=flush_threads)
-    restorer = Restorer(state, storage, keeper, cp, lays, tl, c, rank=rank,
-                        flush_threads=flush_threads, wait_timeout_s=wait_timeout_s,
-                        allow_foreign_owner=allow_foreign_owner,
-                        require_resume=require_resume and not fresh)
-    early = EarlySaver(keeper, cp, lays, tl, c, flush_lock, wait_timeout_s=wait_timeout_s)
+    flusher = Flusher(storage, keeper, cp, c, flush_lock, keep=opts.keep,
+                      flush_threads=opts.flush_threads)
+    keeper.connect(wait_copy=cp.wait_job, flush=flusher.flush_newest)  # its regrowth
+    restorer = Restorer(state, storage, keeper, cp, lays, tl, c, rank=opts.rank,
+                        flush_threads=opts.flush_threads, wait_timeout_s=wait_s,
+                        allow_foreign_owner=opts.allow_foreign_owner,
+                        require_resume=opts.require_resume)
+    early = EarlySaver(keeper, cp, lays, tl, c, flush_lock, waits=opts.waits)
     keeper.open_inherited()
-    if fresh:
-        keeper.start_fresh(world_size, rank)
+    if opts.fresh:
+        keeper.start_fresh(opts.world_size, opts.rank)
     # As early as the state is known (issue 23 item 2): the set-up overlaps the rest of
     # the construction and whatever the program does before its first boundary.
     keeper.start_at_construction(state)  # large arenas: off the training thread
     return Components(c, tl, be, lays, keeper, cp, flusher, restorer, early, hooks)
 
 
-def attach_triggers(parts: Components, dist: Any, guard: Any) -> None:
+def attach_triggers(parts: Components, dist: Coordinator | None, guard: Guard | None) -> None:
     """The distributed coordinator (or None) and the guard (or None), once made, handed to
     the components before any trigger can flush; then the guard starts, and last a large
     state's first layout build thread (parked)."""

@@ -43,9 +43,12 @@ class StorageWriter(Protocol):
     local_dir: Path
 
     def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
-                   extra_manifest: dict[str, Any] | None = None
+                   extra_manifest: dict[str, Any] | None = None, timeout: float | None = None
                    ) -> tuple[Path | str, FlushResult]:
-        """Stores a leased COMPLETE arena slot durably and commits it; (location, stats)."""
+        """Stores a leased COMPLETE arena slot durably and commits it; (location, stats).
+        ``timeout`` (``Snapshotter.flush``'s): bound of the waits on other writers (the
+        ``latest`` pointer's lock or compare-and-swap); past it ``latest`` stays as it is
+        (the step is committed either way). The write itself is never cut short."""
 
     def clean_partial(self) -> list[Path] | list[str]:
         """Removes what interrupted flushes left; returns what it removed."""
@@ -96,9 +99,10 @@ class PosixStorage:
         self.url = str(self.local_dir)
 
     def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
-                   extra_manifest: dict[str, Any] | None = None) -> tuple[Path, FlushResult]:
+                   extra_manifest: dict[str, Any] | None = None, timeout: float | None = None
+                   ) -> tuple[Path, FlushResult]:
         return posix.write_slot(arena, slot, self.local_dir, threads=threads, keep=keep,
-                                extra_manifest=extra_manifest)
+                                extra_manifest=extra_manifest, timeout=timeout)
 
     def clean_partial(self) -> list[Path]:
         return posix.clean_partial(self.local_dir)

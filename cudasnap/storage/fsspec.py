@@ -273,15 +273,18 @@ class FsspecStorage:
                 counters.add_written(len(block))  # some files' write() returns None)
                 kill_point("upload")
 
-    def replace_latest(self, step: int) -> bool:
-        """``latest`` -> step ``step`` unless it names a newer committed step (CAS on S3)."""
+    def replace_latest(self, step: int, timeout: float | None = None) -> bool:
+        """``latest`` -> step ``step`` unless it names a newer committed step (CAS on S3);
+        ``timeout``: no compare-and-swap retried past it."""
         return remote_latest.replace_latest(
             self.fs, self.protocol, self._key(LATEST), step_dirname(step),
-            lambda s: bool(self.fs.exists(self._key(step_dirname(s), COMMIT))))
+            lambda s: bool(self.fs.exists(self._key(step_dirname(s), COMMIT))), timeout)
 
     def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
-                   extra_manifest: dict[str, Any] | None = None) -> tuple[str, FlushResult]:
-        """Uploads a leased COMPLETE slot: data, manifest, then COMMIT, then ``latest``."""
+                   extra_manifest: dict[str, Any] | None = None, timeout: float | None = None
+                   ) -> tuple[str, FlushResult]:
+        """Uploads a leased COMPLETE slot: data, manifest, then COMMIT, then ``latest``
+        (``timeout``: bound of its compare-and-swap retries)."""
         C = native()
         t0 = time.perf_counter()
         info, meta = posix.complete_slot(arena, slot)
@@ -309,7 +312,7 @@ class FsspecStorage:
                  "missing": [], "job": meta.get("job"), "time": time.time()}))
             kill_point("commit")
             remote_ranks.unmark_writer(self, marker)
-            self.replace_latest(step)
+            self.replace_latest(step, timeout)
         self.prune(keep)
         elapsed = time.perf_counter() - t0
         stats: FlushResult = {"bytes": nbytes, "seconds": elapsed, "write_seconds": write_s,

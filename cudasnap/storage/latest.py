@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 from .._native import native
@@ -94,8 +95,12 @@ class DirectoryLock:
 LATEST_LOCK = ".latest-lock"
 
 
-def replace_latest(directory: Path, name: str) -> bool:
+def replace_latest(directory: Path, name: str, timeout: float | None = None) -> bool:
     """Points ``latest`` at step directory ``name`` atomically (write, fsync, rename, fsync).
+
+    ``timeout``: how long to wait for ``DIR/.latest-lock`` (another writer's flush holds it
+    while it replaces ``latest``); past it ``latest`` is left as it is (False, logged): the
+    step is committed anyway, and a restore finds it by listing. None: no bound.
 
     ``latest`` never moves back: when it names a step directory that still exists
     with a higher step, it is left alone (False). Two writers can finish out of
@@ -106,7 +111,11 @@ def replace_latest(directory: Path, name: str) -> bool:
     new_step = parse_step_dirname(name)
     fd = os.open(directory / LATEST_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not _lock(fd, timeout):
+            log.warning("latest not pointed at %s: %s stayed locked by another writer for "
+                        "%.1f s (the flush's timeout); the step is committed and a restore "
+                        "finds it by listing", name, directory / LATEST_LOCK, timeout)
+            return False
         cur = read_latest(directory)
         cur_step = parse_step_dirname(cur) if cur else None
         if (cur_step is not None and new_step is not None and cur_step > new_step
@@ -134,3 +143,19 @@ def read_latest(directory: Path) -> str | None:
     except SnapshotError:
         return None
     return decode_latest(raw)
+
+
+def _lock(fd: int, timeout: float | None) -> bool:
+    """An exclusive flock of ``fd``: blocking (``timeout`` None), else polled until then."""
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)

@@ -27,17 +27,15 @@ manifest/rename/replace/renamed here, latest in ``latest.replace_latest``.
 
 Split (issue 24): this module is the slot writer (``complete_slot``, ``write_slot``) and the
 reader of one snapshot (``load_manifest``, ``read_data``); the rest of the backend lives
-beside it and is re-exported here, so ``posix.<name>`` stays the one place to look up:
-``storage.latest`` (``check_directory``, ``DirectoryLock``, ``replace_latest``,
-``read_latest``), ``storage.listing`` (``StoredSnapshot``, ``list_snapshots``, the COMMIT
-marker, the flush log, ``prune``), ``storage.safe_io`` (``_read_regular``,
-``_write_file_durable``, ``_check_trust``) and ``storage.partial`` (``clean_partial``).
-``write_slot`` looks ``_write_file_durable`` up on this module too, so a test patching
-``posix._write_file_durable`` reaches a flush's manifest write.
+beside it and its public names are re-exported here, so ``posix.<name>`` stays the one
+place to look up: ``storage.latest`` (``check_directory``, ``DirectoryLock``,
+``replace_latest``, ``read_latest``), ``storage.listing`` (``StoredSnapshot``,
+``list_snapshots``, the COMMIT marker, the flush log, ``prune``) and ``storage.partial``
+(``clean_partial``). The safe small-file I/O and the owner check are ``storage.safe_io``'s
+(``_read_regular``, ``_write_file_durable``, ``_check_trust``, ``FOREIGN_ENV``).
 
 Call order: ``PosixStorage`` (cudasnap.storage), the supervisor's orphan flush, the
-distributed flush round and the timeline each call ``posix.write_slot`` (looked up on this
-module, so a test's patch of ``posix.write_slot`` reaches them all): ``complete_slot`` ->
+distributed flush round and the timeline each call ``posix.write_slot``: ``complete_slot`` ->
 data and manifest into ``.tmp`` -> rename -> ``latest.replace_latest`` -> ``listing.prune``
 -> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``, or opens
 a ``DataFile`` (``PosixStorage.open_data``, for a ``PosixStorage``'s local snapshot: read
@@ -79,13 +77,7 @@ from .listing import (  # noqa: F401  (re-exported: posix.list_snapshots, ...)
     write_commit,
 )
 from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
-from .safe_io import (  # noqa: F401  (re-exported: posix._check_trust, posix.FOREIGN_ENV, ...)
-    FOREIGN_ENV,
-    _allow_foreign,
-    _check_trust,
-    _read_regular,
-    _write_file_durable,
-)
+from .safe_io import _check_trust, _read_regular, _write_file_durable
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
@@ -119,8 +111,10 @@ def _copy_at(target: Path, info: SlotInfo, meta: dict[str, Any]) -> bool | None:
 
 def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
                io_bytes: int = 16 << 20, keep: int = 3, extra_manifest: dict[str, Any] | None = None,
-               subdir: str | None = None, update_latest: bool = True) -> tuple[Path, FlushResult]:
-    """Flushes a leased COMPLETE arena slot to ``directory``; returns (path, stats)."""
+               subdir: str | None = None, update_latest: bool = True,
+               timeout: float | None = None) -> tuple[Path, FlushResult]:
+    """Flushes a leased COMPLETE arena slot to ``directory``; returns (path, stats).
+    ``timeout``: bound of the wait for the ``latest`` lock (``latest.replace_latest``)."""
     C = native()
     t0 = time.perf_counter()
     info, meta = complete_slot(arena, slot)
@@ -175,7 +169,7 @@ def write_slot(arena: Arena, slot: int, directory: Path, *, threads: int = 4,
         # The step is committed (renamed, fsync'd); restore never needs `latest`,
         # but a failure here (disk full) must still surface as a FlushError.
         try:
-            replace_latest(directory, final.name)
+            replace_latest(directory, final.name, timeout)
         except OSError as e:
             raise FlushError(f"step {step} is on disk at {target}, but updating "
                              f"{directory / LATEST} failed: {e}") from e

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,14 +70,20 @@ def _read(fs: AbstractFileSystem, key: str) -> tuple[str | None, str | None, boo
 
 
 def replace_latest(fs: AbstractFileSystem, protocol: str, key: str, name: str,
-                   is_committed: Callable[[int], bool]) -> bool:
+                   is_committed: Callable[[int], bool], timeout: float | None = None) -> bool:
     """Points ``key`` at step directory ``name`` unless it names a newer committed step.
 
     True when written; False when left alone (a newer committed step) or when
-    :data:`TRIES` conditional writes in a row lost the race (logged)."""
+    :data:`TRIES` conditional writes in a row lost the race, or ``timeout`` passed
+    before a retry (logged)."""
     new_step = parse_step_dirname(name)
     conditional = protocol.lower() in CONDITIONAL and protocol.lower() not in _unsupported
-    for _ in range(TRIES):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(TRIES):
+        if attempt and deadline is not None and time.monotonic() > deadline:
+            log.warning("%s: not pointed at %s: the flush's timeout (%.1f s) passed while "
+                        "other writers moved it; the step is committed", key, name, timeout)
+            return False
         etag, cur, exists = _read(fs, key)
         cur_step = parse_step_dirname(cur) if cur else None
         if cur_step is not None and new_step is not None and cur_step > new_step \

@@ -54,8 +54,7 @@ class RoundStore(Protocol):
 
 
 class PosixRounds:
-    """A local (or shared) file-system directory: ``posix`` (``write_slot`` looked up on the
-    module, so a test's patch reaches rounds too)."""
+    """A local (or shared) file-system directory: a rank's part is ``posix.write_slot``'s."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)

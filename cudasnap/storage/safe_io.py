@@ -12,9 +12,7 @@ Call order: ``posix.load_manifest`` / ``posix.read_data`` (restore) call ``_chec
 after ``_read_regular`` / ``lstat``; ``latest.read_latest``, ``listing.read_commit`` and
 ``listing.read_flush_log`` read with ``_read_regular``; ``posix.write_slot`` (the manifest),
 ``latest.replace_latest`` and ``listing.write_commit`` write with ``_write_file_durable``
-(then rename into place). The names are re-exported by ``cudasnap.storage.posix``; the slot
-writer looks ``_write_file_durable`` up there, so a test that patches
-``posix._write_file_durable`` reaches the manifest write of a flush.
+(then rename into place).
 """
 from __future__ import annotations
 

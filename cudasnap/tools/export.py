@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from .._native import native
+from ..core.dcp_load import HOST_SIDECAR, load_resharded
 from ..errors import ConfigError, SnapshotError
 from ..format import codec
 from ..format.manifest import expand_params
-from .export_dcp import HOST_SIDECAR, export_dcp, load_resharded
+from .export_dcp import export_dcp
 from .shards import _assemble, _chunks, _step_dir, full_tensors, load_shards, load_tensors
 
 __all__ = ["HOST_SIDECAR", "SAFETENSORS_MODEL", "SAFETENSORS_OPTIM", "atomic_output",

@@ -2,8 +2,9 @@
 a snapshot that any mesh or world size loads.
 
 Owns: :func:`export_dcp` (written by DCP's own FileSystemWriter, with the host sidecar
-:data:`HOST_SIDECAR`, renamed into place whole) and :func:`load_resharded`
-(``cudasnap.load_resharded``: DCP's resharding load, then the optimizer's param groups).
+:data:`HOST_SIDECAR`, renamed into place whole). Its reader, ``load_resharded``
+(``cudasnap.load_resharded``: DCP's resharding load, then the optimizer's param groups),
+is ``cudasnap.core.dcp_load``, below the facade that names it.
 
 Call order: ``cudasnap export --to dcp`` (cudasnap.tools.cli) -> :func:`export_dcp` ->
 cudasnap.tools.shards (``load_shards`` -> ``_chunks``) -> cudasnap.tools.dcp_keys
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 from .._native import native
-from ..errors import ConfigError, IncompatibleSnapshot
+from ..core.dcp_load import HOST_SIDECAR
+from ..errors import ConfigError
 from ..format import codec
 from ..format.manifest import torch_dtype
 from . import dcp_views
@@ -28,7 +29,6 @@ from .shards import _assemble, _chunks, load_shards
 log = logging.getLogger("cudasnap.export")
 
 
-HOST_SIDECAR = "cudasnap_host.json"
 
 
 def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
@@ -66,42 +66,6 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
     _write(out_dir, [SavePlan(items[r]) for r in order], data, aliases, md, side)
     log.info("exported step %d to %s (%d keys)", step_, out_dir, len(md))
     return out_dir
-
-
-def load_resharded(checkpoint: str | Path, model: Any, optimizer: Any = None) -> int:
-    """Loads a ``cudasnap export --to dcp`` checkpoint into ``model`` (and ``optimizer``) on
-    any mesh or world size (DCP reshards: call it on every rank); returns the step to
-    resume at. RNG and ``extra`` state are per rank and not carried over."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-    checkpoint = Path(checkpoint)
-    side = codec.loads((checkpoint / HOST_SIDECAR).read_text(), str(checkpoint / HOST_SIDECAR))
-    sd: dict[str, Any] = {f"model.{k}": v for k, v in model.state_dict().items()}
-    params: list[Any] = []
-    if optimizer is not None:
-        _init_optim_state(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    sd[f"optim.state.{i}.{k}"] = v
-    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=str(checkpoint), no_dist=no_dist)
-    if optimizer is not None:
-        saved = (side.get("optim") or {}).get("optim") or next(iter(side.get("optim", {}).values()),
-                                                                None)
-        if saved and saved.get("param_groups"):
-            if len(saved["param_groups"]) != len(optimizer.param_groups):
-                raise IncompatibleSnapshot(
-                    f"{checkpoint}: {len(saved['param_groups'])} param groups saved, the "
-                    f"optimizer has {len(optimizer.param_groups)}")
-            for g, s in zip(optimizer.param_groups, saved["param_groups"]):
-                g.update({k: v for k, v in s.items() if k != "params"})
-    return int(side["step"]) + 1
 
 
 def _check_target(directory: Path, out_dir: Path) -> None:

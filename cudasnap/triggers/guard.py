@@ -38,7 +38,7 @@ log = logging.getLogger("cudasnap.guard")
 class FlushTarget(Protocol):
     """What the guard needs from its owner: write the newest snapshot to disk now."""
 
-    def flush(self, wait: bool = ..., timeout: float | None = ...) -> "Path | None": ...
+    def flush(self, wait: bool = ..., timeout: float | None = ...) -> "Path | str | None": ...
 
 
 # Triggers after which the GPU may never finish a copy: flush what is COMPLETE now.

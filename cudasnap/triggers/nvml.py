@@ -2,8 +2,8 @@
 
 Everything that touches NVML goes through :func:`call`, which holds the single
 module-level :data:`LOCK` for the duration of the NVML call.  The pynvml module
-object is looked up at call time via the module attribute :data:`pynvml`, so
-tests can substitute a fake, pynvml-shaped module with ``monkeypatch``.
+object is looked up at call time via the module attribute :data:`pynvml` (None
+without pynvml), never kept elsewhere.
 NVML is used from Python only (the C++ engine never links it).
 
 :class:`NvmlSession` is one ``nvmlInit`` .. ``nvmlShutdown`` with the device

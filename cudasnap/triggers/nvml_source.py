@@ -206,7 +206,7 @@ class NvmlWatcher:
                 logger.exception("NVML poll iteration failed")
 
     def poll_once(self) -> None:
-        """One polling pass over all devices (also callable directly, e.g. in tests)."""
+        """One polling pass over all devices (the poll loop's body; also callable on its own)."""
         mask = slowdown_mask() if clock_reasons_fn() is not None else 0
         for idx, h in self.session.handles:
             if self._stop.is_set():

@@ -8,7 +8,7 @@ else reaches into it, and no component into another.
 * inside it, each component owns its state: no shared-field hub (``core/shared.py``,
   mixins), no function taking the whole Snapshotter (``snap``), and no write of another
   object's attribute but the reviewed ones below (an AST check of every assignment);
-* ``timeline.final_flush`` needs only its narrow ``ClosingSnapshots`` protocol;
+* ``Flusher.final_flush`` works on the parts it is given (a failed write keeps the arena);
 * the Snapshotter's environment is read through ``cudasnap.config.Settings``: a bad
   value is a ConfigError naming the variable, and keyword arguments win.
 """
@@ -18,6 +18,7 @@ import ast
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 import cudasnap
-from cudasnap.core.timeline import final_flush
+from cudasnap.core.counters import Counters
+from cudasnap.core.flush import Flusher
 from cudasnap.errors import ConfigError, SnapshotError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,10 +90,9 @@ REVIEWED_WRITES = {
     ("core/backend.py", "self.engine.wait_timeout_s"): "the native engine's setting, at birth",
     ("core/early.py", "early.boundary_event"): "EarlySaver's own field, from its module's "
                                                "_wait_next_boundary (kept a function for tests)",
-    ("core/fences.py", "copier.live_dirty"): "the forward hook inlines Copier.fence's no-op case",
-    ("core/staging.py", "prep.warmed"): "the keeper hands its preparer the warmed inherited arena",
-    ("core/submit.py", "self.state.step_values"): "boundary(step, **values) into the state",
-    ("core/submit.py", "lay.arena_ok"): "the copier's cached 'fits' answer, kept per plan",
+    ("core/arena_keeper.py", "prep.warmed"): "the keeper hands its preparer the warmed inherited arena",
+    ("core/copier.py", "self.state.step_values"): "boundary(step, **values) into the state",
+    ("core/copier.py", "lay.arena_ok"): "the copier's cached 'fits' answer, kept per plan",
     ("snapshotter.py", "self.state.rng_sources"): "the rng_sources keyword",
     ("core/state.py", "lt.owner"): "TrainingState's own LiveTensors",
     ("core/state.py", "lt.shard"): "TrainingState's own LiveTensors",
@@ -148,31 +149,83 @@ def test_each_core_component_owns_its_state() -> None:
 
 
 class _Arena:
+    """An arena whose newest COMPLETE slot holds step 3."""
     path = "/dev/shm/fake"
 
+    def __init__(self) -> None:
+        self.leases: list[int] = []
 
-class _Closing:
-    """Only what ``ClosingSnapshots`` declares."""
+    def newest_complete(self) -> int:
+        return 1
 
-    def __init__(self, arenas: list, fail: bool) -> None:
-        self._arenas, self._fail, self.calls = arenas, fail, []
+    def slot_info(self, slot: int) -> dict:
+        return {"step": 3, "data_bytes": 8}
+
+    def lease(self, slot: int) -> None:
+        self.leases.append(slot)
+
+    def release(self, slot: int) -> None:
+        self.leases.remove(slot)
+
+
+class _Keeper:
+    def __init__(self, arenas: list) -> None:
+        self.arenas = arenas
 
     def staged_arenas(self) -> list:
-        return self._arenas
+        return self.arenas
 
-    def flush_if_new(self, wait_s: float = 60.0):
-        self.calls.append(wait_s)
-        if self._fail:
+
+class _Copier:
+    slot_lock = threading.RLock()
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def wait_job(self, timeout: float | None = None) -> bool:
+        self.calls.append("wait_job")
+        return True
+
+    def copy_live(self, timeout: float | None) -> None:
+        self.calls.append("copy_live")
+
+
+class _Storage:
+    def __init__(self, fail: bool, stored: set[int]) -> None:
+        self.fail, self.stored, self.written = fail, stored, []
+
+    def has_step(self, step: int) -> bool:
+        return step in self.stored
+
+    def write_slot(self, arena, slot, threads, keep, timeout=None):
+        if self.fail:
             raise SnapshotError("disk full")
-        return None
+        self.written.append(slot)
+        return Path("/x/3"), {"step": 3, "seconds": 0.1}
 
 
-def test_final_flush_needs_only_the_narrow_protocol(caplog) -> None:
-    assert final_flush(_Closing([], fail=True)) is True  # no arena: nothing to flush
-    ok = _Closing([_Arena()], fail=False)
-    assert final_flush(ok) is True and ok.calls == [60.0]
-    bad = _Closing([_Arena()], fail=True)
-    assert final_flush(bad) is False  # the caller keeps the arena
+def _flusher(arenas: list, storage: _Storage) -> tuple[Flusher, _Copier]:
+    cp = _Copier()
+    return Flusher(storage, _Keeper(arenas), cp, Counters(), threading.RLock(),  # type: ignore[arg-type]
+                   keep=2, flush_threads=1), cp
+
+
+def test_final_flush_writes_the_newest_step_once_and_keeps_the_arena_on_failure(caplog) -> None:
+    """close()'s final flush, on injected parts: nothing to do without an arena; the newest
+    slot is leased, written and released (the live state settled first); a step already
+    stored is not written again; a failed write returns False (close() keeps the arena)."""
+    f, _ = _flusher([], _Storage(fail=True, stored=set()))
+    assert f.final_flush() is True
+    arena, ok = _Arena(), _Storage(fail=False, stored=set())
+    f, cp = _flusher([arena], ok)
+    assert f.final_flush() is True and ok.written == [1] and arena.leases == []
+    assert cp.calls == ["wait_job", "wait_job", "copy_live"] and f.flushed_step == 3
+    assert f.final_flush() is True and ok.written == [1]  # step 3 was this process's flush
+    stored = _Storage(fail=False, stored={3})
+    f, _ = _flusher([arena], stored)
+    assert f.final_flush() is True and stored.written == []  # already in the storage
+    f, _ = _flusher([arena], _Storage(fail=True, stored=set()))
+    assert f.final_flush() is False and arena.leases == []
     assert "final flush failed" in caplog.text and "/dev/shm/fake" in caplog.text
 
 

@@ -51,11 +51,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 
 # Upward edges kept on purpose: (importer, imported module) -> why.
 ALLOWED: dict[tuple[str, str], str] = {
-    # The public name ``cudasnap.load_resharded`` (a lazy module __getattr__, documented in
-    # README) reads an ``export --to dcp`` checkpoint; it lives with the export it reads
-    # (tools/export_dcp, re-exported by tools/export). The facade names it, nothing below
-    # does. It goes once the reader moves to a floor at or below the facade.
-    ("cudasnap", "cudasnap.tools.export"): "public name cudasnap.load_resharded (lazy)",
+    # none (issue 36: cudasnap.load_resharded's reader moved from tools/ to core/dcp_load)
 }
 
 
@@ -122,19 +118,19 @@ def test_the_check_sees_upward_imports(tmp_path: Path) -> None:
         (pkg / d / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "errors.py").write_text("")
-    (pkg / "core" / "plan.py").write_text("from ..format import paths\n")  # down: fine
+    (pkg / "core" / "layout.py").write_text("from ..format import paths\n")  # down: fine
     (pkg / "format" / "paths.py").write_text(
         "from typing import TYPE_CHECKING\n"
         "from ..errors import X\n"                 # down: fine
         "if TYPE_CHECKING:\n"
-        "    from ..core.plan import Layout\n"     # line 4: up (type-only counts)
+        "    from ..core.layout import Layout\n"     # line 4: up (type-only counts)
         "def f():\n"
         "    import cudasnap\n"                    # line 6: up, to the facade
         "    from .. import _testing\n")           # line 7: up, the test hooks
     bad, _, unassigned = upward_imports(tmp_path)
     assert unassigned == []
     assert bad == [
-        "cudasnap/format/paths.py:4: cudasnap.format.paths [format] imports cudasnap.core.plan [core]",
+        "cudasnap/format/paths.py:4: cudasnap.format.paths [format] imports cudasnap.core.layout [core]",
         "cudasnap/format/paths.py:6: cudasnap.format.paths [format] imports cudasnap [facade]",
         "cudasnap/format/paths.py:7: cudasnap.format.paths [format] imports cudasnap._testing "
         "[test-only]",

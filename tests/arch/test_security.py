@@ -38,7 +38,7 @@ from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, 
 from cudasnap.format import manifest as M
 from cudasnap.format import paths
 from cudasnap.snapshotter import Snapshotter
-from cudasnap.storage import posix
+from cudasnap.storage import posix, safe_io
 
 PKG = Path(cudasnap.__file__).resolve().parent
 FOREIGN_UID = 12345
@@ -500,7 +500,7 @@ def test_snapshot_of_another_user_is_refused_unless_allowed(snap_env, monkeypatc
     path, dig = _make(snap_env.dir, snap_env.job)
     for p in [snap_env.dir, *snap_env.dir.rglob("*")]:
         os.chown(p, FOREIGN_UID, FOREIGN_UID, follow_symlinks=False)
-    monkeypatch.delenv(posix.FOREIGN_ENV, raising=False)
+    monkeypatch.delenv(safe_io.FOREIGN_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"owned by uid {FOREIGN_UID}.*allow_foreign_owner"):
         _restore(snap_env.dir, snap_env.sub_job("r"))
     with pytest.raises(ConfigError, match=str(FOREIGN_UID)):
@@ -514,7 +514,7 @@ def test_snapshot_of_another_user_is_refused_unless_allowed(snap_env, monkeypatc
     if "allow_foreign_owner" in inspect.signature(Snapshotter).parameters:
         start, j = _restore(snap_env.dir, snap_env.sub_job("a"), allow_foreign_owner=True)
         assert start == 2 and j.digests() == dig
-    monkeypatch.setenv(posix.FOREIGN_ENV, "1")
+    monkeypatch.setenv(safe_io.FOREIGN_ENV, "1")
     start, j = _restore(snap_env.dir, snap_env.sub_job("e"))
     assert start == 2 and j.digests() == dig
 

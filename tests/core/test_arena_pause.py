@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from helpers import parts
 from helpers.trainlib import adam_step as _step
 from helpers.trainlib import small_adam as _adam
 
@@ -121,17 +122,17 @@ def test_restore_from_a_slot_holds_the_preparer_then_lets_it_finish(snap_env, mo
     inner = snap._restorer._restore_slot
 
     def spy(arena, slot, where):
-        seen.append(snap._prep._cancel.paused)
+        seen.append(parts.prep(snap)._cancel.paused)
         gate.set()  # the held set-up may start now: it must still wait for the restore
         return inner(arena, slot, where)
 
     monkeypatch.setattr(snap._restorer, "_restore_slot", spy)
     try:
-        assert snap._prep.busy  # the inherited arena's pre-fault, in the background
+        assert parts.prep(snap).busy  # the inherited arena's pre-fault, in the background
         got = snap.restore_latest()
         assert got == (1 if damaged else 2)
         assert seen and all(seen), "a slot was read while the arena set-up ran on"
-        assert not snap._prep._cancel.paused, "the set-up is still held after the restore"
+        assert not parts.prep(snap)._cancel.paused, "the set-up is still held after the restore"
         if not damaged:
             for k, v in model.state_dict().items():
                 assert torch.equal(v, want[k]), k

@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers import parts
 from helpers.trainlib import adam_step as _step
 from helpers.trainlib import small_adam as _adam
 from torch import nn
@@ -62,7 +63,7 @@ def test_boundaries_skip_until_the_background_arena_is_ready(snap_env, gate, cap
     model, opt = _adam()
     snap = _snap(snap_env, model, opt)
     try:
-        assert snap._prep.busy and snap.stats()["arena_preparing"]
+        assert parts.prep(snap).busy and snap.stats()["arena_preparing"]
         for step in range(3):  # the preparer is held: these cannot have waited for it
             _step(model, opt)
             snap.boundary(step)
@@ -88,7 +89,7 @@ def test_boundaries_skip_until_the_background_arena_is_ready(snap_env, gate, cap
     model2, opt2 = _adam(seed=1)
     snap2 = _snap(snap_env, model2, opt2)
     try:
-        assert snap2._prep.busy
+        assert parts.prep(snap2).busy
         assert snap2.restore_latest() == 4
         assert snap2.stats()["restore"]["source"] == "shm"
         for k, v in model2.state_dict().items():
@@ -97,7 +98,7 @@ def test_boundaries_skip_until_the_background_arena_is_ready(snap_env, gate, cap
         # CPU: the inherited arena is adopted at once (issue 23 item 2); its pre-fault,
         # still held, runs beside the copies into it: snapshotted, never waited for
         snap2.boundary(4)
-        assert snap2._prep.busy and snap2.wait(60)
+        assert parts.prep(snap2).busy and snap2.wait(60)
         assert snap2.stats()["skipped_not_ready"] == 0 and snap2.stats()["snapshots"] == 1
         gate.set()
         assert snap2.arena_ready(60)
@@ -167,7 +168,7 @@ def test_background_regrowth_keeps_the_old_snapshot_restorable(snap_env, monkeyp
 def test_close_while_preparing_is_clean(snap_env, gate):
     model, opt = _adam()
     snap = _snap(snap_env, model, opt)
-    thread = snap._prep._thread
+    thread = parts.prep(snap)._thread
     assert thread is not None and thread.is_alive()
     snap.close()  # cancels the held set-up; bounded
     assert not thread.is_alive()
@@ -239,7 +240,7 @@ def test_close_during_the_background_set_up_is_not_reported_as_a_failure(snap_en
     caplog.set_level(logging.DEBUG, logger="cudasnap")
     model, opt = _adam(256)
     snap = _snap(snap_env, model, opt)
-    assert snap._prep.busy  # held by the gate
+    assert parts.prep(snap).busy  # held by the gate
     snap.close()
     bad = [r.getMessage() for r in caplog.records
            if r.levelno >= logging.WARNING and "failed" in r.getMessage()]
@@ -252,12 +253,12 @@ import os, sys, tempfile, torch, cudasnap
 model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(256)) for _ in range(1000)])
 opt = torch.optim.AdamW(model.parameters())
 snap = cudasnap.Snapshotter(model, opt, directory=tempfile.mkdtemp(), arena_sync_max_bytes=0)
-busy = snap._prep.busy
+busy = snap._keeper.prep.busy  # (tests/helpers/parts.py: prep)
 for p in model:
     p.grad = torch.randn_like(p)
 opt.step()
 snap.boundary(0)
-print("busy" if snap._prep.busy or busy else "idle", flush=True)
+print("busy" if snap._keeper.prep.busy or busy else "idle", flush=True)
 if sys.argv[1] == "raise":
     raise SystemExit(3)
 """

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import parts
 
 from cudasnap import Snapshotter
 from cudasnap.core import layout_watch
@@ -36,7 +37,7 @@ def test_tensor_table_written_once_per_slot_and_manifest_whole(snap_env, native_
             opt.step()
             snap.boundary(step)
             snap.wait()
-        arena, lay = snap._arena, snap._layout
+        arena, lay = parts.arena(snap), parts.layout(snap)
         assert [arena.meta_prefix_id(s) for s in range(arena.num_slots)] == [lay.prefix.id] * 3
         slot = arena.newest_complete()
         meta = json.loads(arena.read_meta(slot))  # CRC-checked over prefix + suffix

@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from helpers import parts
 from test_boundary_reads import DRAWS, HostText, _same
 
 from cudasnap import Snapshotter
@@ -169,10 +170,10 @@ def test_boundary_skips_arena_prep_while_the_arena_fits(snap_env, monkeypatch):
         snap.boundary(4)
         snap.wait()
         assert len(calls) == 2
-        cap = snap._arena.meta_capacity
+        cap = parts.arena(snap).meta_capacity
         snap.boundary(5, blob="x" * cap)  # a suffix beyond the meta area: asked again
         snap.wait()
-        assert len(calls) == 3 and snap._arena.meta_capacity > cap
+        assert len(calls) == 3 and parts.arena(snap).meta_capacity > cap
         assert snap.stats()["snapshots"] == 6
     finally:
         snap.close()

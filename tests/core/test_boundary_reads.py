@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import parts
 
 from cudasnap import Snapshotter
 from cudasnap.core import layout_watch
@@ -145,7 +146,7 @@ def test_boundary_does_not_call_the_rng_getters_when_nothing_drew(snap_env):
         opt.step()
         snap.boundary(4)
         snap.wait()
-        meta = json.loads(snap._arena.read_meta(snap._arena.newest_complete()))
+        meta = json.loads(parts.arena(snap).read_meta(parts.arena(snap).newest_complete()))
         got = codec.decode(meta["host"], "host")["rng"]["torch"]
         assert got == torch.get_rng_state().numpy().tobytes()
     finally:

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from helpers import parts
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -148,7 +149,7 @@ def test_fullgraph_inductor_fences_a_stalled_copy_every_step(snap_env):
             want = _state(model, opt)
             eng.set_test_chunk_delay_us(30_000_000)  # stalled until the timer below
             snap.boundary(step)
-            job = snap._job
+            job = parts.job(snap)
             assert job is not None and not job.done(0)
             threading.Timer(0.3, eng.set_test_chunk_delay_us, (0,)).start()
             del phases[:]

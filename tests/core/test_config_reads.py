@@ -139,29 +139,29 @@ def _bad(name: str, value: str):
 @pytest.mark.parametrize("value,allowed", [("1", True), ("true", True), ("0", False),
                                            ("false", False), ("no", False), ("", False)])
 def test_allow_foreign_owner_is_the_settings_boolean(monkeypatch, tmp_path, value, allowed):
-    from cudasnap.storage import posix
+    from cudasnap.storage import safe_io
 
     p = tmp_path / "f"
     p.write_bytes(b"x")
     os.chown(p, 12345, 12345)
     monkeypatch.setenv("CUDASNAP_ALLOW_FOREIGN_OWNER", value)
     if allowed:
-        posix._check_trust(p, p.stat(), None)
+        safe_io._check_trust(p, p.stat(), None)
     else:  # before: any value but "" and "0" allowed ("false" too)
         with pytest.raises(ConfigError, match="owned by uid 12345"):
-            posix._check_trust(p, p.stat(), None)
+            safe_io._check_trust(p, p.stat(), None)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown a file to another user")
 def test_allow_foreign_owner_bad_value(monkeypatch, tmp_path):
-    from cudasnap.storage import posix
+    from cudasnap.storage import safe_io
 
     p = tmp_path / "f"
     p.write_bytes(b"x")
     os.chown(p, 12345, 12345)  # the variable is consulted for another user's file only
     monkeypatch.setenv("CUDASNAP_ALLOW_FOREIGN_OWNER", "maybe")
     with _bad("CUDASNAP_ALLOW_FOREIGN_OWNER", "maybe"):
-        posix._check_trust(p, p.stat(), None)
+        safe_io._check_trust(p, p.stat(), None)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from helpers import parts
 
 import cudasnap
 from cudasnap.core.live_tensor import LiveTensor
@@ -66,9 +67,9 @@ def test_layout_table_matches_the_reference_entries(snap_env) -> None:
     try:
         snap.boundary(0)
         assert snap.wait(60)
-        lay = snap._layout
+        lay = parts.layout(snap)
         assert lay is not None
-        from cudasnap.core.plan import make_plan
+        from cudasnap.core.layout import make_plan
 
         _, offsets = make_plan(lay.tensors, None, snap.chunk_bytes)
         for lt, off in zip(lay.tensors, offsets):

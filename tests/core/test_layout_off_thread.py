@@ -15,10 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import parts
 from torch import nn
 
 import cudasnap
-from cudasnap.core.layout import Layouts
+from cudasnap.core.layouts import Layouts
 
 
 class Many(nn.Module):
@@ -249,7 +250,7 @@ def test_close_after_a_deferred_rebuild_saves_that_step(snap_env):
     _join_build(snap)
     _step(m, opt)
     snap.boundary(1)
-    assert snap.wait(30) and snap._arena is not None
+    assert snap.wait(30) and parts.arena(snap) is not None
     assert snap.flush() is not None  # step 1 on disk: close()'s final flush has nothing new
     snap.invalidate_layout()
     _step(m, opt)
@@ -334,7 +335,7 @@ def test_a_parked_build_thread_ends_with_close_and_small_states_park_none(snap_e
 def test_a_deferring_boundary_that_raises_still_lets_its_build_go(snap_env, monkeypatch):
     """The boundary's host state failing after the build was asked for: the build still
     runs (it is let go in a ``finally``), and the next boundary adopts it."""
-    from cudasnap.core.submit import Copier
+    from cudasnap.core.copier import Copier
 
     m, opt = _trained(600)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")

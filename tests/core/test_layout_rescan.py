@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import parts
 
 import cudasnap
 from cudasnap.storage import posix
@@ -41,7 +42,7 @@ def _run(tmp: Path, hooked: bool, boundaries: int, change=None):  # type: ignore
     model = _model(hooked)
     opt = torch.optim.AdamW(model.parameters())
     snap = cudasnap.Snapshotter(model, opt, directory=tmp, backend="cpu", health=False)
-    snap.RESCAN_EVERY = 1  # a re-scan starts every boundary the last one ended
+    parts.set_rescan_every(snap, 1)  # a re-scan starts every boundary the last one ended
     snap.state.SCAN_PIECE = 2  # many pieces, one per boundary
     try:
         _step(model, opt)
@@ -65,7 +66,7 @@ def test_unchanged_state_never_rebuilds(tmp_path: Path, hooked: bool) -> None:
     rebuilt, snap = _run(tmp_path, hooked, 40)
     try:
         assert rebuilt == 0  # tied weight, non-persistent buffer, hooked module: no false alarm
-        assert snap._layout is not None and snap._layout.rescan_every == 1
+        assert parts.layout(snap) is not None and parts.layout(snap).rescan_every == 1
     finally:
         snap.close(flush=False)
 
@@ -95,7 +96,7 @@ def test_a_tensor_added_to_optimizer_state_is_found(tmp_path: Path) -> None:
     rebuilt, snap = _run(tmp_path, False, 30, add)
     try:
         assert rebuilt == 1
-        assert any(lt.state_key == "ema" for lt in snap._layout.tensors)
+        assert any(lt.state_key == "ema" for lt in parts.layout(snap).tensors)
     finally:
         snap.close(flush=False)
 

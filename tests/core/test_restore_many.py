@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from helpers import parts
 from torch import nn
 
 import cudasnap
@@ -269,7 +270,7 @@ def test_a_damaged_slot_is_reported_as_such_and_copies_nothing(snap_env, incompa
         snap.arena_ready()
         snap.boundary(0)
         snap.wait()
-        arena = snap._arena
+        arena = parts.arena(snap)
         slot = arena.newest_complete()
         where = f"{arena.path} slot {slot}"
         if incompatible:  # a live tensor of another shape: the state check fails too
@@ -287,4 +288,4 @@ def test_a_damaged_slot_is_reported_as_such_and_copies_nothing(snap_env, incompa
     finally:
         snap.close()
     assert all(bool(p.eq(7.0).all()) for p in m.parameters())
-    assert snap._partly_applied is None
+    assert parts.partly_applied(snap) is None

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from helpers import parts
 from helpers.trainlib import Job
 
 import cudasnap
@@ -66,7 +67,7 @@ def test_newest_step_stays_snapshotted_while_a_flush_holds_a_slot(snap_env, monk
     t.start()
     try:
         assert entered.wait(30)
-        arena = snap._arena
+        arena = parts.arena(snap)
         leased = [i for i in range(arena.num_slots) if arena.leases(i)]
         assert len(leased) == 1 and arena.slot_info(leased[0])["step"] == 2
         for step in range(3, 8):
@@ -97,7 +98,7 @@ def test_spare_slot_can_be_turned_off(snap_env):
         job.step()
         snap.boundary(0)
         snap.wait()
-        assert snap._arena.num_slots == 2 and snap.stats()["spare_slot_bytes"] == 0
+        assert parts.arena(snap).num_slots == 2 and snap.stats()["spare_slot_bytes"] == 0
     finally:
         snap.close()
 

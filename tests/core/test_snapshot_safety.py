@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import parts
 from torch import nn
 
 import cudasnap
@@ -83,7 +84,7 @@ def test_regrowth_releases_old_arena_first_and_keeps_last_snapshot(snap_env):
         _step(model, opt)  # Adam state appears: the state grows
         snap._backend.engine.set_test_chunk_delay_us(30_000_000)  # the new copy stalls until released
         snap.boundary(1)
-        assert not snap._job.done(1)  # step 1 is not COMPLETE yet
+        assert not parts.job(snap).done(1)  # step 1 is not COMPLETE yet
         assert mapped_at_create == [0, 0], "the old arena was still mapped at re-creation"
         assert 0 in _reachable_steps(snap_env), "step 0 is lost while step 1 copies"
         assert snap.stats()["arena_regrowths"] == 1
@@ -158,7 +159,7 @@ def test_flush_is_not_blocked_by_a_submit_inside_the_engine(snap_env):
                 release.wait(60)
                 return real.submit(*a)
 
-        snap._backend.engine = Stuck()
+        parts.swap_engine(snap, Stuck())
         t = threading.Thread(target=snap.boundary, args=(1,))
         t.start()
         assert entered.wait(30)
@@ -167,7 +168,7 @@ def test_flush_is_not_blocked_by_a_submit_inside_the_engine(snap_env):
         assert path is not None and [s.step for s in posix.list_snapshots(snap_env.dir)] == [0]
         release.set()
         t.join(60)
-        snap._backend.engine = real
+        parts.swap_engine(snap, real)
         assert snap.wait(30)
     finally:
         snap.close()
@@ -203,10 +204,10 @@ def test_public_fence_orders_a_write_the_hooks_do_not_see(snap_env):
         want = w.detach().clone()
         eng.set_test_chunk_delay_us(30_000_000)  # stalled until released below
         snap.boundary(1)
-        assert not snap._job.done(1)
+        assert not parts.job(snap).done(1)
         threading.Timer(0.2, eng.set_test_chunk_delay_us, (0,)).start()
         snap.fence()  # before an EMA-style in-place write outside optimizer.step()
-        assert snap._job is None or snap._job.done(1)
+        assert parts.job(snap) is None or parts.job(snap).done(1)
         with torch.no_grad():
             w.lerp_(ema[0] + 1, 0.5)
         assert snap.wait(30)
@@ -235,7 +236,7 @@ def test_invalidate_layout_keeps_old_tensors_alive_until_the_copy_completes(snap
         snap.invalidate_layout()
         del old
         gc.collect()
-        assert not snap._job.done(1)
+        assert not parts.job(snap).done(1)
         assert ref() is not None, "the running copy's tensor was freed under it"
         snap._backend.engine.set_test_chunk_delay_us(0)
         assert snap.wait(30)
@@ -260,10 +261,10 @@ def test_step_hook_fence_waits_for_a_stalled_copy(snap_env):
         want = {k: v.detach().clone() for k, v in model.state_dict().items()}
         eng.set_test_chunk_delay_us(30_000_000)
         snap.boundary(1)
-        assert not snap._job.done(1)
+        assert not parts.job(snap).done(1)
         threading.Timer(0.2, eng.set_test_chunk_delay_us, (0,)).start()
         _step(model, opt)  # the step pre-hook (and BatchNorm's forward hook) must wait
-        assert snap._job is None or snap._job.done(1)
+        assert parts.job(snap) is None or parts.job(snap).done(1)
         assert snap.wait(30)
         m2, o2 = _adam()
         snap.close(keep_arena=True)

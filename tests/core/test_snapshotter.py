@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import layout as L
+from helpers import parts
 from helpers.trainlib import Job
 from torch import nn
 
@@ -166,7 +167,7 @@ def test_corrupt_shared_memory_slot_falls_back_to_older_slot(snap_env, caplog):
         if step == 1:
             snap.flush()
     snap.wait()
-    arena = snap._arena
+    arena = parts.arena(snap)
     slot = arena.newest_complete()
     assert arena.slot_info(slot)["step"] == 2
     snap.close(keep_arena=True)

@@ -32,6 +32,7 @@ if _TESTS not in sys.path:  # tests/ (helpers) when run as a child
 
 import pytest
 import torch
+from helpers import parts
 from helpers.children import last_json, run_script
 from helpers.trainlib import adam_step as _step
 from helpers.trainlib import small_adam as _adam
@@ -39,7 +40,7 @@ from helpers.trainlib import small_adam as _adam
 import cudasnap
 from cudasnap._testing import arena_gate
 from cudasnap.core import arena_exit, early
-from cudasnap.core.submit import Copier
+from cudasnap.core.copier import Copier
 from cudasnap.storage import posix as store
 
 CHUNK = 64 << 10
@@ -89,7 +90,7 @@ def _unready_run(env, steps, **kw):
     """A fresh attempt whose arena set-up is held: every boundary is skipped."""
     model, opt = _adam()
     snap = _snap(env.dir, model, opt, **kw)
-    assert snap._prep.busy and snap.stats()["arena_preparing"]
+    assert parts.prep(snap).busy and snap.stats()["arena_preparing"]
     for step in range(steps):
         _step(model, opt)
         snap.boundary(step)
@@ -241,7 +242,7 @@ def _child_kill(directory: str) -> None:
     assert snap.wait(60)
     st = snap.stats()
     digest = {k: v.double().sum().item() for k, v in _state(model, opt).items()}
-    print(json.dumps({"start": start, "last": start + 2, "held": snap._prep.busy,
+    print(json.dumps({"start": start, "last": start + 2, "held": parts.prep(snap).busy,
                       "skipped_not_ready": st["skipped_not_ready"], "digest": digest}),
           flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

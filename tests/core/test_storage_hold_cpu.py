@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import parts
 from helpers.slots import read_slot
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -51,12 +52,12 @@ def test_swapped_parameter_storage_held_during_cpu_copy(snap_env, native_C):
             x = torch.empty_like(p)  # the freed memory, were nothing holding it
             x.copy_(torch.full_like(p, 99.0))
             junk.append(x)
-        assert not snap._job.done(1)
+        assert not parts.job(snap).done(1)
         freed = [i for i, (r, _) in enumerate(olds) if r.expired()]
         reused = {x.data_ptr() for x in junk} & {ptr for _, ptr in olds}
         snap._backend.engine.set_test_chunk_delay_us(0)
         assert snap.wait(30)
-        step, got = _slot_bytes(snap._arena, snap._arena.newest_complete())
+        step, got = _slot_bytes(parts.arena(snap), parts.arena(snap).newest_complete())
         assert step == 2
         bad = sorted(n for n in want if got[n] != want[n])
         assert bad == [], f"the COMPLETE slot does not hold the state at boundary(2): {bad}"

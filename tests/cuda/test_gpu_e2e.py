@@ -43,6 +43,7 @@ for _p in (str(REPO), str(HERE.parent)):  # the repository; tests/ (helpers) whe
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import parts  # noqa: E402
 from helpers.children import last_json, run_script  # noqa: E402
 from helpers.slots import read_slot  # noqa: E402
 from torch import nn  # noqa: E402
@@ -163,7 +164,7 @@ def accept_fallback(reason: str | None) -> bool:
 def make_snap(model: nn.Module, opt: Any, directory: Path, job: str, **kw: Any) -> Any:
     """A Snapshotter whose staging arena is ready: the state is over
     CUDASNAP_ARENA_SYNC_MAX_BYTES, so the arena is made in the background and a boundary
-    before it is ready would be skipped (and ``snap._arena`` still None)."""
+    before it is ready would be skipped (and the keeper's arena still None)."""
     import cudasnap
 
     snap = cudasnap.Snapshotter(model, opt, directory=directory, job=job, health=False, **kw)
@@ -214,7 +215,7 @@ def check_snapshots_equal_clone(snap: Any, model: nn.Module, opt: Any, steps: in
         train_step(model, opt, i)  # writes the state the previous boundary is copying
         if i - 1 in expected:
             assert snap.wait(timeout=120), "snapshot did not complete"
-            arena = snap._arena
+            arena = parts.arena(snap)
             info, got = read_slot(arena, arena.newest_complete())
             assert info["step"] == i - 1 and info["meta_step"] == i - 1, info
             bad = diff_names(got, expected.pop(i - 1))
@@ -223,11 +224,11 @@ def check_snapshots_equal_clone(snap: Any, model: nn.Module, opt: Any, steps: in
         if i == start + steps:
             break
         expected[i] = live_state(snap)  # synchronous reference, same boundary
-        if snap._cuda is not None:  # the engine exists from the first boundary on
-            snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
+        if parts.cuda(snap) is not None:  # the engine exists from the first boundary on
+            parts.cuda(snap).engine.set_test_copy_delay_us(COPY_DELAY_US)
         snap.boundary(i)
-    if snap._cuda is not None:
-        snap._cuda.engine.set_test_copy_delay_us(0)
+    if parts.cuda(snap) is not None:
+        parts.cuda(snap).engine.set_test_copy_delay_us(0)
     return checked
 
 
@@ -259,7 +260,7 @@ def check_rollback(snap: Any, model: nn.Module, opt: Any, first: int, more: int 
     train_step(model, opt, first + 1)
     snap.boundary(first + 1)
     assert snap.wait(timeout=120)
-    assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == first + 1
+    assert parts.arena(snap).slot_info(parts.arena(snap).newest_complete())["step"] == first + 1
 
 
 def ema_bytes(ema: nn.Module) -> tuple[int, torch.Tensor]:
@@ -301,7 +302,7 @@ def child_crash(a: argparse.Namespace) -> None:
     assert snap.wait(timeout=120)
     save_npz(a.out, live_state(snap))
     print(json.dumps({"pid": os.getpid(), "arena": str(snap.arena_path),
-                      "private_arena_reason": snap._cuda.fallback_reason,
+                      "private_arena_reason": parts.cuda(snap).fallback_reason,
                       "backend": snap.stats()["backend"]}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit, no finally
 
@@ -327,18 +328,18 @@ def child_expandable(a: argparse.Namespace) -> None:
     try:
         checked = check_snapshots_equal_clone(snap, model, opt, steps=4)
         check_rollback(snap, model, opt, first=10)
-        reg = snap._cuda.registry
+        reg = parts.cuda(snap).registry
         segs = list(reg.segments(0)) if reg is not None else []
         ema = copy.deepcopy(model)
         cov = snap.coverage()
         nbytes, largest = ema_bytes(ema)
         res = {"ok": True, "expandable": expandable, "checked": checked,
-               "tracking": reg is not None, "tracker_error": snap._cuda.tracker_error,
+               "tracking": reg is not None, "tracker_error": parts.cuda(snap).tracker_error,
                "any_expandable_segment": any(bool(s[2]) for s in segs),
-               "ranges": int(snap._layout.plan.num_ranges),
+               "ranges": int(parts.layout(snap).plan.num_ranges),
                "ema_bytes": nbytes, "uncovered_bytes": cov.get("uncovered_bytes"),
                "ema_listed": bool(cov.get("available")) and block_listed(cov, largest),
-               "private_arena_reason": snap._cuda.fallback_reason}
+               "private_arena_reason": parts.cuda(snap).fallback_reason}
     finally:
         snap.close()
     print(json.dumps(res), flush=True)
@@ -381,7 +382,7 @@ def test_snapshot_equals_sync_clone_while_training_writes(cuda_snap, fused):
     assert st["backend"] == "cuda" and st["snapshots"] == 6 and st["skipped"] == 0, st
     assert st["last_copy_gbps"] and st["last_copy_gbps"] > 0, st
     assert st["staging"]["page_locked"], st["staging"]  # shared + registered, or private pinned
-    assert snap._arena.shared or accept_fallback(snap._cuda.fallback_reason), st["staging"]
+    assert parts.arena(snap).shared or accept_fallback(parts.cuda(snap).fallback_reason), st["staging"]
 
 
 @gpu
@@ -542,15 +543,15 @@ def check_regrowth(snap: Any, model: nn.Module, opt: Any, directory: Path, devic
     assert any(s.step == 0 for s in posix.list_snapshots(directory)), \
         "step 0 was not written to disk before its arena was replaced"
     if device == "cuda":
-        assert snap._cuda.stats()["registered_arenas"] == 0  # the old one: unregistered
+        assert parts.cuda(snap).stats()["registered_arenas"] == 0  # the old one: unregistered
     train_step(model, opt, 2, device)
     snap.boundary(2)  # adopts the new arena
     assert snap.wait(timeout=120)
     st = snap.stats()
     assert st["snapshots"] == 2 and st["arena_regrowths"] == 1, st
-    assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 2
+    assert parts.arena(snap).slot_info(parts.arena(snap).newest_complete())["step"] == 2
     if device == "cuda":
-        assert snap._cuda.stats()["registered_arenas"] == 1
+        assert parts.cuda(snap).stats()["registered_arenas"] == 1
         stg = st["staging"]
         assert stg["page_locked"], stg
         accept_fallback(stg["fallback_reason"])

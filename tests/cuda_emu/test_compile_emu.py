@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from emu_train import build, diff, state_bytes
+from helpers import parts
 from helpers.slots import read_slot
 from torch._dynamo.utils import counters
 
@@ -54,21 +55,21 @@ def test_compiled_step_snapshot_bytes_equal_state_at_boundary(snap_env: Any, emu
             cmodel(i)
             cstep()
             want = state_bytes(snap)
-            if snap._cuda is not None:  # built by the first boundary
-                snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
+            if parts.cuda(snap) is not None:  # built by the first boundary
+                parts.cuda(snap).engine.set_test_copy_delay_us(COPY_DELAY_US)
             snap.boundary(i)
             del phases[:]
             cmodel(1000 + i)  # compiled: fenced by the traced forward pre-hook
             cstep()  # compiled: fenced by the traced step pre-hook
             assert 0 in phases and 1 in phases, phases
             assert snap.wait(timeout=60), "snapshot did not complete"
-            info, got = read_slot(snap._arena, snap._arena.newest_complete())
+            info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
             assert info["step"] == i
             if i > 0:  # the first boundary builds the engine: its copy is not delayed
                 bad = diff(got, want)
                 assert not bad, f"step {i}: slot differs from the state at the boundary: {bad}"
                 checked += 1
-        snap._cuda.engine.set_test_copy_delay_us(0)
+        parts.cuda(snap).engine.set_test_copy_delay_us(0)
         assert checked == 3
         assert snap.stats()["backend"] == "cuda"
     finally:
@@ -96,10 +97,10 @@ def _counts(snap_env: Any, model: Any, attach: bool) -> tuple[int, int]:
             cmodel(i)
             if snap is not None:  # the next forward meets this copy running (delayed)
                 snap.boundary(i)
-                snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
+                parts.cuda(snap).engine.set_test_copy_delay_us(COPY_DELAY_US)
         if snap is not None:
             assert snap.wait(timeout=60)
-            snap._cuda.engine.set_test_copy_delay_us(0)
+            parts.cuda(snap).engine.set_test_copy_delay_us(0)
             assert any("cudasnap.fence" in str(gm.code) for gm in graphs)
         return sum(counters["graph_break"].values()), len(graphs)
     finally:
@@ -131,7 +132,7 @@ def test_compiled_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> No
         cmodel(1)
         cstep()
         want = state_bytes(snap)
-        emu.hold(snap._cuda.engine.copy_stream)
+        emu.hold(parts.cuda(snap).engine.copy_stream)
         try:
             snap.boundary(1)
             cmodel(1001)
@@ -139,7 +140,7 @@ def test_compiled_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> No
         finally:
             emu.release()
         assert snap.wait(timeout=60)
-        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert info["step"] == 1
         assert sorted(diff(got, want)) == sorted(want), "every tensor was overwritten first"
     finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from emu_train import build, diff, pattern, state_bytes
+from helpers import parts
 from helpers.slots import read_slot
 
 
@@ -63,12 +64,12 @@ def test_capture_while_copying_then_fenced_replays_snapshot_bitwise(snap_env: An
                                                                     ) -> None:
     model, opt, snap = make(snap_env)
     try:
-        emu.hold(snap._cuda.engine.copy_stream)
+        emu.hold(parts.cuda(snap).engine.copy_stream)
         try:
             snap.boundary(1)  # a copy in flight (held) during the whole capture
-            assert snap._cuda.engine.busy
+            assert parts.cuda(snap).engine.busy
             step = GraphStep(snap)  # raises if the capture was invalidated
-            assert snap._cuda.engine.busy
+            assert parts.cuda(snap).engine.busy
         finally:
             emu.release()
         assert snap.wait(timeout=60)
@@ -77,19 +78,19 @@ def test_capture_while_copying_then_fenced_replays_snapshot_bitwise(snap_env: An
             snap.fence()  # the documented call before a graph replay writes the state
             step.graph.replay()
             want = state_bytes(snap)
-            snap._cuda.engine.set_test_copy_delay_us(20_000)  # the copy starts late
+            parts.cuda(snap).engine.set_test_copy_delay_us(20_000)  # the copy starts late
             snap.boundary(i)
             step.refill(1000 + i)
             snap.fence()
             step.graph.replay()  # the next step's writes: behind the copy of step i
             assert snap.wait(timeout=60)
-            info, got = read_slot(snap._arena, snap._arena.newest_complete())
+            info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
             assert info["step"] == i
             assert diff(got, want) == [], f"step {i}: the replay overtook the copy"
             assert diff(state_bytes(snap), want) != []  # and the replay did write
         assert emu.counter("captures") == 0
     finally:
-        snap._cuda.engine.set_test_copy_delay_us(0)
+        parts.cuda(snap).engine.set_test_copy_delay_us(0)
         snap.close()
 
 
@@ -101,7 +102,7 @@ def test_replay_without_the_fence_tears_the_snapshot(snap_env: Any, emu: Any) ->
         step.refill(7)
         step.graph.replay()
         want = state_bytes(snap)
-        emu.hold(snap._cuda.engine.copy_stream)
+        emu.hold(parts.cuda(snap).engine.copy_stream)
         try:
             snap.boundary(1)
             step.refill(8)
@@ -110,7 +111,7 @@ def test_replay_without_the_fence_tears_the_snapshot(snap_env: Any, emu: Any) ->
         finally:
             emu.release()
         assert snap.wait(timeout=60)
-        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert info["step"] == 1
         assert sorted(diff(got, want)) == sorted(want)
     finally:

@@ -30,6 +30,7 @@ for p in (str(REPO), str(REPO / "tests"), str(HERE)):
 
 import torch  # noqa: E402
 from emu_train import build, diff, state_bytes, train_step  # noqa: E402
+from helpers import parts  # noqa: E402
 from helpers.children import last_json, run_script  # noqa: E402
 from helpers.slots import read_slot  # noqa: E402
 
@@ -51,18 +52,18 @@ def run_steps_checked(snap: Any, model: Any, opt: Any, steps: int, start: int = 
     for i in range(start, start + steps):
         train_step(model, opt, i)
         want = state_bytes(snap)
-        if snap._cuda is not None:
-            snap._cuda.engine.set_test_copy_delay_us(COPY_DELAY_US)
+        if parts.cuda(snap) is not None:
+            parts.cuda(snap).engine.set_test_copy_delay_us(COPY_DELAY_US)
         snap.boundary(i)
         train_step(model, opt, 1000 + i)  # writes the state being copied, behind the fences
         assert snap.wait(timeout=60), "snapshot did not complete"
-        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert info["step"] == i
         if i > start:  # the first boundary builds the engine: its copy is not delayed
             bad = diff(got, want)
             assert not bad, f"step {i}: slot differs from the state at the boundary: {bad}"
             checked += 1
-    snap._cuda.engine.set_test_copy_delay_us(0)
+    parts.cuda(snap).engine.set_test_copy_delay_us(0)
     return checked
 
 
@@ -76,10 +77,10 @@ def test_snapshot_bytes_equal_state_at_boundary(snap_env: Any, emu: Any) -> None
         assert run_steps_checked(snap, model, opt, steps=4) == 3
         st = snap.stats()
         assert st["backend"] == "cuda"
-        assert snap._cuda.fallback_reason is None  # the shm arena itself is page-locked
-        assert emu.is_pinned(snap._arena.data_ptr(0), 1)
+        assert parts.cuda(snap).fallback_reason is None  # the shm arena itself is page-locked
+        assert emu.is_pinned(parts.arena(snap).data_ptr(0), 1)
         assert emu.counter("cudaMemcpyAsync") > before  # the engine's D2H copies ran here
-        assert snap._cuda.engine.last_memcpy_calls >= 1
+        assert parts.cuda(snap).engine.last_memcpy_calls >= 1
     finally:
         snap.close()
 
@@ -96,7 +97,7 @@ def test_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> None:
         snap._copier.fence = lambda phase: None  # the hooks call it: now they order nothing
         train_step(model, opt, 1)
         want = state_bytes(snap)
-        copy = snap._cuda.engine.copy_stream
+        copy = parts.cuda(snap).engine.copy_stream
         emu.hold(copy)
         snap.boundary(1)
         stepped = threading.Event()
@@ -107,7 +108,7 @@ def test_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> None:
         waiter.join(60)
         assert not waiter.blocked, "the unfenced step waited for the copy stream"
         assert snap.wait(timeout=60)
-        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert info["step"] == 1
         assert sorted(diff(got, want)) == sorted(want), "every tensor was overwritten first"
     finally:
@@ -195,21 +196,19 @@ def test_gather_kernel_copies_small_ranges(snap_env: Any, emu: Any) -> None:
         train_step(model, opt, 0)
         snap.boundary(0)  # builds the backend
         assert snap.wait(timeout=60)
-        old = snap._cuda.engine
         gather = _cuda.native().CudaCopyEngine(0, 1, True, 1 << 30)
         assert gather.gather_small and gather.gather_max_bytes == 1 << 30
-        snap._cuda.engine = gather
-        snap._backend.engine = gather
+        old = parts.swap_engine(snap, gather)
         launches = emu.counter("kernel_launches")
         train_step(model, opt, 1)
         want = state_bytes(snap)
         snap.boundary(1)
         assert snap.wait(timeout=60)
-        _, got = read_slot(snap._arena, snap._arena.newest_complete())
+        _, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert diff(got, want) == []
         assert gather.last_gathered >= 1 and gather.last_memcpy_calls == 0
         assert emu.counter("kernel_launches") > launches
-        snap._cuda.engine = snap._backend.engine = old
+        parts.swap_engine(snap, old)
         gather.shutdown(10.0)
     finally:
         snap.close()
@@ -225,15 +224,15 @@ def test_pinned_fallback_when_registration_is_refused(snap_env: Any, emu: Any,
     snap = make_snap(model, opt, snap_env.dir, snap_env.job)
     try:
         assert run_steps_checked(snap, model, opt, steps=3) == 2
-        reason = snap._cuda.fallback_reason
+        reason = parts.cuda(snap).fallback_reason
         assert reason and "cudaHostRegister" in reason and "cudaErrorNotSupported" in reason
-        assert not snap._arena.shared
+        assert not parts.arena(snap).shared
         staging = snap.stats()["staging"]
         assert staging["survives_crash"] is False and "cudaHostRegister" in staging["fallback_reason"]
         warned = [r for r in caplog.records if r.levelno == logging.WARNING
                   and "NOT survive a crash" in r.getMessage()]
         assert warned and "Fix:" in warned[0].getMessage(), caplog.text
-        assert emu.is_pinned(snap._arena.data_ptr(0), 1)  # cudaHostAlloc'd
+        assert emu.is_pinned(parts.arena(snap).data_ptr(0), 1)  # cudaHostAlloc'd
         assert snap.flush() is not None  # the in-process flush still works
     finally:
         snap.close()
@@ -388,7 +387,7 @@ def child_sticky(a: argparse.Namespace) -> None:
         snap.wait(timeout=60)
     except CudaError as e:
         job_err = str(e)
-    arena = snap._arena
+    arena = parts.arena(snap)
     newest = arena.newest_complete()
     err = ""
     try:
@@ -440,7 +439,7 @@ def child_expandable(a: argparse.Namespace) -> None:
         assert snap.arena_ready(120)
         start = 1
     checked = run_steps_checked(snap, model, opt, steps=3, start=start)
-    reg = snap._cuda.registry
+    reg = parts.cuda(snap).registry
     segs = list(reg.segments(0)) if reg is not None else []
     print(json.dumps({"checked": checked, "tracking": reg is not None,
                       "expandable_segments": sum(1 for s in segs if s[2]),

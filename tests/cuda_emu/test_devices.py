@@ -29,6 +29,7 @@ for p in (str(REPO), str(REPO / "tests"), str(HERE)):
         sys.path.insert(0, p)
 
 import pytest  # noqa: E402
+from helpers import parts  # noqa: E402
 
 DEVICES = 4
 
@@ -74,7 +75,7 @@ def child(mode: str, directory: str) -> dict[str, Any]:
         want = state_bytes(snap)
         snap.flush()
         out["backend"] = snap.stats()["backend"]
-        out["private_pinned"] = snap._cuda.fallback_reason is not None
+        out["private_pinned"] = parts.cuda(snap).fallback_reason is not None
     finally:
         snap.close()
     model2, opt2 = build(seed=5, device=dev)

@@ -36,6 +36,7 @@ for p in (str(REPO), str(BENCH), str(REPO / "tests"), str(REPO / "tests" / "cuda
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import parts  # noqa: E402
 from test_gpu_e2e import LazyMomentum  # noqa: E402  (the regrowth test's optimizer)
 
 MiB = 1 << 20
@@ -122,7 +123,7 @@ def test_a_boundary_before_the_background_arena_is_skipped(snap_env: Any, emu: A
         snap.boundary(0)
         st = snap.stats()
         assert st["snapshots"] == 0 and st["skipped_not_ready"] == 1, st
-        assert snap._arena is None
+        assert parts.arena(snap) is None
         gate.set()
         assert snap.arena_ready(60)
         snap.boundary(1)
@@ -165,7 +166,7 @@ def test_lazy_optimizer_regrows_the_arena_once_on_cuda(snap_env: Any, emu: Any) 
         assert snap.arena_ready(60)
         st = snap.stats()
         assert st["arena_regrowths"] == 1 and st["skipped_not_ready"] == 1, st
-        assert snap._cuda.stats()["registered_arenas"] == 0  # the old arena: unregistered
+        assert parts.cuda(snap).stats()["registered_arenas"] == 0  # the old arena: unregistered
         assert emu.counter("pinned_ranges") == pinned0 + 1  # only the new one is pinned
         assert any(s.step == 0 for s in posix.list_snapshots(snap_env.dir))
         step(2)
@@ -173,8 +174,8 @@ def test_lazy_optimizer_regrows_the_arena_once_on_cuda(snap_env: Any, emu: Any) 
         assert snap.wait(timeout=60)
         st = snap.stats()
         assert st["snapshots"] == 2 and st["arena_regrowths"] == 1, st
-        assert snap._cuda.stats()["registered_arenas"] == 1
-        assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 2
+        assert parts.cuda(snap).stats()["registered_arenas"] == 1
+        assert parts.arena(snap).slot_info(parts.arena(snap).newest_complete())["step"] == 2
     finally:
         snap.close()
 

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 import torch
+from helpers import parts
 
 N = 1200  # parameters, each its own small device tensor
 
@@ -42,7 +43,7 @@ def _snap(env: Any, m: torch.nn.Module) -> Any:
 
 def test_the_plan_and_the_cuda_engine_are_made_off_the_training_thread(snap_env: Any,
                                                                        emu: Any) -> None:
-    from cudasnap.core.layout import Layouts
+    from cudasnap.core.layouts import Layouts
 
     made: list[str] = []
     real = Layouts._build_layout
@@ -62,7 +63,7 @@ def test_the_plan_and_the_cuda_engine_are_made_off_the_training_thread(snap_env:
         assert b is not None
         b.thread.join(120)
         assert made == ["cudasnap-layout"]
-        assert snap.stats()["backend"] == "cuda" and snap._cuda is not None
+        assert snap.stats()["backend"] == "cuda" and parts.cuda(snap) is not None
         _set(m, 100.0)
         snap.boundary(1)  # adopts the plan: the CUDA engine copies
         assert snap.wait(60)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import parts
 
 from cudasnap import _C
 from cudasnap.errors import SnapshotError
@@ -48,7 +49,7 @@ def make_snap(env: Any, **kw: Any) -> tuple[Any, torch.nn.Module]:
     snap = cudasnap.Snapshotter(model, opt, directory=env.dir, job=env.job, health=False, **kw)
     snap.boundary(0)
     assert snap.wait(timeout=60), "the first snapshot did not complete"
-    assert snap._cuda is not None and snap._arena is not None
+    assert parts.cuda(snap) is not None and parts.arena(snap) is not None
     return snap, model
 
 
@@ -170,18 +171,18 @@ def test_capture_while_a_snapshot_copy_is_in_flight(emu: Any, snap_env: Any) -> 
         snapshots = snap.stats()["snapshots"]
         # The copy stream runs nothing until released: the copy is in flight, and the
         # completion thread polls its events all through the capture, whatever the load.
-        emu.hold(snap._cuda.engine.copy_stream)
+        emu.hold(parts.cuda(snap).engine.copy_stream)
         try:
             snap.boundary(1)
-            assert snap._cuda.engine.busy, "the snapshot copy should be in flight"
+            assert parts.cuda(snap).engine.busy, "the snapshot copy should be in flight"
             g, static, src = capture_copy(lambda: time.sleep(0.1))
-            assert snap._cuda.engine.busy, "the copy should have been in flight during the capture"
+            assert parts.cuda(snap).engine.busy, "the copy should have been in flight during the capture"
         finally:
             emu.release()
         replay_checks(g, static, src)
         assert snap.wait(timeout=60), "the snapshot copy did not complete"
         assert snap.stats()["snapshots"] == snapshots + 1
-        assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 1
+        assert parts.arena(snap).slot_info(parts.arena(snap).newest_complete())["step"] == 1
     finally:
         snap.close()
 
@@ -397,7 +398,7 @@ def test_the_copies_between_two_marks_go_out_as_one_batch(snap_env: Any, emu: An
         for step in range(2):
             snap.boundary(step)
             assert snap.wait(timeout=60)
-        eng = snap._cuda.engine
+        eng = parts.cuda(snap).engine
         ranges = snap.stats()["layout"]["copy_ranges"]  # (the allocator decides how many)
         assert ranges >= 2
         batches = emu.counter("cudaMemcpyBatchAsync") - before
@@ -451,7 +452,7 @@ def test_a_progress_mark_follows_the_copies_before_it(snap_env: Any, emu: Any) -
             assert snap.wait(timeout=60)
         finally:
             emu.fault("copy_delay_us:0")
-        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert info["step"] == 1
         for name, t in want.items():
             assert torch.equal(got[name].view(torch.float32), t), name

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from emu_train import build, diff, pattern, state_bytes, train_step
+from helpers import parts
 from helpers.slots import read_slot
 
 
@@ -45,7 +46,7 @@ def started(snap_env: Any, split: bool = False) -> tuple[Any, Any, Any]:
 
 
 def newest_slot(snap: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    return read_slot(snap._arena, snap._arena.newest_complete())
+    return read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
 
 
 def slot_diff(snap: Any, step: int, want: dict[str, torch.Tensor]) -> list[str]:
@@ -71,7 +72,7 @@ def test_the_copy_waits_for_compute_queued_before_the_boundary(snap_env: Any, em
         emu.hold(compute.cuda_stream)
         returned = threading.Event()
         t = emu.release_when(compute.cuda_stream, returned.is_set,
-                             waiter=snap._cuda.engine.copy_stream)
+                             waiter=parts.cuda(snap).engine.copy_stream)
         with torch.no_grad():
             for p, s in zip(model.parameters(), src):
                 p.copy_(s, non_blocking=True)  # queued behind the hold
@@ -96,10 +97,10 @@ def test_the_next_step_waits_for_phase_1_of_the_copy(snap_env: Any, emu: Any) ->
     try:
         train_step(model, opt, 1)
         want = state_bytes(snap)
-        copy = snap._cuda.engine.copy_stream
+        copy = parts.cuda(snap).engine.copy_stream
         emu.hold_at(copy, 1)  # phase 0 is one range (Net.stat): the hold point is after it
         snap.boundary(1)
-        assert snap._cuda.engine.last_memcpy_calls >= 2, "phase 0 and 1 were not apart"
+        assert parts.cuda(snap).engine.last_memcpy_calls >= 2, "phase 0 and 1 were not apart"
         # Phase 0 copied and its event recorded before the step runs: the forward's fence
         # then waits for nothing, and only the optimizer step's fence can stop the stream.
         emu.wait_parked(copy)
@@ -125,7 +126,7 @@ def test_compute_after_the_boundary_does_not_wait_for_the_copy(snap_env: Any, em
     try:
         other = torch.zeros(1024, device="cuda")
         train_step(model, opt, 1)
-        copy = snap._cuda.engine.copy_stream
+        copy = parts.cuda(snap).engine.copy_stream
         emu.hold(copy)
         snap.boundary(1)
         wrote = threading.Event()
@@ -184,7 +185,7 @@ def test_a_step_queued_on_a_side_stream_before_the_boundary(snap_env: Any, emu: 
         emu.hold(side.cuda_stream)
         returned = threading.Event()
         t = emu.release_when(side.cuda_stream, returned.is_set,
-                             waiter=snap._cuda.engine.copy_stream)
+                             waiter=parts.cuda(snap).engine.copy_stream)
         with torch.cuda.stream(side), torch.no_grad():
             for p, s in zip(model.parameters(), src):
                 p.copy_(s, non_blocking=True)  # the step's writes, queued behind the hold
@@ -221,7 +222,7 @@ def test_a_graph_replayed_on_a_side_stream_after_the_fence(snap_env: Any, emu: A
         step.refill(7)
         step.graph.replay()
         want = state_bytes(snap)
-        copy = snap._cuda.engine.copy_stream
+        copy = parts.cuda(snap).engine.copy_stream
         emu.hold(copy)
         snap.boundary(1)
         step.refill(8)

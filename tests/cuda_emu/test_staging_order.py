@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from emu_train import build, diff, state_bytes, train_step
+from helpers import parts
 from helpers.slots import read_slot
 
 
@@ -41,7 +42,7 @@ def started(snap_env: Any) -> tuple[Any, Any, Any]:
 
 def slot_diff(snap: Any, step: int, want: dict[str, torch.Tensor]) -> list[str]:
     assert snap.wait(timeout=60)
-    info, got = read_slot(snap._arena, snap._arena.newest_complete())
+    info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
     assert info["step"] == step
     return diff(got, want)
 
@@ -54,7 +55,7 @@ def test_staged_the_next_step_waits_for_the_device_copy(snap_env: Any, emu: Any)
     try:
         train_step(model, opt, 1)
         want = state_bytes(snap)
-        copy = snap._cuda.engine.copy_stream
+        copy = parts.cuda(snap).engine.copy_stream
         emu.hold(copy)
         snap.boundary(1)
         stepped = threading.Event()
@@ -80,7 +81,7 @@ def test_staged_the_step_runs_during_the_drain_which_keeps_the_boundarys_bytes(
     try:
         train_step(model, opt, 1)
         want = state_bytes(snap)
-        copy = snap._cuda.engine.copy_stream
+        copy = parts.cuda(snap).engine.copy_stream
         # the device copies: one per device range of the plan (all staged), then the drain
         emu.hold_at(copy, snap.stats()["layout"]["copy_ranges"])
         snap.boundary(1)
@@ -131,7 +132,7 @@ def test_staged_slots_hold_cpu_tensors_and_the_unstaged_rest(snap_env: Any, emu:
         assert snap.wait(timeout=60)
         staged = snap.stats()["last_staged_bytes"]
         assert (0 < staged <= staging) if staging else staged == 0, staged
-        info, got = read_slot(snap._arena, snap._arena.newest_complete())
+        info, got = read_slot(parts.arena(snap), parts.arena(snap).newest_complete())
         assert info["step"] == 1
         assert diff(got, want) == []
     finally:

@@ -21,6 +21,7 @@ if str(REPO) not in sys.path:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import parts  # noqa: E402
 
 MiB = 1 << 20
 
@@ -102,7 +103,7 @@ def test_flush_in_a_restart_window_registers_the_inherited_arena(snap_env: Any, 
         m2 = _model(-1.0)
         snap2 = _snap(snap_env, m2)
         try:
-            assert snap2._prep.pending  # pre-fault + cudaHostRegister of the inherited arena
+            assert parts.prep(snap2).pending  # pre-fault + cudaHostRegister of the inherited arena
             assert snap2.restore_latest() == 1
             _set(m2, 50.0)
             snap2.boundary(1)

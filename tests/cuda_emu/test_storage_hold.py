@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import parts
 from helpers.slots import read_slot
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -97,12 +98,12 @@ def test_swapped_storage_stays_held_until_complete(emu, snap_env, how):
         olds = {lt.name: (StorageWeakRef(lt.tensor.untyped_storage()),
                           lt.tensor.untyped_storage().data_ptr())
                 for lt in snap.state.live_tensors()}
-        emu.hold(snap._cuda.engine.copy_stream)  # the copy waits until released
+        emu.hold(parts.cuda(snap).engine.copy_stream)  # the copy waits until released
         try:
             snap.boundary(2)
-            assert snap._job is not None and not snap._job.done(1), "the copy is not in flight"
+            assert parts.job(snap) is not None and not parts.job(snap).done(1), "the copy is not in flight"
             junk = _swap(model, opt, how)
-            assert not snap._job.done(1), "the copy finished before the swap: nothing checked"
+            assert not parts.job(snap).done(1), "the copy finished before the swap: nothing checked"
             now = {lt.name: lt.tensor.untyped_storage().data_ptr()
                    for lt in snap.state.live_tensors()}
             swapped = [n for n in olds if now[n] != olds[n][1]]
@@ -112,7 +113,7 @@ def test_swapped_storage_stays_held_until_complete(emu, snap_env, how):
         finally:
             emu.release()
         assert snap.wait(30)
-        step, got = _slot_bytes(snap._arena, snap._arena.newest_complete())
+        step, got = _slot_bytes(parts.arena(snap), parts.arena(snap).newest_complete())
         assert step == 2
         bad = sorted(n for n in want if got[n] != want[n])
         assert bad == [], f"the COMPLETE slot does not hold the state at boundary(2): {bad}"
@@ -133,7 +134,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
     try:
         snap.boundary(1)
         assert snap.wait(30) and snap.arena_ready()
-        eng = snap._cuda.engine
+        eng = parts.cuda(snap).engine
         eng.wait_timeout_s = 0.3
         emu.hold(eng.copy_stream)  # the DMA stays queued past the completion wait: "hung"
         try:
@@ -141,7 +142,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
             w = model.weight
             ref = StorageWeakRef(w.untyped_storage())
             with pytest.raises(SnapshotError, match="did not complete"):
-                snap._job.wait(1, 30)
+                parts.job(snap).wait(1, 30)
             assert eng.hung, "the completion wait did not time out"
             w.data = torch.empty_like(w)
             snap.invalidate_layout()
@@ -156,19 +157,19 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
         eng.wait_timeout_s = 30.0
         snap.boundary(3)
         assert snap.wait(30)
-        assert snap._arena.slot_info(snap._arena.newest_complete())["step"] == 3
+        assert parts.arena(snap).slot_info(parts.arena(snap).newest_complete())["step"] == 3
         gc.collect()
         assert snap._layouts.draining == () and ref.expired()
         from cudasnap import _C
 
         # close() leaves the arena of a once-hung engine registered: the next tests reuse.
-        _C.unregister_arena(snap._arena)
+        _C.unregister_arena(parts.arena(snap))
     finally:
         snap.close()
 
 
 def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
-    from cudasnap.core import layout as fences  # Layouts keeps _ABANDONED
+    from cudasnap.core import layouts as fences  # Layouts keeps _ABANDONED
 
     model, opt = _state()
     snap = _snap(snap_env, model, opt)
@@ -176,7 +177,7 @@ def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
     try:
         snap.boundary(1)
         assert snap.wait(30) and snap.arena_ready()
-        eng = snap._cuda.engine
+        eng = parts.cuda(snap).engine
         eng.wait_timeout_s = 0.3
         emu.hold(eng.copy_stream)  # the DMA stays queued: the GPU is "hung"
         try:
@@ -188,7 +189,7 @@ def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
             before = len(fences._ABANDONED)
             # The queued DMA still writes into the arena: keep it mapped (the emulator writes
             # through the virtual address; a real GPU's registration keeps the pages pinned).
-            arena = snap._arena
+            arena = parts.arena(snap)
             snap.close(keep_arena=True)  # the job fails (hung), then the engine stops
             closed = True
             gc.collect()

@@ -11,16 +11,17 @@ import json
 
 import pytest
 import torch
+from helpers import parts
 
 import cudasnap
-from cudasnap.core import layout as core_layout
+from cudasnap.core import layouts as core_layout
 from cudasnap.format import codec
 from cudasnap.format import manifest as fmt
 from cudasnap.format import slot_manifest as sm
 
 
 def _old_prefix(head: dict, entries: list) -> bytes:
-    """cudasnap.core.layout's prefix before the writer moved to cudasnap.format."""
+    """cudasnap.core.layouts's prefix before the writer moved to cudasnap.format."""
     return (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
             json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
 
@@ -98,7 +99,7 @@ def test_a_real_boundary_writes_the_writers_bytes(snap_env, monkeypatch):
             opt.step()
             snap.boundary(step, **values)
             snap.wait()
-            raw = snap._arena.read_meta(snap._arena.newest_complete())
+            raw = parts.arena(snap).read_meta(parts.arena(snap).newest_complete())
             meta = fmt.parse_slot_meta(raw, "slot")
             fmt.validate_manifest(meta, "slot", need_data=False)
             assert meta["step"] == meta["host"]["step"] == step

@@ -71,6 +71,7 @@ from cudasnap.format import paths  # noqa: E402
 from cudasnap.snapshotter import Snapshotter  # noqa: E402
 from cudasnap.storage import posix  # noqa: E402
 from helpers import layout as L  # noqa: E402
+from helpers import parts  # noqa: E402
 from helpers.trainlib import Job  # noqa: E402
 
 DIM = 64  # ~100 KB of state: 25 chunks of 4 KiB
@@ -597,7 +598,7 @@ def _diskfull(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
                 snap.wait()
                 if k == 0:
                     snap.flush()
-            arena = snap._arena
+            arena = parts.arena(snap)
             nbytes = arena.slot_info(arena.newest_complete())["data_bytes"]
             pages = -(-nbytes // 4096)
             man_pages = -(-(d / "step-00000000" / "manifest.json").stat().st_size // 4096)
@@ -826,7 +827,7 @@ def build_dist_layout(ctx: Ctx, steps: tuple[int, ...] = (1, 2)) -> Path:
                 _fill_rank(m, r, s)
                 snap.boundary(s)
                 snap.wait()
-                a = snap._arena
+                a = parts.arena(snap)
                 slot = a.newest_complete()
                 a.lease(slot)
                 try:

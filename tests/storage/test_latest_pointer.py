@@ -49,3 +49,45 @@ def test_writers_racing_leave_latest_at_the_newest_step(tmp_path):
     for t in threads:
         t.join()
     assert posix.read_latest(d) == paths.step_dirname(39)
+
+
+def test_the_flush_timeout_bounds_the_wait_for_the_latest_lock(snap_env, caplog):
+    """``Snapshotter.flush(timeout=T)`` reaches the storage write: with ``DIR/.latest-lock``
+    held by another writer, the flush still commits its step and returns within about T,
+    leaving ``latest`` as it was (logged); without a timeout it waits for the lock."""
+    import fcntl
+    import os
+    import time
+
+    import torch
+
+    import cudasnap
+
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu", flush_on_close=False) as snap:
+        snap.boundary(0)
+        assert snap.flush(timeout=30) is not None
+        assert posix.read_latest(snap.directory) == paths.step_dirname(0)
+        snap.boundary(1)
+        fd = os.open(snap.directory / ".latest-lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # another writer (an own fd: flock is per open file)
+            t0 = time.monotonic()
+            path = snap.flush(timeout=0.5)
+            secs = time.monotonic() - t0
+            assert path is not None and (path / "manifest.json").is_file()  # committed
+            assert posix.read_latest(snap.directory) == paths.step_dirname(0)  # left as it was
+            assert secs < 10, secs
+            assert "stayed locked by another writer" in caplog.text
+
+            snap.boundary(2)
+            done = threading.Event()
+            t = threading.Thread(target=lambda: (snap.flush(timeout=None), done.set()))
+            t.start()
+            assert not done.wait(1.0)  # no bound: it waits for the lock
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        t.join(60)
+        assert done.is_set() and posix.read_latest(snap.directory) == paths.step_dirname(2)

@@ -44,20 +44,20 @@ class Mutant:
 
 
 DONE_AFTER_PHASE_1 = (
-    "    issue(*plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);\n"
-    "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences' \"done\"\n")
+    "  issue(plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);\n"
+    "  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences' \"done\"\n")
 
 MUTANTS = [
     Mutant("no-ready-wait", ENGINE,
-           "    CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));\n", "",
+           "  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, ev_[ring][0], 0));\n", "",
            "the copy stream does not wait for the compute stream's ready event"),
     Mutant("no-step-fence", "cudasnap/core/fences.py",
            "            return\n        copier.fence(1)\n", "            return\n",
            "the optimizer-step pre-hook no longer fences (Python)"),
     Mutant("done-before-phase-1", ENGINE,
            DONE_AFTER_PHASE_1,
-           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n"
-           "    issue(*plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);\n",
+           "  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));\n"
+           "  issue(plan, 1, data, data_dev, ring, desc_used, staged ? nullptr : &marks, staged);\n",
            "the done event is recorded before the phase-1 copies (direct or staged) are issued"),
     Mutant("fence-without-wait", ENGINE,
            "  CUDASNAP_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));\n  return true;\n",
@@ -68,8 +68,8 @@ MUTANTS = [
            "cudaStreamCreateWithFlags(&copy_stream_, cudaStreamDefault)",
            "the copy stream is a blocking stream (the legacy default stream joins it)"),
     Mutant("done-on-compute-stream", ENGINE,
-           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences'",
-           "    CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));  // the fences'",
+           "  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], copy_stream_));  // the fences'",
+           "  CUDASNAP_CUDA_CHECK(cudaEventRecord(ev_[ring][2], compute));  // the fences'",
            "the done event is recorded on the compute stream"),
     Mutant("mark-before-its-batch", ENGINE,
            "  auto mark_at = [&](uint64_t off) {\n    launch_pending();\n"
@@ -85,8 +85,8 @@ MUTANTS = [
            "    for (int k = 0; k < 3; ++k) job->cuda_events[k] = ev_[ring][k == 2 && staged ? 3 : k];\n",
            "with device staging the fences wait for the drain to the host, not the device copy"),
     Mutant("staged-commit-before-drain", ENGINE,
-           "      w->segs.push_back(Seg{ev_[ring][3], add_marks(0, d), d, false});\n",
-           "      w->segs.push_back(Seg{ev_[ring][2], add_marks(0, d), d, false});\n",
+           "    w.segs.push_back(Seg{ev_[ring][3], add_marks(0, d), d, false});\n",
+           "    w.segs.push_back(Seg{ev_[ring][2], add_marks(0, d), d, false});\n",
            "with device staging the staged part is checksummed and committed before it drains"),
     Mutant("staged-drain-over-host-ranges", ENGINE,
            "    if (r.host) {\n      barrier = true;\n      continue;\n    }\n",
@@ -99,10 +99,10 @@ MUTANTS = [
     Mutant("restore-not-after-queued-work", "cudasnap/core/device_restore.py",
            "    torch.cuda.synchronize(device)\n", "",
            "a restore to the device does not wait for work still queued for the tensors"),
-    Mutant("no-writer-join", "cudasnap/core/submit.py",
+    Mutant("no-writer-join", "cudasnap/core/copier.py",
            "            why = be.cuda.follow(self._writers)", "            why = None",
            "the copy does not wait for the registered writer streams (Python)"),
-    Mutant("no-writer-fence", "cudasnap/core/submit.py",
+    Mutant("no-writer-fence", "cudasnap/core/copier.py",
            "        for s in self._writers if cuda is not None else ():",
            "        for s in ():",
            "fences do not hold the registered writer streams (Python)"),

@@ -24,20 +24,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import SnapshotError, StagingError
 from ..format.slot_manifest import slot_tail
 from .host_capture import HostText
-from .plan import Layout
+from .layout import Layout
+from .live_state import LiveState
 from .rng import capture_rng
 
 if TYPE_CHECKING:
+    import torch
+
+    from cudasnap._C import CopyJob
+
+    from .arena_keeper import ArenaKeeper
     from .backend import Backend
     from .cadence import Cadence
     from .counters import Counters
-    from .layout import Layouts
-    from .staging import ArenaKeeper
+    from .layouts import Layouts
     from .state import TrainingState
 
 log = logging.getLogger("cudasnap")
@@ -50,23 +55,17 @@ class Copier:
         self.state, self._backend, self._layouts, self._keeper = state, backend, layouts, keeper
         self._counters = counters
         self.wait_timeout_s, self.cadence = wait_timeout_s, cadence
-        self.job: Any = None  # the running copy (None: none)
+        self.job: CopyJob | None = None  # the running copy
         self.fenced = [True, True]  # per phase: the training thread waited for it already
         # Re-entrant: a signal handler may flush while the main thread is in boundary().
         self.slot_lock = threading.RLock()
-        # Zero-overhead mode: (step, manifest suffix) of a boundary not copied whose state
-        # the live tensors still hold until ``live_dirty`` (the next write of the state).
-        self.live: tuple[int, bytes] | None = None
-        self.live_dirty = True
-        self.live_copy: threading.Event | None = None  # set while copy_live() runs
-        # ``live`` is a boundary skipped while its plan was built off the training thread
-        # (not one zero-overhead mode skips by design): ``wait()`` copies it too.
-        self.live_deferred = False
-        self.unprotected_thread: int | None = None  # last boundary skipped for want of an arena
+        # The newest boundary not copied while the live tensors still hold it (the cadence
+        # skipped it, its plan was being built, no arena was ready): cudasnap.core.live_state.
+        self.live = LiveState()
         self._host_text: HostText | None = None  # made at the first boundary
-        self._writers: list[Any] = []  # CUDA streams besides the current one that write state
+        self._writers: list[torch.cuda.Stream] = []  # CUDA streams besides the current one that write state
 
-    def add_writer(self, stream: Any) -> None:
+    def add_writer(self, stream: object) -> None:
         """``stream`` (a ``torch.cuda.Stream``) writes the state besides the current
         stream: each copy also waits for its queued work, each fence also holds it."""
         import torch
@@ -79,10 +78,10 @@ class Copier:
             self._writers.append(stream)
 
     # --------------------------------------------------------------- stage()
-    def snapshot(self, step: int, t0: int, boundaries: int, values: dict[str, Any]) -> None:
+    def snapshot(self, step: int, t0: int, boundaries: int, values: dict[str, object]) -> None:
         """The copy of ``step`` (the ``boundaries``-th boundary of this process) with its
         ``values``, or its skip; ``t0``: when boundary() started (perf_counter_ns)."""
-        self.live_dirty = False  # set again by the next optimizer step / buffer forward
+        self.live.boundary_starts()  # dirty again at the next optimizer step / buffer forward
         self.state.step_values = values
         before = self._counters.snapshots
         try:
@@ -90,16 +89,15 @@ class Copier:
         finally:  # a boundary chosen to copy that was not copied counts as a plain step
             self.cadence.copied(self._counters.snapshots > before)
 
-    def _snapshot(self, step: int, t0: int, values: dict[str, Any]) -> None:
+    def _snapshot(self, step: int, t0: int, values: dict[str, object]) -> None:
         if not self.cadence.take():
             # Zero-overhead mode: no copy. Until the next optimizer step the live
             # state IS this step, so a JIT flush copies it then (see flush()).
             self._counters.skipped_every += 1
-            self.live = (step, b"".join(self.host_suffix(step)))
+            self.live.record(step, b"".join(self.host_suffix(step)))
             self._counters.record_boundary(t0)
             return
-        self.live = None
-        self.live_deferred = False
+        self.live.clear()
         # A previous copy still running (no optimizer step in between): bounded.
         if self.job is not None and not self.wait_job(self.wait_timeout_s):
             self._counters.skipped += 1
@@ -113,8 +111,7 @@ class Copier:
             # trigger, wait() or close() meanwhile copies (copy_live).
             try:
                 self._counters.skipped_layout += 1
-                self.live = (step, b"".join(self.host_suffix(step)))
-                self.live_deferred = True
+                self.live.record(step, b"".join(self.host_suffix(step)), deferred=True)
                 self._counters.record_boundary(t0)
             finally:  # last: the build runs beside training, not beside this boundary
                 self._layouts.start_build()
@@ -139,8 +136,7 @@ class Copier:
         elif self._counters.skipped_not_ready != not_ready:
             # No arena yet: until the next optimizer step the live state IS this step,
             # which a flush, trigger or close() meanwhile copies (cudasnap.core.early).
-            self.live = (step, b"".join(suffix))
-            self.unprotected_thread = threading.get_ident()
+            self.live.record(step, b"".join(suffix), unprotected=True)
 
     def host_suffix(self, step: int) -> list[bytes]:
         """The per-boundary end of the slot manifest, host state + step, in pieces that
@@ -157,7 +153,7 @@ class Copier:
         parts.append(slot_tail(step))
         return parts
 
-    def submit(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> Any:
+    def submit(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> CopyJob | None:
         """Hands one snapshot to the copy engine; returns the job (None: skipped).
         ``suffix``: the manifest's host part, whole or in pieces."""
         n = lay.prefix_len + (len(suffix) if isinstance(suffix, bytes) else sum(map(len, suffix)))
@@ -170,9 +166,10 @@ class Copier:
         # Kept on the layout (a new plan asks again) as the arena's id: no reference to
         # it is held (a regrowth unmaps the old arena first), and keeper.arena changes
         # only in ensure() and close(), so the id is not reused meanwhile.
-        if ok is not None and ok[0] == id(keeper.arena) and n <= ok[1]:
-            arena = keeper.arena
-        else:
+        # (no reference to keeper.arena is taken before ensure(): a regrowth unmaps it)
+        arena = keeper.arena if ok is not None and ok[0] == id(keeper.arena) and n <= ok[1] \
+            else None
+        if arena is None:
             lay.arena_ok = None
             arena = keeper.ensure(lay.plan, n, step)
             if arena is None:
@@ -232,12 +229,13 @@ class Copier:
         state) before the caller writes it; bounded by ``wait_timeout_s`` (then that
         snapshot is abandoned, logged)."""
         # Every caller is about to write the state: the live state is no longer the
-        # last boundary's. Set before the check below (a flush reads it the other way).
-        self.live_dirty = True
-        ev = self.live_copy
+        # last boundary's (marked before a running copy of it is looked for).
+        ev = self.live.mark_dirty()
+        job = self.job
+        if ev is None and (job is None or self.fenced[phase]):
+            return  # the common case (a forward hook per buffer-owning module): no wait
         if ev is not None:  # a flush copies the live state right now: let it finish
             ev.wait(self.wait_timeout_s)
-        job = self.job
         if job is None or self.fenced[phase]:
             return
         t0 = time.perf_counter_ns()
@@ -261,7 +259,7 @@ class Copier:
         it, or its plan was being built off the training thread); when no optimizer step
         ran since, copy its live state now (a build is waited for), so ``wait()`` returns
         with that step COMPLETE, as it did when every boundary copied."""
-        if self.live is not None and not self.live_dirty:
+        if self.live.pending() is not None and self.live.clean():
             self.copy_live(timeout)
 
     def wait_job(self, timeout: float | None = None) -> bool:
@@ -295,29 +293,20 @@ class Copier:
     # -------------------------------------------------- the live state (flush)
     def forget_live(self) -> None:
         """The live state is about to be replaced (a restore): no JIT copy of it."""
-        self.live = None
+        self.live.clear()
 
     def copy_live(self, timeout: float | None) -> None:
-        """Zero-overhead mode: the newest boundary was not copied; when no optimizer
-        step (nor buffer forward, fence, load) ran since, the live tensors still hold
-        that step, so copy them into a free slot now (same manifest, format and
-        commit path) for the flush to write. Otherwise the newest COMPLETE slot is
-        flushed (replay <= k steps)."""
-        live, arena = self.live, self._keeper.arena
-        if live is None or self.live_copy is not None:
-            return  # (not re-entered: a regrowth inside the copy flushes too)
-        if arena is None and not self.live_deferred:
-            return  # before the arena is ready: the EarlySaver makes it first
-        step, suffix = live
-        ev = threading.Event()
-        self.live_copy = ev  # set before reading the flag; fence() sets it the other way
-        try:
-            if self.live_dirty or self.live is not live:
-                log.info("JIT flush: the state moved past step %d (optimizer step since); "
-                         "flushing the newest copied snapshot", step)
+        """The newest boundary was not copied; when no optimizer step (nor buffer forward,
+        fence, load) ran since, the live tensors still hold that step, so copy them into a
+        free slot now (same manifest, format and commit path) for the flush to write.
+        Otherwise the newest COMPLETE slot is flushed (replay <= k steps)."""
+        live = self.live
+        if live.pending() is None or (self._keeper.arena is None and not live.deferred):
+            return  # nothing skipped, or no arena yet: the EarlySaver makes it first
+        with live.claim() as claimed:
+            if claimed is None or not self.wait_job(timeout):
                 return
-            if not self.wait_job(timeout):
-                return
+            step, suffix = claimed
             try:
                 lay = self._layouts.current()
             except SnapshotError as e:
@@ -327,12 +316,8 @@ class Copier:
             if job is None or not self.wait_job(timeout if timeout is not None else
                                                 self.wait_timeout_s):
                 return
-            if self.live is live:
-                self.live = None
+            live.copied(claimed)
             self._counters.live_saves += 1
             log.info("JIT flush: copied the live state of step %d (not snapshotted at its "
                      "boundary: %s)", step, "its copy plan was being built" if
-                     self.live_deferred else f"snapshot every {self.cadence.k} boundaries")
-        finally:
-            self.live_copy = None
-            ev.set()
+                     live.deferred else f"snapshot every {self.cadence.k} boundaries")

@@ -15,9 +15,9 @@ triggers exist, :meth:`attach`. The ``Copier`` calls :meth:`ensure` at a boundar
 (skipped while the arena it returned still fits) and the ``EarlySaver`` with
 ``sync=True`` (a flush or close() before the arena is ready). ``close()`` calls
 :meth:`shutdown`, then (after the engine stopped) :meth:`release`. Upward edges are
-given as callables: ``wait_copy`` (``Copier.wait_job``, before a regrowth unmaps the
-old arena) and ``flush`` (``Snapshotter.flush(wait=False)``: the old arena's newest
-snapshot to disk).
+given as callables by :meth:`connect`: ``wait_copy`` (``Copier.wait_job``, before a
+regrowth unmaps the old arena) and ``flush`` (``Flusher.flush_newest``: the old arena's
+newest snapshot to disk; it copies nothing, so a regrowth never re-enters a copy).
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._native import native
 from .._proc import pid_alive
@@ -38,67 +37,63 @@ from . import arena_prep
 from .arena_exit import left_at_exit
 from .arena_prep import ArenaPreparer, Prepared, drop, fully_reserved
 from .arena_size import estimate_meta_len, estimate_state_bytes
-from .slot_geometry import chunk_for, meta_capacity, slot_capacity
-from .timeline import arena_slots
+from .slot_geometry import arena_slots, chunk_for, meta_capacity, slot_capacity
 
 if TYPE_CHECKING:
+    from cudasnap._C import Arena, CancelFlag, CopyPlan
+
     from ..storage import StorageReader
     from .backend import Backend
     from .counters import Counters
+    from .options import Options
     from .state import TrainingState
 
 log = logging.getLogger("cudasnap")
 
 
-def supervisor_job(env_job: str | None, sup_dir: str | None, supervised: bool,
-                   directory: Path) -> str | None:
-    """The job id ``cudasnap run`` exported, when it names this directory's arena."""
-    if env_job and sup_dir and supervised and \
-            os.path.realpath(sup_dir) != os.path.realpath(directory):
-        # The supervisor flushes and restarts for its --dir; this Snapshotter writes elsewhere.
-        log.warning("cudasnap run --dir %s, but this Snapshotter's directory is %s: the "
-                    "supervisor's flush after a crash goes to its own directory and the "
-                    "restart restores from %s; pass the same directory to both", sup_dir,
-                    directory, directory)
-        return None  # its job id names the supervisor directory's arena, not this one's
-    return env_job
-
-
 class ArenaKeeper:
-    def __init__(self, backend: Backend, counters: Counters, prep: ArenaPreparer, *,
-                 arena_path: Path, num_slots: int, spare_slot: bool, chunk_bytes: int | None,
-                 job: str, storage: StorageReader, flush_threads: int, wait_timeout_s: float,
-                 supervised: bool, flush_lock: threading.RLock,
-                 wait_copy: Callable[[float], bool], flush: Callable[[], Any]) -> None:
+    def __init__(self, backend: Backend, counters: Counters, prep: ArenaPreparer,
+                 storage: StorageReader, flush_lock: threading.RLock, opts: Options) -> None:
         self._backend, self._counters, self.prep = backend, counters, prep
-        self.arena_path, self.num_slots, self.spare_slot = arena_path, num_slots, spare_slot
-        self.chunk_bytes, self.job, self.storage = chunk_bytes, job, storage
+        self.arena_path, self.num_slots, self.spare_slot = (opts.arena_path, opts.num_slots,
+                                                            opts.spare_slot)
+        self.chunk_bytes, self.job, self.storage = opts.chunk_bytes, opts.job, storage
         self.directory = storage.local_dir  # the fresh start's move (local: never a URL)
-        self.flush_threads, self.wait_timeout_s = flush_threads, wait_timeout_s
-        self._supervised = supervised  # under `cudasnap run` (its supervisor handles a left arena)
+        self.flush_threads, self._waits = opts.flush_threads, opts.waits
+        self.wait_timeout_s = opts.waits.copy_s
+        self._supervised = opts.supervised  # under `cudasnap run` (its supervisor handles a left arena)
         self._flush_lock = flush_lock  # an arena is never unmapped under a flush of it
-        self._wait_copy, self._flush = wait_copy, flush
-        self.arena: Any = None
-        self.inherited: Any = None
+        self._wait_copy: Callable[[float], bool] = lambda timeout: True  # connect()
+        self._flush: Callable[[float | None], object] = lambda timeout: None
+        self.arena: Arena | None = None
+        self.inherited: Arena | None = None
         self.lock = threading.RLock()  # adoption/creation: ensure(), a synchronous snapshot
         self._coordinated = False  # multi-rank: flushes are coordinated (no lone flush)
         self._planned: tuple[int, int] | None = None  # (capacity, chunk) being prepared, not taken
+
+    def connect(self, wait_copy: Callable[[float], bool],
+                flush: Callable[[float | None], object]) -> None:
+        """The two upward edges, once the copier and the flusher exist (before any arena):
+        ``wait_copy`` (``Copier.wait_job``: a copy into the old arena ends before a
+        regrowth unmaps it) and ``flush`` (``Flusher.flush_newest``: its newest snapshot to
+        disk first)."""
+        self._wait_copy, self._flush = wait_copy, flush
 
     def attach(self, coordinated: bool) -> None:
         """After the triggers exist: whether a distributed coordinator runs the flushes."""
         self._coordinated = coordinated
 
     # ----------------------------------------------------------------- facts
-    def staged_arenas(self) -> list[Any]:
+    def staged_arenas(self) -> list[Arena]:
         """This rank's open arenas: its own, then one inherited from a predecessor."""
         return [a for a in (self.arena, self.inherited) if a is not None]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """``stats()``'s arena fields: where it lives, how it is pinned, its slots."""
         arenas = self.staged_arenas()
         a = arenas[0] if arenas else None
         cuda = self._backend.cuda
-        s: dict[str, Any] = {"staging": None if a is None else {
+        s: dict[str, object] = {"staging": None if a is None else {
             "path": a.path, "bytes": a.total_bytes, "shared": a.shared,
             "page_locked": a.cuda_registered, "huge_pages": a.huge_pages,
             # False: a process-private arena (a crash of this process loses the snapshot).
@@ -114,12 +109,12 @@ class ArenaKeeper:
         """Waits (up to ``timeout`` s) for a background arena set-up; True when none runs."""
         return self.prep.wait(timeout)
 
-    def _fits(self, arena: Any, nbytes: int, meta_len: int, chunk: int) -> bool:
+    def _fits(self, arena: Arena, nbytes: int, meta_len: int, chunk: int) -> bool:
         return (arena.data_capacity >= nbytes and arena.meta_capacity >= meta_len
                 and arena.chunk_bytes == chunk and arena.num_slots == self.num_slots)
 
     def chunk(self, nbytes: int) -> int:
-        """The chunk size of a copy plan (cudasnap.core.plan.make_plan) or an arena for a
+        """The chunk size of a copy plan (cudasnap.core.layout.make_plan) or an arena for a
         slot of ``nbytes``: the Snapshotter's ``chunk_bytes``; else (None: it follows the
         state) the chunk of the arena in use, the inherited one or the one being prepared
         when its slots hold ``nbytes`` (any chunk is valid: that arena is then used, not
@@ -205,7 +200,7 @@ class ArenaKeeper:
                                speculative=True)
 
     # --------------------------------------------------------------- ensure()
-    def ensure(self, plan: Any, meta_len: int, step: int, sync: bool = False) -> Any:
+    def ensure(self, plan: CopyPlan, meta_len: int, step: int, sync: bool = False) -> Arena | None:
         """The arena for a snapshot of ``plan``, or None (boundary skipped: not ready yet).
 
         Small arenas are made here, synchronously; large ones (and the pre-fault and
@@ -215,8 +210,6 @@ class ArenaKeeper:
         cancelled first). Holds ``lock``: a boundary that finds it taken (a synchronous
         set-up on another thread) is skipped, never blocked.
         """
-        if threading.current_thread() is self.prep._thread:
-            return None  # a regrowth's own flush (its live copy): never into the arena it replaces
         lock = self.lock
         if not lock.acquire(timeout=self.wait_timeout_s if sync else 0):
             if sync:
@@ -230,7 +223,7 @@ class ArenaKeeper:
         finally:
             lock.release()
 
-    def _ensure(self, plan: Any, meta_len: int, step: int, sync: bool) -> Any:
+    def _ensure(self, plan: CopyPlan, meta_len: int, step: int, sync: bool) -> Arena | None:
         prep = self.prep
         if prep.pending:
             if not sync:
@@ -303,19 +296,20 @@ class ArenaKeeper:
         prep = self.prep
         if prep.started:
             log.warning("cudasnap: waiting for %s (the synchronous snapshot needs it)",
-                        prep._what)
+                        prep.what)
             if not prep.wait_handed(self.wait_timeout_s):
-                log.error("cudasnap: %s was not ready after %.0f s", prep._what,
+                log.error("cudasnap: %s was not ready after %.0f s", prep.what,
                           self.wait_timeout_s)
             return
-        prep.cancel(min(60.0, self.wait_timeout_s))
+        prep.cancel(self._waits.close_s)
 
-    def _adopt_prepared(self, got: Prepared) -> Any:
+    def _adopt_prepared(self, got: Prepared) -> Arena:
         if got.arena is self.inherited:
             self.inherited = None
         elif got.created is False and self.inherited is not None:
             self.inherited = None  # its private pinned replacement (register refused)
         self._counters.arena_setup_seconds = got.seconds
+        assert got.arena is not None  # (the caller adopts a set-up that made one)
         self.arena = a = self.adopt(got.arena)
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s off the training "
                  "thread", a.path, a.num_slots, a.data_capacity / 1e6, got.seconds)
@@ -324,10 +318,10 @@ class ArenaKeeper:
     def _start_create(self, what: str, capacity: int, meta_cap: int, chunk: int,
                       device: int | None, *,
                       speculative: bool = False, retire: bool = False,
-                      drop_inherited: bool = False, discard: Any = None) -> None:
+                      drop_inherited: bool = False, discard: Arena | None = None) -> None:
         self._planned = (capacity, chunk)  # a plan made meanwhile takes its chunk (chunk())
 
-        def job(cancel: Any) -> tuple[Any, str | None, bool]:
+        def job(cancel: CancelFlag) -> tuple[Arena | None, str | None, bool]:
             drop(discard)
             if retire and not self.retire():
                 return None, None, False  # a copy into the old arena still runs: retry later
@@ -352,7 +346,7 @@ class ArenaKeeper:
                         then=arena_prep.prefault_then if device is None else None)
 
     def _make_here(self, regrow: bool, capacity: int, meta_capacity: int, chunk: int,
-                   prefault: bool = True) -> Any:
+                   prefault: bool = True) -> Arena | None:
         """An arena made on the calling thread: a small one at a boundary, or any size for
         a synchronous snapshot before the background one was ready (cudasnap.core.early;
         ``prefault`` False: reserved, its pages mapped by the copies that write them)."""
@@ -372,8 +366,8 @@ class ArenaKeeper:
                  self.num_slots, capacity / 1e6, secs)
         return self.arena
 
-    def create_arena(self, capacity: int, meta_capacity: int, chunk: int, cancel: Any = None,
-                     prefault: bool = True) -> Any:
+    def create_arena(self, capacity: int, meta_capacity: int, chunk: int,
+                     cancel: CancelFlag | None = None, prefault: bool = True) -> Arena:
         return native().Arena.create(str(self.arena_path), self.num_slots, capacity,
                                      meta_capacity, chunk, self.job, prefault, cancel)
 
@@ -390,6 +384,8 @@ class ArenaKeeper:
             log.warning("staging arena not re-created: a copy into the old one is still running")
             return False
         old = self.arena
+        if old is None:
+            return True  # (nothing to retire)
         slot = old.newest_complete()
         if slot >= 0:
             step = old.slot_info(slot)["step"]
@@ -400,17 +396,18 @@ class ArenaKeeper:
             elif not self.storage.has_step(step):
                 log.warning("state grew: writing the snapshot of step %d to disk before its "
                             "staging arena is replaced", step)
-                self._flush()
+                self._flush(self.wait_timeout_s)
         cuda = self._backend.cuda
         if cuda is not None and not cuda.release_arena(old, self.wait_timeout_s):
             return False
         with self._flush_lock:  # may run on the arena preparer: never under a flush
             old.unlink()
-            self.arena = old = None  # drops the mapping (the engine holds none once idle)
+            self.arena = None
+            del old  # drops the mapping (the engine holds none once idle)
         self._counters.arena_regrowths += 1
         return True
 
-    def adopt(self, arena: Any) -> Any:
+    def adopt(self, arena: Arena) -> Arena:
         """``arena`` taken into use: owned (for `cudasnap gc`), named at exit, page-locked."""
         if arena.writable:
             arena.claim_owner()  # `cudasnap gc` must see this process as the live user

@@ -1,0 +1,123 @@
+"""Options: every Snapshotter option resolved once (keywords over the environment), checked.
+
+The facade calls :meth:`Options.resolve` first, before anything is made: each keyword is
+checked (``config.check_options``: one ConfigError naming the first bad one), each unset
+keyword takes its variable (``config.Settings``), each "auto" is resolved here once (the
+thread counts, the arena's slot count with the spare and parity slots, the job id), and
+the result is frozen. ``core.wiring.wire`` hands the components what they need of it;
+defaults live in ``cudasnap.config`` (its keyword table), nowhere else.
+
+:class:`Waits` is every wait bound derived from ``CUDASNAP_WAIT_S`` (``wait_s``): the bound
+of a wait on a copy, and the shorter one of ``close()`` and a cancelled set-up.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import config as cfg
+from ..config import Settings
+from ..format import paths
+
+log = logging.getLogger("cudasnap")
+
+
+@dataclass(frozen=True)
+class Waits:
+    copy_s: float  # every wait on a copy: fences, submit, a flush's, a regrowth's (CUDASNAP_WAIT_S)
+
+    @property
+    def close_s(self) -> float:
+        """``close()`` and a set-up's cancel: never more than a minute."""
+        return min(60.0, self.copy_s)
+
+
+@dataclass(frozen=True)
+class Options:
+    backend: str  # "auto", "cpu" or "cuda" (auto: resolved at the first boundary, Backend)
+    num_slots: int  # the arena's slots: num_slots + the spare + XOR parity's leased one
+    spare_slot: bool
+    chunk_bytes: int | None  # None: follows the state (core.slot_geometry)
+    keep: int
+    copy_threads: int
+    flush_threads: int
+    waits: Waits
+    snapshot_every: int | None  # None: the overhead budget's k (core.cadence)
+    overhead_budget: float | None  # None: auto
+    device_staging: int | str
+    sync_max_bytes: int | None  # None: core.arena_prep.SYNC_MAX_BYTES
+    allow_foreign_owner: bool | None
+    fresh: bool
+    require_resume: bool  # never with fresh
+    supervised: bool
+    flush_on_close: bool
+    rng_sources: tuple[str, ...]
+    rank: int
+    world_size: int
+    job: str
+    arena_path: Path
+
+    @classmethod
+    def resolve(cls, env: Settings, *, directory: str | os.PathLike[str],
+                open_dir: Callable[[], Path], rank: int,
+                world_size: int, num_slots: int = cfg.NUM_SLOTS, spare_slot: bool = True,
+                chunk_bytes: int | None = None, keep: int = cfg.KEEP, backend: str = "auto",
+                copy_threads: int | None = None, flush_threads: int | None = None,
+                snapshot_every: int | None = None, overhead_budget: float | None = None,
+                device_staging: int | str | None = None,
+                arena_sync_max_bytes: int | None = None,
+                allow_foreign_owner: bool | None = None, fresh: bool | None = None,
+                require_resume: bool | None = None, flush_on_close: bool = True,
+                rng_sources: tuple[str, ...] = cfg.RNG_SOURCES,
+                node_replica: bool | str | None = None, shm_dir: str | os.PathLike[str] | None = None,
+                job: str | None = None) -> Options:
+        """The options of a Snapshotter; keywords None take the environment's value, then
+        the default. ConfigError names the first bad value, raised before anything is made:
+        only then ``open_dir()`` opens the storage of ``directory`` (a path or an fsspec
+        URL) and returns its local directory (the job id is that directory's)."""
+        cfg.check_options(num_slots=num_slots, spare_slot=spare_slot, keep=keep,
+                          chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
+                          rng_sources=rng_sources, overhead_budget=overhead_budget,
+                          device_staging=device_staging)
+        fresh = env.fresh if fresh is None else bool(fresh)
+        cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
+        local = open_dir()
+        copy_n, flush_n = cfg.resolve_threads(copy_threads, flush_threads)
+        shm = Path(shm_dir) if shm_dir else env.shm_dir
+        # The arena name carries the directory's identity (cudasnap.format.paths).
+        job = job or supervisor_job(env.job, env.directory, env.supervised,
+                                    local) or paths.snapshotter_job(local, shm)
+        require = env.require_resume if require_resume is None else bool(require_resume)
+        return cls(
+            backend=backend,
+            num_slots=cfg.arena_slots(num_slots, spare_slot, world_size, node_replica,
+                                      env.node_parity),
+            spare_slot=bool(spare_slot), chunk_bytes=chunk_bytes, keep=keep,
+            copy_threads=copy_n, flush_threads=flush_n, waits=Waits(env.wait_s),
+            snapshot_every=snapshot_every,
+            overhead_budget=env.overhead_budget if overhead_budget is None
+            else float(overhead_budget),
+            device_staging=env.device_staging if device_staging is None else device_staging,
+            sync_max_bytes=env.arena_sync_max_bytes if arena_sync_max_bytes is None
+            else arena_sync_max_bytes,
+            allow_foreign_owner=allow_foreign_owner, fresh=fresh,
+            require_resume=require and not fresh, supervised=env.supervised,
+            flush_on_close=flush_on_close, rng_sources=tuple(rng_sources), rank=rank,
+            world_size=world_size, job=job, arena_path=paths.arena_path(shm, job, rank))
+
+
+def supervisor_job(env_job: str | None, sup_dir: str | None, supervised: bool,
+                   directory: Path) -> str | None:
+    """The job id ``cudasnap run`` exported, when it names this directory's arena."""
+    if env_job and sup_dir and supervised and \
+            os.path.realpath(sup_dir) != os.path.realpath(directory):
+        # The supervisor flushes and restarts for its --dir; this Snapshotter writes elsewhere.
+        log.warning("cudasnap run --dir %s, but this Snapshotter's directory is %s: the "
+                    "supervisor's flush after a crash goes to its own directory and the "
+                    "restart restores from %s; pass the same directory to both", sup_dir,
+                    directory, directory)
+        return None  # its job id names the supervisor directory's arena, not this one's
+    return env_job
