@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import SnapshotError, StagingError
@@ -153,9 +154,11 @@ class Copier:
         parts.append(slot_tail(step))
         return parts
 
-    def submit(self, lay: Layout, step: int, suffix: bytes | list[bytes]) -> CopyJob | None:
+    def submit(self, lay: Layout, step: int, suffix: bytes | list[bytes],
+               still_clean: Callable[[], bool] | None = None) -> CopyJob | None:
         """Hands one snapshot to the copy engine; returns the job (None: skipped).
-        ``suffix``: the manifest's host part, whole or in pieces."""
+        ``suffix``: the manifest's host part, whole or in pieces. ``still_clean`` (a copy of
+        the live state): asked last before the engine is handed the job; False skips it."""
         n = lay.prefix_len + (len(suffix) if isinstance(suffix, bytes) else sum(map(len, suffix)))
         keeper = self._keeper
         ok = lay.arena_ok
@@ -185,6 +188,10 @@ class Copier:
                 log.warning("step %d not snapshotted: %s; call boundary() outside graph "
                             "capture", step, why)
                 return None
+        if still_clean is not None and not still_clean():
+            log.info("JIT flush: the state moved past step %d while its copy was prepared; "
+                     "not copied", step)
+            return None
         with self.slot_lock:  # held only to pick the slot (never across CUDA calls)
             slot = arena.pick_write_slot()
         if slot < 0:
@@ -231,13 +238,11 @@ class Copier:
         # Every caller is about to write the state: the live state is no longer the
         # last boundary's (marked before a running copy of it is looked for).
         ev = self.live.mark_dirty()
-        job = self.job
-        if ev is None and (job is None or self.fenced[phase]):
-            return  # the common case (a forward hook per buffer-owning module): no wait
         if ev is not None:  # a flush copies the live state right now: let it finish
             ev.wait(self.wait_timeout_s)
+        job = self.job  # read after that wait: the live copy's own job, if it submitted one
         if job is None or self.fenced[phase]:
-            return
+            return  # the common case (a forward hook per buffer-owning module): no wait
         t0 = time.perf_counter_ns()
         cuda = self._backend.cuda
         stream = cuda.current_stream() if cuda is not None else 0
@@ -312,7 +317,9 @@ class Copier:
             except SnapshotError as e:
                 log.warning("JIT flush: live state of step %d not copied: %s", step, e)
                 return
-            job = self.submit(lay, step, suffix)
+            # still_clean: checked again right before the engine reads the tensors (the
+            # plan or a regrowth may have taken longer than a writer waits for this copy)
+            job = self.submit(lay, step, suffix, still_clean=live.clean)
             if job is None or not self.wait_job(timeout if timeout is not None else
                                                 self.wait_timeout_s):
                 return

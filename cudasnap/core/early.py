@@ -81,9 +81,12 @@ class EarlySaver:
         if live is None or not self._needs_arena():
             return False
         lock = self._keeper.lock
-        if not lock.acquire(timeout=self.wait_timeout_s):
+        # Another thread's synchronous save holds it: wait for that one, within this
+        # caller's own bound (a trigger's flush has 0-5 s), then copy whatever is left.
+        bound = self.wait_timeout_s if timeout is None else min(timeout, self.wait_timeout_s)
+        if not lock.acquire(timeout=bound):
             log.error("cudasnap: %s before the staging arena was ready, and it stayed busy for "
-                      "%.0f s: nothing snapshotted", why, self.wait_timeout_s)
+                      "%.1f s: nothing snapshotted", why, bound)
             return False
         try:
             # Lock order: the keeper's lock, then the flush lock (a background regrowth,

@@ -44,7 +44,11 @@ class LiveState:
 
     # ------------------------------------------------------------ the copier
     def boundary_starts(self) -> None:
-        """A boundary: the live tensors hold its step until the next write."""
+        """A boundary: the live tensors hold its step until the next write. An earlier
+        boundary not copied is dropped first (the tensors no longer hold it): a copy
+        claimed between this and the boundary's own ``record`` must find nothing, never
+        the older step's manifest over this step's tensors."""
+        self._boundary = None
         self._dirty = False
 
     def record(self, step: int, suffix: bytes, *, deferred: bool = False,

@@ -84,6 +84,7 @@ class Options:
                           device_staging=device_staging)
         fresh = env.fresh if fresh is None else bool(fresh)
         cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
+        slots = cfg.arena_slots(num_slots, spare_slot, world_size, node_replica, env.node_parity)
         local = open_dir()
         copy_n, flush_n = cfg.resolve_threads(copy_threads, flush_threads)
         shm = Path(shm_dir) if shm_dir else env.shm_dir
@@ -93,8 +94,7 @@ class Options:
         require = env.require_resume if require_resume is None else bool(require_resume)
         return cls(
             backend=backend,
-            num_slots=cfg.arena_slots(num_slots, spare_slot, world_size, node_replica,
-                                      env.node_parity),
+            num_slots=slots,
             spare_slot=bool(spare_slot), chunk_bytes=chunk_bytes, keep=keep,
             copy_threads=copy_n, flush_threads=flush_n, waits=Waits(env.wait_s),
             snapshot_every=snapshot_every,

@@ -79,11 +79,7 @@ def replace_latest(fs: AbstractFileSystem, protocol: str, key: str, name: str,
     new_step = parse_step_dirname(name)
     conditional = protocol.lower() in CONDITIONAL and protocol.lower() not in _unsupported
     deadline = None if timeout is None else time.monotonic() + timeout
-    for attempt in range(TRIES):
-        if attempt and deadline is not None and time.monotonic() > deadline:
-            log.warning("%s: not pointed at %s: the flush's timeout (%.1f s) passed while "
-                        "other writers moved it; the step is committed", key, name, timeout)
-            return False
+    for _ in range(TRIES):
         etag, cur, exists = _read(fs, key)
         cur_step = parse_step_dirname(cur) if cur else None
         if cur_step is not None and new_step is not None and cur_step > new_step \
@@ -100,6 +96,11 @@ def replace_latest(fs: AbstractFileSystem, protocol: str, key: str, name: str,
         except Exception as e:  # noqa: BLE001 - botocore errors are not OSError
             code = error_code(e)
             if conditional and code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("%s: not pointed at %s: the flush's timeout (%.1f s) passed "
+                                "while other writers moved it; the step is committed", key,
+                                name, timeout)
+                    return False
                 continue  # another writer moved it: read again, decide again
             if conditional and code in ("NotImplemented", "InvalidArgument", "NotImplementedError"):
                 _unsupported.add(protocol.lower())

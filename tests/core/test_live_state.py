@@ -70,3 +70,101 @@ def test_deferred_and_unprotected_are_remembered_for_the_early_saver() -> None:
     assert seen == [False]  # another thread than the boundary's
     live.clear()
     assert live.pending() is None and not live.deferred
+
+
+def test_a_new_boundary_drops_the_older_one_before_it_records_its_own() -> None:
+    """Between ``boundary_starts`` and the boundary's own ``record`` a flush must find
+    nothing to copy: the tensors already hold the new step, not the older boundary's."""
+    live = _recorded(step=5)
+    live.mark_dirty()  # the next optimizer step
+    live.boundary_starts()  # boundary 6 begins: clean again, but nothing recorded yet
+    assert live.pending() is None
+    with live.claim() as got:
+        assert got is None
+
+
+# ------------------------------------------------------------ the Copier around it
+class _Engine:
+    def __init__(self) -> None:
+        self.fenced: list[object] = []
+        self.submitted: list[int] = []
+
+    def fence(self, job: object, phase: int, stream: int) -> bool:
+        self.fenced.append(job)
+        return True
+
+    def submit(self, arena: object, slot: int, *a: object) -> object:
+        self.submitted.append(slot)
+        return "job"
+
+
+class _Backend:
+    cuda = None
+    device_staging = 0
+
+    def __init__(self) -> None:
+        self.engine = _Engine()
+
+    def hung(self) -> bool:
+        return False
+
+
+def _copier(keeper: object = None):
+    from cudasnap.core.copier import Copier
+    from cudasnap.core.counters import Counters
+
+    be = _Backend()
+    return Copier(None, be, None, keeper, Counters(), wait_timeout_s=30.0,  # type: ignore[arg-type]
+                  cadence=None), be.engine  # type: ignore[arg-type]
+
+
+class _Job:
+    step = 7
+
+
+def test_a_writer_waiting_for_the_live_copy_fences_the_job_that_copy_submitted() -> None:
+    """A writer that found a copy of the live state running waits for it, then fences
+    the job it submitted (read after the wait): the copy may outlast its flush's timeout,
+    and the writer must not write the tensors under it."""
+    copier, engine = _copier()
+    entered = threading.Event()
+    mark = copier.live.mark_dirty
+    copier.live.mark_dirty = lambda: (entered.set(), mark())[1]  # type: ignore[method-assign]
+    live = copier.live
+    live.boundary_starts()
+    live.record(7, b"s")
+    with live.claim() as got:
+        assert got is not None
+        writer = threading.Thread(target=copier.fence, args=(1,))
+        writer.start()
+        assert entered.wait(10)
+        writer.join(0.2)
+        assert writer.is_alive()  # held by the running copy of the live state
+        job = _Job()
+        copier.job, copier.fenced = job, [False, False]  # what submit() does
+    writer.join(10)
+    assert not writer.is_alive() and engine.fenced == [job]
+
+
+class _Arena:
+    meta_capacity = 1 << 20
+
+    def pick_write_slot(self) -> int:
+        return 1
+
+
+class _Keeper:
+    arena = None
+
+    def ensure(self, plan: object, n: int, step: int) -> _Arena:
+        return _Arena()
+
+
+class _Lay:
+    prefix_len, arena_ok, plan, prefix, total_bytes = 10, None, "plan", b"", 0
+
+
+def test_a_live_copy_whose_state_moved_meanwhile_is_never_handed_to_the_engine() -> None:
+    copier, engine = _copier(_Keeper())  # (the part submit() asks for an arena)
+    assert copier.submit(_Lay(), 7, b"s", still_clean=lambda: False) is None  # type: ignore[arg-type]
+    assert engine.submitted == []
