@@ -39,6 +39,7 @@ class LiveState:
         self._boundary: tuple[int, bytes] | None = None  # (step, manifest suffix)
         self._dirty = True  # a write of the state since that boundary
         self._copying: threading.Event | None = None  # set while claim()'s copy runs
+        self._claims = threading.Lock()  # makes claim()'s check-and-set of _copying atomic
         self.deferred = False  # the boundary's plan was being built (not the cadence's skip)
         self._unprotected: int | None = None  # thread of a boundary skipped for want of an arena
 
@@ -79,12 +80,16 @@ class LiveState:
         """The boundary to copy now, or None (none, another thread copies it, or the state
         moved past it: logged). While the block runs, writers of the state wait for it;
         :meth:`copied` clears it once the copy is COMPLETE."""
-        live = self._boundary
-        if live is None or self._copying is not None:
+        ev = threading.Event()
+        with self._claims:  # one claim at a time (a flush, the coordinator's settle, wait())
+            live = self._boundary
+            if live is None or self._copying is not None:
+                live = None
+            else:
+                self._copying = ev  # before reading the flag; mark_dirty() sets it the other way
+        if live is None:
             yield None
             return
-        ev = threading.Event()
-        self._copying = ev  # before reading the flag; mark_dirty() sets it the other way
         try:
             if self._dirty or self._boundary is not live:
                 log.info("JIT flush: the state moved past step %d (optimizer step since); "
