@@ -60,7 +60,6 @@ class ArenaKeeper:
         self.chunk_bytes, self.job, self.storage = opts.chunk_bytes, opts.job, storage
         self.directory = storage.local_dir  # the fresh start's move (local: never a URL)
         self.flush_threads, self._waits = opts.flush_threads, opts.waits
-        self.wait_timeout_s = opts.waits.copy_s
         self._supervised = opts.supervised  # under `cudasnap run` (its supervisor handles a left arena)
         self._flush_lock = flush_lock  # an arena is never unmapped under a flush of it
         self._wait_copy: Callable[[float], bool] = lambda timeout: True  # connect()
@@ -211,10 +210,10 @@ class ArenaKeeper:
         set-up on another thread) is skipped, never blocked.
         """
         lock = self.lock
-        if not lock.acquire(timeout=self.wait_timeout_s if sync else 0):
+        if not lock.acquire(timeout=self._waits.copy_s if sync else 0):
             if sync:
                 log.error("cudasnap: the staging arena stayed busy for %.0f s",
-                          self.wait_timeout_s)
+                          self._waits.copy_s)
             else:
                 self._not_ready(step)
             return None
@@ -297,9 +296,9 @@ class ArenaKeeper:
         if prep.started:
             log.warning("cudasnap: waiting for %s (the synchronous snapshot needs it)",
                         prep.what)
-            if not prep.wait_handed(self.wait_timeout_s):
+            if not prep.wait_handed(self._waits.copy_s):
                 log.error("cudasnap: %s was not ready after %.0f s", prep.what,
-                          self.wait_timeout_s)
+                          self._waits.copy_s)
             return
         prep.cancel(self._waits.close_s)
 
@@ -380,7 +379,7 @@ class ArenaKeeper:
         crash before the new arena holds a COMPLETE snapshot then still finds
         it. False (the boundary is skipped) while a copy into it still runs.
         """
-        if not self._wait_copy(self.wait_timeout_s):
+        if not self._wait_copy(self._waits.copy_s):
             log.warning("staging arena not re-created: a copy into the old one is still running")
             return False
         old = self.arena
@@ -396,9 +395,9 @@ class ArenaKeeper:
             elif not self.storage.has_step(step):
                 log.warning("state grew: writing the snapshot of step %d to disk before its "
                             "staging arena is replaced", step)
-                self._flush(self.wait_timeout_s)
+                self._flush(self._waits.copy_s)
         cuda = self._backend.cuda
-        if cuda is not None and not cuda.release_arena(old, self.wait_timeout_s):
+        if cuda is not None and not cuda.release_arena(old, self._waits.copy_s):
             return False
         with self._flush_lock:  # may run on the arena preparer: never under a flush
             old.unlink()

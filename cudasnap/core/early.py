@@ -53,7 +53,6 @@ class EarlySaver:
         self._keeper, self._copier, self._layouts = keeper, copier, layouts
         self._timeline, self._counters, self._flush_lock = timeline, counters, flush_lock
         self._waits = waits
-        self.wait_timeout_s = waits.copy_s
         self.boundary_event: threading.Event | None = None  # set by the next boundary
         # The step of the newest boundary() that returned past its copy (or skip): what a
         # flush waiting for "the next boundary" compares with, not Timeline.last_step,
@@ -83,7 +82,7 @@ class EarlySaver:
         lock = self._keeper.lock
         # Another thread's synchronous save holds it: wait for that one, within this
         # caller's own bound (a trigger's flush has 0-5 s), then copy whatever is left.
-        bound = self.wait_timeout_s if timeout is None else min(timeout, self.wait_timeout_s)
+        bound = self._waits.copy_s if timeout is None else min(timeout, self._waits.copy_s)
         if not lock.acquire(timeout=bound):
             log.error("cudasnap: %s before the staging arena was ready, and it stayed busy for "
                       "%.1f s: nothing snapshotted", why, bound)
@@ -131,7 +130,7 @@ class EarlySaver:
         if live is None or state.clean() or self._keeper.arena is None \
                 or state.unprotected_here():
             return
-        _wait_next_boundary(self, live[0], self.wait_timeout_s if timeout is None else timeout)
+        _wait_next_boundary(self, live[0], self._waits.copy_s if timeout is None else timeout)
 
     def at_close(self, keep: bool) -> None:
         """``close()`` before the arena was ready: the newest boundary goes into an arena
