@@ -23,7 +23,7 @@ from ..config import Settings, node_replica_mode
 from ..errors import ConfigError
 from .events import PROGRESS_EVERY_S, EventLog
 from .flush_round import FlushRounds, RoundResult
-from .kv import KV, store_is_per_round
+from .kv import KV, store_is_per_round, warn_if_restarts_share_the_store
 from .liveness import Liveness
 from .local import LocalSnapshots, empty_newer
 from .restore_vote import RestoreVote
@@ -94,6 +94,7 @@ class Coordinator:
         # Every wait of a flush round ends within this (torchrun: SIGKILL 30 s after SIGTERM).
         self.flush_timeout_s = commit_timeout_s or cfg.flush_timeout_s
         self.epoch = cfg.restart  # TORCHELASTIC_RESTART_COUNT wins (cudasnap.config)
+        warn_if_restarts_share_the_store(self.rank)
         self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/")
         self.replica: Replicator | None = None
         if cfg.node_replica and store_is_per_round():

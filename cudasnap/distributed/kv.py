@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,6 +34,33 @@ def store_is_per_round() -> bool:
     and restart counts differ between agents (a replacement node starts at 0)."""
     return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
+def restarts_share_the_store(env: Mapping[str, str] | None = None) -> bool:
+    """torchrun restarts workers in place (``--max-restarts`` > 0) on its shared rendezvous
+    store (``TORCHELASTIC_USE_AGENT_STORE``, torch's default). torch 2.11 and 2.14 make that
+    store once per agent and keep it across restarts, and ``init_process_group`` adds no
+    per-attempt prefix: a restarted attempt can read the previous attempt's process-group
+    keys (pytorch#135712). gloo then connects to the dead workers' addresses and fails, or
+    waits in ``connectFullMesh`` past the group's timeout; NCCL can read a stale unique id.
+    Seen with torchtitan 0.3.0 on gloo (tests/e2e/test_torchtitan.py)."""
+    e = os.environ if env is None else env
+    try:
+        restarts = int(e.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    except ValueError:
+        return False
+    return restarts > 0 and e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def warn_if_restarts_share_the_store(rank: int) -> None:
+    """Rank 0 says so once per attempt, with the two ways out."""
+    if rank == 0 and restarts_share_the_store():
+        log.warning(
+            "torchrun restarts workers in place on its shared rendezvous store, which keeps "
+            "the previous attempt's process-group keys (pytorch#135712): a restarted attempt "
+            "can fail or hang in init_process_group before cudasnap can restore it. Export "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun, or run `cudasnap run -- "
+            "torchrun --max-restarts=0 ...` (a fresh torchrun per attempt)")
 
 
 def open_store() -> Store:

@@ -70,6 +70,8 @@ def test_sigkill_one_rank_flush_restart_resume(killed: launch.Run, ref: launch.R
     r = killed
     assert r.rc == 0 and len(r.ranks) == WORLD, _ok(r)
     assert "Unable to shutdown" not in r.log, "a survivor outlived torchrun's SIGTERM grace"
+    # --max-restarts=1 on torchrun's shared store (the script's FileStore per attempt sidesteps it)
+    assert "pytorch#135712" in r.log, launch.log_tail(r)
     kill = r.kill()
     assert kill is not None and kill["step"] == 14
     committed = _events(r, "committed")

@@ -91,12 +91,31 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 400) -> tuple[int
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [p.pid, *_descendants(p.pid)]:  # torchrun's workers have sessions of their own
+        procs = [p.pid, *_descendants(p.pid)]  # torchrun's workers have sessions of their own
+        stacks = _stacks(procs[1:])
+        for pid in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         out, _ = p.communicate(timeout=60)
-        return -9, out + f"\n[test] killed after {timeout:.0f} s\n", time.monotonic() - t0
+        return -9, out + stacks + f"\n[test] killed after {timeout:.0f} s\n", time.monotonic() - t0
     return p.returncode, out, time.monotonic() - t0
+
+
+def _stacks(pids: list[int]) -> str:
+    """Where a hung run's processes are, for the failure message: each one's Python stacks
+    (cpu_train.py prints them on SIGUSR2) and the native stack of its main thread (gdb)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+    time.sleep(2)
+    native = []
+    for pid in pids:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "bt 25"],
+                                capture_output=True, text=True, timeout=60).stdout
+            native.append(f"[test] native stack of {pid}:\n" +
+                          "\n".join(ln for ln in bt.splitlines() if ln.startswith("#")))
+    return "\n" + "\n".join(native)
 
 
 def _descendants(root: int) -> list[int]:
@@ -186,23 +205,22 @@ def _kill_to_resumed(log: str, kill_step: int) -> float:
     return t - killed
 
 
-def test_torchrun_restart_with_cudasnap_never_hangs(assets: Path, reference: Path,
-                                                    tmp_path: Path) -> None:
-    """torchrun's own restart (--max-restarts): the job resumes bitwise, or the restarted
-    attempt fails with gloo's error well within the time torchrun would wait (torchtitan
-    0.3.0 on gloo reconnects to the previous attempt's addresses now and then, with or
-    without cudasnap; README: use ``cudasnap run -- torchrun --max-restarts=0``). Never a
-    hang: the whole run is bounded.
+def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_path: Path) -> None:
+    """torchrun's own restart (--max-restarts=1, rank 1 killed after step 3): the restarted
+    attempt resumes at step 4 and ends bitwise.
 
-    That reconnect waits in gloo's ``connectFullMesh`` for the process group's init timeout
-    (torchtitan's ``--comm.init_timeout_seconds``, 300 s by default, longer than this test
-    may take): seen twice under load, 2026-12-06, by gdb in the restarted workers; here it
-    is 90 s. The same flake can hit the first attempt's start (torchrun then restarts it
-    before any kill): that run must end bitwise without the kill."""
+    With torch's default shared rendezvous store the restarted attempt reads the first
+    attempt's process-group keys (pytorch#135712; torch 2.11 and 2.14 keep that store across
+    restarts): gloo connects to the dead workers' addresses and fails within seconds, or
+    waits in ``connectFullMesh`` past any timeout (seen 2026-12-06 in CI, by gdb in both
+    restarted workers, and in 1 of 3 runs here). cudasnap warns of it (cudasnap.distributed.kv)
+    and the README names the way out this test takes: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    a new store per attempt. The whole run is bounded; a run past its bound prints where its
+    processes were (Python and native stacks)."""
     job = f"ttr{os.getpid()}"
     env = _env(tmp_path, job, TT_DUMP=str(tmp_path / "dump"),
                TT_KILL_STEP="3", TT_KILL_RANK="1", CUDASNAP_HEALTH="1",
-               CUDASNAP_DIR=str(tmp_path / "ckpt"))
+               CUDASNAP_DIR=str(tmp_path / "ckpt"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = _torchrun(assets, tmp_path / "out", CUDASNAP_CFG, 1) + [
         "--comm.init_timeout_seconds", "90"]
     try:
@@ -210,16 +228,15 @@ def test_torchrun_restart_with_cudasnap_never_hangs(assets: Path, reference: Pat
     finally:  # a failed restart leaves its arenas (a rerun would resume from them)
         _remove_arenas(job)
     (tmp_path / "torchrun.log").write_text(log)  # kept for a failure's post-mortem
-    killed = "KILL step=3 rank=1" in log
-    if rc == 0:
-        if killed:
-            assert "resuming at step 4" in log, log[-3000:]
-        else:  # the first attempt failed to start: the restart ran the job (epoch 1)
-            events = (tmp_path / "ckpt" / "dist-log.jsonl").read_text().splitlines()
-            assert any(json.loads(e).get("epoch") == 1 for e in events), log[-3000:]
-        _compare(reference, tmp_path / "dump")
-    else:
-        assert killed and "connectFullMesh failed" in log, log[-6000:]
+    assert rc == 0, log[-8000:]
+    assert "pytorch#135712" not in log, "warned although the store is new per attempt"
+    if "KILL step=3 rank=1" in log:
+        resumed = re.findall(r"rank (\d): resuming at step (\d+)", log)
+        assert sorted(resumed) == [("0", "4"), ("1", "4")], log[-4000:]
+    else:  # the first attempt failed to start: the restart ran the job (epoch 1)
+        events = (tmp_path / "ckpt" / "dist-log.jsonl").read_text().splitlines()
+        assert any(json.loads(e).get("epoch") == 1 for e in events), log[-3000:]
+    _compare(reference, tmp_path / "dump")
     assert secs < 240, secs
 
 

@@ -17,12 +17,18 @@ to compare; parameters come from ``named_parameters()`` (the real ``wqkv``).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import types
 
 import torch
 import torch._utils
+
+# SIGUSR2 prints every thread's Python stack (cudasnap keeps SIGUSR1 for a flush): the test
+# sends it to a run it is about to kill.
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 _cpu = types.ModuleType("titan_cpu_device")
 for _k in dir(torch.cpu):
