@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings, node_replica_mode
-from ..errors import ConfigError
+from ..errors import ConfigError, FlushError
 from .events import PROGRESS_EVERY_S, EventLog
 from .flush_round import FlushRounds, RoundResult
-from .kv import KV, store_is_per_round, warn_if_restarts_share_the_store
+from .kv import KV, store_is_per_round, store_lost, warn_if_restarts_share_the_store
 from .liveness import Liveness
 from .local import LocalSnapshots, empty_newer
 from .restore_vote import RestoreVote
@@ -166,7 +166,13 @@ class Coordinator:
 
         ``explicit``: the program's own flush (e.g. at the end of the job), not a
         trigger's: the round waits, bounded, for every live rank's newest boundary."""
-        return self.rounds.flush(explicit=explicit)
+        try:
+            return self.rounds.flush(explicit=explicit)
+        except Exception as e:
+            why = store_lost(e)
+            if why is None:
+                raise
+            raise FlushError(f"rank {self.rank}: no flush round: {why}") from e
 
     def restore(self) -> int:
         """Agreed restore; returns the step to resume at (0 when nothing loadable)."""

@@ -58,9 +58,27 @@ def warn_if_restarts_share_the_store(rank: int) -> None:
         log.warning(
             "torchrun restarts workers in place on its shared rendezvous store, which keeps "
             "the previous attempt's process-group keys (pytorch#135712): a restarted attempt "
-            "can fail or hang in init_process_group before cudasnap can restore it. Export "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun, or run `cudasnap run -- "
-            "torchrun --max-restarts=0 ...` (a fresh torchrun per attempt)")
+            "can fail or hang in init_process_group before cudasnap can restore it. Run "
+            "`cudasnap run -- torchrun --max-restarts=0 ...` (a fresh torchrun per attempt), "
+            "or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (the store then "
+            "lives in rank 0's process: if rank 0 dies, the others cannot agree on a flush "
+            "to disk; their snapshots in shared memory still resume the job)")
+
+
+def store_lost(e: BaseException) -> str | None:
+    """What to tell the user when ``e`` says the coordination store is unreachable (its
+    server is gone); None for any other error."""
+    import torch.distributed as dist
+
+    if not isinstance(e, dist.DistNetworkError):
+        return None
+    where = ("it lived in rank 0's process (torchrun without its shared store: "
+             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), which is gone"
+             if store_is_per_round() else "its server (torchrun's agent or the launcher's "
+             "store) is gone")
+    return (f"cudasnap's coordination store is unreachable ({e}): {where}. No step can be "
+            "agreed or committed; the snapshots in this node's shared memory stay for the "
+            "next attempt")
 
 
 def open_store() -> Store:

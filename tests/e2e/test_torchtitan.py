@@ -205,8 +205,10 @@ def _kill_to_resumed(log: str, kill_step: int) -> float:
     return t - killed
 
 
-def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_path: Path) -> None:
-    """torchrun's own restart (--max-restarts=1, rank 1 killed after step 3): the restarted
+@pytest.mark.parametrize("victim", [0, 1])
+def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_path: Path,
+                                          victim: int) -> None:
+    """torchrun's own restart (--max-restarts=1, one rank killed after step 3): the restarted
     attempt resumes at step 4 and ends bitwise.
 
     With torch's default shared rendezvous store the restarted attempt reads the first
@@ -216,10 +218,14 @@ def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_pat
     restarted workers, and in 1 of 3 runs here). cudasnap warns of it (cudasnap.distributed.kv)
     and the README names the way out this test takes: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
     a new store per attempt. The whole run is bounded; a run past its bound prints where its
-    processes were (Python and native stacks)."""
+    processes were (Python and native stacks).
+
+    That store lives in rank 0's process: killing rank 0 takes it away, so the survivor's
+    flush cannot agree on a step and says so (a FlushError naming the store), and the
+    restarted ranks resume from the snapshots in shared memory."""
     job = f"ttr{os.getpid()}"
     env = _env(tmp_path, job, TT_DUMP=str(tmp_path / "dump"),
-               TT_KILL_STEP="3", TT_KILL_RANK="1", CUDASNAP_HEALTH="1",
+               TT_KILL_STEP="3", TT_KILL_RANK=str(victim), CUDASNAP_HEALTH="1",
                CUDASNAP_DIR=str(tmp_path / "ckpt"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = _torchrun(assets, tmp_path / "out", CUDASNAP_CFG, 1) + [
         "--comm.init_timeout_seconds", "90"]
@@ -230,9 +236,11 @@ def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_pat
     (tmp_path / "torchrun.log").write_text(log)  # kept for a failure's post-mortem
     assert rc == 0, log[-8000:]
     assert "pytorch#135712" not in log, "warned although the store is new per attempt"
-    if "KILL step=3 rank=1" in log:
+    if f"KILL step=3 rank={victim}" in log:
         resumed = re.findall(r"rank (\d): resuming at step (\d+)", log)
         assert sorted(resumed) == [("0", "4"), ("1", "4")], log[-4000:]
+        store_gone = "rank 1: no flush round: cudasnap's coordination store is unreachable"
+        assert (store_gone in log) == (victim == 0), log[-4000:]
     else:  # the first attempt failed to start: the restart ran the job (epoch 1)
         events = (tmp_path / "ckpt" / "dist-log.jsonl").read_text().splitlines()
         assert any(json.loads(e).get("epoch") == 1 for e in events), log[-3000:]
