@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .copier import Copier
     from .counters import Counters
     from .layouts import Layouts
+    from .options import Options
     from .state import TrainingState
     from .timeline import Timeline
     from .types import SnapshotFile
@@ -94,14 +95,12 @@ class _Verify:
 
 class Restorer:
     def __init__(self, state: TrainingState, storage: StorageReader, keeper: ArenaKeeper, copier: Copier,
-                 layouts: Layouts, timeline: Timeline, counters: Counters, *, rank: int,
-                 flush_threads: int, wait_timeout_s: float,
-                 allow_foreign_owner: bool | None, require_resume: bool = False) -> None:
+                 layouts: Layouts, timeline: Timeline, counters: Counters, opts: Options) -> None:
         self.state, self.storage, self._keeper, self._copier = state, storage, keeper, copier
         self._layouts, self._timeline, self._counters = layouts, timeline, counters
-        self.rank, self.flush_threads, self.wait_timeout_s = rank, flush_threads, wait_timeout_s
-        self.allow_foreign_owner = allow_foreign_owner
-        self.require_resume = require_resume
+        self.rank, self.flush_threads, self.wait_timeout_s = opts.rank, opts.flush_threads, opts.waits.copy_s
+        self.allow_foreign_owner = opts.allow_foreign_owner
+        self.require_resume = opts.require_resume
         self.partly_applied: str | None = None  # a snapshot that failed half-way through
         self._resume_logged = False
         self._dist: Coordinated | None = None

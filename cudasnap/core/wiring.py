@@ -76,10 +76,7 @@ def wire(state: TrainingState, storage: Storage, opts: Options) -> Components:
     flusher = Flusher(storage, keeper, cp, c, flush_lock, keep=opts.keep,
                       flush_threads=opts.flush_threads)
     keeper.connect(wait_copy=cp.wait_job, flush=flusher.flush_newest)  # its regrowth
-    restorer = Restorer(state, storage, keeper, cp, lays, tl, c, rank=opts.rank,
-                        flush_threads=opts.flush_threads, wait_timeout_s=wait_s,
-                        allow_foreign_owner=opts.allow_foreign_owner,
-                        require_resume=opts.require_resume)
+    restorer = Restorer(state, storage, keeper, cp, lays, tl, c, opts)
     early = EarlySaver(keeper, cp, lays, tl, c, flush_lock, waits=opts.waits)
     keeper.open_inherited()
     if opts.fresh:
