@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,28 @@ def _modelled_run() -> tuple[dict[str, Any], list[str]]:
     return out, [why for ok, why in bars if not ok]
 
 
+def _busy_s() -> tuple[float, int]:
+    """CPU seconds every process of the machine has used so far (steal included: another
+    VM's use of these cores), and the number of cores (/proc/stat)."""
+    lines = Path("/proc/stat").read_text().splitlines()
+    f = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    cores = sum(1 for ln in lines if ln.startswith("cpu") and ln[3:4].isdigit())
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK"), cores
+
+
+def _others_share(run: Any) -> tuple[Any, float]:
+    """``run()``'s result and the share of the machine's cores that processes other than
+    this one and its children (a second ``make test``, another VM) used meanwhile."""
+    t0, (b0, cores), c0 = time.monotonic(), _busy_s(), os.times()
+    got = run()
+    wall, (b1, _), c1 = time.monotonic() - t0, _busy_s(), os.times()
+    mine = sum(c1[:4]) - sum(c0[:4])  # user + system, of this process and its children
+    return got, max(0.0, (b1 - b0 - mine) / (wall * max(1, cores)))
+
+
+LOADED = 0.2  # other processes used over a fifth of the cores: the ratios say nothing
+
+
 def test_bench_timing_model_holds_issue_34s_figures(emu: Any) -> None:
     """``--emulated --timing h200`` (bench/modelled.py), issue 34's bar on the timing model:
     a snapshot is COMPLETE within 1.1x its DMA time (checksums keep pace with the copy);
@@ -252,13 +275,20 @@ def test_bench_timing_model_holds_issue_34s_figures(emu: Any) -> None:
 
     The model runs host work for real: on a loaded host (a second ``make test`` beside
     this one) a run's host work can outlast its modelled time and a ratio then says
-    nothing of the mechanism. So the bars must all hold in one of three runs (each
-    run's shape is asserted every time); a mechanism that misses them misses them in
-    every run."""
-    misses = []
+    nothing of the mechanism (the budget, measuring a noisy step, moves k and may end a
+    run before it measured the new one). So the bars must all hold in one of three runs
+    (each run's shape is asserted every time); a mechanism that misses them misses them in
+    every run. A run that missed while other processes used over ``LOADED`` of the cores
+    (/proc/stat, less this process's own) is no evidence either way: when every run was
+    such, the bars are not judged (a skip that says so, with the figures)."""
+    misses, quiet_miss = [], False
     for _ in range(3):
-        _, missed = _modelled_run()
+        (_, missed), others = _others_share(_modelled_run)
         if not missed:
             return
-        misses.append(missed)
-    raise AssertionError(f"the timing bars were missed in each of 3 runs: {misses}")
+        misses.append((f"others {others:.0%}", missed))
+        quiet_miss = quiet_miss or others <= LOADED
+    if quiet_miss:
+        raise AssertionError(f"the timing bars were missed in each of 3 runs: {misses}")
+    pytest.skip(f"other processes used over {LOADED:.0%} of the cores in each run, and each "
+                f"missed a timing bar: not judged on a loaded host ({misses})")
