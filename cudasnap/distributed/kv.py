@@ -43,7 +43,7 @@ def restarts_share_the_store(env: Mapping[str, str] | None = None) -> bool:
     per-attempt prefix: a restarted attempt can read the previous attempt's process-group
     keys (pytorch#135712). gloo then connects to the dead workers' addresses and fails, or
     waits in ``connectFullMesh`` past the group's timeout; NCCL can read a stale unique id.
-    Seen with torchtitan 0.3.0 on gloo (tests/e2e/test_torchtitan.py)."""
+    Seen with torchtitan 0.3.0 on gloo, 2026-12-06 (gdb: both restarted workers in gloo)."""
     e = os.environ if env is None else env
     try:
         restarts = int(e.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
