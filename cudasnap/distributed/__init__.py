@@ -3,9 +3,10 @@
 torch.distributed (the c10d store of the default process group) and torchrun's
 elastic restart are the engine; cudasnap adds no launcher or rendezvous. The
 store must outlive any one rank: torchrun's agent store, or a FileStore
-(``init_method="file://..."``, one file per restart attempt; see
-tests/dist/ddp_train.py for why with torch 2.14.1 + gloo). A TCPStore hosted
-by rank 0's own process dies with rank 0, and with it the coordination.
+(``init_method="file://..."``, one file per restart attempt: torchrun's shared
+store keeps the previous attempt's process-group keys, pytorch#135712, see
+``kv.restarts_share_the_store``). A TCPStore hosted by rank 0's own process dies
+with rank 0, and with it the coordination (``kv.store_lost``).
 
 Liveness. Per rank, every ``heartbeat_s`` a monitor thread publishes
 ``hb/<rank> = seq:last_step:complete_steps`` in the store (a clone of the

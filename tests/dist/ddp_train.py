@@ -71,9 +71,11 @@ def main() -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = os.environ["OUT"]
     os.makedirs(out, exist_ok=True)
-    # A fresh FileStore per restart attempt: with torch 2.14.1 + gloo, re-initialising
-    # the default env:// group after an elastic restart fails in connectFullMesh. The
-    # FileStore also outlives any rank, which the coordinator's store must.
+    # A fresh FileStore per restart attempt: on torchrun's shared store (kept across
+    # restarts, no per-attempt prefix: pytorch#135712) an env:// group of a restarted
+    # attempt reads the previous attempt's keys and fails or hangs in connectFullMesh
+    # (cudasnap.distributed.kv.restarts_share_the_store). The FileStore also outlives any
+    # rank, which the coordinator's store must.
     dist.init_process_group("gloo", init_method=f"file://{os.environ['STORE_DIR']}/store-{attempt}",
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=__import__("datetime").timedelta(seconds=60))
