@@ -28,12 +28,17 @@ def parse_csv(v: str) -> set[int]:
     return {int(x) for x in v.split(",") if x}
 
 
+def agent_store_shared(env: Mapping[str, str] | None = None) -> bool:
+    """torchrun hands its workers its own rendezvous store (TORCHELASTIC_USE_AGENT_STORE)."""
+    e = os.environ if env is None else env
+    return e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def store_is_per_round() -> bool:
     """torchrun without its shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which a
     replacement node needs to join): the default group's store is new per rendezvous round,
     and restart counts differ between agents (a replacement node starts at 0)."""
-    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and \
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and not agent_store_shared()
 
 
 def restarts_share_the_store(env: Mapping[str, str] | None = None) -> bool:
@@ -49,7 +54,7 @@ def restarts_share_the_store(env: Mapping[str, str] | None = None) -> bool:
         restarts = int(e.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     except ValueError:
         return False
-    return restarts > 0 and e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return restarts > 0 and agent_store_shared(e)
 
 
 def warn_if_restarts_share_the_store(rank: int) -> None:
@@ -93,7 +98,7 @@ def open_store() -> Store:
     import torch.distributed as dist
 
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and addr and port:
+    if agent_store_shared() and addr and port:
         try:
             tcp = dist.TCPStore(addr, int(port), is_master=False,
                                 timeout=datetime.timedelta(seconds=30))
