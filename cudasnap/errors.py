@@ -39,3 +39,15 @@ __all__ = [
     "SnapshotError", "CorruptSnapshot", "IncompatibleSnapshot", "StagingError",
     "FlushError", "CudaError", "ConfigError",
 ]
+
+
+def exception_active() -> BaseException | None:
+    """The exception this thread is handling or propagating (``close()`` called from an
+    ``except``/``finally`` block or ``__exit__``), or None; a clean ``SystemExit`` (code 0
+    or None: ``sys.exit()`` at a normal end) is not a failure."""
+    import sys
+
+    exc = sys.exc_info()[1]
+    if isinstance(exc, SystemExit) and exc.code in (0, None):
+        return None
+    return exc

@@ -27,7 +27,7 @@ from .core import vml_warmup
 from .core.options import Options
 from .core.state import TrainingState
 from .core.wiring import attach_triggers, wire
-from .errors import SnapshotError
+from .errors import SnapshotError, exception_active
 from .storage import clean_partial, open_storage, posix
 
 if TYPE_CHECKING:
@@ -375,21 +375,31 @@ class Snapshotter:
         s.update(self._keeper.stats(), **self._backend.stats())
         return s
 
-    def close(self, keep_arena: bool = False, flush: bool | None = None) -> None:
+    def close(self, keep_arena: bool | None = None, flush: bool | None = None) -> None:
         """Waits for the running copy, flushes it (see ``flush_on_close``), stops threads
-        and hooks, removes the arena (kept when ``keep_arena`` or when that flush failed).
+        and hooks, and removes the arena unless it may hold the only copy of the newest
+        state.
+
+        ``keep_arena``: None (default) keeps the arena when ``close()`` runs while an
+        exception propagates (an ``except``/``finally`` block, ``__exit__``: a trainer's
+        own exception path), when the final flush failed, or, with several ranks, while
+        this rank's newest snapshot is not committed (a restart assembles the step from
+        the ranks' arenas); True always keeps it, False removes it (the state is not
+        needed). A kept arena is named at exit (cudasnap.core.arena_exit).
 
         A newest boundary not snapshotted (arena or plan not ready) is copied first
         (cudasnap.core.early); a close() with no boundary saved logs a WARNING."""
         if self._closed:
             return
+        failing = exception_active()
+        keep = bool(keep_arena) or (keep_arena is None and failing is not None)
         if flush is None:
-            flush = self.options.flush_on_close and not keep_arena and self.dist is None
-        if flush or keep_arena:
-            self._early.at_close(keep_arena)
+            flush = self.options.flush_on_close and keep_arena is not True and self.dist is None
+        if flush or keep_arena is not False:
+            self._early.at_close(keep)
         self._keeper.shutdown(self.options.waits.close_s)  # a set-up in progress
         if flush and not self._flusher.final_flush():
-            keep_arena = True  # the arena holds the only copy of the final state
+            keep = True  # the arena holds the only copy of the final state
         self._early.warn_if_nothing_saved()
         self._closed = True
         try:
@@ -397,14 +407,19 @@ class Snapshotter:
         finally:
             if self.guard is not None:
                 self.guard.stop()
-            if self.dist is not None:
-                self.dist.stop()
+            if self.dist is not None and not self.dist.stop() and keep_arena is None:
+                keep = True  # not committed: the restart's vote reads this arena
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
             self._layouts.join_build(self.options.waits.close_s)  # it may make the engine
             self._layouts.release_at_close(self._backend.stop())
-            self._keeper.release(unlink=not keep_arena)
+            if keep and keep_arena is None and self._keeper.staged_arenas():
+                log.warning("cudasnap: close() keeps the staging arena %s%s: a restart "
+                            "resumes from it", self.options.arena_path,
+                            f" (closing during {type(failing).__name__})" if failing else
+                            " (its newest snapshot is not on disk)")
+            self._keeper.release(unlink=not keep)
             self._lock.release()
 
     def __enter__(self) -> "Snapshotter":
@@ -415,4 +430,4 @@ class Snapshotter:
         if exc_type is not None and self.guard is not None:
             self.guard.on_exception(exc)
         # Keep the arena after a failure: the supervisor or the next process uses it.
-        self.close(keep_arena=exc_type is not None)
+        self.close(keep_arena=True if exc_type is not None else None)

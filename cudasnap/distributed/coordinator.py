@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import operator
 import queue
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings, node_replica_mode
-from ..errors import ConfigError, FlushError
+from ..errors import ConfigError, FlushError, exception_active
 from .events import PROGRESS_EVERY_S, EventLog
 from .flush_round import FlushRounds, RoundResult
 from .kv import KV, store_is_per_round, store_lost, warn_if_restarts_share_the_store
@@ -210,28 +209,33 @@ class Coordinator:
         """What the last restore saw in memory and could not assemble (None: nothing)."""
         return self.vote.lost
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Stops the threads (``close()``). A clean close (not while an exception
         propagates) with this rank's final snapshot committed ends its heartbeat with
-        the closed marker: its peers do not take its end for a failure."""
+        the closed marker: its peers do not take its end for a failure.
+
+        Returns True when this rank's newest snapshot is committed (or it holds none), so
+        its arena may go; False while the arena may hold the only copy of the job's
+        newest state (a close during an exception, or a step not committed)."""
         self._stop.set()
         self._actions.put(("stop", None))
         for t in (self._thread, self._worker):
             if t is not threading.current_thread():
                 t.join(timeout=5)
         try:
-            self._stop_rounds()
+            return self._stop_rounds()
         finally:
             self.live.stop()  # its presence port closes: peers see this process gone
 
-    def _stop_rounds(self) -> None:
-        exc = sys.exc_info()[1]  # close() from __exit__, an except or a finally block
-        if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            log.warning("rank %d closes during %s: its peers take its end for a failure",
-                        self.rank, type(exc).__name__)
+    def _stop_rounds(self) -> bool:
+        exc = exception_active()  # close() from __exit__, an except or a finally block
+        if exc is not None:
+            log.warning("rank %d closes during %s: its peers take its end for a failure; "
+                        "its snapshots stay in shared memory for the restart", self.rank,
+                        type(exc).__name__)
             if self.replica is not None:
                 self.replica.stop()
-            return
+            return False
         try:
             step = self.rounds.final_step()
             if self.replica is not None:  # the guests go once the final step is on disk
@@ -239,13 +243,14 @@ class Coordinator:
             if step is not None:
                 self.live.close(step)
                 self.events("closed", step=step)
-            else:
-                log.warning("rank %d closes with its newest step %s not committed: peers "
-                            "still running take its end for a failure (flush() on every rank "
-                            "before close() ends a multi-rank job)", self.rank,
-                            max(self.complete_steps(), default=None))
+                return True
+            log.warning("rank %d closes with its newest step %s not committed: its "
+                        "snapshots stay in shared memory, and peers still running take its "
+                        "end for a failure (flush() on every rank before close() ends a "
+                        "multi-rank job)", self.rank, max(self.complete_steps(), default=None))
         except Exception as e:  # noqa: BLE001 - the store may be gone when the job dies
             log.warning("rank %d: could not publish its close: %s", self.rank, e)
+        return False
 
     # ---------------------------------------------------------- threads
     def _run(self) -> None:

@@ -25,7 +25,7 @@ class SnapshotterOwner:
     snapshotter: Any = None
     last_stats: dict[str, Any] | None = None
 
-    def _close(self, keep_arena: bool = False) -> None:
+    def _close(self, keep_arena: bool | None = None) -> None:
         snap, self.snapshotter = self.snapshotter, None
         if snap is not None:
             self.last_stats = snap.stats()
