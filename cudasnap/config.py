@@ -27,6 +27,11 @@ CUDASNAP_ALLOW_FOREIGN_OWNER    bool     0          load snapshot files owned by
 CUDASNAP_REQUIRE_RESUME         bool     0          refuse to start over at step 0 when the job made
                                                     progress that no rank can restore
 CUDASNAP_ALLOW_TORCH_MISMATCH   bool     0          load an extension built for another torch
+CUDASNAP_RNG_RESTORE            str      see right  when a restore puts the RNG states back: first_forward
+                                                    (default: again at the first forward after it, so draws
+                                                    between the restore and the first step, e.g.
+                                                    ``iter(DataLoader)``, are discarded) or restore (only
+                                                    at the restore: for a loop whose data fetch draws)
 CUDASNAP_PEER_TIMEOUT_S         float>0  10         a silent peer rank is dead after this
 CUDASNAP_FLUSH_TIMEOUT_S        float>0  25         every wait of a distributed flush round ends by then
 CUDASNAP_RESTART                int>=0   0          restart attempt (``cudasnap run``; torchrun's
@@ -87,6 +92,7 @@ overhead_budget      None (auto: 0.01    0 <= float < 1            CUDASNAP_OVER
                      CUDA, 0 CPU)
 device_staging       0 (off)             int >= 0 or "auto"        CUDASNAP_DEVICE_STAGING
 rng_sources          RNG_SOURCES         a subset of RNG_SOURCES   -
+rng_restore          "first_forward"     one of RNG_RESTORE_POINTS CUDASNAP_RNG_RESTORE
 copy_threads         cores - 1, 1 .. 4   -                         - (resolve_threads)
 flush_threads        cores, 2 .. 8       -                         - (resolve_threads)
 directory            ./ckpt              URL: not with fresh       CUDASNAP_DIR
@@ -123,6 +129,8 @@ KEEP = 3
 CHUNK_BYTES = 4 << 20  # the largest automatic chunk (chunk_bytes=None: core.slot_geometry)
 BACKENDS = ("auto", "cpu", "cuda")
 RNG_SOURCES = ("torch", "cuda", "numpy", "python")
+# When a restore's RNG states are put back (core.rng.RestoredRng): the first is the default.
+RNG_RESTORE_POINTS = ("first_forward", "restore")
 MAX_SLOTS = 8  # the arena header's slot table
 OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence; CUDA backend)
 MAX_EVERY = 64  # the budget's largest k: a process killed outright replays at most this many
@@ -157,6 +165,13 @@ def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: i
     bad = set(rng_sources) - set(RNG_SOURCES)
     if bad:
         raise ConfigError(f"unknown rng_sources {sorted(bad)}; use torch, cuda, numpy, python")
+
+
+def check_rng_restore(v: Any, name: str) -> str:
+    """``rng_restore``: one of RNG_RESTORE_POINTS."""
+    if v not in RNG_RESTORE_POINTS:
+        raise ConfigError(f"{name} must be one of {', '.join(RNG_RESTORE_POINTS)}, got {v!r}")
+    return str(v)
 
 
 def check_budget(v: Any, name: str) -> float:
@@ -290,6 +305,7 @@ class Settings:
     fresh: bool = False
     allow_foreign_owner: bool = False
     require_resume: bool = False
+    rng_restore: str = RNG_RESTORE_POINTS[0]
     allow_torch_mismatch: bool = False
     peer_timeout_s: float = 10.0
     flush_timeout_s: float = 25.0
@@ -337,6 +353,8 @@ class Settings:
             fresh=bool(env_bool(e, "CUDASNAP_FRESH")),
             allow_foreign_owner=bool(env_bool(e, "CUDASNAP_ALLOW_FOREIGN_OWNER")),
             require_resume=bool(env_bool(e, "CUDASNAP_REQUIRE_RESUME")),
+            rng_restore=check_rng_restore(_raw(e, "CUDASNAP_RNG_RESTORE") or RNG_RESTORE_POINTS[0],
+                                          "CUDASNAP_RNG_RESTORE"),
             allow_torch_mismatch=bool(env_bool(e, "CUDASNAP_ALLOW_TORCH_MISMATCH")),
             peer_timeout_s=env_float(e, "CUDASNAP_PEER_TIMEOUT_S", 10.0) or 10.0,
             flush_timeout_s=env_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", 25.0) or 25.0,

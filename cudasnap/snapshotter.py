@@ -74,6 +74,12 @@ class Snapshotter:
             model is DDP-wrapped; HSDP: the ranks along the mesh's replicate dim; else
             none), "all", None, or a list of rank groups.
         rng_sources: RNG states saved at each boundary (drop unused ones: ~30 us each).
+        rng_restore: when a restore puts the RNG states back: "first_forward" (default)
+            at the restore and again at the first forward of a registered model after it,
+            so random numbers drawn in between (``iter(DataLoader)``, a trainer's set-up
+            after its checkpoint load) are not taken from the resumed run's first step;
+            "restore": only at the restore (a loop whose data fetch draws from the global
+            RNG between a step's end and the next forward). Default $CUDASNAP_RNG_RESTORE.
         health: the health monitor, signals and watchdog (default: CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
         arena_sync_max_bytes: arenas up to this many bytes are made at the first boundary
@@ -112,7 +118,7 @@ class Snapshotter:
                  arena_sync_max_bytes: int | None = None, snapshot_every: int | None = None,
                  node_replica: bool | str | None = None, require_resume: bool | None = None,
                  overhead_budget: float | None = None,
-                 device_staging: int | str | None = None) -> None:
+                 device_staging: int | str | None = None, rng_restore: str | None = None) -> None:
         env = Settings.from_env()  # keyword arguments win over the environment
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
@@ -131,11 +137,13 @@ class Snapshotter:
             overhead_budget=overhead_budget, device_staging=device_staging,
             arena_sync_max_bytes=arena_sync_max_bytes, allow_foreign_owner=allow_foreign_owner,
             fresh=fresh, require_resume=require_resume, flush_on_close=flush_on_close,
-            rng_sources=rng_sources, node_replica=node_replica, shm_dir=shm_dir, job=job)
+            rng_sources=rng_sources, rng_restore=rng_restore, node_replica=node_replica,
+            shm_dir=shm_dir, job=job)
         vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         self.directory = self.storage.local_dir
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = opts.rng_sources
+        self.state.restored_rng.again = opts.rng_restore == "first_forward"
         self._lock = posix.DirectoryLock(self.directory, opts.rank)
         self._lock.acquire()
         clean_partial(self.storage)
@@ -194,6 +202,7 @@ class Snapshotter:
             raise SnapshotError("boundary() on a closed Snapshotter")
         tl = self._timeline
         step = tl.advance(step)
+        self.state.restored_rng.no_forward()  # a boundary with no forward since a restore
         try:
             self._copier.snapshot(step, t0, tl.boundaries, values)
         finally:

@@ -26,7 +26,7 @@ from ..format.manifest import TensorEntry, dtype_key, dtype_name, expand_params
 from . import copy_back, device_restore, sharded, values
 from .copy_back import Pair
 from .live_tensor import _PLAIN, LiveTensor, _param_order
-from .rng import apply_rng
+from .rng import RestoredRng
 
 if TYPE_CHECKING:
     from .types import SnapshotFile, Stateful
@@ -38,6 +38,7 @@ class Registered(Protocol):
     models: dict[str, torch.nn.Module]
     optimizers: dict[str, torch.optim.Optimizer]
     extra: dict[str, object]
+    restored_rng: RestoredRng
 
     def live_tensors(self) -> list[LiveTensor]: ...
 
@@ -249,7 +250,7 @@ def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, 
         else:
             cast("Stateful", obj).load_state_dict(ent["state"])
     saved = dict(hd.get("values") or {})
-    apply_rng(hd.get("rng", {}))
+    state.restored_rng.restored(hd.get("rng", {}))
     return int(hd.get("step", -1)), saved
 
 

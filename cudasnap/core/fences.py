@@ -94,11 +94,15 @@ def install(state: TrainingState, copier: Copier,
         # graph break (docs/design.md §3.2.1).
         return [t for t in ts if type(t) in plain] or token
 
+    restored_rng = state.restored_rng
+
     def step_pre(o: torch.optim.Optimizer, *_: object) -> None:
         if compiling():  # traced (torch.compile(opt.step)): the op joins the graph
             with torch.no_grad():
                 op(key, 1, _state(p for g in o.param_groups for p in g["params"]))
             return
+        if restored_rng.pending is not None:  # a step before any forward after a restore
+            restored_rng.no_forward()
         copier.fence(1)
 
     def forward_pre(module: torch.nn.Module, _: object) -> None:
@@ -107,6 +111,8 @@ def install(state: TrainingState, copier: Copier,
             if bufs:
                 op(key, 0, _state(bufs))
             return
+        if restored_rng.pending is not None:  # the first forward after a restore
+            restored_rng.at_first_forward()
         copier.fence(0)  # eager (its no-op case, the common one, is its first lines)
 
     def before_load(*_: object) -> None:

@@ -55,6 +55,7 @@ class Options:
     supervised: bool
     flush_on_close: bool
     rng_sources: tuple[str, ...]
+    rng_restore: str  # cfg.RNG_RESTORE_POINTS (core.rng.RestoredRng)
     rank: int
     world_size: int
     job: str
@@ -71,7 +72,7 @@ class Options:
                 arena_sync_max_bytes: int | None = None,
                 allow_foreign_owner: bool | None = None, fresh: bool | None = None,
                 require_resume: bool | None = None, flush_on_close: bool = True,
-                rng_sources: tuple[str, ...] = cfg.RNG_SOURCES,
+                rng_sources: tuple[str, ...] = cfg.RNG_SOURCES, rng_restore: str | None = None,
                 node_replica: bool | str | None = None, shm_dir: str | os.PathLike[str] | None = None,
                 job: str | None = None) -> Options:
         """The options of a Snapshotter; keywords None take the environment's value, then
@@ -82,6 +83,8 @@ class Options:
                           chunk_bytes=chunk_bytes, backend=backend, snapshot_every=snapshot_every,
                           rng_sources=rng_sources, overhead_budget=overhead_budget,
                           device_staging=device_staging)
+        if rng_restore is not None:
+            cfg.check_rng_restore(rng_restore, "rng_restore")
         fresh = env.fresh if fresh is None else bool(fresh)
         cfg.check_fresh_url(directory, paths.is_url(directory), fresh)
         slots = cfg.arena_slots(num_slots, spare_slot, world_size, node_replica, env.node_parity)
@@ -105,7 +108,8 @@ class Options:
             else arena_sync_max_bytes,
             allow_foreign_owner=allow_foreign_owner, fresh=fresh,
             require_resume=require and not fresh, supervised=env.supervised,
-            flush_on_close=flush_on_close, rng_sources=tuple(rng_sources), rank=rank,
+            flush_on_close=flush_on_close, rng_sources=tuple(rng_sources),
+            rng_restore=env.rng_restore if rng_restore is None else rng_restore, rank=rank,
             world_size=world_size, job=job, arena_path=paths.arena_path(shm, job, rank))
 
 

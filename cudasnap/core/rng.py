@@ -2,7 +2,8 @@
 
 ``capture_rng`` reads the torch, CUDA, numpy and Python RNG states as compact bytes
 (per boundary: the host capture calls it, cudasnap.core.host_capture.HostText only for
-the sources that changed); ``apply_rng`` sets them back from a decoded snapshot.
+the sources that changed); ``apply_rng`` sets them back from a decoded snapshot;
+``RestoredRng`` puts a restore's states back once more at the first step after it.
 """
 from __future__ import annotations
 
@@ -75,3 +76,50 @@ def apply_rng(rng: Mapping[str, object]) -> None:
         else:
             log.warning("snapshot holds %d CUDA RNG states, this process sees %d devices; "
                         "CUDA RNG not restored", len(states), torch.cuda.device_count())
+
+
+class RestoredRng:
+    """The RNG states of the last restore, put back again at the first forward after it.
+
+    A trainer does more between its checkpoint load and its first step than the
+    uninterrupted run did at that point: torchtitan builds its data iterator after
+    ``checkpointer.load()``, and ``iter(StatefulDataLoader)`` (any ``DataLoader``) draws
+    one number from the default CPU generator. States set inside the load are then one
+    draw ahead at the first resumed step, and dropout differs from there on. With
+    ``again`` (``rng_restore="first_forward"``, the default) the states are set at the
+    restore and once more right before the first forward of a registered model.
+
+    Call order: the restore calls :meth:`restored` (it sets the states now); the
+    forward pre-hook calls :meth:`at_first_forward` (eager only: a traced hook leaves it);
+    the optimizer's step pre-hook and ``boundary()`` call :meth:`no_forward` (a step
+    without a forward of a registered model keeps the states as the restore set them).
+    """
+
+    def __init__(self, again: bool = True) -> None:
+        self.again = again
+        self.pending: Mapping[str, object] | None = None  # read by the forward pre-hook
+        self._torch_after: torch.Tensor | None = None
+
+    def restored(self, rng: Mapping[str, object]) -> None:
+        """Sets ``rng`` (a decoded snapshot's ``"rng"``) now; again at the first forward."""
+        apply_rng(rng)
+        if self.again and rng:
+            self.pending = rng
+            self._torch_after = torch.get_rng_state()
+
+    def at_first_forward(self) -> None:
+        """The first forward after the restore: the states again (once)."""
+        rng, self.pending = self.pending, None
+        if rng is None:
+            return
+        before = self._torch_after
+        moved = before is not None and not torch.equal(torch.get_rng_state(), before)
+        apply_rng(rng)
+        if moved:
+            log.info("cudasnap: random numbers drawn between the restore and the first step "
+                     "(a data iterator made after the load, say) were discarded: the RNG "
+                     "states are the snapshot's at the first forward (rng_restore)")
+
+    def no_forward(self) -> None:
+        """A step or boundary came before any forward: nothing more to put back."""
+        self.pending = None

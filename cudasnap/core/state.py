@@ -25,7 +25,7 @@ from ..format.manifest import TensorEntry
 from . import apply as apply_mod
 from . import module_state, optim_wrap, sharded, values
 from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
-from .rng import RNG_SOURCES, capture_rng
+from .rng import RNG_SOURCES, RestoredRng, capture_rng
 
 if TYPE_CHECKING:
     from .types import SnapshotFile, Stateful
@@ -111,6 +111,7 @@ class TrainingState:
         self.step_values: dict[str, object] = {}
         self.values: dict[str, object] = {}
         self.rng_sources: tuple[str, ...] = RNG_SOURCES
+        self.restored_rng = RestoredRng()  # a restore's RNG, again at the first forward
         # Refuse what cannot be copied now, not at the first boundary's copy (optimizer
         # state created later is checked when the layout is built).
         for mkey, mod in self.models.items():

@@ -94,6 +94,7 @@ REVIEWED_WRITES = {
     ("core/copier.py", "self.state.step_values"): "boundary(step, **values) into the state",
     ("core/copier.py", "lay.arena_ok"): "the copier's cached 'fits' answer, kept per plan",
     ("snapshotter.py", "self.state.rng_sources"): "the rng_sources keyword",
+    ("snapshotter.py", "self.state.restored_rng.again"): "the rng_restore keyword",
     ("core/state.py", "lt.owner"): "TrainingState's own LiveTensors",
     ("core/state.py", "lt.shard"): "TrainingState's own LiveTensors",
     ("core/state.py", "lt.tensor"): "TrainingState's own LiveTensors",

@@ -1,0 +1,102 @@
+"""Issue 44 item 3: the RNG is exact whatever the trainer draws between the restore and the
+first resumed step.
+
+torchtitan builds its data iterator after ``checkpointer.load()``; ``iter(DataLoader)`` draws
+from the default CPU generator, so RNG states put back inside the load were one draw ahead
+at the first resumed step and dropout differed from there on, silently. With the default
+``rng_restore="first_forward"`` the states go back again at the first forward; a loop whose
+data fetch itself draws (between a step's end and the next forward) sets "restore"."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cudasnap
+from cudasnap.errors import ConfigError
+
+STEPS = 4
+
+
+def _make() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def _batch(fetch_draws: bool) -> torch.Tensor:
+    if fetch_draws:  # a data fetch in the main process that draws (augmentation, say)
+        return torch.rand(2, 4) + random.random() + float(np.random.rand())
+    return torch.ones(2, 4)
+
+
+def _step(m: nn.Module, o: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    m(x).sum().backward()
+    o.step()
+    o.zero_grad()
+
+
+def _run(env, kill_after: int | None, fetch_draws: bool, setup_draws: bool,
+         rng_restore: str | None = None) -> dict[str, torch.Tensor]:
+    """STEPS steps; with ``kill_after`` the first process stops after that step's snapshot
+    (keeping its arena, as a killed one does) and a second one resumes."""
+    random.seed(1)
+    np.random.seed(2)
+    m, o = _make()
+    snap = cudasnap.Snapshotter(m, o, env.dir, health=False, rng_restore=rng_restore)
+    for step in range(STEPS if kill_after is None else kill_after + 1):
+        _step(m, o, _batch(fetch_draws))
+        snap.boundary(step)
+    snap.wait()
+    if kill_after is not None:
+        snap.close(keep_arena=True, flush=False)
+        m, o = _make()
+        random.seed(5)  # the new process's own seeding
+        np.random.seed(6)
+        snap = cudasnap.Snapshotter(m, o, env.dir, health=False, rng_restore=rng_restore)
+        start = snap.restore_latest()
+        assert start == kill_after + 1
+        if setup_draws:  # iter(DataLoader) and friends, made after the load
+            torch.empty((), dtype=torch.int64).random_()
+            random.random()
+            np.random.rand()
+        for step in range(start, STEPS):
+            _step(m, o, _batch(fetch_draws))
+            snap.boundary(step)
+    out = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    out["rng"] = torch.get_rng_state()
+    snap.close()
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("setup_draws", "fetch_draws", "mode", "exact"), [
+    (True, False, None, True),            # torchtitan: iter() after load(); the default
+    (True, False, "restore", False),      # the old behaviour: one draw ahead
+    (False, False, None, True),
+    (False, True, "restore", True),       # the fetch draws: only at the restore
+    (False, True, None, False),           # ... which first_forward would undo
+], ids=["setup-draws", "setup-draws-restore-mode", "no-draws", "fetch-draws-restore-mode",
+        "fetch-draws-first-forward"])
+def test_draws_between_the_restore_and_the_first_step(snap_env, setup_draws: bool,
+                                                      fetch_draws: bool, mode: str | None,
+                                                      exact: bool) -> None:
+    ref = _run(snap_env, None, fetch_draws, False, mode)
+    snap_env.dir = snap_env.tmp / "ckpt2"
+    got = _run(snap_env, 1, fetch_draws, setup_draws, mode)
+    assert _same(ref, got) is exact
+
+
+def test_rng_restore_is_checked(snap_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    m, o = _make()
+    with pytest.raises(ConfigError, match="rng_restore must be one of first_forward, restore"):
+        cudasnap.Snapshotter(m, o, snap_env.dir, health=False, rng_restore="later")
+    monkeypatch.setenv("CUDASNAP_RNG_RESTORE", "never")
+    with pytest.raises(ConfigError, match="CUDASNAP_RNG_RESTORE must be one of"):
+        cudasnap.Snapshotter(m, o, snap_env.dir, health=False)
