@@ -24,14 +24,23 @@ the trainer changes, a config function picks it::
 
 ``load()`` restores the newest snapshot every rank holds (shared memory first, then disk)
 and sets ``trainer.step`` to its step, so the loop goes on at the next one; torchtitan's
-steps count from 1 and are used as they are. At the last step every rank flushes (a
-committed snapshot on disk). Run it under ``cudasnap run -- torchrun --max-restarts=0 ...``
-(see README, "torchtitan").
+steps count from 1 and are used as they are. The RNG states go back once more at the
+first forward after the load (``rng_restore``: torchtitan makes its data iterator after
+``load()``, and ``iter()`` of its dataloader draws from the CPU generator).
+
+The durable tier: every ``--checkpoint.interval`` steps (torchtitan's own flag, default
+500) every rank flushes the newest snapshot in the background, a committed step on disk
+that survives the loss of the node's memory; at the last step every rank flushes and
+waits. ``close()`` on torchtitan's exception path (``main()`` calls ``trainer.close()`` in
+its ``except``: a peer's death makes gloo raise on the survivors) keeps the arena, so the
+restart resumes from it (``Snapshotter.close``). Run it under
+``cudasnap run -- torchrun --max-restarts=0 ...`` (see README, "torchtitan").
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +87,13 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         """Copy every k-th step to host memory (a trigger still saves the live state);
         0: the overhead budget (``$CUDASNAP_OVERHEAD_BUDGET``, 1%) picks k."""
 
+        initial_load_model_only: bool = False
+        """(torchtitan's; cudasnap loads no initial checkpoint: off, so torchtitan does
+        not warn that it has no effect.)"""
+
+        flush_timeout_s: float = 120.0
+        """Bound of the waits of each interval flush (the data write itself is never cut)."""
+
     def __init__(self, config: Any, *, dataloader: Any, model_parts: list[Any],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
                  sd_adapter: Any = None, base_folder: str = "") -> None:
@@ -94,6 +110,9 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.snap = Snapshotter(models, optimizers, directory=directory, extra=extra,
                                 snapshot_every=config.snapshot_every or None)
         self.restored: int | None = None
+        self.interval = int(config.interval)
+        self.flush_timeout_s = float(config.flush_timeout_s)
+        self._flusher: threading.Thread | None = None
 
     def _load(self, step: int = -1) -> bool:
         if step != -1:
@@ -106,8 +125,36 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         self.snap.boundary(curr_step)
         if last_step:
+            self._join_flush()
             self.snap.flush()  # every rank reaches the last step: a committed snapshot
+        elif self.interval > 0 and curr_step % self.interval == 0:
+            self._flush_in_background(curr_step)
         return True
+
+    def _flush_in_background(self, step: int) -> None:
+        """The durable tier: a committed flush of the newest snapshot on a thread of its
+        own (every rank starts it at the same step; the flush round agrees on the step).
+        One at a time: a flush still running when the next interval comes is not doubled."""
+        if self._flusher is not None and self._flusher.is_alive():
+            log.warning("cudasnap: the flush of an earlier interval still runs at step %d: "
+                        "no second one (a longer --checkpoint.interval fits this disk)", step)
+            return
+
+        def run() -> None:
+            try:
+                path = self.snap.flush(wait=True, timeout=self.flush_timeout_s)
+                log.info("cudasnap: interval flush at step %d: %s", step, path)
+            except Exception as e:  # noqa: BLE001 - the snapshots in memory stay
+                log.error("cudasnap: the interval flush at step %d failed: %s", step, e)
+
+        self._flusher = threading.Thread(target=run, name=f"cudasnap-interval-{step}",
+                                         daemon=True)
+        self._flusher.start()
+
+    def _join_flush(self) -> None:
+        t, self._flusher = self._flusher, None
+        if t is not None:
+            t.join(self.flush_timeout_s + 60.0)
 
     def _maybe_wait_for_staging(self) -> None:
         pass  # the optimizer's step pre-hook fences the running copy
@@ -116,4 +163,5 @@ class CudaSnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         pass
 
     def _close(self) -> None:
-        self.snap.close()
+        self._join_flush()
+        self.snap.close()  # on torchtitan's exception path it keeps the arena

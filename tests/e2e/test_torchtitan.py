@@ -7,9 +7,9 @@ config, no trainer line changed), killed at a random step on a random rank under
 every parameter, every optimizer state tensor, the LR schedulers, the trainer's counters and,
 for each rank's dataloader, the next batches a job restored from its state trains on.
 
-torchtitan runs on CPU through tests/helpers/titan/cpu_train.py (its own train entry, three
+torchtitan runs on CPU through tools/stacks/titan_cpu.py (its own train entry, three
 CPU changes that touch nothing a checkpoint holds) on a tokenizer and data set made by
-tests/helpers/titan/assets.py. Installed by ``make test`` into build/titan-site
+tools/stacks/titan_assets.py. Installed by ``make test`` into build/titan-site
 (requirements-titan.txt)."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     why = _have_titan()
     if why:
         pytest.skip(why)
-    from tests.helpers.titan.assets import make
+    from tools.stacks.titan_assets import make
 
     base = tmp_path_factory.mktemp("titan-assets")
     make(base)
@@ -64,7 +64,7 @@ def _env(base: Path, job: str, **extra: str) -> dict[str, str]:
 
 def _torchrun(assets: Path, out: Path, config: tuple[str, str], restarts: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            f"--max-restarts={restarts}", str(REPO / "tests/helpers/titan/cpu_train.py"),
+            f"--max-restarts={restarts}", str(REPO / "tools/stacks/titan_cpu.py"),
             "--module", config[0], "--config", config[1],
             "--hf_assets_path", str(assets / "tokenizer"),
             "--dataloader.dataset_path", str(assets / "c4_test"), "--dump_folder", str(out),
@@ -103,7 +103,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 400) -> tuple[int
 
 def _stacks(pids: list[int]) -> str:
     """Where a hung run's processes are, for the failure message: each one's Python stacks
-    (cpu_train.py prints them on SIGUSR2) and the native stack of its main thread (gdb)."""
+    (titan_cpu.py prints them on SIGUSR2) and the native stack of its main thread (gdb)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR2)

@@ -4,7 +4,7 @@
 model's) and a JSON-lines text data set (``c4_test/data.json``, field ``text``), which
 torchtitan's ``c4_test`` loader reads with ``load_dataset(path)``.
 
-Usage: python -m tests.helpers.titan.assets OUTDIR
+Usage: python -m tools.stacks.titan_assets OUTDIR
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""torchtitan 0.3.0's own train entry (``torchtitan.train.main``) on CPU with gloo, for tests.
+"""torchtitan 0.3.0's own train entry (``torchtitan.train.main``) on CPU with gloo, for tests
+and the kill harness (tools/stacks/killer.py).
 
 torchtitan 0.3.0 assumes CUDA. Three in-process changes make its llama3 debug model train
 on CPU, none of which touches what a checkpoint holds:
@@ -12,8 +13,13 @@ on CPU, none of which touches what a checkpoint holds:
    gloo refuses; plain SUM gives the same result.
 
 Env: ``TT_DUMP=PATH``: at the end every rank writes PATH.rank<R>.pt (full parameters, full
-optimizer state, LR scheduler, its dataloader state, the trainer's counters) for the test
-to compare; parameters come from ``named_parameters()`` (the real ``wqkv``).
+optimizer state, LR scheduler, its dataloader state, the trainer's counters, the CPU RNG
+state) for the test to compare; parameters come from ``named_parameters()`` (the real
+``wqkv``); not on the exception path (a peer is gone: the gathers would fail).
+``TT_ATTN_DROPOUT=P``: attention dropout P (draws from the CPU generator in every forward).
+
+Prints ``[stack] rank=R start=S`` before the first step this process trains (S: that step)
+and ``[stack] rank=R step=S t=<time>`` after each step (the kill harness reads them).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 import types
 
 import torch
@@ -57,6 +64,8 @@ import torchtitan.train  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+_DROPOUT = float(os.environ.get("TT_ATTN_DROPOUT") or 0.0)
+
 
 def _eager_flex_attn(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux,
                      kernel_options):
@@ -70,7 +79,8 @@ def _eager_flex_attn(q, k, v, *, score_mod, block_mask, scale, enable_gqa, retur
         mask = mask.expand(b, -1, -1, -1)
     aux = types.SimpleNamespace(lse=None, max_scores=None)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                           enable_gqa=enable_gqa)
+                                                           enable_gqa=enable_gqa,
+                                                           dropout_p=_DROPOUT)
     return out, aux
 
 
@@ -101,6 +111,7 @@ def _dump(trainer, path: str) -> None:
     model = trainer.model_parts[0]
     names = {id(p): n for n, p in model.named_parameters()}
     out = {f"param.{n}": _full(p) for n, p in model.named_parameters()}
+    out["rng.torch"] = torch.get_rng_state()  # before the data iterator below draws
     for i, opt in enumerate(trainer.optimizers.optimizers):
         for p in sorted(opt.state, key=lambda q: names[id(q)]):
             for k, v in sorted(opt.state[p].items()):
@@ -129,7 +140,7 @@ _orig_close = Trainer.close
 
 def _close(self):
     path = os.environ.get("TT_DUMP")
-    if path and torch.distributed.is_initialized():
+    if path and torch.distributed.is_initialized() and sys.exc_info()[1] is None:
         _dump(self, path)
     return _orig_close(self)
 
@@ -141,7 +152,12 @@ _orig_train_step = Trainer.train_step
 def _train_step_then_maybe_die(self, *args, **kwargs):
     """``TT_PLAIN_KILL_STEP``/``TT_PLAIN_KILL_RANK``: SIGKILL after that step in the first
     torchrun attempt (a kill with no cudasnap in the job)."""
+    rank = torch.distributed.get_rank()
+    if not getattr(self, "_stack_started", False):
+        self._stack_started = True
+        print(f"[stack] rank={rank} start={self.step}", flush=True)
     out = _orig_train_step(self, *args, **kwargs)
+    print(f"[stack] rank={rank} step={self.step} t={time.time():.3f}", flush=True)
     if str(self.step) == os.environ.get("TT_PLAIN_KILL_STEP") and \
             str(torch.distributed.get_rank()) == os.environ.get("TT_PLAIN_KILL_RANK") and \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":

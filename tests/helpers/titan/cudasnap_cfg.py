@@ -1,5 +1,5 @@
-"""The torchtitan config of the README's integration: the llama3 debug model with cudasnap
-as its checkpoint manager (``--module tests.helpers.titan.cudasnap_cfg --config
+"""The torchtitan config of the README's integration (tools/stacks/titan_cfg.py) with a
+self-kill for tests (``--module tests.helpers.titan.cudasnap_cfg --config
 llama3_debugmodel_cudasnap``). ``TT_KILL_STEP``/``TT_KILL_RANK``: that rank SIGKILLs itself
 once that step's snapshot is COMPLETE, in the first attempt only."""
 from __future__ import annotations
@@ -9,9 +9,11 @@ import signal
 import time
 
 import torch
-from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
 from cudasnap.integrations.torchtitan import CudaSnapCheckpointManager
+from tools.stacks.titan_cfg import llama3_debugmodel_cudasnap
+
+__all__ = ["llama3_debugmodel_cudasnap"]
 
 _save = CudaSnapCheckpointManager._save
 
@@ -30,9 +32,3 @@ def _save_then_maybe_die(self, curr_step: int, last_step: bool = False) -> bool:
 
 
 CudaSnapCheckpointManager._save = _save_then_maybe_die  # type: ignore[method-assign]
-
-
-def llama3_debugmodel_cudasnap():
-    cfg = llama3_debugmodel()
-    cfg.checkpoint = CudaSnapCheckpointManager.Config(enable=True)
-    return cfg
