@@ -20,29 +20,43 @@ to skip exactly as for one of its own checkpoints (``skip_first_batches``; the
 sampler is seeded per epoch), finds no optimizer/scheduler/RNG files, and
 ``on_train_begin`` restores the real state from the snapshot.
 
-What is snapshotted at every ``on_step_end`` (after the optimizer and LR
-scheduler step) and restored at ``on_train_begin``: model parameters and
-buffers, the optimizer (unwrapped from accelerate's ``AcceleratedOptimizer``),
-the LR scheduler, the ``TrainerState`` counters (global step, epoch, FLOs,
-tokens seen, best metric/checkpoint), and the torch/CUDA/numpy/``random`` RNG
-states — re-applied right before the first resumed step when resuming
-mid-epoch (after the Trainer has rebuilt and fast-forwarded its data
-iterator, whose creation draws from the global RNG), at ``on_train_begin``
-when resuming at an epoch boundary. This mirrors where the Trainer loads its
-own ``rng_state.pth``.
+Steps are HF's: the snapshot of global step N is cudasnap step N (logs, ``cudasnap
+inspect``). It is taken at ``on_step_end``, or, when the Trainer logs, evaluates or saves
+for that step (which it does after ``on_step_end``), at the next hook (the next step's
+``on_step_begin``, ``on_epoch_end`` or ``on_train_end``); a failure in between replays
+that one step. What it holds and ``on_train_begin`` restores: model parameters and
+buffers, the optimizer (unwrapped from accelerate's ``AcceleratedOptimizer``), the LR
+scheduler, the ``TrainerState`` (``log_history`` only with ``keep_log_history=True``;
+``max_steps``, ``num_train_epochs``, ``trial_params`` and the process-zero flags come
+from the resumed ``train()`` call, ``stateful_callbacks`` from ``trainer_state.json``),
+the Trainer's running counters outside it (``current_flos``, which the Trainer adds to
+``state.total_flos`` only at a log or save; the loss accumulators ``_tr_loss``,
+``_total_loss_scalar``, ``_globalstep_last_logged``; ``_initial_global_step``,
+``_initial_num_input_tokens_seen``), and the torch/CUDA/numpy/``random`` RNG states —
+re-applied right before the first resumed step when resuming mid-epoch or from a
+snapshot taken at ``on_step_begin`` (after the Trainer has rebuilt and fast-forwarded its
+data iterator, whose creation draws from the global RNG), at ``on_train_begin`` otherwise.
+So ``total_flos``, the logged losses and ``train()``'s ``training_loss`` equal an
+uninterrupted run's; ``train_runtime`` and the ``*_per_second`` figures are this
+process's time over the whole run's steps. The Trainer is not passed to callbacks: it is
+found at ``on_train_begin`` as the calling frame's ``self`` holding this callback; when
+none is (a custom loop), a warning says the counters above are not restored.
 
-Not restored, or not replayed exactly: ``state.log_history`` (unless
-``keep_log_history=True``; it grows with the run and is re-encoded at every
-step), an fp16 ``GradScaler`` (the callback has no handle on
-``trainer.accelerator``; bf16/fp32 need none), callbacks' own state, and
-global-RNG draws made between a step's end and the next step's forward in the
-original run — an evaluation run, or a data collator or dataset that draws
-random numbers (e.g. MLM masking) while fetching: such batches may differ.
+Not restored, or not replayed exactly: an fp16 ``GradScaler`` (the callback has no
+handle on ``trainer.accelerator``; bf16/fp32 need none), callbacks' own state beyond
+``stateful_callbacks``, and global-RNG draws made between a step's end and the next
+step's forward in the original run — an evaluation run, or a data collator or dataset
+that draws random numbers (e.g. MLM masking) while fetching: such batches may differ.
+In a multi-rank job, ``resume_checkpoint()`` reads this rank's newest step (its
+shared-memory slot, else a committed step); when the ranks' newest steps differ (one
+was killed between two boundaries) the restore agrees on an older one and
+``on_train_begin`` refuses the mismatch loudly.
 With gradient accumulation, snapshots are taken at optimizer steps only.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -67,7 +81,16 @@ RESUME_DIR = "hf-resume"
 STATE_KEY = "hf.trainer_state"
 SCHED_KEY = "hf.lr_scheduler"
 _MISSING_KEYS_MSG = "There were missing keys in the checkpoint model loaded"
-_NOT_RESTORED = {"is_local_process_zero", "is_world_process_zero", "stateful_callbacks"}
+TR_LOSS_KEY = "hf.tr_loss"
+# Set by the Trainer for this train() call (from its arguments), or process-local.
+_NOT_RESTORED = {"is_local_process_zero", "is_world_process_zero", "stateful_callbacks",
+                 "max_steps", "num_train_epochs", "trial_params"}
+# The Trainer's running counters outside TrainerState: boundary value key, attribute.
+_COUNTERS = (("hf_current_flos", "current_flos"), ("hf_total_loss", "_total_loss_scalar"),
+             ("hf_last_logged", "_globalstep_last_logged"),
+             ("hf_initial_step", "_initial_global_step"),
+             ("hf_initial_tokens", "_initial_num_input_tokens_seen"))
+_FRAMES = 16  # calling frames searched for the Trainer
 
 __all__ = ["CudaSnapTrainerCallback", "RESUME_DIR"]
 
@@ -153,6 +176,9 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
         self.last_stats: dict[str, Any] | None = None
         self._output_dir: str | None = None
         self._pending_rng: dict[str, Any] | None = None
+        self._pending_step: int | None = None  # global step whose boundary is deferred
+        self._trainer: Any = None
+        self._tr_loss_buf: torch.Tensor | None = None
         self._filter: logging.Filter | None = None
 
     # ------------------------------------------------------------ where
@@ -194,11 +220,20 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
                         best = (int(arena.slot_info(slot)["step"]), meta["host"])
                 except (SnapshotError, ValueError, KeyError) as e:
                     log.warning("cannot read the staging arena %s: %s", arena_path, e)
-            for s in posix.list_snapshots(d):
+            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            # Multi-rank: committed steps only, this rank's own manifest (a step one rank
+            # flushed alone is not restorable, and not this rank's state).
+            found = posix.committed_steps(d) if world > 1 else posix.list_snapshots(d)
+            for s in found:
                 if best is not None and s.step <= best[0]:
                     break
+                mpath = s.path / paths.rank_dirname(rank) / "manifest.json" if world > 1 \
+                    else s.manifest_path
                 try:
-                    best = (s.step, posix.load_manifest(s.manifest_path)["host"])
+                    man = posix.load_manifest(mpath)
+                    if int(man.get("world_size", 1) or 1) != world:
+                        continue
+                    best = (s.step, man["host"])
                     break
                 except SnapshotError as e:
                     log.warning("skipping snapshot %s: %s", s.path, e)
@@ -258,14 +293,31 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
 
         self._drop_filter()
         self._output_dir = args.output_dir
+        self._pending_step = None
         if self.snapshotter is not None:  # a second train() in this process
             self._close(keep_arena=True)
         if model is None:
             raise ConfigError("CudaSnapTrainerCallback: the Trainer passed no model")
+        self._trainer = _find_trainer(self)
+        if self._trainer is None:
+            log.warning(
+                "cudasnap: CudaSnapTrainerCallback found no transformers.Trainer calling it "
+                "(looked for one holding this callback in its callback_handler, %d frames up): "
+                "its running FLOs count and loss accumulators (trainer.current_flos, _tr_loss, "
+                "_total_loss_scalar, _globalstep_last_logged) are not snapshotted, so after a "
+                "resume state.total_flos and the logged losses differ from an uninterrupted "
+                "run", _FRAMES)
         opt = _unwrap_optimizer(optimizer)
         extras: dict[str, Any] = {STATE_KEY: _TrainerStateAdapter(state, self.keep_log_history)}
         if lr_scheduler is not None and callable(getattr(lr_scheduler, "state_dict", None)):
             extras[SCHED_KEY] = lr_scheduler
+        self._tr_loss_buf = None
+        tr_loss = getattr(self._trainer, "_tr_loss", None)
+        if isinstance(tr_loss, torch.Tensor):
+            # Copied by the engine with the state (no host sync per step); filled right
+            # before each boundary, behind a fence.
+            self._tr_loss_buf = torch.zeros_like(tr_loss)
+            extras[TR_LOSS_KEY] = self._tr_loss_buf
         for k, v in self.extra.items():
             if k in extras:
                 raise ConfigError(f"extra key {k!r} is reserved by CudaSnapTrainerCallback")
@@ -277,30 +329,113 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
         start = self.snapshotter.restore_latest()
         if start == 0:
             return
-        if start != hf_step:
+        # cudasnap's step is HF's global step: the snapshot of global step N resumes at N + 1.
+        if start - 1 != hf_step:
             how = ("Trainer.train() was not told to resume: pass "
                    "resume_from_checkpoint=callback.resume_checkpoint()") if hf_step == 0 else (
                 f"the Trainer resumes at global step {hf_step}")
             self._close(keep_arena=True)
             raise SnapshotError(
-                f"cudasnap restored global step {start} from {self._dir()}, but {how}; "
+                f"cudasnap restored global step {start - 1} from {self._dir()}, but {how}; "
                 "the loop and the state would disagree (use a fresh directory to start over)")
-        self.restored_step = start
+        self.restored_step = hf_step
+        values = self.snapshotter.values
+        self._restore_trainer(values)
         epoch = float(state.epoch or 0.0)
-        if not epoch.is_integer():
-            # Mid-epoch: the Trainer rebuilds and fast-forwards its data iterator first.
+        if values.get("hf_at") == "step_begin" or not epoch.is_integer():
+            # Taken after the next batches were fetched: re-applied right before the first
+            # resumed step, after the Trainer has rebuilt and fast-forwarded its iterator.
             self._pending_rng = _host_rng()
-        log.warning("cudasnap: resumed at global step %d (epoch %.3f) from %s", start, epoch,
+        log.warning("cudasnap: resumed at global step %d (epoch %.3f) from %s", hf_step, epoch,
                     self.snapshotter.stats()["restore"]["source"])
 
+    def _restore_trainer(self, values: Mapping[str, Any]) -> None:
+        """Puts the Trainer's running counters back as they were at the snapshot."""
+        tr = self._trainer
+        if "hf_current_flos" not in values:
+            log.warning("cudasnap: the snapshot holds no Trainer counters (written without "
+                        "a Trainer handle): total_flos and logged losses will differ from "
+                        "an uninterrupted run")
+            return
+        if tr is None:
+            return  # warned at on_train_begin
+        for key, attr in _COUNTERS:
+            if key in values:
+                setattr(tr, attr, values[key])
+        buf = self._tr_loss_buf
+        if buf is not None and isinstance(getattr(tr, "_tr_loss", None), torch.Tensor):
+            with torch.no_grad():
+                tr._tr_loss.copy_(buf)
+
+    def _trainer_values(self, at: str) -> dict[str, Any]:
+        tr = self._trainer
+        vals: dict[str, Any] = {"hf_at": at}
+        if tr is None:
+            return vals
+        for key, attr in _COUNTERS:
+            v = getattr(tr, attr, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                vals[key] = v
+        buf = self._tr_loss_buf
+        if buf is not None and self.snapshotter is not None:
+            self.snapshotter.fence()  # the running copy may still read buf
+            with torch.no_grad():
+                buf.copy_(tr._tr_loss)
+        return vals
+
+    def _take(self, at: str) -> None:
+        """The deferred boundary of the last optimizer step, now that the Trainer has
+        logged, evaluated and saved for it."""
+        step, self._pending_step = self._pending_step, None
+        if step is not None and self.snapshotter is not None:
+            self.snapshotter.boundary(step, **self._trainer_values(at))
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._take("step_begin")
         if self._pending_rng is not None:
             _set_host_rng(self._pending_rng)
             self._pending_rng = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.snapshotter is not None:
-            self.snapshotter.boundary(int(state.global_step) - 1)
+        if self.snapshotter is None:
+            return
+        self._pending_step = int(state.global_step)
+        # When the Trainer logs, evaluates or saves for this step (after on_step_end:
+        # store_flos, log_history, best metric), the boundary waits for the next hook.
+        if not (control.should_log or control.should_evaluate or control.should_save):
+            self._take("step_end")
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        # Before the next epoch's iterator is made, unless an epoch strategy logs,
+        # evaluates or saves after this hook (then at the next step's begin).
+        if not (control.should_log or control.should_evaluate or control.should_save):
+            self._take("epoch_end")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._take("train_end")
+        self._trainer = None
         self._end_training(self.flush_on_end)
+
+
+def _find_trainer(cb: Any) -> Any:
+    """The ``transformers.Trainer`` whose callback handler holds ``cb``: ``self`` of a
+    calling frame (the Trainer does not pass itself to callbacks); None if none is."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover - transformers without torch support
+        return None
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back if frame is not None else None
+        for _ in range(_FRAMES):
+            if f is None:
+                break
+            obj = f.f_locals.get("self")
+            if isinstance(obj, Trainer):
+                handler = getattr(obj, "callback_handler", None)
+                if any(c is cb for c in getattr(handler, "callbacks", ())):
+                    return obj
+            f = f.f_back
+        return None
+    finally:
+        del frame, f
