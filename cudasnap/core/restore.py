@@ -31,6 +31,7 @@ from .. import storage as storages
 from .._native import native
 from ..errors import CorruptSnapshot, SnapshotError
 from ..format import manifest as fmt
+from ..format import run_notes
 from ..format.manifest import validate_manifest
 from ..storage.progress import bytes_read, io_progress
 from .timeline import resume_message
@@ -198,6 +199,7 @@ class Restorer:
             raise SnapshotError(msg + " (require_resume / CUDASNAP_REQUIRE_RESUME refuses to "
                                 "start over; pass fresh=True to start over on purpose)")
         log.error("%s (require_resume=True or CUDASNAP_REQUIRE_RESUME=1 refuses instead)", msg)
+        run_notes.started_over(msg)  # cudasnap run's summary says so
 
     def _refuse_partly_applied(self) -> None:
         """Nothing was restored: CorruptSnapshot if a snapshot failed half-way through being

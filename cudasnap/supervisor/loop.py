@@ -27,7 +27,7 @@ from .._native import native
 from .._proc import parent_death_signal
 from ..config import Settings
 from ..errors import ConfigError
-from ..format import paths
+from ..format import paths, run_notes
 from .child import _cold_command, _command_exists, _read_verdict, _wait_child, describe_exit
 from .directory import (
     SupervisorLock,
@@ -136,6 +136,11 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
     def finish(rc: int) -> int:
         if flusher is not None:
             flusher.join()
+        lost = run_notes.read_started_over(verdict)
+        if lost:
+            log.error("cudasnap run: the job ended (exit %d), but an attempt started over at step "
+                      "0 although the job had made progress nothing could restore: %s. "
+                      "CUDASNAP_REQUIRE_RESUME=1 makes such an attempt fail instead", rc, lost)
         return rc if rc >= 0 else 128 - rc
 
     def attempt_env(n: int) -> dict[str, str]:

@@ -72,3 +72,27 @@ def test_progress_that_cannot_be_restored_is_an_error_or_refused(snap_env, caplo
     _, _, snap = _job(snap_env, fresh=True)  # starting over on purpose
     assert snap.restore_latest() == 0
     snap.close()
+
+
+@pytest.mark.slow
+def test_cudasnap_run_says_in_its_summary_that_the_job_started_over(snap_env, tmp_path) -> None:
+    """Issue 44 item 5: the attempt notes it (beside the supervisor's verdict file) and
+    ``cudasnap run``'s summary says so at ERROR, where the job otherwise ends 0 in silence."""
+    import subprocess
+    import sys
+
+    _train_and_flush(snap_env)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, cudasnap\n"
+        "m = torch.nn.Linear(4, 4); o = torch.optim.AdamW(m.parameters())\n"
+        "s = cudasnap.Snapshotter(m, o, health=False)\n"
+        "assert s.restore_latest() == 0\n"
+        "s.close()\n")
+    p = subprocess.run([sys.executable, "-m", "cudasnap", "run", "--dir", str(snap_env.dir),
+                        "--no-warm", "--", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = [ln for ln in p.stderr.splitlines() if "cudasnap run: the job ended (exit 0), "
+               "but an attempt started over at step 0" in ln]
+    assert summary and "step directories of step(s) 2" in summary[0], p.stderr[-3000:]
