@@ -144,7 +144,7 @@ class Snapshotter:
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = opts.rng_sources
         self.state.restored_rng.again = opts.rng_restore == "first_forward"
-        self._lock = posix.DirectoryLock(self.directory, opts.rank)
+        self._lock = posix.DirectoryLock(self.directory, opts.rank, opts.supervised)
         self._lock.acquire()
         clean_partial(self.storage)
         self._closed = False

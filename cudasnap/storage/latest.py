@@ -60,12 +60,15 @@ class DirectoryLock:
 
     The lock file holds the owner's pid and host. flock() is released by the
     kernel when the owner dies, so a stale lock is taken over (with a warning
-    naming the dead owner) without any pid guessing.
+    naming the dead owner) without any pid guessing. ``supervised``: under
+    ``cudasnap run``, whose restart after a death is the expected case, the takeover
+    is logged at INFO.
     """
 
-    def __init__(self, directory: Path, rank: int = 0) -> None:
+    def __init__(self, directory: Path, rank: int = 0, supervised: bool = False) -> None:
         self.path = Path(directory) / (".lock" if rank == 0 else f".lock-rank{rank}")
         self._fd: int | None = None
+        self._supervised = supervised
 
     def acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -79,7 +82,8 @@ class DirectoryLock:
                 "use another directory or stop that job") from None
         previous = os.pread(fd, 256, 0).decode(errors="replace").strip()
         if previous:
-            log.warning("taking over stale lock %s left by %s", self.path, previous)
+            log.log(logging.INFO if self._supervised else logging.WARNING,
+                    "taking over stale lock %s left by %s", self.path, previous)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
         self._fd = fd

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import warnings
 import weakref
 from typing import Any
 
@@ -37,8 +38,12 @@ def _live_modules() -> list[Any]:
     import torch
 
     proxies = (weakref.ProxyType, weakref.CallableProxyType)
-    return [m for m in gc.get_objects()
-            if type(m) not in proxies and isinstance(m, torch.nn.Module)]
+    # isinstance() on every live object touches deprecated lazy attributes of modules in
+    # the heap (torch.distributed's reduce_op warns): the scan is ours, not the script's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [m for m in gc.get_objects()
+                if type(m) not in proxies and isinstance(m, torch.nn.Module)]
 
 
 def _owning_modules(opt: Any) -> dict[str, Any]:

@@ -395,3 +395,22 @@ def test_gc_removes_parity_files_of_dead_makers_and_keeps_live_ones(tmp_path, ca
     assert rc == 0 and f"removed {paths['dead']}" in out and f"removed {half}" in out, out
     assert not paths["dead"].exists() and not half.exists() and paths["live"].exists()
     assert oct(paths["live"].stat().st_mode)[-3:] == "600"
+
+
+def test_transparent_modes_scan_prints_no_warning_of_its_own() -> None:
+    """Issue 44 item 6: the scan for the modules owning an optimizer's parameters touches
+    every live object; torch.distributed's deprecated ``reduce_op`` warned into the user's
+    log from it."""
+    import warnings
+
+    import torch
+    import torch.distributed  # noqa: F401 - its lazy deprecated attribute is in the heap
+
+    from cudasnap.tools import auto
+
+    m = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        found = auto._live_modules()
+    assert any(x is m for x in found)
+    assert [str(w.message) for w in seen] == []
