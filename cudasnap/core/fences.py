@@ -111,9 +111,14 @@ def install(state: TrainingState, copier: Copier,
             if bufs:
                 op(key, 0, _state(bufs))
             return
-        if restored_rng.pending is not None:  # the first forward after a restore
-            restored_rng.at_first_forward()
         copier.fence(0)  # eager (its no-op case, the common one, is its first lines)
+
+    def model_forward_pre(module: torch.nn.Module, args: object) -> None:
+        # A registered model's own forward (never an activation checkpoint's recompute of a
+        # block inside it): the first one after a restore puts the RNG states back
+        if restored_rng.pending is not None and not compiling():
+            restored_rng.at_first_forward()
+        forward_pre(module, args)
 
     def before_load(*_: object) -> None:
         copier.fence(1)  # never let load_state_dict race a running copy
@@ -140,5 +145,6 @@ def install(state: TrainingState, copier: Copier,
         for sub in [mod, *[m for m in mod.modules() if any(True for _ in m.buffers(False))]]:
             if id(sub) not in seen:
                 seen.add(id(sub))
-                hooks.append(sub.register_forward_pre_hook(forward_pre))
+                hooks.append(sub.register_forward_pre_hook(
+                    model_forward_pre if sub is mod else forward_pre))
     return hooks

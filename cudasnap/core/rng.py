@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import logging
 import random
+import sys
 from collections.abc import Mapping
 from typing import cast
 
@@ -78,6 +79,26 @@ def apply_rng(rng: Mapping[str, object]) -> None:
                         "CUDA RNG not restored", len(states), torch.cuda.device_count())
 
 
+# Frames of a forward that is not a training step's: torch.distributed.pipelining runs a real
+# forward (and backward) of each stage at a process's first step to learn the shapes it sends
+# (``PipelineStage._forward_metadata_inference``; ``_shape_inference`` before torch 2.11),
+# drawing from the RNG as dropout does. The uninterrupted run drew them at its first step.
+_SHAPE_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference",
+                              "_shape_inference"})
+
+
+def _inferring_shapes(depth: int = 48) -> bool:
+    """Called from a forward pre-hook: is this forward a pipeline stage's shape inference?"""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_name in _SHAPE_INFERENCE:
+            return True
+        f = f.f_back
+    return False
+
+
 class RestoredRng:
     """The RNG states of the last restore, put back again at the first forward after it.
 
@@ -87,10 +108,13 @@ class RestoredRng:
     one number from the default CPU generator. States set inside the load are then one
     draw ahead at the first resumed step, and dropout differs from there on. With
     ``again`` (``rng_restore="first_forward"``, the default) the states are set at the
-    restore and once more right before the first forward of a registered model.
+    restore and once more right before the first forward of a registered model that is a
+    step's (not a pipeline stage's shape inference, which a process runs at its first step
+    and the uninterrupted run ran at its own: it draws before the states are set).
 
     Call order: the restore calls :meth:`restored` (it sets the states now); the
-    forward pre-hook calls :meth:`at_first_forward` (eager only: a traced hook leaves it);
+    forward pre-hook of each registered model (not of its blocks, which an activation
+    checkpoint re-runs in the backward) calls :meth:`at_first_forward` (eager only);
     the optimizer's step pre-hook and ``boundary()`` call :meth:`no_forward` (a step
     without a forward of a registered model keeps the states as the restore set them).
     """
@@ -108,10 +132,11 @@ class RestoredRng:
             self._torch_after = torch.get_rng_state()
 
     def at_first_forward(self) -> None:
-        """The first forward after the restore: the states again (once)."""
-        rng, self.pending = self.pending, None
-        if rng is None:
+        """The first forward after the restore: the states again (once). A forward run to
+        infer shapes (:func:`_inferring_shapes`) is not a step's: it waits for the next."""
+        if self.pending is None or _inferring_shapes():
             return
+        rng, self.pending = self.pending, None
         before = self._torch_after
         moved = before is not None and not torch.equal(torch.get_rng_state(), before)
         apply_rng(rng)

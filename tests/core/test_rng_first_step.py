@@ -100,3 +100,79 @@ def test_rng_restore_is_checked(snap_env, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("CUDASNAP_RNG_RESTORE", "never")
     with pytest.raises(ConfigError, match="CUDASNAP_RNG_RESTORE must be one of"):
         cudasnap.Snapshotter(m, o, snap_env.dir, health=False)
+
+
+class _Block(nn.Module):
+    """A block owning a buffer (so the fences hook it) under activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.lin(x) * self.scale, 0.5)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 8), _Block(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, self.inp(x), use_reentrant=False)
+        return self.out(h)
+
+
+def _forward_metadata_inference(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Stands for torch.distributed.pipelining's shape inference at a process's first step:
+    a real forward of the stage, drawing from the RNG (same frame name)."""
+    return m(x).sum()
+
+
+def _infer_shapes(m: nn.Module, x: torch.Tensor) -> None:
+    """The forward, then (from another frame) the backward, re-running the checkpointed
+    block, whose buffer hook must not put the states back there."""
+    _forward_metadata_inference(m, x).backward()
+    for p in m.parameters():
+        p.grad = None
+
+
+def test_a_pipeline_stages_shape_inference_and_a_checkpoint_recompute_are_not_the_first_step(
+        snap_env) -> None:
+    """The first forward of every process runs the shape inference (uninterrupted run: at its
+    first step, before the states it snapshots); an activation checkpoint re-runs a block
+    (with a hooked buffer) in the backward. The states go back before the step's own forward,
+    never inside either."""
+    x = torch.ones(2, 4)
+
+    def run(kill_after: int | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        m = _Net()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        snap = cudasnap.Snapshotter(m, o, snap_env.dir, health=False)
+        _infer_shapes(m, x)
+        for step in range(STEPS if kill_after is None else kill_after + 1):
+            _step(m, o, x)
+            snap.boundary(step)
+        snap.wait()
+        if kill_after is not None:
+            snap.close(keep_arena=True, flush=False)
+            torch.manual_seed(7)
+            m = _Net()
+            o = torch.optim.SGD(m.parameters(), lr=0.1)
+            snap = cudasnap.Snapshotter(m, o, snap_env.dir, health=False)
+            start = snap.restore_latest()
+            _infer_shapes(m, x)
+            for step in range(start, STEPS):
+                _step(m, o, x)
+                snap.boundary(step)
+        out = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        snap.close()
+        return out
+
+    ref = run(None)
+    snap_env.dir = snap_env.tmp / "ckpt2"
+    assert _same(ref, run(1))

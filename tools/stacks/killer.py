@@ -85,7 +85,7 @@ _TITAN_PAR = {
     "tp": ["--parallelism.data_parallel_shard_degree", "1",
            "--parallelism.tensor_parallel_degree", "2"],
     "pp": ["--parallelism.data_parallel_shard_degree", "1",
-           "--parallelism.pipeline_parallel_degree", "2"],
+           "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
 }
 
 

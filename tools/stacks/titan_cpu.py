@@ -108,9 +108,11 @@ def _full(t):
 
 def _dump(trainer, path: str) -> None:
     """Every rank: its full state (gathering is a collective: every rank calls it)."""
-    model = trainer.model_parts[0]
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {f"param.{n}": _full(p) for n, p in model.named_parameters()}
+    parts = trainer.model_parts  # several with pipeline parallelism (one per stage here)
+    pre = [f"part{i}." if len(parts) > 1 else "" for i in range(len(parts))]
+    named = [(pre[i] + n, p) for i, m in enumerate(parts) for n, p in m.named_parameters()]
+    names = {id(p): n for n, p in named}
+    out = {f"param.{n}": _full(p) for n, p in named}
     out["rng.torch"] = torch.get_rng_state()  # before the data iterator below draws
     for i, opt in enumerate(trainer.optimizers.optimizers):
         for p in sorted(opt.state, key=lambda q: names[id(q)]):
