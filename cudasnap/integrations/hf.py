@@ -56,12 +56,13 @@ With gradient accumulation, snapshots are taken at optimizer steps only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -198,48 +199,67 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
 
     # ----------------------------------------------------------- resume
     def _newest_host_state(self) -> tuple[int, dict[str, Any]] | None:
-        """(step, decoded host state) of the newest snapshot, shared memory first."""
+        """(step, decoded host state) of the newest snapshot this rank can restore, shared
+        memory first. Several ranks: the newest step every rank holds (each rank's arena
+        slots and the committed steps with its files, agreed over the process group), as
+        the restore's vote picks it: ranks whose newest slots differ (one was killed
+        between two boundaries) then resume at the same global step."""
+        found = self._local_host_states()
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1:
+            step = _agree_step(sorted(found, reverse=True))
+            if step is None:
+                return None
+            return step, codec.decode(found[step](), "host")
+        if not found:
+            return None
+        step = max(found)
+        return step, codec.decode(found[step](), "host")
+
+    def _local_host_states(self) -> dict[int, Callable[[], Any]]:
+        """{step: a reader of its encoded host state} of every snapshot this rank holds: the
+        COMPLETE slots of its arena, then (several ranks: committed only, its own
+        manifest; a step one rank flushed alone is not restorable) the stored steps."""
         from .._native import native
 
         d = self._dir()
         kw = self.snapshotter_kwargs
-        best: tuple[int, dict[str, Any]] | None = None
-        if d.is_dir():
-            cfg = Settings.from_env()
-            job = kw.get("job") or cfg.job or paths.job_id(d)
-            rank = kw.get("rank")
-            rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
-            shm = Path(kw.get("shm_dir") or cfg.shm_dir)
-            arena_path = paths.arena_path(shm, job, rank)
-            if arena_path.exists():
-                try:
-                    arena = native().Arena.open(str(arena_path), False)
-                    slot = arena.newest_complete()
-                    if slot >= 0:
-                        meta = json.loads(arena.read_meta(slot))
-                        best = (int(arena.slot_info(slot)["step"]), meta["host"])
-                except (SnapshotError, ValueError, KeyError) as e:
-                    log.warning("cannot read the staging arena %s: %s", arena_path, e)
-            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-            # Multi-rank: committed steps only, this rank's own manifest (a step one rank
-            # flushed alone is not restorable, and not this rank's state).
-            found = posix.committed_steps(d) if world > 1 else posix.list_snapshots(d)
-            for s in found:
-                if best is not None and s.step <= best[0]:
-                    break
-                mpath = s.path / paths.rank_dirname(rank) / "manifest.json" if world > 1 \
-                    else s.manifest_path
-                try:
-                    man = posix.load_manifest(mpath)
-                    if int(man.get("world_size", 1) or 1) != world:
-                        continue
-                    best = (s.step, man["host"])
-                    break
-                except SnapshotError as e:
-                    log.warning("skipping snapshot %s: %s", s.path, e)
-        if best is None:
-            return None
-        return best[0], codec.decode(best[1], "host")
+        out: dict[int, Callable[[], Any]] = {}
+        if not d.is_dir():
+            return out
+        cfg = Settings.from_env()
+        job = kw.get("job") or cfg.job or paths.job_id(d)
+        rank = kw.get("rank")
+        rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
+        shm = Path(kw.get("shm_dir") or cfg.shm_dir)
+        arena_path = paths.arena_path(shm, job, rank)
+        if arena_path.exists():
+            try:
+                arena = native().Arena.open(str(arena_path), False)
+                for slot in range(arena.num_slots):
+                    info = arena.slot_info(slot)
+                    if info["valid"]:
+                        meta: dict[str, Any] = json.loads(arena.read_meta(slot))
+                        out.setdefault(int(info["step"]), functools.partial(meta.get, "host"))
+            except (SnapshotError, ValueError, KeyError) as e:
+                log.warning("cannot read the staging arena %s: %s", arena_path, e)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        stored = posix.committed_steps(d) if world > 1 else posix.list_snapshots(d)
+        for s in stored:
+            if s.step in out:
+                continue
+            mpath = s.path / paths.rank_dirname(rank) / "manifest.json" if world > 1 \
+                else s.manifest_path
+
+            def host(mpath: Path = mpath) -> Any:
+                man = posix.load_manifest(mpath)
+                if int(man.get("world_size", 1) or 1) != world:
+                    raise SnapshotError(f"{mpath}: written by {man.get('world_size')} ranks, "
+                                        f"this job has {world}")
+                return man["host"]
+            if mpath.is_file():
+                out[s.step] = host
+        return out
 
     def resume_checkpoint(self) -> str | None:
         """An HF checkpoint folder for ``trainer.train(resume_from_checkpoint=...)``, or None.
@@ -439,3 +459,27 @@ def _find_trainer(cb: Any) -> Any:
         return None
     finally:
         del frame, f
+
+
+def _agree_step(steps: list[int], limit: int = 64) -> int | None:
+    """The newest of ``steps`` (this rank's, newest first) that every rank holds, over the
+    default process group (a tensor all-gather: no pickle); None when none is common, or
+    this rank's own newest when no process group is up (it is then checked at
+    ``on_train_begin`` against the restore's vote, which refuses a disagreement)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        log.warning("resume_checkpoint(): torch.distributed is not initialised yet, so the "
+                    "ranks cannot agree on a step; create the Trainer first")
+        return steps[0] if steps else None
+    dev = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.full((limit,), -1, dtype=torch.int64, device=dev)
+    if steps:
+        mine[:min(limit, len(steps))] = torch.tensor(steps[:limit], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    common = set(steps[:limit])
+    for t in every:
+        common &= {int(v) for v in t.cpu().tolist() if v >= 0}
+    return max(common) if common else None
