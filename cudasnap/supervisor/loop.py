@@ -185,6 +185,8 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             flusher = _orphan_flush(directory, job, shm, remote, preload, entry)
             if not _restart(stop_requested, config_error, attempt, max_restarts, entry):
                 return finish(rc)
+            if auto:  # the restarted script starts over and moves this flush's step aside
+                flusher.join()
             attempt += 1
             log.warning("restarting (restart %d of %d)", attempt, max_restarts)
     finally:

@@ -12,6 +12,14 @@ snapshot; ``cudasnap export DIR --to torch FILE`` turns it into a
 What this mode does NOT give: bitwise resume. The script's loop counter, data
 position, scheduler and RNG use between steps are the script's own; only the
 two-line integration (``Snapshotter`` + ``restore_latest()``) resumes bit for bit.
+
+So each run's snapshots are numbered by that run's own optimizer steps, from 0: a
+restarted script trains again from its own start, and its snapshots must not read as a
+continuation of the run before (issue 44: ``step-00000060`` held a fresh run's 41 steps).
+The first Snapshotter of a process starts fresh: the previous run's snapshots (with the
+newest one of its arena) move aside to ``DIR/.old-<UTC time>/``, nothing deleted, where
+``cudasnap export DIR/.old-<time> --to torch FILE`` still reads them. ``cudasnap run
+--auto`` lets the dead attempt's flush finish before it restarts, so it lands there too.
 """
 from __future__ import annotations
 
@@ -68,11 +76,10 @@ def _post_step(opt: Any, args: Any, kwargs: Any) -> None:
             _state[id(opt)] = False
             return
         key = "optim" if not _state else f"optim{len(_state)}"
-        snap = Snapshotter(models, {key: opt}, job=None if not _state else f"auto{len(_state)}",
-                           health=_health)
-        # Step numbers stay monotonic across restarts of a script that restarts
-        # its own loop: continue after the newest snapshot already known.
-        entry = _state[id(opt)] = {"snap": snap, "step": snap.newest_known_step() + 1}
+        first = not _state
+        snap = Snapshotter(models, {key: opt}, job=None if first else f"auto{len(_state)}",
+                           health=_health, fresh=first)  # this run's steps, from 0 (above)
+        entry = _state[id(opt)] = {"snap": snap, "step": 0}
         log.warning("transparent mode: protecting %s (%s) with cudasnap", type(opt).__name__,
                     ", ".join(f"{k}={type(m).__name__}" for k, m in models.items()))
     if entry is False:

@@ -282,6 +282,38 @@ def test_transparent_mode_flush_then_export_loads_into_fresh_model_and_optimizer
         assert torch.equal(a, b), k
 
 
+@pytest.mark.slow
+def test_transparent_mode_numbers_each_runs_snapshots_by_that_run(snap_env):
+    """Issue 44 item 6: killed at step 7, the restarted script trains again from its own
+    step 0; its snapshots count from 0 too (they went on from the killed run's step, so
+    ``step-00000037`` held a fresh run's 30 steps), and the killed run's flushed step is
+    kept aside in ``DIR/.old-*``, where ``cudasnap export`` still reads it."""
+    script = snap_env.tmp / "train.py"
+    script.write_text(PLAIN_SCRIPT.replace("range(100)", "range(30)").replace(
+        "if i == kill_after:", "if i == kill_after and os.environ['CUDASNAP_RESTART'] == '0':"))
+    states = snap_env.tmp / "states"
+    states.mkdir()
+    p = subprocess.run([sys.executable, "-m", "cudasnap", "run", "--auto", "--dir",
+                        str(snap_env.dir), "--max-restarts", "1", "--", sys.executable,
+                        str(script), str(states), "7"],
+                       env=clean_env(CUDASNAP_JOB=snap_env.job), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    steps = [s.step for s in posix.list_snapshots(snap_env.dir)]
+    assert steps and steps[0] == 29, (steps, p.stderr[-4000:])  # the 2nd run's own last step
+    old = sorted(snap_env.dir.glob(".old-*"))
+    assert len(old) == 1, p.stderr[-4000:]
+    assert [s.step for s in posix.list_snapshots(old[0])][:1] in ([6], [7]), p.stderr[-4000:]
+    d = torch.load(states / "state-29.pt", weights_only=True)["model"]
+    m = torch.load(_export(snap_env.dir, snap_env.tmp / "out.pt"), weights_only=True)["model"]
+    assert all(torch.equal(m[k], v) for k, v in d.items())
+
+
+def _export(directory, out):
+    assert cli.main(["export", str(directory), "--to", "torch", str(out)]) == 0
+    return out
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def cli_err(capsys, *argv: str) -> tuple[int, str]:
