@@ -27,11 +27,8 @@ CUDASNAP_ALLOW_FOREIGN_OWNER    bool     0          load snapshot files owned by
 CUDASNAP_REQUIRE_RESUME         bool     0          refuse to start over at step 0 when the job made
                                                     progress that no rank can restore
 CUDASNAP_ALLOW_TORCH_MISMATCH   bool     0          load an extension built for another torch
-CUDASNAP_RNG_RESTORE            str      see right  when a restore puts the RNG states back: first_forward
-                                                    (default: again at the first forward after it, so draws
-                                                    between the restore and the first step, e.g.
-                                                    ``iter(DataLoader)``, are discarded) or restore (only
-                                                    at the restore: for a loop whose data fetch draws)
+CUDASNAP_RNG_RESTORE            str      see right  RNG states put back at the restore and again at the first
+                                                    forward (first_forward, default) or at the restore only
 CUDASNAP_PEER_TIMEOUT_S         float>0  10         a silent peer rank is dead after this
 CUDASNAP_FLUSH_TIMEOUT_S        float>0  25         every wait of a distributed flush round ends by then
 CUDASNAP_RESTART                int>=0   0          restart attempt (``cudasnap run``; torchrun's
@@ -129,8 +126,7 @@ KEEP = 3
 CHUNK_BYTES = 4 << 20  # the largest automatic chunk (chunk_bytes=None: core.slot_geometry)
 BACKENDS = ("auto", "cpu", "cuda")
 RNG_SOURCES = ("torch", "cuda", "numpy", "python")
-# When a restore's RNG states are put back (core.rng.RestoredRng): the first is the default.
-RNG_RESTORE_POINTS = ("first_forward", "restore")
+RNG_RESTORE_POINTS = ("first_forward", "restore")  # core.rng.RestoredRng; the 1st: default
 MAX_SLOTS = 8  # the arena header's slot table
 OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence; CUDA backend)
 MAX_EVERY = 64  # the budget's largest k: a process killed outright replays at most this many

@@ -12,6 +12,7 @@ import logging
 import random
 import sys
 from collections.abc import Mapping
+from types import FrameType
 from typing import cast
 
 import numpy as np
@@ -89,7 +90,7 @@ _SHAPE_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata
 
 def _inferring_shapes(depth: int = 48) -> bool:
     """Called from a forward pre-hook: is this forward a pipeline stage's shape inference?"""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if f is None:
             return False

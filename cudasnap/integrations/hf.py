@@ -47,22 +47,19 @@ handle on ``trainer.accelerator``; bf16/fp32 need none), callbacks' own state be
 ``stateful_callbacks``, and global-RNG draws made between a step's end and the next
 step's forward in the original run — an evaluation run, or a data collator or dataset
 that draws random numbers (e.g. MLM masking) while fetching: such batches may differ.
-In a multi-rank job, ``resume_checkpoint()`` reads this rank's newest step (its
-shared-memory slot, else a committed step); when the ranks' newest steps differ (one
-was killed between two boundaries) the restore agrees on an older one and
-``on_train_begin`` refuses the mismatch loudly.
+In a multi-rank job, ``resume_checkpoint()`` takes the newest step every rank holds
+(cudasnap.integrations.hf_resume), as the restore's vote does; a vote that still picks
+another step (a rank restored from a replica, say) is refused at ``on_train_begin``.
 With gradient accumulation, snapshots are taken at optimizer steps only.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import json
 import logging
 import os
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +67,15 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from ..config import Settings
 from ..errors import ConfigError, SnapshotError
-from ..format import codec, paths
-from ..storage import posix
+from . import hf_resume
 from ._owner import SnapshotterOwner, default_health, env_directory
+from .hf_resume import RESUME_DIR
 
 log = logging.getLogger("cudasnap.hf")
 
-RESUME_DIR = "hf-resume"
 STATE_KEY = "hf.trainer_state"
 SCHED_KEY = "hf.lr_scheduler"
-_MISSING_KEYS_MSG = "There were missing keys in the checkpoint model loaded"
 TR_LOSS_KEY = "hf.tr_loss"
 # Set by the Trainer for this train() call (from its arguments), or process-local.
 _NOT_RESTORED = {"is_local_process_zero", "is_world_process_zero", "stateful_callbacks",
@@ -114,11 +108,6 @@ class _TrainerStateAdapter:
         for k, v in d.items():
             if k in fields and k not in _NOT_RESTORED:
                 setattr(self.state, k, v)
-
-
-class _DropPlaceholderWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(_MISSING_KEYS_MSG)
 
 
 def _unwrap_optimizer(opt: Any) -> Any:
@@ -198,78 +187,16 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
         self._output_dir = args.output_dir
 
     # ----------------------------------------------------------- resume
-    def _newest_host_state(self) -> tuple[int, dict[str, Any]] | None:
-        """(step, decoded host state) of the newest snapshot this rank can restore, shared
-        memory first. Several ranks: the newest step every rank holds (each rank's arena
-        slots and the committed steps with its files, agreed over the process group), as
-        the restore's vote picks it: ranks whose newest slots differ (one was killed
-        between two boundaries) then resume at the same global step."""
-        found = self._local_host_states()
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if world > 1:
-            step = _agree_step(sorted(found, reverse=True))
-            if step is None:
-                return None
-            return step, codec.decode(found[step](), "host")
-        if not found:
-            return None
-        step = max(found)
-        return step, codec.decode(found[step](), "host")
-
-    def _local_host_states(self) -> dict[int, Callable[[], Any]]:
-        """{step: a reader of its encoded host state} of every snapshot this rank holds: the
-        COMPLETE slots of its arena, then (several ranks: committed only, its own
-        manifest; a step one rank flushed alone is not restorable) the stored steps."""
-        from .._native import native
-
-        d = self._dir()
-        kw = self.snapshotter_kwargs
-        out: dict[int, Callable[[], Any]] = {}
-        if not d.is_dir():
-            return out
-        cfg = Settings.from_env()
-        job = kw.get("job") or cfg.job or paths.job_id(d)
-        rank = kw.get("rank")
-        rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
-        shm = Path(kw.get("shm_dir") or cfg.shm_dir)
-        arena_path = paths.arena_path(shm, job, rank)
-        if arena_path.exists():
-            try:
-                arena = native().Arena.open(str(arena_path), False)
-                for slot in range(arena.num_slots):
-                    info = arena.slot_info(slot)
-                    if info["valid"]:
-                        meta: dict[str, Any] = json.loads(arena.read_meta(slot))
-                        out.setdefault(int(info["step"]), functools.partial(meta.get, "host"))
-            except (SnapshotError, ValueError, KeyError) as e:
-                log.warning("cannot read the staging arena %s: %s", arena_path, e)
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        stored = posix.committed_steps(d) if world > 1 else posix.list_snapshots(d)
-        for s in stored:
-            if s.step in out:
-                continue
-            mpath = s.path / paths.rank_dirname(rank) / "manifest.json" if world > 1 \
-                else s.manifest_path
-
-            def host(mpath: Path = mpath) -> Any:
-                man = posix.load_manifest(mpath)
-                if int(man.get("world_size", 1) or 1) != world:
-                    raise SnapshotError(f"{mpath}: written by {man.get('world_size')} ranks, "
-                                        f"this job has {world}")
-                return man["host"]
-            if mpath.is_file():
-                out[s.step] = host
-        return out
-
     def resume_checkpoint(self) -> str | None:
         """An HF checkpoint folder for ``trainer.train(resume_from_checkpoint=...)``, or None.
 
         None when the directory holds no snapshot (a fresh run). The folder holds
         the newest snapshot's ``trainer_state.json`` and an empty weights file;
         the real weights, optimizer, scheduler and RNG come from the snapshot
-        at ``on_train_begin``.
+        at ``on_train_begin``. Several ranks: the newest step every rank holds
+        (cudasnap.integrations.hf_resume).
         """
-        found = self._newest_host_state()
+        found = hf_resume.newest_host_state(self._dir(), self.snapshotter_kwargs)
         if found is None:
             return None
         step, host = found
@@ -277,28 +204,12 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
         if ent is None:
             raise SnapshotError(f"snapshot of step {step} in {self._dir()} holds no TrainerState "
                                 "(not written by CudaSnapTrainerCallback)")
-        ts = dict(ent["state"])
-        ts.setdefault("log_history", [])
-        folder = self._dir() / RESUME_DIR
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = folder / f".trainer_state.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(ts, indent=2, sort_keys=True))
-        os.replace(tmp, folder / "trainer_state.json")  # ranks may share the folder
-        placeholder = folder / "model.safetensors"
-        if not placeholder.exists():
-            from safetensors.torch import save_file
-
-            ptmp = folder / f".model.safetensors.tmp-{os.getpid()}"
-            save_file({}, str(ptmp), metadata={"cudasnap": "placeholder: the weights come "
-                                               "from the cudasnap snapshot"})
-            os.replace(ptmp, placeholder)
+        folder = hf_resume.write_folder(self._dir(), dict(ent["state"]))
         # The Trainer loads the (empty) placeholder and warns about every key; the
         # snapshot supplies them at on_train_begin.
         if self._filter is None:
-            self._filter = _DropPlaceholderWarning()
+            self._filter = hf_resume.DropPlaceholderWarning()
             logging.getLogger("transformers.trainer").addFilter(self._filter)
-        log.info("resuming from the cudasnap snapshot of global step %d via %s",
-                 int(ts.get("global_step", 0)), folder)
         return str(folder)
 
     def _drop_filter(self) -> None:
@@ -460,26 +371,3 @@ def _find_trainer(cb: Any) -> Any:
     finally:
         del frame, f
 
-
-def _agree_step(steps: list[int], limit: int = 64) -> int | None:
-    """The newest of ``steps`` (this rank's, newest first) that every rank holds, over the
-    default process group (a tensor all-gather: no pickle); None when none is common, or
-    this rank's own newest when no process group is up (it is then checked at
-    ``on_train_begin`` against the restore's vote, which refuses a disagreement)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        log.warning("resume_checkpoint(): torch.distributed is not initialised yet, so the "
-                    "ranks cannot agree on a step; create the Trainer first")
-        return steps[0] if steps else None
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.full((limit,), -1, dtype=torch.int64, device=dev)
-    if steps:
-        mine[:min(limit, len(steps))] = torch.tensor(steps[:limit], dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    common = set(steps[:limit])
-    for t in every:
-        common &= {int(v) for v in t.cpu().tolist() if v >= 0}
-    return max(common) if common else None

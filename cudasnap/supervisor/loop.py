@@ -136,12 +136,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
     def finish(rc: int) -> int:
         if flusher is not None:
             flusher.join()
-        lost = run_notes.read_started_over(verdict)
-        if lost:
-            log.error("cudasnap run: the job ended (exit %d), but an attempt started over at step "
-                      "0 although the job had made progress nothing could restore: %s. "
-                      "CUDASNAP_REQUIRE_RESUME=1 makes such an attempt fail instead", rc, lost)
-        return rc if rc >= 0 else 128 - rc
+        return _exit_status(verdict, rc)
 
     def attempt_env(n: int) -> dict[str, str]:
         return _attempt_env(n, directory=directory, url=url, job=job, shm=shm, verdict=verdict,
@@ -182,11 +177,9 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
             except ConfigError as e:
                 log.error("%s: not flushing, not restarting", e)
                 return 2
-            flusher = _orphan_flush(directory, job, shm, remote, preload, entry)
+            flusher = _orphan_flush(directory, job, shm, remote, preload, entry, wait=auto)
             if not _restart(stop_requested, config_error, attempt, max_restarts, entry):
                 return finish(rc)
-            if auto:  # the restarted script starts over and moves this flush's step aside
-                flusher.join()
             attempt += 1
             log.warning("restarting (restart %d of %d)", attempt, max_restarts)
     finally:
@@ -200,11 +193,13 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
 
 
 def _orphan_flush(directory: Path, job: str, shm: Path, remote: FsspecStorage | None,
-                  preload: threading.Thread, entry: dict[str, Any]) -> threading.Thread:
+                  preload: threading.Thread, entry: dict[str, Any],
+                  wait: bool = False) -> threading.Thread:
     """The dead attempt's newest slots leased now and flushed on a thread, beside the
     restart: the restarted process restores from shared memory anyway, and a leased slot is
     not reused until it is written. ``entry`` (the attempt's report) gets the times and
-    what was flushed."""
+    what was flushed. ``wait``: returns once the flush is done (``--auto``: the restarted
+    script starts over and moves this flush's step aside, cudasnap.tools.auto)."""
     entry["flush_start"] = time.time()
     leased: list[tuple[Path, Any, int, int]] = []
     if any(shm.glob(paths.arena_glob(job))):  # else no need to wait for torch
@@ -217,7 +212,21 @@ def _orphan_flush(directory: Path, job: str, shm: Path, remote: FsspecStorage | 
 
     t = threading.Thread(target=flush, name="cudasnap-orphan-flush", daemon=True)
     t.start()
+    if wait:
+        t.join()
     return t
+
+
+def _exit_status(verdict: Path | None, rc: int) -> int:
+    """``cudasnap run``'s exit status (a signal's death: 128 + its number) and summary: an
+    attempt that started over at step 0 after progress (cudasnap.format.run_notes) is
+    named at ERROR, whatever the status."""
+    lost = run_notes.read_started_over(verdict)
+    if lost:
+        log.error("cudasnap run: the job ended (exit %d), but an attempt started over at step "
+                  "0 although the job had made progress nothing could restore: %s. "
+                  "CUDASNAP_REQUIRE_RESUME=1 makes such an attempt fail instead", rc, lost)
+    return rc if rc >= 0 else 128 - rc
 
 
 def _attempt_env(n: int, *, directory: Path, url: str | None, job: str, shm: Path,
