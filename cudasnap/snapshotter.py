@@ -25,6 +25,7 @@ from . import config as cfg
 from .config import Settings
 from .core import vml_warmup
 from .core.options import Options
+from .core.rng import DRAWN_KEY
 from .core.state import TrainingState
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError, exception_active
@@ -202,7 +203,10 @@ class Snapshotter:
             raise SnapshotError("boundary() on a closed Snapshotter")
         tl = self._timeline
         step = tl.advance(step)
-        self.state.restored_rng.no_forward()  # a boundary with no forward since a restore
+        rr = self.state.restored_rng
+        rr.at_boundary(self.state.rng_sources)  # cudasnap.core.rng.RestoredRng
+        if rr.drawn is not None:
+            values[DRAWN_KEY] = sorted(rr.drawn)
         try:
             self._copier.snapshot(step, t0, tl.boundaries, values)
         finally:

@@ -26,7 +26,7 @@ from ..format.manifest import TensorEntry, dtype_key, dtype_name, expand_params
 from . import copy_back, device_restore, sharded, values
 from .copy_back import Pair
 from .live_tensor import _PLAIN, LiveTensor, _param_order
-from .rng import RestoredRng
+from .rng import DRAWN_KEY, RestoredRng
 
 if TYPE_CHECKING:
     from .types import SnapshotFile, Stateful
@@ -250,7 +250,7 @@ def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, 
         else:
             cast("Stateful", obj).load_state_dict(ent["state"])
     saved = dict(hd.get("values") or {})
-    state.restored_rng.restored(hd.get("rng", {}))
+    state.restored_rng.restored(hd.get("rng", {}), saved.pop(DRAWN_KEY, None))
     return int(hd.get("step", -1)), saved
 
 

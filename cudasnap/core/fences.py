@@ -101,7 +101,7 @@ def install(state: TrainingState, copier: Copier,
             with torch.no_grad():
                 op(key, 1, _state(p for g in o.param_groups for p in g["params"]))
             return
-        if restored_rng.pending is not None:  # a step before any forward after a restore
+        if restored_rng.armed:  # a step before any forward
             restored_rng.no_forward()
         copier.fence(1)
 
@@ -115,9 +115,10 @@ def install(state: TrainingState, copier: Copier,
 
     def model_forward_pre(module: torch.nn.Module, args: object) -> None:
         # A registered model's own forward (never an activation checkpoint's recompute of a
-        # block inside it): the first one after a restore puts the RNG states back
-        if restored_rng.pending is not None and not compiling():
-            restored_rng.at_first_forward()
+        # block inside it): after a restore it puts RNG states back, after a boundary it
+        # probes them (cudasnap.core.rng.RestoredRng)
+        if restored_rng.armed and not compiling():
+            restored_rng.at_forward()
         forward_pre(module, args)
 
     def before_load(*_: object) -> None:

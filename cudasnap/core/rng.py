@@ -100,52 +100,119 @@ def _inferring_shapes(depth: int = 48) -> bool:
     return False
 
 
+# The ``boundary()`` value key of the sources a loop draws from between a step's end and its
+# next forward (RestoredRng.drawn), saved with each snapshot once seen; hidden from
+# ``Snapshotter.values``. (A dotted name: no keyword argument of the user's can clash.)
+DRAWN_KEY = "cudasnap.rng_drawn_before_forward"
+# Sources a trainer's set-up after its checkpoint load draws from: ``iter(DataLoader)``
+# seeds its sampler and workers from the CPU generator (CUDA: a device-side set-up).
+SETUP_DRAWN = ("torch", "cuda")
+PROBES = 3  # boundaries of each process whose next forward is checked for draws
+
+
+def _peek(sources: tuple[str, ...]) -> dict[str, object]:
+    """Comparable snapshots of the RNG states (a probe; ~20 us each, a few per process)."""
+    out: dict[str, object] = {}
+    if "torch" in sources:
+        out["torch"] = torch.get_rng_state().numpy().tobytes()
+    if "python" in sources:
+        out["python"] = hash(random.getstate())
+    if "numpy" in sources:
+        st = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+        out["numpy"] = (st[1].tobytes(), st[2], st[3], st[4])
+    if "cuda" in sources and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
+    return out
+
+
 class RestoredRng:
-    """The RNG states of the last restore, put back again at the first forward after it.
+    """When a restore's RNG states are put back: at the restore, and per source again at the
+    first forward after it, by what the loop draws from where.
 
     A trainer does more between its checkpoint load and its first step than the
     uninterrupted run did at that point: torchtitan builds its data iterator after
     ``checkpointer.load()``, and ``iter(StatefulDataLoader)`` (any ``DataLoader``) draws
-    one number from the default CPU generator. States set inside the load are then one
-    draw ahead at the first resumed step, and dropout differs from there on. With
-    ``again`` (``rng_restore="first_forward"``, the default) the states are set at the
-    restore and once more right before the first forward of a registered model that is a
-    step's (not a pipeline stage's shape inference, which a process runs at its first step
-    and the uninterrupted run ran at its own: it draws before the states are set).
+    from the default CPU generator; states set inside the load were then one draw ahead
+    at the first resumed step, and dropout differed from there on. A loop whose data
+    fetch draws (noise or augmentation in the main process) needs the opposite: the
+    states at the restore, its fetch drawing from them as the uninterrupted run did.
 
-    Call order: the restore calls :meth:`restored` (it sets the states now); the
-    forward pre-hook of each registered model (not of its blocks, which an activation
-    checkpoint re-runs in the backward) calls :meth:`at_first_forward` (eager only);
-    the optimizer's step pre-hook and ``boundary()`` call :meth:`no_forward` (a step
-    without a forward of a registered model keeps the states as the restore set them).
+    So each process checks, at the first forward after each of its first ``PROBES``
+    boundaries, which sources moved since the boundary (``drawn``: the loop draws from
+    them between a step's end and its next forward); ``boundary()`` saves that set with
+    each snapshot (``DRAWN_KEY``). A restore sets every source now and, with ``again``
+    (``rng_restore="first_forward"``, the default), the sources not in the snapshot's set
+    once more right before the first forward that is a step's (not a pipeline stage's
+    shape inference, which a process runs at its first step and the uninterrupted run ran
+    at its own). A snapshot taken before its process knew (its first boundaries) puts
+    back again only ``SETUP_DRAWN``; when the resumed loop turns out to draw from one of
+    them before its forward, a WARNING says the first step after the resume may differ.
+
+    Call order: the restore calls :meth:`restored`; ``boundary()`` calls
+    :meth:`at_boundary`; the forward pre-hook of each registered model (not of its blocks,
+    which an activation checkpoint re-runs in the backward) calls :meth:`at_forward` while
+    ``armed`` (eager only); the optimizer's step pre-hook calls :meth:`no_forward`.
     """
 
     def __init__(self, again: bool = True) -> None:
         self.again = again
-        self.pending: Mapping[str, object] | None = None  # read by the forward pre-hook
-        self._torch_after: torch.Tensor | None = None
+        self.armed = False  # the forward pre-hook has work: a put-back or a probe
+        self.pending: Mapping[str, object] | None = None  # sources to put back again
+        self.drawn: set[str] | None = None  # None: not seen yet
+        self._guessed: set[str] = set()  # put back again without knowing the loop
+        self._probe: dict[str, object] | None = None
+        self._probes = 0
+        self._sources: tuple[str, ...] = ()
 
-    def restored(self, rng: Mapping[str, object]) -> None:
-        """Sets ``rng`` (a decoded snapshot's ``"rng"``) now; again at the first forward."""
+    def restored(self, rng: Mapping[str, object], drawn: object = None) -> None:
+        """Sets ``rng`` (a decoded snapshot's ``"rng"``) now; ``drawn``: the snapshot's
+        ``DRAWN_KEY`` value (None: taken before its process knew)."""
         apply_rng(rng)
-        if self.again and rng:
-            self.pending = rng
-            self._torch_after = torch.get_rng_state()
+        known = isinstance(drawn, list)
+        if known:
+            self.drawn = {str(x) for x in cast("list[object]", drawn)} | (self.drawn or set())
+        skip = set(cast("list[str]", drawn)) if known else set(rng) - set(SETUP_DRAWN)
+        again = {k: v for k, v in rng.items() if k not in skip} if self.again else {}
+        self.pending = again or None
+        self._guessed = set() if known else set(again)
+        self.armed = self.pending is not None or self._probe is not None
 
-    def at_first_forward(self) -> None:
-        """The first forward after the restore: the states again (once). A forward run to
-        infer shapes (:func:`_inferring_shapes`) is not a step's: it waits for the next."""
-        if self.pending is None or _inferring_shapes():
+    def at_boundary(self, sources: tuple[str, ...]) -> None:
+        """A boundary: nothing more to put back; the first ones arm a probe."""
+        self.pending = None
+        if self._probes < PROBES:
+            self._sources = sources
+            self._probe = _peek(sources)
+            self.armed = True
+        else:
+            self.armed = False
+
+    def at_forward(self) -> None:
+        """A registered model's forward: the put-back (once), then the probe. A forward run
+        to infer shapes (:func:`_inferring_shapes`) is not a step's: it waits."""
+        if _inferring_shapes():
             return
         rng, self.pending = self.pending, None
-        before = self._torch_after
-        moved = before is not None and not torch.equal(torch.get_rng_state(), before)
-        apply_rng(rng)
-        if moved:
-            log.info("cudasnap: random numbers drawn between the restore and the first step "
-                     "(a data iterator made after the load, say) were discarded: the RNG "
-                     "states are the snapshot's at the first forward (rng_restore)")
+        if rng is not None:
+            apply_rng(rng)
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            now = _peek(self._sources)
+            moved = {k for k, v in now.items() if probe.get(k) != v}
+            self.drawn = (self.drawn or set()) | moved
+            self._probes += 1
+            if moved & self._guessed:
+                log.warning("cudasnap: this loop draws from the %s RNG between a step's end and "
+                            "its next forward (a data fetch in the main process?), and the "
+                            "snapshot it resumed from was taken before cudasnap had seen that "
+                            "(a run's first steps): the first step after the resume may differ "
+                            "from an uninterrupted run; rng_restore='restore' "
+                            "(CUDASNAP_RNG_RESTORE=restore) fits such a loop",
+                            "/".join(sorted(moved & self._guessed)))
+            self._guessed = set()
+        self.armed = False
 
     def no_forward(self) -> None:
-        """A step or boundary came before any forward: nothing more to put back."""
-        self.pending = None
+        """An optimizer step before any forward: nothing to put back, no probe."""
+        self.pending = self._probe = None
+        self.armed = False
