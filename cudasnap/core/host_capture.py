@@ -21,7 +21,7 @@ import logging
 import random
 import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -151,6 +151,29 @@ def _still_watched(src: str, held: tuple[object, ...]) -> bool:
         rs = cast("np.random.RandomState", getattr(np.random.get_state, "__self__", None))
         return rs is held[0] and rs._bit_generator is held[1]
     return True
+
+
+def rng_watch(sources: tuple[str, ...]) -> tuple[Any, dict[str, int], list[object]]:
+    """A native watch of the RNG sources alone, for ``RestoredRng``'s probe (which sources
+    a loop draws from between a boundary and its next forward): (HostWatch, bit of each
+    watched source, objects it reads, held). ``changed()`` then says what moved since its
+    last call, reading no state (the getters cost what the boundary path avoids). CUDA
+    and a source that cannot be watched are not in it."""
+    hw = native().HostWatch()
+    bits: dict[str, int] = {}
+    held: list[object] = []
+    for src in sources:
+        try:
+            if src == "torch":
+                bits[src] = hw.add_watched([], True)
+            elif src in ("python", "numpy"):
+                regions, same, gauss, objs = (_python_watch if src == "python"
+                                              else _numpy_watch)()
+                bits[src] = hw.add_watched(regions, False, same, gauss)
+                held.extend(objs)
+        except (_Unwatchable, AttributeError, TypeError, ValueError) as e:
+            log.debug("RNG source %s is not probed (%s)", src, e)
+    return hw, bits, held
 
 
 _NO_TEXT = b""  # a source read last time that had nothing to save

@@ -13,7 +13,7 @@ import random
 import sys
 from collections.abc import Mapping
 from types import FrameType
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -110,21 +110,6 @@ SETUP_DRAWN = ("torch", "cuda")
 PROBES = 3  # boundaries of each process whose next forward is checked for draws
 
 
-def _peek(sources: tuple[str, ...]) -> dict[str, object]:
-    """Comparable snapshots of the RNG states (a probe; ~20 us each, a few per process)."""
-    out: dict[str, object] = {}
-    if "torch" in sources:
-        out["torch"] = torch.get_rng_state().numpy().tobytes()
-    if "python" in sources:
-        out["python"] = hash(random.getstate())
-    if "numpy" in sources:
-        st = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
-        out["numpy"] = (st[1].tobytes(), st[2], st[3], st[4])
-    if "cuda" in sources and torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
-    return out
-
-
 class RestoredRng:
     """When a restore's RNG states are put back: at the restore, and per source again at the
     first forward after it, by what the loop draws from where.
@@ -138,7 +123,8 @@ class RestoredRng:
     states at the restore, its fetch drawing from them as the uninterrupted run did.
 
     So each process checks, at the first forward after each of its first ``PROBES``
-    boundaries, which sources moved since the boundary (``drawn``: the loop draws from
+    boundaries, which sources moved since the boundary (a native watch of their bytes,
+    ``host_capture.rng_watch``: no state is read) (``drawn``: the loop draws from
     them between a step's end and its next forward); ``boundary()`` saves that set with
     each snapshot (``DRAWN_KEY``). A restore sets every source now and, with ``again``
     (``rng_restore="first_forward"``, the default), the sources not in the snapshot's set
@@ -160,9 +146,10 @@ class RestoredRng:
         self.pending: Mapping[str, object] | None = None  # sources to put back again
         self.drawn: set[str] | None = None  # None: not seen yet
         self._guessed: set[str] = set()  # put back again without knowing the loop
-        self._probe: dict[str, object] | None = None
+        self._probing = False
         self._probes = 0
-        self._sources: tuple[str, ...] = ()
+        # host_capture.rng_watch: a native watch that reads no state (made at the first probe)
+        self._watch: tuple[Any, dict[str, int], list[object]] | None = None
 
     def restored(self, rng: Mapping[str, object], drawn: object = None) -> None:
         """Sets ``rng`` (a decoded snapshot's ``"rng"``) now; ``drawn``: the snapshot's
@@ -175,17 +162,20 @@ class RestoredRng:
         again = {k: v for k, v in rng.items() if k not in skip} if self.again else {}
         self.pending = again or None
         self._guessed = set() if known else set(again)
-        self.armed = self.pending is not None or self._probe is not None
+        self.armed = self.pending is not None or self._probing
 
     def at_boundary(self, sources: tuple[str, ...]) -> None:
         """A boundary: nothing more to put back; the first ones arm a probe."""
         self.pending = None
-        if self._probes < PROBES:
-            self._sources = sources
-            self._probe = _peek(sources)
-            self.armed = True
-        else:
-            self.armed = False
+        self._probing = self._probes < PROBES
+        if self._probing:
+            self._probes += 1
+            if self._watch is None:
+                from .host_capture import rng_watch
+
+                self._watch = rng_watch(sources)
+            self._watch[0].changed()  # the baseline: the states now
+        self.armed = self._probing
 
     def at_forward(self) -> None:
         """A registered model's forward: the put-back (once), then the probe. A forward run
@@ -195,12 +185,12 @@ class RestoredRng:
         rng, self.pending = self.pending, None
         if rng is not None:
             apply_rng(rng)
-        probe, self._probe = self._probe, None
-        if probe is not None:
-            now = _peek(self._sources)
-            moved = {k for k, v in now.items() if probe.get(k) != v}
+        if self._probing and self._watch is not None:
+            self._probing = False
+            hw, bits, _ = self._watch
+            mask = hw.changed()
+            moved = {src for src, bit in bits.items() if mask >> bit & 1}
             self.drawn = (self.drawn or set()) | moved
-            self._probes += 1
             if moved & self._guessed:
                 log.warning("cudasnap: this loop draws from the %s RNG between a step's end and "
                             "its next forward (a data fetch in the main process?), and the "
@@ -214,5 +204,5 @@ class RestoredRng:
 
     def no_forward(self) -> None:
         """An optimizer step before any forward: nothing to put back, no probe."""
-        self.pending = self._probe = None
-        self.armed = False
+        self.pending = None
+        self._probing = self.armed = False
