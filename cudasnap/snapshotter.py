@@ -205,8 +205,8 @@ class Snapshotter:
         step = tl.advance(step)
         rr = self.state.restored_rng
         rr.at_boundary(self.state.rng_sources)  # cudasnap.core.rng.RestoredRng
-        if rr.drawn is not None:
-            values[DRAWN_KEY] = sorted(rr.drawn)
+        if rr.saved is not None:
+            values[DRAWN_KEY] = rr.saved
         try:
             self._copier.snapshot(step, t0, tl.boundaries, values)
         finally:

@@ -39,6 +39,7 @@ class Registered(Protocol):
     optimizers: dict[str, torch.optim.Optimizer]
     extra: dict[str, object]
     restored_rng: RestoredRng
+    rng_sources: tuple[str, ...]
 
     def live_tensors(self) -> list[LiveTensor]: ...
 
@@ -250,7 +251,8 @@ def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, 
         else:
             cast("Stateful", obj).load_state_dict(ent["state"])
     saved = dict(hd.get("values") or {})
-    state.restored_rng.restored(hd.get("rng", {}), saved.pop(DRAWN_KEY, None))
+    state.restored_rng.restored(hd.get("rng", {}), saved.pop(DRAWN_KEY, None),
+                                state.rng_sources)
     return int(hd.get("step", -1)), saved
 
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ import torch
 from .._native import native
 from ..format import slot_manifest as sm
 from ..format.slot_manifest import EMPTY_EXTRA, HOST_CLOSE, host_open
+from .rng import Unwatchable, numpy_watch, python_watch
 
 if TYPE_CHECKING:
     from cudasnap._C import ValueWatch
@@ -90,52 +90,6 @@ class HostEncoder:
 # ``StateWatch`` compares the raw bytes behind each source with the last
 # boundary's instead (well under a microsecond, no allocation).
 
-_MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
-
-
-def _object_region(obj: object) -> tuple[int, int]:
-    """(address, bytes) of a fixed-size CPython object's fields after its header."""
-    if sys.implementation.name != "cpython":
-        raise _Unwatchable("not CPython")
-    t = type(obj)
-    head = object.__basicsize__
-    if t.__itemsize__ or t.__basicsize__ <= head:
-        raise _Unwatchable(f"{t.__name__} is not a fixed-size object")
-    return id(obj) + head, t.__basicsize__ - head
-
-
-class _Unwatchable(Exception):
-    pass
-
-
-# (object, attribute path, expected object): an identity ``HostWatch`` checks natively
-_Same = tuple[object, tuple[str, ...], object]
-# (regions, identity checks, object whose ``gauss_next`` is compared, held objects)
-_SourceWatch = tuple[list[tuple[int, int]], list[_Same], object, tuple[object, ...]]
-
-
-def _python_watch() -> _SourceWatch:
-    """Watch of the ``random`` module's generator (the one ``random.getstate`` reads):
-    (regions, identity checks, object whose ``gauss_next`` is compared, held objects)."""
-    inst = getattr(random.getstate, "__self__", None)
-    if not isinstance(inst, random.Random):
-        raise _Unwatchable("random.getstate is not bound to a random.Random")
-    # gauss_next lives in the instance dict, outside the watched bytes: compared apart.
-    return [_object_region(inst)], [(random, ("getstate", "__self__"), inst)], inst, (inst,)
-
-
-def _numpy_watch() -> _SourceWatch:
-    """Watch of NumPy's global RandomState: its own fields (the cached gauss) and the
-    Mersenne-Twister state of its bit generator (what ``np.random.get_state`` reads)."""
-    rs = getattr(np.random.get_state, "__self__", None)
-    bg = getattr(rs, "_bit_generator", None)
-    if bg is None or type(bg).__name__ != "MT19937" or type(rs).__name__ != "RandomState":
-        raise _Unwatchable("np.random is not a legacy RandomState over MT19937")
-    addr = int(bg.ctypes.state_address)
-    same: list[_Same] = [(np.random, ("get_state", "__self__"), rs), (rs, ("_bit_generator",), bg)]
-    return [_object_region(rs), (addr, _MT19937_STATE_BYTES)], same, None, (rs, bg)
-
-
 def _still_watched(src: str, held: tuple[object, ...]) -> bool:
     """The objects a watch reads are still the ones ``capture_rng`` reads.
 
@@ -151,29 +105,6 @@ def _still_watched(src: str, held: tuple[object, ...]) -> bool:
         rs = cast("np.random.RandomState", getattr(np.random.get_state, "__self__", None))
         return rs is held[0] and rs._bit_generator is held[1]
     return True
-
-
-def rng_watch(sources: tuple[str, ...]) -> tuple[Any, dict[str, int], list[object]]:
-    """A native watch of the RNG sources alone, for ``RestoredRng``'s probe (which sources
-    a loop draws from between a boundary and its next forward): (HostWatch, bit of each
-    watched source, objects it reads, held). ``changed()`` then says what moved since its
-    last call, reading no state (the getters cost what the boundary path avoids). CUDA
-    and a source that cannot be watched are not in it."""
-    hw = native().HostWatch()
-    bits: dict[str, int] = {}
-    held: list[object] = []
-    for src in sources:
-        try:
-            if src == "torch":
-                bits[src] = hw.add_watched([], True)
-            elif src in ("python", "numpy"):
-                regions, same, gauss, objs = (_python_watch if src == "python"
-                                              else _numpy_watch)()
-                bits[src] = hw.add_watched(regions, False, same, gauss)
-                held.extend(objs)
-        except (_Unwatchable, AttributeError, TypeError, ValueError) as e:
-            log.debug("RNG source %s is not probed (%s)", src, e)
-    return hw, bits, held
 
 
 _NO_TEXT = b""  # a source read last time that had nothing to save
@@ -220,13 +151,13 @@ class HostText:
                     bit = self._hw.add_watched([], True)
                     self._watch[src] = ()
                 elif src in ("python", "numpy"):
-                    regions, same, gauss, held = (_python_watch if src == "python"
-                                                  else _numpy_watch)()
+                    regions, same, gauss, held = (python_watch if src == "python"
+                                                  else numpy_watch)()
                     bit = self._hw.add_watched(regions, False, same, gauss)
                     self._watch[src] = held
                 elif src == "cuda":  # torch.cuda.is_initialized() is `_initialized and ...`
                     bit = self._hw.add_flag(torch.cuda, "_initialized")
-            except (_Unwatchable, AttributeError, TypeError, ValueError) as e:
+            except (Unwatchable, AttributeError, TypeError, ValueError) as e:
                 log.debug("RNG source %s is read at every boundary (%s)", src, e)
             self._bit[src] = self._hw.add_always() if bit is None else bit
             self._rng_mask |= 1 << self._bit[src]
