@@ -114,7 +114,7 @@ def save_rollback_restore(base: Path, rank: int, world: int, kind: str) -> dict[
     res["source_shm"] = snap.stats()["restore"]["source"]
     np.savez(base / f"{name}-restored_shm-rank-{rank}.npz", **full_state(model, opt))
     train(model, opt, range(res["start_shm"], res["start_shm"] + 1), snap)  # training goes on
-    snap.close()  # removes the arena: the next one restores from disk
+    snap.close(keep_arena=False)  # removes the arena: the next one restores from disk
     dist.barrier()
     model, opt = build(kind)
     snap = _snap(model, opt, base, name, kind)
