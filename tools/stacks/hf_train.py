@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
 
     class Printer(transformers.TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            _say(f"start={state.global_step + 1}")
+            _say(f"start={state.global_step + 1} pid={os.getpid()}")
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             _say(f"step={state.global_step} t={time.time():.3f}")

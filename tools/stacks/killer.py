@@ -6,8 +6,9 @@ snapshot copy or a flush, on any rank), and the survivors then run their own exc
 
 1. runs the stack under ``cudasnap run --max-restarts K -- <its command>`` (a multi-rank
    stack: ``torchrun --max-restarts=0`` inside), reading the per-step lines every stack
-   script prints (``[stack] rank=R step=S t=<time>``; ``[stack] rank=R start=S`` before the
-   first step a process trains);
+   script prints (``[stack] rank=R step=S t=<time>``; ``[stack] rank=R start=S pid=P`` before
+   the first step a process trains: the victims are those processes, never a warm standby
+   ``cudasnap run`` keeps ready for the next attempt);
 2. once step ``kill_after`` is logged, waits a random share of a step's time and SIGKILLs
    the victim worker(s) from outside (one rank, or every rank);
 3. lets ``cudasnap run`` restart the job to its end, then compares each rank's final dump
@@ -22,7 +23,8 @@ differs), the seconds from the kill to the first resumed step, the exit status.
 Stacks (``STACKS``): torchtitan's llama3 debug model on 2 CPU ranks over gloo with FSDP2,
 tensor parallel or pipeline parallel (tools/stacks/titan_cpu.py, the README's config in
 tools/stacks/titan_cfg.py, attention dropout on, a committed interval flush every 2 steps),
-and a Hugging Face Trainer, single process and DDP on 2 ranks (tools/stacks/hf_train.py).
+a Hugging Face Trainer, single process and DDP on 2 ranks (tools/stacks/hf_train.py), and the
+README's quick start (tools/stacks/quickstart_train.py).
 Used by tests/e2e/test_kill_real_stacks.py (a few trials) and bench/kill_matrix.py (many).
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 TITAN_SITE = REPO / "build" / "titan-site"
 STEP_RE = re.compile(r"\[stack\] rank=(\d+) step=(\d+) t=([\d.]+)")
 START_RE = re.compile(r"\[stack\] rank=(\d+) start=(\d+)")
+PID_RE = re.compile(r"\[stack\] rank=(\d+) start=\d+ pid=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,21 @@ def hf_stack(n: int) -> Stack:
                  cmd=lambda w: _hf(n, w, False), dump_var="STACK_DUMP")
 
 
+QUICK_STEPS = 300
+
+
+def quickstart_stack() -> Stack:
+    script = str(REPO / "tools/stacks/quickstart_train.py")
+    return Stack(name="quickstart", ranks=1, steps=QUICK_STEPS, script="quickstart_train.py",
+                 ref=lambda w: [sys.executable, script, "--ref", "--steps", str(QUICK_STEPS)],
+                 cmd=lambda w: [sys.executable, script, "--steps", str(QUICK_STEPS)],
+                 dump_var="STACK_DUMP")
+
+
 STACKS: dict[str, Callable[[], Stack]] = {
     "titan-fsdp2": lambda: titan_stack("fsdp2"), "titan-tp": lambda: titan_stack("tp"),
     "titan-pp": lambda: titan_stack("pp"), "hf-single": lambda: hf_stack(1),
-    "hf-ddp": lambda: hf_stack(2),
+    "hf-ddp": lambda: hf_stack(2), "quickstart": quickstart_stack,
 }
 
 
@@ -281,12 +295,16 @@ def trial(stack: Stack, ref: Path, work: Path, *, victim: str, kill_after: int,
                          text=True, cwd=REPO, start_new_session=True)
     lines: list[str] = []
     steps: list[tuple[int, int, float]] = []  # (rank, step, time) in log order
+    training: dict[int, int] = {}  # rank -> pid of the process that trains it now
     armed = threading.Event()
 
     def read() -> None:
         assert p.stdout is not None
         for line in p.stdout:
             lines.append(line)
+            mp = PID_RE.search(line)
+            if mp:
+                training[int(mp.group(1))] = int(mp.group(2))
             m = STEP_RE.search(line)
             if m:
                 steps.append((int(m.group(1)), int(m.group(2)), float(m.group(3))))
@@ -303,7 +321,7 @@ def trial(stack: Stack, ref: Path, work: Path, *, victim: str, kill_after: int,
         gaps = [b - a for a, b in zip(times, times[1:]) if b > a] or [1.0]
         step_s = sorted(gaps)[len(gaps) // 2]
         time.sleep(delay_frac * step_s)
-        pids = workers(p.pid, stack.script)
+        pids = dict(training) or workers(p.pid, stack.script)
         targets = list(pids.values()) if victim == "all" else \
             [pids[int(victim[4:])]] if int(victim[4:]) in pids else []
         if not targets:

@@ -157,7 +157,7 @@ def _train_step_then_maybe_die(self, *args, **kwargs):
     rank = torch.distributed.get_rank()
     if not getattr(self, "_stack_started", False):
         self._stack_started = True
-        print(f"[stack] rank={rank} start={self.step}", flush=True)
+        print(f"[stack] rank={rank} start={self.step} pid={os.getpid()}", flush=True)
     out = _orig_train_step(self, *args, **kwargs)
     print(f"[stack] rank={rank} step={self.step} t={time.time():.3f}", flush=True)
     if str(self.step) == os.environ.get("TT_PLAIN_KILL_STEP") and \
