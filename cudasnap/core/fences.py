@@ -117,7 +117,7 @@ def install(state: TrainingState, copier: Copier,
         # A registered model's own forward (never an activation checkpoint's recompute of a
         # block inside it): after a restore it puts RNG states back, after a boundary it
         # probes them (cudasnap.core.rng.RestoredRng)
-        if restored_rng.armed and not compiling():
+        if not compiling() and restored_rng.armed:  # (traced: never read, so no guard on it)
             restored_rng.at_forward()
         forward_pre(module, args)
 

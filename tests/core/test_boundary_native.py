@@ -15,7 +15,7 @@ from helpers import parts
 from test_boundary_reads import DRAWS, HostText, _same
 
 from cudasnap import Snapshotter
-from cudasnap.core import host_capture as hc
+from cudasnap.core import rng as core_rng
 from cudasnap.core.state import TrainingState
 
 
@@ -180,7 +180,7 @@ def test_boundary_skips_arena_prep_while_the_arena_fits(snap_env, monkeypatch):
 
 
 def test_host_capture_helpers_stay_unwatchable_off_cpython(monkeypatch):
-    monkeypatch.setattr(hc.sys.implementation, "name", "pypy")
+    monkeypatch.setattr(core_rng.sys.implementation, "name", "pypy")  # the watch helpers' home
     ht = HostText(("python", "numpy", "torch"))
     assert set(ht._watch) == {"torch"}
     assert _bits(ht) == {"python": True, "numpy": True, "torch": True}

@@ -220,8 +220,9 @@ def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_pat
     a new store per attempt. The whole run is bounded; a run past its bound prints where its
     processes were (Python and native stacks).
 
-    That store lives in rank 0's process: killing rank 0 takes it away, so the survivor's
-    flush cannot agree on a step and says so (a FlushError naming the store), and the
+    That store lives in rank 0's process: killing rank 0 takes it away, so a flush the
+    survivor tries cannot agree on a step and says so (a FlushError naming the store); its
+    ``close()`` on torchtitan's exception path keeps its arena (issue 44), and the
     restarted ranks resume from the snapshots in shared memory."""
     job = f"ttr{os.getpid()}"
     env = _env(tmp_path, job, TT_DUMP=str(tmp_path / "dump"),
@@ -240,7 +241,11 @@ def test_torchrun_restart_resumes_bitwise(assets: Path, reference: Path, tmp_pat
         resumed = re.findall(r"rank (\d): resuming at step (\d+)", log)
         assert sorted(resumed) == [("0", "4"), ("1", "4")], log[-4000:]
         store_gone = "rank 1: no flush round: cudasnap's coordination store is unreachable"
-        assert (store_gone in log) == (victim == 0), log[-4000:]
+        if victim == 0:  # a flush the survivor tried says the store is gone; else it kept
+            kept = "rank 1 closes during" in log and "close() keeps the staging arena" in log
+            assert store_gone in log or kept, log[-4000:]  # its arena on its except path
+        else:
+            assert store_gone not in log, log[-4000:]
     else:  # the first attempt failed to start: the restart ran the job (epoch 1)
         events = (tmp_path / "ckpt" / "dist-log.jsonl").read_text().splitlines()
         assert any(json.loads(e).get("epoch") == 1 for e in events), log[-3000:]
