@@ -17,14 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def hf_section() -> tuple[str, str]:
-    text = (REPO / "README.md").read_text()
-    start = text.index("## Hugging Face Trainer")
-    section = text[start:text.index("\n## ", start + 1)]
-    py = re.search(r"```python\n(.*?)```", section, re.S)
-    sh = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert py is not None and sh is not None, "README: '## Hugging Face Trainer' needs a " \
-        "python and a bash block"
-    code, script = py.group(1), sh.group(1)
+    from test_readme_quickstart import readme_blocks
+
+    code, script = readme_blocks("## Hugging Face Trainer")
     for needed in ("CudaSnapTrainerCallback(", "resume_from_checkpoint=snap.resume_checkpoint()",
                    '"--kill" in sys.argv', "os._exit(", 'trainer.save_model("final")'):
         assert needed in code, f"README HF section lost {needed!r}:\n{code}"

@@ -18,15 +18,20 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-def quick_start() -> tuple[str, str]:
-    """The python and bash blocks of the README's '## Quick start' section."""
+def readme_blocks(title: str) -> tuple[str, str]:
+    """The first python and bash blocks of the README's section ``title``."""
     text = (REPO / "README.md").read_text()
-    start = text.index("## Quick start")
+    start = text.index(title)
     section = text[start:text.index("\n## ", start + 1)]
     py = re.search(r"```python\n(.*?)```", section, re.S)
     sh = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert py is not None and sh is not None, "README: '## Quick start' needs a python and a bash block"
-    code, script = py.group(1), sh.group(1)
+    assert py is not None and sh is not None, f"README: '{title}' needs a python and a bash block"
+    return py.group(1), sh.group(1)
+
+
+def quick_start() -> tuple[str, str]:
+    """The python and bash blocks of the README's '## Quick start' section."""
+    code, script = readme_blocks("## Quick start")
     for needed in ("torch.manual_seed(", '"--kill" in sys.argv', "os._exit(", "snap.close()",
                    'torch.save(model.state_dict(), "final.pt")'):
         assert needed in code, f"README quick start lost {needed!r}:\n{code}"

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.stacks.killer import descendants
+
 REPO = Path(__file__).resolve().parents[2]
 SITE = REPO / "build" / "titan-site"
 STEPS = 6
@@ -91,7 +93,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 400) -> tuple[int
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        procs = [p.pid, *_descendants(p.pid)]  # torchrun's workers have sessions of their own
+        procs = [p.pid, *descendants(p.pid)]  # torchrun's workers have sessions of their own
         stacks = _stacks(procs[1:])
         for pid in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -116,23 +118,6 @@ def _stacks(pids: list[int]) -> str:
             native.append(f"[test] native stack of {pid}:\n" +
                           "\n".join(ln for ln in bt.splitlines() if ln.startswith("#")))
     return "\n" + "\n".join(native)
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live descendant of ``root`` (from /proc; read before any of them is killed: an
-    orphan is re-parented to init)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    out, todo = [], [root]
-    while todo:
-        cur = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == cur]
-        out += kids
-        todo += kids
-    return out
 
 
 @pytest.fixture(scope="module")
