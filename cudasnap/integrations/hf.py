@@ -166,6 +166,7 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
         self.last_stats: dict[str, Any] | None = None
         self._output_dir: str | None = None
         self._pending_rng: dict[str, Any] | None = None
+        self._past_end = False  # resumed at max_steps: the next step is undone
         self._pending_step: int | None = None  # global step whose boundary is deferred
         self._trainer: Any = None
         self._tr_loss_buf: torch.Tensor | None = None
@@ -279,6 +280,10 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
             self._pending_rng = _host_rng()
         log.warning("cudasnap: resumed at global step %d (epoch %.3f) from %s", hf_step, epoch,
                     self.snapshotter.stats()["restore"]["source"])
+        # The snapshot of the run's last step (a kill during its end): the Trainer trains one
+        # step past max_steps when resumed there (it checks the end only after a step, its
+        # own checkpoints alike); that step is undone at its on_step_end.
+        self._past_end = 0 < int(state.max_steps or 0) <= hf_step
 
     def _restore_trainer(self, values: Mapping[str, Any]) -> None:
         """Puts the Trainer's running counters back as they were at the snapshot."""
@@ -329,6 +334,15 @@ class CudaSnapTrainerCallback(SnapshotterOwner, TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.snapshotter is None:
+            return
+        if self._past_end:  # resumed at the last step: this step was one too many
+            self._past_end = False
+            self.snapshotter.restore_latest()  # the same snapshot: model, optimizer, state, RNG
+            self._restore_trainer(self.snapshotter.values)
+            control.should_training_stop = True
+            log.warning("cudasnap: the run had reached max_steps (%d) when it was stopped; the "
+                        "step the Trainer trains past it on a resume was undone",
+                        int(state.max_steps))
             return
         self._pending_step = int(state.global_step)
         # When the Trainer logs, evaluates or saves for this step (after on_step_end:
