@@ -76,11 +76,12 @@ class Snapshotter:
             none), "all", None, or a list of rank groups.
         rng_sources: RNG states saved at each boundary (drop unused ones: ~30 us each).
         rng_restore: when a restore puts the RNG states back: "first_forward" (default)
-            at the restore and again at the first forward of a registered model after it,
-            so random numbers drawn in between (``iter(DataLoader)``, a trainer's set-up
-            after its checkpoint load) are not taken from the resumed run's first step;
-            "restore": only at the restore (a loop whose data fetch draws from the global
-            RNG between a step's end and the next forward). Default $CUDASNAP_RNG_RESTORE.
+            at the restore and, for the sources the loop does not draw from before its
+            forward (seen by a probe of its first boundaries, cudasnap.core.rng.RestoredRng),
+            again at the first forward of a registered model after it, so random numbers
+            drawn in between (``iter(DataLoader)``, a trainer's set-up after its checkpoint
+            load) are not taken from the resumed run's first step; "restore": only at the
+            restore. Default $CUDASNAP_RNG_RESTORE.
         health: the health monitor, signals and watchdog (default: CUDASNAP_HEALTH=1).
         watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
         arena_sync_max_bytes: arenas up to this many bytes are made at the first boundary
