@@ -421,7 +421,8 @@ class Snapshotter:
         finally:
             if self.guard is not None:
                 self.guard.stop()
-            if self.dist is not None and not self.dist.stop() and keep_arena is None:
+            if self.dist is not None and not self.dist.stop(keep_arena is not False) and \
+                    keep_arena is None:
                 keep = True  # not committed: the restart's vote reads this arena
             for h in self._hooks:
                 h.remove()

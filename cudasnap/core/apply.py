@@ -23,7 +23,7 @@ import torch
 from ..errors import IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import TensorEntry, dtype_key, dtype_name, expand_params
-from . import copy_back, device_restore, sharded, values
+from . import copy_back, device_restore, sharded, values, wrapped
 from .copy_back import Pair
 from .live_tensor import _PLAIN, LiveTensor, _param_order
 from .rng import DRAWN_KEY, RestoredRng
@@ -145,11 +145,15 @@ def check_compatible(state: Registered, tensors: list[TensorEntry], where: str,
     snap = {e["name"]: e for e in tensors if e.get("group", "").startswith("model:")}
     for name, e in snap.items():
         match = live.get(name)
+        if match is None and "wrapper" in e and e["wrapper"]["of"] in live:
+            match = live[e["wrapper"]["of"]]  # a plain tensor where the snapshot's subclass was
         if match is None:
             raise IncompatibleSnapshot(
                 f"{where}: snapshot tensor {name!r} has no counterpart in the live model")
         if match.shard or e.get("shard"):
             sharded.check_same(name, e.get("shard"), match.shard, where)
+        if match.wrapper is not None or "wrapper" in e:
+            _check_wrapper(name, e.get("wrapper"), match, where)
         t = match.tensor
         if list(t.shape) != e["shape"]:
             raise IncompatibleSnapshot(f"{where}: {name!r} has shape {e['shape']} in the "
@@ -167,6 +171,20 @@ def check_compatible(state: Registered, tensors: list[TensorEntry], where: str,
         for okey in state.optimizers:
             if f"optim:{okey}" not in groups:
                 raise IncompatibleSnapshot(f"{where}: no state for optimizer {okey!r}")
+
+
+def _check_wrapper(name: str, rec: wrapped.Record | None, live: LiveTensor, where: str) -> None:
+    """IncompatibleSnapshot unless model tensor ``name`` is an inner tensor of the same
+    tensor subclass (class, context, shape) in the snapshot and in the live model: its
+    bytes mean something else otherwise."""
+    if rec is not None and live.wrapper is not None and wrapped.same_kind(live.wrapper.outer, rec):
+        return
+    was = f"an inner tensor of a {rec.get('class')}" if rec else "a plain tensor"
+    now = (f"an inner tensor of a {wrapped.class_path(type(live.wrapper.outer))}"
+           if live.wrapper is not None else "a plain tensor")
+    raise IncompatibleSnapshot(
+        f"{where}: {name!r} is {was} in the snapshot but {now} in the live model (or the "
+        "subclass's context or shape differs); restore into a model built the same way")
 
 
 def apply_snapshot(state: Registered, tensors: list[TensorEntry], host: dict[str, object],
@@ -307,23 +325,36 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
             raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
                                        f"parameter {idx!r}; the optimizer has {len(params)}")
         p = params[idx]
+        if "wrapper" in e:  # an inner tensor of a subclass value: gathered, then checked
+            got = state.setdefault(idx, {}).get(key)
+            if not isinstance(got, _Subclass):
+                got = state[idx][key] = _Subclass(e, p)
+            got.inner[e["wrapper"]["attr"]] = e
+            continue
         state.setdefault(idx, {})[key] = copy_back.Ref(e) if "shard" not in e and not (
             dt_cls is not None and isinstance(p, dt_cls)) else sharded.like_param(
                 copy_back.entry_view(data, e), e, p, where)
+    for s in state.values():
+        for v in s.values():
+            if isinstance(v, _Subclass):
+                v.check(where)
     # (param index, state key, value) of each scalar (TrainingState.capture_host)
     for idx, key, value in cast("list[tuple[int, str, object]]", host.get("scalars", [])):
         state.setdefault(int(idx), {})[key] = value
     # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.
     if len(opt.state) == len(state) and all(
             params[i] in opt.state and set(opt.state[params[i]]) == set(s)
-            and all(copy_back.fits_in_place(opt.state[params[i]][k], v) for k, v in s.items())
+            and all(v.fits(opt.state[params[i]][k], where) if isinstance(v, _Subclass) else
+                    copy_back.fits_in_place(opt.state[params[i]][k], v) for k, v in s.items())
             for i, s in state.items()):
         pairs: list[Pair] = []
         scalars: list[tuple[dict[str, object], str, object]] = []
         for i, s in state.items():
             st = opt.state[params[i]]
             for k, v in s.items():
-                if isinstance(v, copy_back.Ref):
+                if isinstance(v, _Subclass):  # into the live subclass's inner tensors
+                    pairs += v.pairs_into(st[k])
+                elif isinstance(v, copy_back.Ref):
                     pairs.append((st[k], v.e))
                 elif isinstance(v, torch.Tensor):
                     pairs.append((st[k], v))
@@ -350,7 +381,10 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
         d: dict[str, object] = {}
         sd_state[i] = d
         for k, v in s.items():
-            if isinstance(v, copy_back.Ref):
+            if isinstance(v, _Subclass):  # a new subclass value around new inner tensors
+                d[k], more = v.build(data, where)
+                clones += more
+            elif isinstance(v, copy_back.Ref):
                 d[k] = new = copy_back.empty_like_entry(data, v.e)
                 clones.append((new, v.e))
             elif isinstance(v, torch.Tensor):
@@ -367,3 +401,52 @@ def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
                 f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
 
     return clones, load
+
+
+class _Subclass:
+    """An optimizer state value that is a tensor subclass (cudasnap.core.wrapped): its
+    inner tensors' snapshot entries, gathered by ``_prepare_optimizer``; put back into a
+    live value of the same kind (``fits``, ``pairs_into``) or built anew (``build``)."""
+
+    def __init__(self, e: TensorEntry, param: torch.Tensor) -> None:
+        self.rec: wrapped.Record = e["wrapper"]
+        self.first = e  # its shard record (a DTensor's local shard) is the subclass's
+        self.param = param
+        self.inner: dict[str, TensorEntry] = {}
+
+    def check(self, where: str) -> None:
+        want = list(self.rec["inner"])
+        if sorted(self.inner) != sorted(want):
+            raise IncompatibleSnapshot(
+                f"{where}: {self.rec['of']!r} ({self.rec['class']}) has inner tensors "
+                f"{sorted(self.inner)} in the snapshot; its record names {want}")
+
+    def _local(self, live: object, where: str) -> object:
+        if sharded.is_dtensor(live):
+            sharded.check_same(self.rec["of"], self.first.get("shard"), sharded.shard_info(live),
+                               where)
+            return sharded.local_shard(live)
+        if self.first.get("shard"):
+            sharded.check_same(self.rec["of"], self.first.get("shard"), None, where)
+        return live
+
+    def fits(self, live: object, where: str) -> bool:
+        """Whether ``live`` is the same subclass (class, context, shape) with inner tensors
+        of the snapshot's shapes and dtypes."""
+        local = self._local(live, where)
+        return wrapped.same_kind(local, self.rec) and all(
+            copy_back.fits_in_place(getattr(local, a), copy_back.Ref(e))
+            for a, e in self.inner.items())
+
+    def pairs_into(self, live: object) -> list[Pair]:
+        local = self._local(live, "restore")
+        return [(getattr(local, a), e) for a, e in self.inner.items()]
+
+    def build(self, data: torch.Tensor, where: str) -> tuple[torch.Tensor, list[Pair]]:
+        """A new value (new inner tensors, the subclass rebuilt around them; a DTensor on
+        the parameter's mesh when the parameter is one) and the copies that fill it."""
+        new = {a: copy_back.empty_like_entry(data, e) for a, e in self.inner.items()}
+        value = wrapped.rebuild(self.rec, new, where)
+        if sharded.is_dtensor(self.param) or self.first.get("shard"):
+            value = sharded.like_param(value, self.first, self.param, where)
+        return value, [(new[a], e) for a, e in self.inner.items()]

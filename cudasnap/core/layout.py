@@ -40,7 +40,8 @@ class Layout:
         self.prefix = native().MetaPrefix(prefix)
         self.prefix_len = len(prefix)
         self.objects = [lt.tensor for lt in tensors]
-        self.idents = [lt.ident for lt in tensors]  # what the re-scan compares (held)
+        # What the re-scan compares (held): a subclass's object once, not per inner tensor.
+        self.idents = [lt.ident for lt in tensors if lt.wrapper is None or lt.wrapper.first]
         self.tied = any(lt.aliases for lt in tensors)  # the re-scan drops repeats then
         self._scan: Iterator[list[torch.Tensor]] | None = None
         self._scan_at = 0

@@ -45,9 +45,16 @@ def identity_entries(state: TrainingState, tensors: list[LiveTensor]) -> list[Id
     params: dict[str, list[torch.Tensor]] = {k: _param_order(o) for k, o in state.optimizers.items()}
     for lt in tensors:
         kind, key = lt.group.split(":", 1)
+        w = lt.wrapper
+        if w is not None and lt.tensor is vars(w.outer).get(w.attr):
+            # the subclass's attribute holds this inner tensor (an inner tensor replaced
+            # rather than written in place would leave the plan reading the old one)
+            out.append((vars(w.outer), w.attr, lt.tensor))
         if kind == "model":
             mkey, mod = owners[lt.group]
-            for full in (lt.name, *lt.aliases):
+            names = (lt.name, *lt.aliases) if w is None else \
+                (w.record["of"], *(a.rpartition(".")[0] for a in lt.aliases))
+            for full in names:
                 path = full[len(mkey) + 1:]
                 sub_name, _, leaf = path.rpartition(".")
                 try:

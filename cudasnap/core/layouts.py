@@ -159,6 +159,8 @@ class Layouts:
                 e["aliases"] = lt.aliases
             if lt.shard is not None:  # a DTensor's local shard (cudasnap.core.sharded)
                 e["shard"] = lt.shard
+            if lt.wrapper is not None:  # a subclass's inner tensor (cudasnap.core.wrapped)
+                e["wrapper"] = lt.wrapper.record
             entries.append(e)
         validate_tensors(entries, plan.total_bytes, "layout")
         head = fmt.head(rank=self.rank, world_size=self.world_size, job=self.job,

@@ -18,7 +18,7 @@ import torch
 from ..errors import ConfigError
 from ..format import codec
 from ..format.manifest import dtype_key, dtype_names, span_bytes
-from . import sharded
+from . import sharded, wrapped
 
 if TYPE_CHECKING:  # type-only: torch.distributed.tensor is imported once a DTensor exists
     from torch.distributed.tensor import DTensor
@@ -40,11 +40,16 @@ class LiveTensor:
     # Sharded state (cudasnap.core.sharded): ``tensor`` is the local shard of ``owner``.
     owner: DTensor | None = None
     shard: sharded.ShardInfo | None = None
+    # An inner tensor of a tensor subclass (cudasnap.core.wrapped): ``tensor`` is one of
+    # the bytes-holding tensors of ``wrapper.outer``.
+    wrapper: wrapped.Wrapped | None = None
 
     @property
     def ident(self) -> torch.Tensor:
         """The object its container (module, optimizer state) holds."""
-        return self.tensor if self.owner is None else self.owner
+        if self.owner is not None:
+            return self.owner
+        return self.tensor if self.wrapper is None else self.wrapper.outer
 
     @property
     def nbytes(self) -> int:
@@ -106,32 +111,41 @@ def check_tensor(name: str, t: torch.Tensor) -> None:
         if why is not None:
             raise ConfigError(f"{name} {why}")
     if not plain:
-        check_plain_tensor(name, t)
+        if check_plain_tensor(name, t):
+            return  # a wrapper subclass: its inner tensors are checked (wrapped.expand)
     if dtype_key(t.dtype) is None:
         raise ConfigError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, which "
                           f"snapshots do not hold (supported: {', '.join(dtype_names())}); "
                           "convert it, or keep it out of the snapshotted state")
 
 
-def check_plain_tensor(name: str, t: torch.Tensor) -> None:
-    """ConfigError for a tensor whose bytes cudasnap cannot read as raw memory.
+def check_plain_tensor(name: str, t: torch.Tensor) -> bool:
+    """ConfigError for a tensor whose bytes cudasnap cannot read as raw memory; True for a
+    wrapper subclass whose inner tensors hold its bytes (cudasnap.core.wrapped: they are
+    snapshotted instead, and checked as the layout lists them), directly or as a DTensor's
+    local shard (torchao's low-bit optimizer state under FSDP2).
 
-    A wrapper subclass (DTensor from FSDP2 / tensor parallel, quantized or other
-    ``__torch_dispatch__`` tensors) has no storage of its own: its ``data_ptr``
-    is not its data, and copying from it would read unrelated memory.
+    A DTensor (FSDP2 / tensor parallel) has no storage of its own: its local shard is
+    copied (cudasnap.core.sharded). Another ``__torch_dispatch__`` subclass without
+    ``__tensor_flatten__``/``__tensor_unflatten__`` says nowhere where its bytes are.
     """
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter:
-        return
+        return False
     if sharded.is_dtensor(t):  # its local shard is copied instead (cudasnap.core.sharded)
-        check_tensor(f"{name} (local shard)", sharded.local_shard(t))
-        return
+        local = sharded.local_shard(t)
+        if wrapped.is_wrapper(local):
+            return True
+        check_tensor(f"{name} (local shard)", local)
+        return False
+    if wrapped.is_wrapper(t):
+        return True
     if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__ or \
             hasattr(t, "__tensor_flatten__"):
         raise ConfigError(
-            f"{name} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass whose bytes do "
-            "not live in its own storage (sharded DTensor state of FSDP2 / tensor parallelism, "
-            "or another __torch_dispatch__ wrapper); cudasnap cannot snapshot it yet: snapshot "
-            "plain tensors only (e.g. the unsharded model), or use torch.distributed.checkpoint "
-            "for sharded state")
-
+            f"{name} is a {cls.__module__}.{cls.__qualname__}, a __torch_dispatch__ tensor "
+            "subclass without __tensor_flatten__/__tensor_unflatten__: its bytes do not live in "
+            "its own storage and it does not say which tensors hold them, so cudasnap cannot "
+            "snapshot it; keep its plain inner tensors in the state instead (or implement the "
+            "two methods, as torch.compile-traceable subclasses such as torchao's do)")
+    return False

@@ -23,7 +23,7 @@ import torch
 from ..errors import ConfigError
 from ..format.manifest import TensorEntry
 from . import apply as apply_mod
-from . import module_state, optim_wrap, sharded, values
+from . import module_state, optim_wrap, peft_info, sharded, values, wrapped
 from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
 from .rng import RNG_SOURCES, RestoredRng, capture_rng
 
@@ -149,13 +149,24 @@ class TrainingState:
                         scalars.append((idx, k))
             self._scalar_keys[okey] = scalars
         optim_wrap.check_wrappers(self.wrapped)
+        flat: list[LiveTensor] = []
         for lt in out:  # at layout build (and construction), never per boundary
             check_tensor(lt.name, lt.tensor)
-            if type(lt.tensor) not in _PLAIN and sharded.is_dtensor(lt.tensor):
+            if type(lt.tensor) in _PLAIN:
+                flat.append(lt)
+                continue
+            if sharded.is_dtensor(lt.tensor):
                 # sharded state: its local shard is copied (checked by check_tensor too)
                 lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
                 lt.tensor = sharded.local_shard(lt.tensor)
-        return out
+            if wrapped.is_wrapper(lt.tensor):  # its inner tensors hold its bytes
+                inner = wrapped.expand(lt)
+                for it in inner:
+                    check_tensor(it.name, it.tensor)
+                flat += inner
+            else:
+                flat.append(lt)
+        return flat
 
     # Tensors per piece of the periodic identity re-scan (~1 ms of Python each).
     SCAN_PIECE = 2048
@@ -227,6 +238,9 @@ class TrainingState:
         hooked = {mkey: h for mkey, mod in self.models.items() if (h := module_state.hooked(mod))}
         if hooked:  # modules whose state_dict is built by hooks (export --to dcp warns)
             out["hooked"] = hooked
+        peft = peft_info.describe(self.models)
+        if peft:  # PEFT models: what an adapter / merged export needs (cudasnap.core.peft_info)
+            out["peft"] = peft
         views: dict[str, dict[str, object]] = {}
         for mkey, mod in self.models.items():
             for path, rel, spec in module_state.views(mod):

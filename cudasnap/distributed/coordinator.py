@@ -127,6 +127,7 @@ class Coordinator:
         # never sent a heartbeat" is one still starting, and is not).
         self.live.beat()
         self._stop = threading.Event()
+        self._keeps = True  # whether close() keeps the arena (stop(keeps=...)): the warning
         self._actions: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._joined: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="cudasnap-peers", daemon=True)
@@ -209,14 +210,17 @@ class Coordinator:
         """What the last restore saw in memory and could not assemble (None: nothing)."""
         return self.vote.lost
 
-    def stop(self) -> bool:
+    def stop(self, keeps: bool = True) -> bool:
         """Stops the threads (``close()``). A clean close (not while an exception
         propagates) with this rank's final snapshot committed ends its heartbeat with
         the closed marker: its peers do not take its end for a failure.
 
         Returns True when this rank's newest snapshot is committed (or it holds none), so
         its arena may go; False while the arena may hold the only copy of the job's
-        newest state (a close during an exception, or a step not committed)."""
+        newest state (a close during an exception, or a step not committed). ``keeps``:
+        whether the caller keeps its arena then (``close(keep_arena=False)`` does not: the
+        warning says which)."""
+        self._keeps = keeps
         self._stop.set()
         self._actions.put(("stop", None))
         for t in (self._thread, self._worker):
@@ -231,8 +235,7 @@ class Coordinator:
         exc = exception_active()  # close() from __exit__, an except or a finally block
         if exc is not None:
             log.warning("rank %d closes during %s: its peers take its end for a failure; "
-                        "its snapshots stay in shared memory for the restart", self.rank,
-                        type(exc).__name__)
+                        "%s", self.rank, type(exc).__name__, self._arena_fate())
             if self.replica is not None:
                 self.replica.stop()
             return False
@@ -244,13 +247,17 @@ class Coordinator:
                 self.live.close(step)
                 self.events("closed", step=step)
                 return True
-            log.warning("rank %d closes with its newest step %s not committed: its "
-                        "snapshots stay in shared memory, and peers still running take its "
-                        "end for a failure (flush() on every rank before close() ends a "
-                        "multi-rank job)", self.rank, max(self.complete_steps(), default=None))
+            log.warning("rank %d closes with its newest step %s not committed: %s; peers "
+                        "still running take its end for a failure (flush() on every rank "
+                        "before close() ends a multi-rank job)", self.rank,
+                        max(self.complete_steps(), default=None), self._arena_fate())
         except Exception as e:  # noqa: BLE001 - the store may be gone when the job dies
             log.warning("rank %d: could not publish its close: %s", self.rank, e)
         return False
+
+    def _arena_fate(self) -> str:
+        return ("its snapshots stay in shared memory for the restart" if self._keeps else
+                "its snapshots in shared memory are removed (close(keep_arena=False))")
 
     # ---------------------------------------------------------- threads
     def _run(self) -> None:

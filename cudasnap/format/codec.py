@@ -13,7 +13,13 @@ bytes              ``{"__bytes__": "<base64>"}``
 torch.Tensor       ``{"__tensor__": {"dtype", "shape", "data": "<base64>"}}`` (small, host)
 numpy.ndarray      ``{"__ndarray__": {"dtype", "shape", "data": "<base64>"}}``
 numpy scalar       the Python scalar
+torch.dtype        ``{"__dtype__": "float32"}``
+torch.Size         ``{"__size__": [...]}`` (before tuple: it is one)
+torch.device       ``{"__device__": "cuda:0"}``
 =================  ===========================================================
+
+(The torch types appear in a tensor subclass's ``__tensor_flatten__`` context, which a
+snapshot of its inner tensors records: cudasnap.core.wrapped.)
 
 Anything else raises :class:`~cudasnap.errors.ConfigError` naming the key path,
 so a user learns at the first snapshot, not at the first failure, that a piece
@@ -31,7 +37,8 @@ from ..errors import ConfigError, CorruptSnapshot
 
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 _QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
-_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__tensor__", "__ndarray__")
+_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__tensor__", "__ndarray__",
+         "__dtype__", "__size__", "__device__")
 
 
 def _b64(data: bytes) -> str:
@@ -125,6 +132,13 @@ def encode(obj: Any, path: str = "state") -> Any:
         if math.isfinite(obj):
             return obj
         return {"__float__": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    torch = sys.modules.get("torch")  # a tensor subclass may be defined anywhere
+    if torch is not None and isinstance(obj, (torch.Size, torch.dtype, torch.device)):
+        if isinstance(obj, torch.Size):
+            return {"__size__": [int(v) for v in obj]}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": str(obj).removeprefix("torch.")}
+        return {"__device__": str(obj)}
     if isinstance(obj, (list, tuple)):
         if all(type(v) is int for v in obj):  # fast path: RNG states, index lists
             items: list[Any] = list(obj)
@@ -139,7 +153,6 @@ def encode(obj: Any, path: str = "state") -> Any:
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return {"__bytes__": _b64(bytes(obj))}
     mod = type(obj).__module__
-    torch = sys.modules.get("torch")  # a tensor subclass may be defined anywhere
     if torch is not None and isinstance(obj, torch.Tensor):
         return _encode_tensor(obj, path)
     if mod == "numpy":
@@ -187,6 +200,27 @@ def _decode_tensor(spec: dict[str, Any], path: str) -> Any:
         raise CorruptSnapshot(f"tensor at {path} cannot be rebuilt: {e}") from e
 
 
+def _decode_torch(tag: str, val: Any, path: str) -> Any:
+    """A torch.dtype, torch.Size or torch.device (``encode``'s tags for them)."""
+    import torch
+
+    if tag == "__size__":
+        if not isinstance(val, list) or not all(type(v) is int and v >= 0 for v in val):
+            raise CorruptSnapshot(f"malformed __size__ value at {path}: {val!r}")
+        return torch.Size(val)
+    if not isinstance(val, str):
+        raise CorruptSnapshot(f"malformed {tag} value at {path}: {val!r}")
+    if tag == "__dtype__":
+        dt = getattr(torch, val, None) if val.isidentifier() else None
+        if not isinstance(dt, torch.dtype):
+            raise CorruptSnapshot(f"unknown dtype {val!r} at {path}")
+        return dt
+    try:
+        return torch.device(val)
+    except (RuntimeError, ValueError) as e:
+        raise CorruptSnapshot(f"malformed __device__ value at {path}: {e}") from e
+
+
 def decode(obj: Any, path: str = "state") -> Any:
     """Inverse of :func:`encode`; raises CorruptSnapshot on malformed input."""
     try:
@@ -220,6 +254,8 @@ def _decode(obj: Any, path: str) -> Any:
             return base64.b64decode(val, validate=True)
         if tag == "__tensor__":
             return _decode_tensor(val, path)
+        if tag in ("__dtype__", "__size__", "__device__"):
+            return _decode_torch(tag, val, path)
         import numpy as np
 
         raw = base64.b64decode(val["data"], validate=True)

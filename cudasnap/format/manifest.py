@@ -57,6 +57,7 @@ class TensorEntry(TypedDict, total=False):
     state_key: str
     aliases: list[str]
     shard: dict[str, Any]  # DTensor local shard: mesh, placements, offset (core.sharded)
+    wrapper: dict[str, Any]  # an inner tensor of a tensor subclass (core.wrapped)
 
 
 class DataSection(TypedDict):
@@ -204,6 +205,20 @@ def validate_shard(info: Any, local_shape: list[int], check: Any) -> None:
     check(coord is None or (ints(coord) and len(coord) == len(mshape)), "bad shard coord")
 
 
+def validate_wrapper(rec: Any, check: Any) -> None:
+    """Manifest validation of a ``wrapper`` record (an inner tensor of a tensor subclass,
+    written by ``cudasnap.core.wrapped``); ``check(cond, what)`` reports a problem."""
+    check(isinstance(rec, dict), "wrapper must be an object")
+    check(all(isinstance(rec.get(k), str) for k in ("of", "attr", "class", "dtype")),
+          "wrapper of/attr/class/dtype must be strings")
+    inner, shape, stride = rec.get("inner"), rec.get("shape"), rec.get("stride")
+    check(isinstance(inner, list) and len(inner) > 0 and all(isinstance(a, str) for a in inner)
+          and rec.get("attr") in inner, "wrapper inner must list its tensor names")
+    check(isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
+          and all(type(v) is int and v >= 0 for v in shape + stride),
+          "wrapper shape/stride must be lists of non-negative integers")
+
+
 def _tensors_sound(tensors: list[Any], data_bytes: int) -> bool:
     """True only when ``_check_tensors`` would accept ``tensors``: the same rules, with
     no message built per entry (restore reads thousands of entries). False sends the
@@ -241,9 +256,13 @@ def _tensors_sound(tensors: list[Any], data_bytes: int) -> bool:
         phase = e.get("phase", 1)
         if type(phase) is not int or not (phase == 0 or phase == 1):
             return False
-        if "shard" in e:
+        if "shard" in e or "wrapper" in e:
             try:
-                validate_shard(e["shard"], shape, _refuse)
+                if "wrapper" in e:
+                    validate_wrapper(e["wrapper"], _refuse)
+                if "shard" in e:
+                    validate_shard(e["shard"], e["wrapper"]["shape"] if "wrapper" in e
+                                   else shape, _refuse)
             except _Refused:
                 return False
     return True
@@ -289,8 +308,11 @@ def _check_tensors(tensors: list[Any], data_bytes: int, where: str) -> None:
               "phase must be 0 or 1")
         # Required: restore dispatches on it (a missing one was a KeyError, not a fallback).
         _need(isinstance(e.get("group"), str), w, "group must be a string")
-        if "shard" in e:
-            validate_shard(e["shard"], shape, lambda c, what, w=w: _need(c, w, what))
+        if "wrapper" in e:
+            validate_wrapper(e["wrapper"], lambda c, what, w=w: _need(c, w, what))
+        if "shard" in e:  # (of the subclass, for a subclass's inner tensor)
+            validate_shard(e["shard"], e["wrapper"]["shape"] if "wrapper" in e else shape,
+                           lambda c, what, w=w: _need(c, w, what))
 
 
 def validate_manifest(m: Any, where: str, *, need_data: bool = True) -> None:

@@ -1,5 +1,7 @@
-"""Tensor subclasses without storage of their own are refused with a clear error at
-construction: copying their wrapper's data_ptr crashed the copy workers. DTensor (FSDP2,
+"""Tensor subclasses without storage of their own that do not say where their bytes are (no
+``__tensor_flatten__``) are refused with a clear error at construction: copying their
+wrapper's data_ptr crashed the copy workers (traceable ones are snapshotted as their inner
+tensors: test_subclass_state.py). DTensor (FSDP2,
 tensor parallel) is the exception: its local shard is snapshotted (cudasnap.core.sharded;
 multi-rank tests in tests/distributed/test_sharded.py)."""
 from __future__ import annotations
@@ -40,7 +42,8 @@ def test_a_dispatch_wrapper_subclass_is_refused():
 
     m = torch.nn.Linear(2, 2)
     m.register_buffer("odd", Wrapper(torch.zeros(2)))
-    with pytest.raises(ConfigError, match=r"model\.odd is a .*Wrapper, a tensor subclass"):
+    with pytest.raises(ConfigError, match=r"model\.odd is a .*Wrapper, a __torch_dispatch__ "
+                                          r"tensor subclass without __tensor_flatten__"):
         TrainingState(m, None)
 
 

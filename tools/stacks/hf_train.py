@@ -1,6 +1,6 @@
 """A Hugging Face ``Trainer`` run for kill trials: tiny GPT-2, synthetic tokens, CPU.
 
-    python tools/stacks/hf_train.py [--steps 40] [--ref] [--dir D]
+    python tools/stacks/hf_train.py [--steps 40] [--ref] [--dir D] [--lora R] [--optim NAME]
     python -m torch.distributed.run --standalone --nproc-per-node=2 tools/stacks/hf_train.py
     python tools/stacks/hf_train.py --compare A.rank0.pt B.rank0.pt
 
@@ -8,7 +8,10 @@ Without ``--ref`` it trains under ``CudaSnapTrainerCallback`` (directory ``--dir
 ``$CUDASNAP_DIR``) and resumes the way the README tells users to:
 ``trainer.train(resume_from_checkpoint=cb.resume_checkpoint())``. ``--ref`` trains
 without cudasnap (the uninterrupted reference). Seeded init, dropout on, AdamW with a
-linear warmup schedule, logging every 5 steps, DDP over gloo under torchrun.
+linear warmup schedule, logging every 5 steps, DDP over gloo under torchrun. ``--lora R``:
+a PEFT LoRA of rank R on the attention and MLP projections (the base frozen); ``--optim``:
+the Trainer's ``optim`` (e.g. ``adamw_torch_8bit``: torchao's AdamW8bit, whose state of
+4,096 elements or more is a tensor subclass, issue 45).
 
 stdout (flushed): ``[stack] rank=R start=S`` once when training begins (S: the first
 global step this process trains) and ``[stack] rank=R step=S t=<time.time()>`` after each
@@ -55,6 +58,8 @@ def _dump(trainer: Any, path: str) -> None:
     import numpy as np
     import torch
 
+    from tools.stacks.dump_tensors import plain_tensors
+
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     tensors: dict[str, torch.Tensor] = {}
     names = {}
@@ -66,8 +71,7 @@ def _dump(trainer: Any, path: str) -> None:
         opt = opt.optimizer
     for p, st in opt.state.items():
         for k, v in st.items():
-            key = f"optim.{names[id(p)]}.{k}"
-            tensors[key] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+            tensors.update(plain_tensors(f"optim.{names[id(p)]}.{k}", v))
     tensors["rng.torch_cpu"] = torch.get_rng_state()
     st = trainer.state
     state = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
@@ -137,6 +141,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ref", action="store_true", help="train without cudasnap")
     ap.add_argument("--dir", default=None, help="snapshot directory (default $CUDASNAP_DIR)")
     ap.add_argument("--compare", nargs=2, metavar="DUMP", help="compare two dumps and exit")
+    ap.add_argument("--lora", type=int, default=0, help="PEFT LoRA rank (0: full fine-tune)")
+    ap.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
     a = ap.parse_args(argv)
     if a.compare:
         diff = compare(*a.compare)
@@ -167,11 +173,17 @@ def main(argv: list[str]) -> int:
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB,
                                        n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1,
                                        attn_pdrop=0.1))
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=a.lora, lora_alpha=2 * a.lora,
+                                                 lora_dropout=0.1, fan_in_fan_out=True,
+                                                 target_modules=["c_attn", "c_proj", "c_fc"]))
     out_dir = tempfile.mkdtemp(prefix="hf-stack-")
     distributed = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # torchrun: DDP over gloo
     args = TrainingArguments(
         output_dir=out_dir, max_steps=a.steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=5,
+        learning_rate=1e-3, optim=a.optim, lr_scheduler_type="linear", warmup_steps=5,
         logging_steps=5, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True,
         ddp_backend="gloo" if distributed else None, seed=0, dataloader_num_workers=0, disable_tqdm=True,
         include_num_input_tokens_seen="all", ddp_find_unused_parameters=False)

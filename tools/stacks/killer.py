@@ -24,7 +24,9 @@ Stacks (``STACKS``): torchtitan's llama3 debug model on 2 CPU ranks over gloo wi
 tensor parallel or pipeline parallel (tools/stacks/titan_cpu.py, the README's config in
 tools/stacks/titan_cfg.py, attention dropout on, a committed interval flush every 2 steps),
 a Hugging Face Trainer, single process and DDP on 2 ranks (tools/stacks/hf_train.py), and the
-README's quick start (tools/stacks/quickstart_train.py).
+README's quick start (tools/stacks/quickstart_train.py); issue 45's tensor-subclass optimizer
+state: the quick start with torchao's AdamW8bit / AdamW4bit / AdamWFp8 and the HF Trainer
+fine-tuning a PEFT LoRA (rank 32) with ``optim="adamw_torch_8bit"``.
 Used by tests/e2e/test_kill_real_stacks.py (a few trials) and bench/kill_matrix.py (many).
 """
 from __future__ import annotations
@@ -63,9 +65,15 @@ class Stack:
     cmd: Callable[[Path], list[str]]  # the command under cudasnap run
     dump_var: str  # the variable naming the dump prefix
     env: Callable[[Path], dict[str, str]] = field(default=lambda _w: {})
+    needs: tuple[str, ...] = ()  # optional packages it imports (requirements-extras.txt)
 
     def available(self) -> str | None:
         """Why this stack cannot run here, or None."""
+        import importlib.util
+
+        missing = [m for m in self.needs if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"{', '.join(missing)} not installed (requirements-extras.txt)"
         if self.name.startswith("titan") and not (TITAN_SITE / "torchtitan").is_dir():
             return f"torchtitan is not installed in {TITAN_SITE} (make titan)"
         if self.name.startswith("hf"):
@@ -121,8 +129,8 @@ def titan_stack(par: str) -> Stack:
 HF_STEPS = 30
 
 
-def _hf(n: int, work: Path, ref: bool) -> list[str]:
-    script = [str(REPO / "tools/stacks/hf_train.py"), "--steps", str(HF_STEPS)]
+def _hf(n: int, work: Path, ref: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    script = [str(REPO / "tools/stacks/hf_train.py"), "--steps", str(HF_STEPS), *extra]
     script += ["--ref"] if ref else ["--dir", str(work / "ckpt")]
     return [*_torchrun(n), *script] if n > 1 else [sys.executable, *script]
 
@@ -133,21 +141,41 @@ def hf_stack(n: int) -> Stack:
                  cmd=lambda w: _hf(n, w, False), dump_var="STACK_DUMP")
 
 
+HF_LORA_8BIT = ("--lora", "32", "--optim", "adamw_torch_8bit")
+
+
+def hf_lora_8bit_stack() -> Stack:
+    """The HF Trainer fine-tuning a PEFT LoRA of rank 32 with ``optim="adamw_torch_8bit"``
+    (torchao's AdamW8bit: the state of lora_B of c_attn/c_fc, 6,144 and 8,192 elements, is
+    an OptimState8bit; the smaller ones plain), single process."""
+    return Stack(name="hf-lora-8bit", ranks=1, steps=HF_STEPS, script="hf_train.py",
+                 ref=lambda w: _hf(1, w, True, HF_LORA_8BIT),
+                 cmd=lambda w: _hf(1, w, False, HF_LORA_8BIT), dump_var="STACK_DUMP",
+                 needs=("torchao", "peft"))
+
+
 QUICK_STEPS = 300
 
 
-def quickstart_stack() -> Stack:
+def quickstart_stack(optim: str = "adamw") -> Stack:
+    """The README's quick start; ``optim``: its AdamW, or torchao's low-bit ``adamw8bit`` /
+    ``adamw4bit`` / ``adamwfp8`` (tensor-subclass optimizer state, issue 45)."""
     script = str(REPO / "tools/stacks/quickstart_train.py")
-    return Stack(name="quickstart", ranks=1, steps=QUICK_STEPS, script="quickstart_train.py",
-                 ref=lambda w: [sys.executable, script, "--ref", "--steps", str(QUICK_STEPS)],
-                 cmd=lambda w: [sys.executable, script, "--steps", str(QUICK_STEPS)],
-                 dump_var="STACK_DUMP")
+    args = ["--steps", str(QUICK_STEPS), "--optim", optim]
+    return Stack(name="quickstart" if optim == "adamw" else f"torchao-{optim[5:]}", ranks=1,
+                 steps=QUICK_STEPS, script="quickstart_train.py",
+                 ref=lambda w: [sys.executable, script, "--ref", *args],
+                 cmd=lambda w: [sys.executable, script, *args], dump_var="STACK_DUMP",
+                 needs=() if optim == "adamw" else ("torchao",))
 
 
 STACKS: dict[str, Callable[[], Stack]] = {
     "titan-fsdp2": lambda: titan_stack("fsdp2"), "titan-tp": lambda: titan_stack("tp"),
     "titan-pp": lambda: titan_stack("pp"), "hf-single": lambda: hf_stack(1),
     "hf-ddp": lambda: hf_stack(2), "quickstart": quickstart_stack,
+    "torchao-8bit": lambda: quickstart_stack("adamw8bit"),
+    "torchao-4bit": lambda: quickstart_stack("adamw4bit"),
+    "torchao-fp8": lambda: quickstart_stack("adamwfp8"), "hf-lora-8bit": hf_lora_8bit_stack,
 }
 
 

@@ -1,0 +1,33 @@
+"""Issue 45 item 1 under FSDP2: torchao's AdamW8bit state is a DTensor whose local shard is
+an OptimState8bit; the snapshot holds the local shard's inner tensors with the DTensor's shard
+record, and a new optimizer (no state until its first step) is rebuilt from them, bitwise
+(tests/dist/subclass_fsdp2_worker.py on 2 ranks, gloo, CPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist import launch
+
+pytest.importorskip("torchao.optim", reason="torchao is not installed (requirements-extras.txt)")
+SCRIPT = Path(launch.__file__).with_name("subclass_fsdp2_worker.py")
+
+pytestmark = pytest.mark.slow
+
+
+def test_low_bit_state_of_fsdp2_resumes_and_rolls_back_bitwise(tmp_path: Path) -> None:
+    r = launch.run(tmp_path, nproc=2, max_restarts=0, script=SCRIPT, timeout=300,
+                   env={"CUDASNAP_HEALTH": "0"})
+    try:
+        log = f"rc={r.rc}\n{launch.log_tail(r, 60)}"
+        assert r.rc == 0, log
+        assert sorted(r.ranks) == [0, 1], log
+        for rank, info in r.ranks.items():
+            assert info["start"] == 3, (rank, info)
+            assert info["kind"] == "DTensor(OptimState8bit)", (rank, info)
+            assert info["resumed_differ"] == [], (rank, info)
+            assert info["rollback"] == 6 and info["rolled_differ"] == [], (rank, info)
+            assert info["names"] > 10
+    finally:
+        launch.cleanup_arenas(r.job)
