@@ -27,6 +27,7 @@ or optimizers (keys then prefixed by their ``Snapshotter`` names).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +120,7 @@ class _Claims:
 
 
 def _tensor_keys(name: str, ent: dict[str, Any], renamed: dict[str, str],
-                 param_fqns: dict[str, list[Any]], titan: bool) -> list[str]:
+                 param_fqns: dict[str, list[Any]], titan: Titan) -> list[str]:
     """The keys of one tensor chunk entry: a model tensor under its state_dict names (and
     torchtitan's top-level ones), an optimizer state tensor under its parameter's FQN."""
     kind, _, gkey = ent["group"].partition(":")
@@ -129,7 +130,7 @@ def _tensor_keys(name: str, ent: dict[str, Any], renamed: dict[str, str],
             keys.append(renamed.get(n, n))
         keys += [n for n in (name, *ent["aliases"]) if n not in keys]  # the raw names too
         if titan:
-            keys += [renamed.get(n, n)[len("model."):] for n in (name, *ent["aliases"])]
+            keys += [renamed.get(n, n)[len(gkey) + 1:] for n in (name, *ent["aliases"])]
     elif kind == "optim" and ent.get("param_index") is not None:
         idx, key = int(ent["param_index"]), str(ent["state_key"])
         fqns = param_fqns.get(gkey) or []
@@ -137,15 +138,46 @@ def _tensor_keys(name: str, ent: dict[str, Any], renamed: dict[str, str],
         if fqn is not None:
             keys.append(f"{gkey}.state.{fqn}.{key}")
             if titan:
-                keys.append(f"{TORCHTITAN_OPTIM}.state.{fqn}.{key}")
+                keys.append(f"{TORCHTITAN_OPTIM}.state.{titan.fqn(fqn)}.{key}")
         keys.append(name)  # optim.state.<index>.<key>: load_resharded, old exports
     else:
         keys.append(name)
     return list(dict.fromkeys(keys))
 
 
+@dataclass
+class Titan:
+    """torchtitan's CheckpointManager layout: one model (``model``) and optimizer, or its
+    pipeline stages (models ``model.<i>``, one optimizer ``optim.<i>`` each, as
+    cudasnap.integrations.torchtitan registers a rank's model parts): model keys and
+    parameter FQNs at the top level, a stage's ``model.<i>.`` prefix dropped."""
+
+    models: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.models)
+
+    def fqn(self, fqn: str) -> str:
+        for m in self.models:
+            if len(self.models) > 1 and fqn.startswith(f"{m}."):
+                return fqn[len(m) + 1:]
+        return fqn
+
+    @staticmethod
+    def of(models: list[str], optims: list[str], named: bool) -> Titan:
+        if not named:
+            return Titan([])
+        if models == ["model"] and len(optims) <= 1:
+            return Titan(models)
+        stage = re.compile(r"^(model|optim)\.\d+$")
+        if models and all(stage.match(m) and m.startswith("model.") for m in models) and \
+                all(stage.match(o) and o.startswith("optim.") for o in optims):
+            return Titan(models)
+        return Titan([])
+
+
 def _optim_keys(c: _Claims, okey: str, h: dict[str, Any], param_fqns: dict[str, list[Any]],
-                titan: bool) -> None:
+                titan: Titan) -> None:
     """One optimizer's param groups and non-tensor state under get_state_dict's keys
     (nested, and flattened per parameter FQN when every parameter is named)."""
     fqns = param_fqns.get(okey) or []
@@ -167,6 +199,7 @@ def _optim_keys(c: _Claims, okey: str, h: dict[str, Any], param_fqns: dict[str, 
                   f"optimizer {okey!r} scalar state")
         return
     for prefix in (okey, TORCHTITAN_OPTIM) if titan else (okey,):
+        top = titan.fqn if prefix == TORCHTITAN_OPTIM else str
         # flatten_optimizer_state_dict=True: <prefix>.param_groups.<fqn>.<key>, one
         # stored value per group and key, the other parameters' names point at it
         for gi, g in enumerate(groups):
@@ -175,7 +208,7 @@ def _optim_keys(c: _Claims, okey: str, h: dict[str, Any], param_fqns: dict[str, 
                     continue
                 first: str | None = None
                 for fqn in g["params"]:
-                    tk = f"{prefix}.param_groups.{fqn}.{k}"
+                    tk = f"{prefix}.param_groups.{top(fqn)}.{k}"
                     if not c.claim([tk], f"param group {gi} of {okey!r}"):
                         continue
                     if first is None:
@@ -183,7 +216,7 @@ def _optim_keys(c: _Claims, okey: str, h: dict[str, Any], param_fqns: dict[str, 
                     else:
                         c.out.same_as[tk] = first
         for i, k, v in scalars:  # state that is no tensor: <prefix>.state.<fqn>.<key>
-            c.put({f"{prefix}.state.{fqns[i]}.{k}": v}, f"optimizer {okey!r} scalar state")
+            c.put({f"{prefix}.state.{top(fqns[i])}.{k}": v}, f"optimizer {okey!r} scalar state")
 
 
 def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict[str, Any],
@@ -198,7 +231,7 @@ def plan(chunks: dict[str, dict[str, Any]], manifest: dict[str, Any], host: dict
     models = sorted({e["group"].partition(":")[2] for e in chunks.values()
                      if e["group"].startswith("model:")})
     optims = host.get("optim") or {}
-    titan = models == ["model"] and len(optims) <= 1 and "dcp_names" in manifest
+    titan = Titan.of(models, sorted(optims), "dcp_names" in manifest)
     c = _Claims(out)
     # Tensors: model first (their names win a clash with the top-level torchtitan names).
     for name in sorted(chunks, key=lambda n: not chunks[n]["group"].startswith("model:")):

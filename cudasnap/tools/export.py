@@ -22,8 +22,9 @@ from ..core.dcp_load import HOST_SIDECAR, load_resharded
 from ..errors import ConfigError, SnapshotError
 from ..format import codec
 from ..format.manifest import expand_params
+from .dcp_keys import Titan
 from .export_dcp import export_dcp
-from .shards import _assemble, _chunks, _step_dir, full_tensors, load_shards, load_tensors
+from .shards import _assemble, _step_dir, full_tensors, gather, load_shards, load_tensors
 
 __all__ = ["HOST_SIDECAR", "SAFETENSORS_MODEL", "SAFETENSORS_OPTIM", "atomic_output",
            "check_export_target", "export_dcp", "export_safetensors", "export_torch",
@@ -92,14 +93,12 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
     import torch
 
     check_export_target(directory, to_file)
-    step_, ranks = load_shards(directory, step)
-    chunks = _chunks(ranks)
+    g = gather(directory, step)
+    chunks, ranks, m, host = g.chunks, g.ranks, g.manifest, g.host
     tensors = {name: _assemble(name, ent) for name, ent in chunks.items()}
-    m = ranks[0]["manifest"]
     m_tensors = [{"name": name, **{k: ent[k] for k in ("group", "aliases", "param_index",
                                                         "state_key")}}
                  for name, ent in chunks.items()]
-    host = codec.decode(m["host"], "host")
     models: dict[str, dict[str, Any]] = {}
     optims: dict[str, dict[str, Any]] = {}
     for e in m_tensors:
@@ -118,7 +117,7 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
         o["param_groups"] = [expand_params(g) for g in h["param_groups"]]
         for idx, k, v in h.get("scalars", []):
             o["state"].setdefault(int(idx), {})[k] = v
-    out = {"step": m["step"], "model": models.get("model", models),
+    out = {"step": m["step"], "model": models.get("model", _stages(models)),
            "optimizer": optims.get("optim", optims),
            "extra": {k: v.get("state") for k, v in host.get("extra", {}).items()},
            "cudasnap_manifest": json.loads(json.dumps({k: m[k] for k in ("step", "format_version")}))}
@@ -128,6 +127,22 @@ def export_torch(directory: Path, to_file: Path, step: int | None = None) -> Pat
                         codec.decode(r["manifest"]["host"], "host").get("extra", {}).items()}
             for r in ranks}
     return atomic_output(Path(to_file), lambda tmp: torch.save(out, tmp))
+
+
+def _stages(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """torchtitan's pipeline stages (models ``model.<i>``, cudasnap.integrations.torchtitan)
+    as one state_dict keyed by FQN, as torchtitan's ModelWrapper merges them; other sets of
+    several models keyed by their names."""
+    if not Titan.of(sorted(models), [], True) or len(models) < 2:
+        return models
+    merged: dict[str, Any] = {}
+    for key in sorted(models, key=lambda k: int(k.rpartition(".")[2])):
+        clash = sorted(set(merged) & set(models[key]))
+        if clash:
+            raise SnapshotError(f"pipeline stage {key!r} holds {clash[0]!r} as another stage "
+                                "does; the stages cannot be merged into one state_dict")
+        merged.update(models[key])
+    return merged
 
 
 SAFETENSORS_MODEL = "model.safetensors"  # the name from_pretrained(dir) reads
@@ -196,9 +211,8 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
 
     model_file, optim_file = safetensors_paths(directory, to_file, optimizer)
     snap = _step_dir(directory, step)
-    step_, ranks = load_shards(directory, snap.step)
-    chunks = _chunks(ranks)
-    m0 = ranks[0]["manifest"]
+    g = gather(directory, snap.step)
+    step_, chunks, m0 = g.step, g.chunks, g.manifest
 
     def groups(kind: str) -> list[str]:
         return sorted({ent["group"].partition(":")[2] for ent in chunks.values()
@@ -208,7 +222,8 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
         return name[len(group_key) + 1:] if strip and name.startswith(group_key + ".") else name
 
     models = groups("model")
-    host = codec.decode(m0["host"], "host").get("optim", {}) if optim_file is not None else {}
+    one = len(models) == 1 or (len(models) > 1 and bool(Titan.of(models, [], True)))  # stages
+    host = g.host.get("optim", {}) if optim_file is not None else {}
     optims = sorted(set(groups("optim")) | set(host))
     weights: dict[str, Any] = {}
     tied: dict[str, str] = {}
@@ -216,10 +231,10 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
     for name, ent in chunks.items():
         kind, _, gkey = ent["group"].partition(":")
         if kind == "model":
-            k = key_of(name, gkey, len(models) == 1)
+            k = key_of(name, gkey, one)
             weights[k] = _assemble(name, ent)
             for a in ent["aliases"]:  # stored once: safetensors refuses shared storage
-                tied[key_of(a, gkey, len(models) == 1)] = k
+                tied[key_of(a, gkey, one)] = k
         elif kind == "optim" and optim_file is not None:
             moptim[key_of(name, gkey, len(optims) == 1)] = _assemble(name, ent)
     common = {"format": "pt", "cudasnap_step": str(step_),

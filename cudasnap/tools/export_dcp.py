@@ -7,7 +7,7 @@ Owns: :func:`export_dcp` (written by DCP's own FileSystemWriter, with the host s
 is ``cudasnap.core.dcp_load``, below the facade that names it.
 
 Call order: ``cudasnap export --to dcp`` (cudasnap.tools.cli) -> :func:`export_dcp` ->
-cudasnap.tools.shards (``load_shards`` -> ``_chunks``) -> cudasnap.tools.dcp_keys
+cudasnap.tools.shards (``gather``: ``load_shards`` -> ``optim_merge`` -> ``_chunks``) -> cudasnap.tools.dcp_keys
 (``plan``: the keys) -> FileSystemWriter. A training script, on every rank:
 :func:`load_resharded`. Both are also importable from cudasnap.tools.export.
 """
@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..format import codec
 from ..format.manifest import torch_dtype
 from . import dcp_views
-from .shards import _assemble, _chunks, load_shards
+from .shards import _assemble, gather
 
 log = logging.getLogger("cudasnap.export")
 
@@ -50,14 +50,11 @@ def export_dcp(directory: Path, out_dir: Path, step: int | None = None) -> Path:
 
     out_dir = Path(out_dir)
     _check_target(Path(directory), out_dir)
-    step_, ranks = load_shards(directory, step)
-    chunks = _chunks(ranks)
-    m0 = ranks[0]["manifest"]
-    host = codec.decode(m0["host"], "host")
+    g = gather(directory, step)  # pipeline stages merged by FQN, strided shards as boxes
+    step_, chunks, m0, host = g.step, g.chunks, g.manifest, g.host
     _warn_hooked(m0)
-    others = [codec.decode(r["manifest"]["host"], "host") for r in ranks[1:]]
-    keys = dcp_keys.plan(chunks, m0, host, step_, others)
-    order = sorted({r["rank"] for r in ranks})
+    keys = dcp_keys.plan(chunks, m0, host, step_, g.other_hosts)
+    order = sorted({r["rank"] for r in g.ranks})
     items, data, md, aliases = _Plan(order).build(chunks, keys, m0)
     side = {"step": step_, "world_size": m0.get("world_size", 1),
             "keys": "fqn" if keys.fqn_keys else "index",
@@ -215,9 +212,12 @@ class _Plan:
             if name not in chunks or not isinstance(spec, dict):
                 continue  # (a view of a tensor this snapshot lacks)
             full = _assemble(name, chunks[name])
+            mkey = chunks[name]["group"].partition(":")[2]
             for key, part in zip(spec.get("names") or [], dcp_views.compute(full, spec, name)):
-                # get_state_dict's name, and torchtitan's (model keys at the top level)
-                forms = [k for k in (key, key.partition(".")[2] if keys.fqn_keys else None)
+                # get_state_dict's name, and torchtitan's (model keys at the top level, a
+                # pipeline stage's ``model.<i>.`` dropped too)
+                top = key[len(mkey) + 1:] if key.startswith(f"{mkey}.") else key.partition(".")[2]
+                forms = [k for k in (key, top if keys.fqn_keys else None)
                          if k and k not in self.md]
                 if forms:
                     self.add_tensor(forms, list(part.shape), part.dtype,
