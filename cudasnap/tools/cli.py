@@ -214,6 +214,20 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.optimizer and a.fmt != "safetensors":
         raise ConfigError(f"--optimizer is for --to safetensors (a {a.fmt} export always "
                           "carries the optimizer state)")
+    if a.merged and a.fmt != "safetensors":
+        raise ConfigError(f"--merged is for --to safetensors of a PEFT snapshot (a {a.fmt} "
+                          "export holds the wrapper's own names)")
+    if a.fmt == "safetensors":
+        from .export_peft import peft_record
+
+        # A PEFT model's snapshot: an adapter folder or (--merged) a merged model, never
+        # the wrapper's names (cudasnap.tools.export_peft); refuses PEFT-looking names
+        # without the record.
+        if peft_record(a.directory, a.step) is not None:
+            return _export_peft(a)
+        if a.merged:
+            raise ConfigError("--merged is for a snapshot of a PEFT model (peft.PeftModel); "
+                              f"{a.directory} holds none: export it without --merged")
     if a.fmt == "safetensors":  # sharded snapshots too: every rank's files, CRC-verified
         _, optim_file = safetensors_paths(a.directory, a.to_file, a.optimizer)
         print(f"wrote {export_safetensors(a.directory, a.to_file, a.step, a.optimizer)}")
@@ -233,6 +247,21 @@ def cmd_export(a: argparse.Namespace) -> int:
             raise CorruptSnapshot(f"step {snaps[0].step} fails its checksum: {msg}")
     path = export_torch(a.directory, a.to_file, step=a.step)
     print(f"wrote {path}")
+    return 0
+
+
+def _export_peft(a: argparse.Namespace) -> int:
+    from .export_peft import export_adapters, export_merged
+
+    if a.optimizer:
+        raise ConfigError("--optimizer is not supported for a PEFT snapshot's safetensors "
+                          "export (its parameter order is the wrapper's); --to torch or --to "
+                          "dcp carry the optimizer state")
+    w = (export_merged if a.merged else export_adapters)(a.directory, a.to_file, a.step)
+    for f in w.files:
+        print(f"wrote {f}")
+    for line in w.load:
+        print(f"load: {line}")
     return 0
 
 
@@ -339,10 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("directory", type=Path)
     q.add_argument("--to", dest="fmt", choices=["torch", "dcp", "safetensors"], default="torch")
     q.add_argument("to_file", type=Path, help="a file; for safetensors a directory (gets "
-                   "model.safetensors, as from_pretrained reads it) or a .safetensors file")
+                   "model.safetensors, as from_pretrained reads it) or a .safetensors file; "
+                   "for a PEFT model's snapshot a directory that gets the adapter folder "
+                   "(adapter_model.safetensors + adapter_config.json, other adapters in "
+                   "subfolders, as PeftModel.save_pretrained) or, with --merged, "
+                   "model.safetensors + config.json")
     q.add_argument("--step", type=int, default=None)
     q.add_argument("--optimizer", action="store_true", help="safetensors: also write the "
                    "optimizer state to optimizer.safetensors beside the weights")
+    q.add_argument("--merged", action="store_true", help="safetensors of a PEFT (LoRA) "
+                   "snapshot: the base model with the active adapter(s) merged as "
+                   "merge_and_unload() computes them, for <BaseModel>.from_pretrained(TO)")
     q.set_defaults(fn=cmd_export)
     q = sub.add_parser("gc", help="remove staging arenas of dead jobs from /dev/shm")
     q.add_argument("--dry-run", action="store_true")
