@@ -60,9 +60,11 @@ MERGED_CONFIG = "config.json"
 MERGEABLE = frozenset({"LORA"})  # adapter types --merged supports (PEFT's merge, tested)
 _ALTERNATIVE = ("--to torch (the wrapper's own state_dict: PeftModel.load_state_dict or "
                 "peft.set_peft_model_state_dict read it) or --to dcp")
-# a name of a PEFT tuner layer's tensors (peft.tuners.*): no base model has these
-_WRAPPED = re.compile(r"\.(base_layer|lora_[A-Za-z_]+|modules_to_save|original_module|"
-                      r"trainable_tokens_[a-z_]+|hada_w[12]_[ab]|lokr_w[12](_[ab])?|ia3_l)(\.|$)")
+# names only PEFT's wrappers make: a tuner layer's wrapped module (every LoRA, LoHa, IA3, ...
+# layer holds its base as ``base_layer``), trainable token rows, and a modules_to_save copy
+# (with its ``original_module``); a hand-written ``lora_A`` alone is a model's own name
+_WRAPPED = re.compile(r"\.(base_layer|trainable_tokens_delta|trainable_tokens_original)(\.|$)")
+_SAVED_COPY = (".modules_to_save.", ".original_module.")
 
 
 @dataclass
@@ -108,14 +110,17 @@ def _models(m: dict[str, Any]) -> dict[str, list[str]]:
 def peft_record(directory: Path, step: int | None = None) -> dict[str, Any] | None:
     """The snapshot's PEFT record (``{model key: record}``), None for a snapshot of no PEFT
     model. Refuses a snapshot whose model names look PEFT-wrapped (``.base_layer.``,
-    ``.lora_A.`` ...) without a record: its names match no loader, and writing them would
-    give a model that ``from_pretrained`` initialises at random with only a warning."""
+    ``.modules_to_save.`` with ``.original_module.``, trainable tokens) without a record:
+    its names match no loader, and writing them would give a model that
+    ``from_pretrained`` initialises at random with only a warning."""
     m = _manifest(directory, step)
     rec = _records(m)
     if rec is not None:
         return rec
     for key, names in _models(m).items():
         hit = next((n for n in names if _WRAPPED.search(n[len(key):])), None)
+        if hit is None and all(any(c in n for n in names) for c in _SAVED_COPY):
+            hit = next(n for n in names if _SAVED_COPY[0] in n)
         if hit is not None:
             raise ConfigError(
                 f"cannot export step {m.get('step')} to safetensors: model {key!r} looks "

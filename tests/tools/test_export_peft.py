@@ -366,3 +366,28 @@ def test_prompt_tuning_is_recorded_and_refused(tmp_path, capsys) -> None:
         err = capsys.readouterr().err
         assert ("prompt-learning" in err or "LoRA adapters only" in err) and "--to torch" in err
         assert not out.exists()
+
+
+def test_a_models_own_lora_names_are_not_refused(tmp_path) -> None:
+    """A hand-written LoRA (its own ``lora_A`` / ``lora_B`` modules, no PEFT) exports as any
+    plain model: only names PEFT's wrappers make (``base_layer`` ...) are refused."""
+
+    class Lora(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.lora_A = torch.nn.Linear(4, 2, bias=False)
+            self.lora_B = torch.nn.Linear(2, 4, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) + self.lora_B(self.lora_A(x))
+
+    torch.manual_seed(0)
+    model = Lora()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(3, 4)
+    _snapshot(tmp_path / "ckpt", model, opt, lambda: model(x).sum().backward())
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--to", "safetensors",
+                     str(tmp_path / "out")]) == 0
+    assert sorted(load_file(str(tmp_path / "out" / "model.safetensors"))) == sorted(
+        model.state_dict())
