@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from ..errors import IncompatibleSnapshot
 from ..format import codec
-from ..format.manifest import TensorEntry, dtype_key, dtype_name, expand_params
-from . import copy_back, device_restore, sharded, values, wrapped
+from ..format.manifest import TensorEntry, dtype_key, dtype_name
+from . import copy_back, device_restore, optim_apply, sharded, values, wrapped
 from .copy_back import Pair
 from .live_tensor import _PLAIN, LiveTensor, _param_order
 from .rng import DRAWN_KEY, RestoredRng
@@ -244,7 +244,7 @@ def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, 
                                     if g.startswith("model:") for e in es]
     finish: list[Callable[[], None]] = []
     for okey, opt in state.optimizers.items():
-        more, done = _prepare_optimizer(okey, opt, by_group.get(f"optim:{okey}", []),
+        more, done = optim_apply.prepare_optimizer(okey, opt, by_group.get(f"optim:{okey}", []),
                                         hd.get("optim", {}).get(okey), where, data)
         pairs += more
         finish.append(done)
@@ -306,147 +306,3 @@ def scatters(state: Registered, lts: list[LiveTensor], tensors: list[TensorEntry
     dt_cls = sharded._dtensor_cls()
     return dt_cls is None or not any(isinstance(p, dt_cls) for opt in state.optimizers.values()
                                      for p in _param_order(opt))
-
-
-def _prepare_optimizer(okey: str, opt: torch.optim.Optimizer,
-                       entries: list[TensorEntry], host: Mapping[str, object] | None,
-                       where: str, data: torch.Tensor) -> tuple[list[Pair], Callable[[], None]]:
-    """Checks an optimizer's snapshot state; returns the (live tensor, snapshot value)
-    pairs to copy and what to run after the copy (scalars, param groups, or
-    ``load_state_dict`` when the optimizer's state is not the snapshot's shape)."""
-    if host is None:
-        raise IncompatibleSnapshot(f"{where}: no host state for optimizer {okey!r}")
-    params = _param_order(opt)
-    dt_cls = sharded._dtensor_cls()  # once, not is_dtensor() per entry
-    state: dict[int, dict[str, object]] = {}
-    for e in entries:
-        idx, key = e.get("param_index"), e.get("state_key")
-        if not isinstance(idx, int) or not isinstance(key, str) or not 0 <= idx < len(params):
-            raise IncompatibleSnapshot(f"{where}: optimizer tensor {e['name']!r} refers to "
-                                       f"parameter {idx!r}; the optimizer has {len(params)}")
-        p = params[idx]
-        if "wrapper" in e:  # an inner tensor of a subclass value: gathered, then checked
-            got = state.setdefault(idx, {}).get(key)
-            if not isinstance(got, _Subclass):
-                got = state[idx][key] = _Subclass(e, p)
-            got.inner[e["wrapper"]["attr"]] = e
-            continue
-        state.setdefault(idx, {})[key] = copy_back.Ref(e) if "shard" not in e and not (
-            dt_cls is not None and isinstance(p, dt_cls)) else sharded.like_param(
-                copy_back.entry_view(data, e), e, p, where)
-    for s in state.values():
-        for v in s.values():
-            if isinstance(v, _Subclass):
-                v.check(where)
-    # (param index, state key, value) of each scalar (TrainingState.capture_host)
-    for idx, key, value in cast("list[tuple[int, str, object]]", host.get("scalars", [])):
-        state.setdefault(int(idx), {})[key] = value
-    # Same live tensors present (rollback, or a warm optimizer): copy bytes in place.
-    if len(opt.state) == len(state) and all(
-            params[i] in opt.state and set(opt.state[params[i]]) == set(s)
-            and all(v.fits(opt.state[params[i]][k], where) if isinstance(v, _Subclass) else
-                    copy_back.fits_in_place(opt.state[params[i]][k], v) for k, v in s.items())
-            for i, s in state.items()):
-        pairs: list[Pair] = []
-        scalars: list[tuple[dict[str, object], str, object]] = []
-        for i, s in state.items():
-            st = opt.state[params[i]]
-            for k, v in s.items():
-                if isinstance(v, _Subclass):  # into the live subclass's inner tensors
-                    pairs += v.pairs_into(st[k])
-                elif isinstance(v, copy_back.Ref):
-                    pairs.append((st[k], v.e))
-                elif isinstance(v, torch.Tensor):
-                    pairs.append((st[k], v))
-                else:
-                    scalars.append((st, k, v))
-        groups = cast("list[dict[str, object]]", host["param_groups"])
-        if len(groups) != len(opt.param_groups):
-            raise IncompatibleSnapshot(f"{where}: optimizer {okey!r} has {len(opt.param_groups)}"
-                                       f" param groups, the snapshot {len(groups)}")
-
-        def set_host() -> None:
-            for st, k, v in scalars:
-                st[k] = v
-            for g, saved in zip(opt.param_groups, groups):
-                for k, v in saved.items():
-                    if k != "params":
-                        g[k] = v
-
-        return pairs, set_host
-    expanded = [expand_params(g) for g in cast("list[dict[str, object]]", host["param_groups"])]
-    clones: list[Pair] = []  # (new tensor, snapshot value): one native copy
-    sd_state: dict[int, dict[str, object]] = {}
-    for i, s in state.items():
-        d: dict[str, object] = {}
-        sd_state[i] = d
-        for k, v in s.items():
-            if isinstance(v, _Subclass):  # a new subclass value around new inner tensors
-                d[k], more = v.build(data, where)
-                clones += more
-            elif isinstance(v, copy_back.Ref):
-                d[k] = new = copy_back.empty_like_entry(data, v.e)
-                clones.append((new, v.e))
-            elif isinstance(v, torch.Tensor):
-                d[k] = new = torch.empty_like(v)
-                clones.append((new, v))
-            else:
-                d[k] = v
-
-    def load() -> None:
-        try:
-            opt.load_state_dict({"state": sd_state, "param_groups": expanded})
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise IncompatibleSnapshot(
-                f"{where}: optimizer {okey!r} rejects the snapshot: {e}") from e
-
-    return clones, load
-
-
-class _Subclass:
-    """An optimizer state value that is a tensor subclass (cudasnap.core.wrapped): its
-    inner tensors' snapshot entries, gathered by ``_prepare_optimizer``; put back into a
-    live value of the same kind (``fits``, ``pairs_into``) or built anew (``build``)."""
-
-    def __init__(self, e: TensorEntry, param: torch.Tensor) -> None:
-        self.rec: wrapped.Record = e["wrapper"]
-        self.first = e  # its shard record (a DTensor's local shard) is the subclass's
-        self.param = param
-        self.inner: dict[str, TensorEntry] = {}
-
-    def check(self, where: str) -> None:
-        want = list(self.rec["inner"])
-        if sorted(self.inner) != sorted(want):
-            raise IncompatibleSnapshot(
-                f"{where}: {self.rec['of']!r} ({self.rec['class']}) has inner tensors "
-                f"{sorted(self.inner)} in the snapshot; its record names {want}")
-
-    def _local(self, live: object, where: str) -> object:
-        if sharded.is_dtensor(live):
-            sharded.check_same(self.rec["of"], self.first.get("shard"), sharded.shard_info(live),
-                               where)
-            return sharded.local_shard(live)
-        if self.first.get("shard"):
-            sharded.check_same(self.rec["of"], self.first.get("shard"), None, where)
-        return live
-
-    def fits(self, live: object, where: str) -> bool:
-        """Whether ``live`` is the same subclass (class, context, shape) with inner tensors
-        of the snapshot's shapes and dtypes."""
-        local = self._local(live, where)
-        return wrapped.same_kind(local, self.rec) and all(
-            copy_back.fits_in_place(getattr(local, a), copy_back.Ref(e))
-            for a, e in self.inner.items())
-
-    def pairs_into(self, live: object) -> list[Pair]:
-        local = self._local(live, "restore")
-        return [(getattr(local, a), e) for a, e in self.inner.items()]
-
-    def build(self, data: torch.Tensor, where: str) -> tuple[torch.Tensor, list[Pair]]:
-        """A new value (new inner tensors, the subclass rebuilt around them; a DTensor on
-        the parameter's mesh when the parameter is one) and the copies that fill it."""
-        new = {a: copy_back.empty_like_entry(data, e) for a, e in self.inner.items()}
-        value = wrapped.rebuild(self.rec, new, where)
-        if sharded.is_dtensor(self.param) or self.first.get("shard"):
-            value = sharded.like_param(value, self.first, self.param, where)
-        return value, [(new[a], e) for a, e in self.inner.items()]

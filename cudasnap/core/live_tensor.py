@@ -61,6 +61,20 @@ class LiveTensor:
         return span_bytes(list(t.shape), list(t.stride()), t.element_size())
 
 
+def expand_wrapper(lt: LiveTensor) -> list[LiveTensor]:
+    """The LiveTensors of the inner tensors of ``lt`` (a wrapper subclass, or a DTensor
+    whose local shard is one): same group, phase, optimizer slot, owner and shard record;
+    named ``<name>.<attr>``."""
+    outer = lt.tensor
+    rec, inner = wrapped.record_of(lt.name, outer)
+    out = []
+    for i, (a, v) in enumerate(zip(rec["inner"], inner)):
+        out.append(LiveTensor(f"{lt.name}.{a}", lt.group, v, lt.phase, lt.param_index,
+                              lt.state_key, [f"{al}.{a}" for al in lt.aliases], lt.owner,
+                              lt.shard, wrapped.Wrapped(outer, a, {**rec, "attr": a}, i == 0)))
+    return out
+
+
 def single_cuda_device(tensors: Iterable[LiveTensor | torch.Tensor],
                        expect: int | None = None) -> torch.device:
     """The one CUDA device the state lives on; ConfigError naming the devices when

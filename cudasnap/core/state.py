@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..format.manifest import TensorEntry
 from . import apply as apply_mod
 from . import module_state, optim_wrap, peft_info, sharded, values, wrapped
-from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor
+from .live_tensor import _PLAIN, LiveTensor, _param_order, check_tensor, expand_wrapper
 from .rng import RNG_SOURCES, RestoredRng, capture_rng
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class TrainingState:
                 lt.owner, lt.shard = lt.tensor, sharded.shard_info(lt.tensor)
                 lt.tensor = sharded.local_shard(lt.tensor)
             if wrapped.is_wrapper(lt.tensor):  # its inner tensors hold its bytes
-                inner = wrapped.expand(lt)
+                inner = expand_wrapper(lt)
                 for it in inner:
                     check_tensor(it.name, it.tensor)
                 flat += inner

@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
-
-if TYPE_CHECKING:
-    from .live_tensor import LiveTensor
 
 # The manifest's "wrapper" record of one inner tensor (see the module doc).
 Record = dict[str, Any]
@@ -109,22 +106,6 @@ def record_of(name: str, t: torch.Tensor) -> tuple[Record, list[torch.Tensor]]:
                    "shape": [int(s) for s in t.shape], "stride": [int(s) for s in t.stride()],
                    "dtype": str(t.dtype).removeprefix("torch.")}
     return rec, inner
-
-
-def expand(lt: LiveTensor) -> list[LiveTensor]:
-    """The LiveTensors of the inner tensors of ``lt`` (a wrapper subclass, or a DTensor
-    whose local shard is one): same group, phase, optimizer slot, owner and shard record;
-    named ``<name>.<attr>``."""
-    from .live_tensor import LiveTensor
-
-    outer = lt.tensor
-    rec, inner = record_of(lt.name, outer)
-    out = []
-    for i, (a, v) in enumerate(zip(rec["inner"], inner)):
-        out.append(LiveTensor(f"{lt.name}.{a}", lt.group, v, lt.phase, lt.param_index,
-                              lt.state_key, [f"{al}.{a}" for al in lt.aliases], lt.owner,
-                              lt.shard, Wrapped(outer, a, {**rec, "attr": a}, i == 0)))
-    return out
 
 
 def find_class(rec: Record, where: str) -> type:
