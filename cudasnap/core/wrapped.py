@@ -108,12 +108,22 @@ def record_of(name: str, t: torch.Tensor) -> tuple[Record, list[torch.Tensor]]:
     return rec, inner
 
 
-def find_class(rec: Record, where: str) -> type:
-    """The subclass a record names, from the modules this process imported; never imports
-    a module by a name read from a snapshot."""
+def find_class(rec: Record, where: str, load: bool = False) -> type:
+    """The subclass a record names, from the modules this process imported. A restore never
+    imports a module by a name read from a snapshot; ``load`` (an export the user asked
+    for, of a directory whose owner it checked) imports the installed module."""
     path = rec.get("class")
     mod_name, _, qual = path.partition(":") if isinstance(path, str) else ("", "", "")
     mod = sys.modules.get(mod_name)
+    if mod is None and load and mod_name.replace(".", "").replace("_", "").isalnum():
+        import importlib
+
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise IncompatibleSnapshot(
+                f"{where}: {rec.get('of')!r} is a {path}, whose module cannot be imported here "
+                f"({e}); install the package that defines it (e.g. torchao)") from e
     obj: Any = mod
     for part in qual.split("."):
         obj = getattr(obj, part, None) if obj is not None else None
@@ -140,10 +150,11 @@ def same_kind(live: object, rec: Record) -> bool:
         return False
 
 
-def rebuild(rec: Record, inner: dict[str, torch.Tensor], where: str) -> torch.Tensor:
+def rebuild(rec: Record, inner: dict[str, torch.Tensor], where: str,
+            load: bool = False) -> torch.Tensor:
     """The subclass a record describes, made by its ``__tensor_unflatten__`` around
-    ``inner`` (its inner tensors by name)."""
-    cls = find_class(rec, where)
+    ``inner`` (its inner tensors by name); ``load``: see ``find_class``."""
+    cls = find_class(rec, where, load)
     ctx = codec.decode(rec.get("ctx"), f"{rec.get('of')} context")
     try:
         out = cls.__tensor_unflatten__(  # type: ignore[attr-defined]

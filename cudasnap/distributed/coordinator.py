@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from .replica import Replicator
 
 log = logging.getLogger("cudasnap.distributed")
+# Coordinators made in this process, per (job, epoch): a later one's store keys (Coordinator).
+_INSTANCES: dict[tuple[str, int], int] = {}
 
 
 #: ``Snapshotter(replicas=...)``: "auto", "all"/True, None/False/"none", or rank groups
@@ -94,7 +96,15 @@ class Coordinator:
         self.flush_timeout_s = commit_timeout_s or cfg.flush_timeout_s
         self.epoch = cfg.restart  # TORCHELASTIC_RESTART_COUNT wins (cudasnap.config)
         warn_if_restarts_share_the_store(self.rank)
-        self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/")
+        # A second Snapshotter of the job in the same processes (one made again after a
+        # restore, an in-process restart) must not read the first one's rounds: its round
+        # 0 found the first's agreed step in the store and committed that old step again,
+        # and close() then took it for the final one. Every rank makes its Snapshotters in
+        # the same order, so the count agrees; the first keeps the keys it always had.
+        n = _INSTANCES.get((local.job, self.epoch), 0)
+        _INSTANCES[(local.job, self.epoch)] = n + 1
+        inst = "" if n == 0 else f"i{n}/"
+        self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/{inst}")
         self.replica: Replicator | None = None
         if cfg.node_replica and store_is_per_round():
             # torchrun counts restarts per agent: a replacement node starts at 0 while the
@@ -102,7 +112,7 @@ class Coordinator:
             # torchrun's shared store is not, and there every agent's count is the same).
             self.kv.prefix = f"cudasnap/{local.job}/"
             self.epoch = int(self.kv.propose("epoch", str(self.epoch)))
-            self.kv.prefix = f"cudasnap/{local.job}/e{self.epoch}/"
+            self.kv.prefix = f"cudasnap/{local.job}/e{self.epoch}/{inst}"
         self.events = EventLog(local.directory, self.rank, self.epoch)
         from .replica import default_addr
 

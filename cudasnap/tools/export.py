@@ -25,6 +25,7 @@ from ..format.manifest import expand_params
 from .dcp_keys import Titan
 from .export_dcp import export_dcp
 from .shards import _assemble, _step_dir, full_tensors, gather, load_shards, load_tensors
+from .wrapped_entries import plain
 
 __all__ = ["HOST_SIDECAR", "SAFETENSORS_MODEL", "SAFETENSORS_OPTIM", "atomic_output",
            "check_export_target", "export_dcp", "export_safetensors", "export_torch",
@@ -206,9 +207,22 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
     ``state.<param index>.<key>`` (as ``Optimizer.state_dict()`` flattens them; prefixed
     ``<key>.`` when there are several optimizers) and metadata ``param_groups``,
     ``scalar_state`` (``[[index, key, value], ...]``) and ``optimizer_class`` as JSON
-    (objects keyed by optimizer name when there are several)."""
+    (objects keyed by optimizer name when there are several). A tensor subclass's state
+    (torchao's low-bit optimizer state) is written as its plain (dequantized) values.
+
+    A snapshot of a PEFT model is refused (its wrapper's names match no loader):
+    ``export_peft.export_adapters`` / ``export_merged`` write what PEFT and
+    ``from_pretrained`` load (``cudasnap export --to safetensors [--merged]`` picks them)."""
     from safetensors.torch import save_file
 
+    from .export_peft import peft_record
+
+    if peft_record(directory, step) is not None:
+        raise ConfigError(
+            f"{directory}: a snapshot of a PEFT model: its wrapper's names (base_layer, "
+            "lora_A.default) match no loader; use cudasnap.tools.export_peft.export_adapters "
+            "(an adapter folder PeftModel.from_pretrained loads) or export_merged (base-model "
+            "weights from_pretrained loads), or `cudasnap export --to safetensors [--merged]`")
     model_file, optim_file = safetensors_paths(directory, to_file, optimizer)
     snap = _step_dir(directory, step)
     g = gather(directory, snap.step)
@@ -232,11 +246,11 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
         kind, _, gkey = ent["group"].partition(":")
         if kind == "model":
             k = key_of(name, gkey, one)
-            weights[k] = _assemble(name, ent)
+            weights[k] = plain(_assemble(name, ent))
             for a in ent["aliases"]:  # stored once: safetensors refuses shared storage
                 tied[key_of(a, gkey, one)] = k
         elif kind == "optim" and optim_file is not None:
-            moptim[key_of(name, gkey, len(optims) == 1)] = _assemble(name, ent)
+            moptim[key_of(name, gkey, len(optims) == 1)] = plain(_assemble(name, ent))
     common = {"format": "pt", "cudasnap_step": str(step_),
               "cudasnap_source": str(snap.path.resolve()),
               "cudasnap_format_version": str(m0.get("format_version", ""))}

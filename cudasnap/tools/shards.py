@@ -1,7 +1,8 @@
 """Reading a snapshot offline, for the exports: no process group, every file verified.
 
 Owns: one single-rank snapshot's tensors (:func:`load_tensors`); a (multi-rank) step's
-per-rank local tensors (:func:`load_shards`, only a committed step); where a local shard lies
+per-rank local tensors (:func:`load_shards`, only a committed step; a tensor subclass's inner
+tensors folded into its value: cudasnap.tools.wrapped_entries); where a local shard lies
 in its global tensor (:func:`local_indices`: the ``shard`` record's placements, ``Shard``,
 ``_StridedShard`` and ``Replicate``, applied left to right as DTensor does, uneven sizes
 included) and its rectangular pieces (:func:`boxes`); pipeline stages' optimizers merged by
@@ -11,8 +12,7 @@ to cover it once (:func:`_chunks`); a full tensor laid out from them (:func:`_as
 
 Call order: cudasnap.tools.export (``export_torch`` and ``export_safetensors``) and
 cudasnap.tools.export_dcp: ``gather`` -> ``load_shards`` -> ``optim_merge`` -> ``_chunks``
-(-> ``boxes`` -> ``local_indices``) -> ``_assemble`` (torch, safetensors) or
-cudasnap.tools.dcp_keys (dcp).
+(-> ``boxes`` -> ``local_indices``) -> ``_assemble`` (torch, safetensors) or dcp_keys (dcp).
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConfigError, SnapshotError
 from ..format import codec, paths
 from ..format.manifest import Manifest, expand_params, torch_dtype
 from ..storage import posix
+from . import wrapped_entries
 
 log = logging.getLogger("cudasnap.export")
 
@@ -82,8 +83,9 @@ def load_shards(directory: Path, step: int | None = None) -> tuple[int, list[dic
     out = []
     for d in rank_dirs:
         m = posix.load_manifest(d / paths.MANIFEST)
-        tensors, _ = _views(posix.read_data(d, m), m)
-        out.append({"rank": int(m.get("rank", 0)), "manifest": m, "tensors": tensors})
+        fm, tensors = wrapped_entries.fold(cast("dict[str, Any]", m),  # subclass values
+                                           _views(posix.read_data(d, m), m)[0])
+        out.append({"rank": int(fm.get("rank", 0)), "manifest": fm, "tensors": tensors})
     return s.step, out
 
 
@@ -200,6 +202,8 @@ def boxes(name: str, shard: dict[str, Any] | None, local: Any) -> list[tuple[tup
             dim.append((pos, g, n))
             pos += n
         per_dim.append(dim)
+    if all(len(d) == 1 and d[0][2] == n for d, n in zip(per_dim, shape)):
+        return [(tuple(d[0][1] for d in per_dim), local)]  # one run per dim: the whole tensor
     out = []
     for combo in itertools.product(*per_dim):
         view = local[tuple(slice(a, a + n) for a, _, n in combo)]
@@ -352,6 +356,7 @@ def _chunks(ranks: list[dict[str, Any]],
                                         "group": e["group"], "aliases": e.get("aliases", []),
                                         "param_index": pidx, "state_key": e.get("state_key"),
                                         "rank": r["rank"]})
+            ent.update({"subclass": e["subclass"]} if "subclass" in e else {})  # fold()'s
             if ent["shape"] != gshape or ent["dtype"] != e["dtype"]:
                 raise SnapshotError(
                     f"{name}: ranks disagree on its global shape or dtype (rank {ent['rank']}: "
@@ -420,6 +425,8 @@ def _assemble(name: str, ent: dict[str, Any]) -> Any:
     """The full tensor of one ``_chunks`` entry (its chunks laid into place)."""
     import torch
 
+    if (whole := wrapped_entries.whole(ent)) is not None:  # an unsharded subclass value
+        return whole
     full = torch.empty(ent["shape"], dtype=torch_dtype(ent["dtype"]))
     covered = 0
     for off, (_, t) in ent["chunks"].items():

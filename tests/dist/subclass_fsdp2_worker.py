@@ -4,7 +4,8 @@ OptimState8bit (issue 45).
 
 One torchrun: an uninterrupted run of 6 steps; a run under cudasnap of 3 steps, flushed and
 closed; a new model and optimizer (no state yet) restored from it and trained to step 6;
-then a rollback of that Snapshotter into its live state. Each rank writes
+then a rollback of that Snapshotter into its live state, flushed. Each rank writes
+OUT/rank-<R>.pt (its dequantized local exp_avg of the first weight, for the export check) and
 OUT/rank-<R>.json: the step resumed at, the state's type, and the names that differ from the
 uninterrupted run (after the resume) and from the snapshot (after the rollback)."""
 from __future__ import annotations
@@ -88,11 +89,16 @@ def main() -> int:
     step(m, o, 6, rank)
     back = snap.rollback()
     rolled = differ(at5, state(m, o))
-    snap.flush()
+    flushed = snap.flush()  # the rolled-back state (step 5): what `export --to dcp` holds
     snap.close()
+    w = next(iter(m.parameters()))
+    local = o.state[w]["exp_avg"].to_local()
+    plain = torch.empty(local.shape, dtype=local.dtype)
+    plain.copy_(local)  # the subclass's own dequantization
+    torch.save({"exp_avg": plain, "rows": w.to_local().shape[0]}, out / f"rank-{rank}.pt")
     (out / f"rank-{rank}.json").write_text(json.dumps(
         {"start": start, "kind": kind, "resumed_differ": resumed, "rollback": back,
-         "rolled_differ": rolled, "names": len(ref)}))
+         "rolled_differ": rolled, "names": len(ref), "flushed": str(flushed)}))
     dist.destroy_process_group()
     return 0
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from cudasnap.errors import ConfigError
 from cudasnap.format.paths import MANIFEST
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
@@ -227,6 +228,12 @@ def test_refusals_write_nothing(lora, capsys) -> None:
     refused(["--to", "safetensors", "--merged", str(both)], "adapter_config.json")
     assert not (both / "model.safetensors").exists()
     assert not list(tmp.glob("o")) and not (tmp / "t.pt").exists()
+    # the Python API's plain safetensors export refuses it too (the CLI picks export_peft)
+    from cudasnap.tools.export import export_safetensors
+
+    with pytest.raises(ConfigError, match="a snapshot of a PEFT model.*export_adapters"):
+        export_safetensors(ckpt, tmp / "api.safetensors")
+    assert not (tmp / "api.safetensors").exists()
 
 
 def _rewrite_record(src: Path, dst: Path, edit: Any) -> None:
