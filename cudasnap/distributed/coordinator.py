@@ -31,8 +31,20 @@ if TYPE_CHECKING:
     from .replica import Replicator
 
 log = logging.getLogger("cudasnap.distributed")
-# Coordinators made in this process, per (job, epoch): a later one's store keys (Coordinator).
+# Coordinators made in this process, per (job, epoch): a later one's store keys (_instance).
 _INSTANCES: dict[tuple[str, int], int] = {}
+
+
+def _instance(job: str, epoch: int) -> str:
+    """The store-key part of this process's next Coordinator of ``job`` in ``epoch``: "" for
+    the first (the keys it always had), ``i<n>/`` after it. A second Snapshotter of the job
+    in the same processes (one made again after a restore, an in-process restart) must not
+    read the first one's rounds: its round 0 found the first's agreed step in the store and
+    committed that old step again, and close() took it for the final one. Every rank makes
+    its Snapshotters in the same order, so the count agrees."""
+    n = _INSTANCES.get((job, epoch), 0)
+    _INSTANCES[(job, epoch)] = n + 1
+    return "" if n == 0 else f"i{n}/"
 
 
 #: ``Snapshotter(replicas=...)``: "auto", "all"/True, None/False/"none", or rank groups
@@ -96,14 +108,7 @@ class Coordinator:
         self.flush_timeout_s = commit_timeout_s or cfg.flush_timeout_s
         self.epoch = cfg.restart  # TORCHELASTIC_RESTART_COUNT wins (cudasnap.config)
         warn_if_restarts_share_the_store(self.rank)
-        # A second Snapshotter of the job in the same processes (one made again after a
-        # restore, an in-process restart) must not read the first one's rounds: its round
-        # 0 found the first's agreed step in the store and committed that old step again,
-        # and close() then took it for the final one. Every rank makes its Snapshotters in
-        # the same order, so the count agrees; the first keeps the keys it always had.
-        n = _INSTANCES.get((local.job, self.epoch), 0)
-        _INSTANCES[(local.job, self.epoch)] = n + 1
-        inst = "" if n == 0 else f"i{n}/"
+        inst = _instance(local.job, self.epoch)
         self.kv = KV(f"cudasnap/{local.job}/e{self.epoch}/{inst}")
         self.replica: Replicator | None = None
         if cfg.node_replica and store_is_per_round():

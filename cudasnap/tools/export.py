@@ -188,6 +188,18 @@ def _json_value(v: Any) -> Any:  # json.dumps default for param groups and scala
     return tolist() if callable(tolist) else str(v)
 
 
+def _refuse_peft(directory: Path, step: int | None) -> None:
+    """ConfigError for a snapshot of a PEFT model (cudasnap.tools.export_peft writes it)."""
+    from .export_peft import peft_record
+
+    if peft_record(directory, step) is not None:
+        raise ConfigError(
+            f"{directory}: a snapshot of a PEFT model: its wrapper's names (base_layer, "
+            "lora_A.default) match no loader; use cudasnap.tools.export_peft.export_adapters "
+            "(an adapter folder PeftModel.from_pretrained loads) or export_merged (base-model "
+            "weights from_pretrained loads), or `cudasnap export --to safetensors [--merged]`")
+
+
 def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
                        optimizer: bool = False) -> Path:
     """Consolidated full tensors (shards of every rank gathered offline) as Hugging Face
@@ -215,14 +227,7 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
     ``from_pretrained`` load (``cudasnap export --to safetensors [--merged]`` picks them)."""
     from safetensors.torch import save_file
 
-    from .export_peft import peft_record
-
-    if peft_record(directory, step) is not None:
-        raise ConfigError(
-            f"{directory}: a snapshot of a PEFT model: its wrapper's names (base_layer, "
-            "lora_A.default) match no loader; use cudasnap.tools.export_peft.export_adapters "
-            "(an adapter folder PeftModel.from_pretrained loads) or export_merged (base-model "
-            "weights from_pretrained loads), or `cudasnap export --to safetensors [--merged]`")
+    _refuse_peft(directory, step)
     model_file, optim_file = safetensors_paths(directory, to_file, optimizer)
     snap = _step_dir(directory, step)
     g = gather(directory, snap.step)
