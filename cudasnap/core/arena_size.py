@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import module_state
+from . import module_state, sharded, wrapped
 from .slot_geometry import PAGE, chunk_for, meta_capacity, slot_capacity
 
 if TYPE_CHECKING:
@@ -80,6 +80,12 @@ def estimate_state_bytes(state: TrainingState) -> tuple[int, int]:
         if id(t) in seen:
             return
         seen.add(id(t))
+        if sharded.is_dtensor(t):
+            t = sharded.local_shard(t)
+        if wrapped.is_wrapper(t):  # its inner tensors are what a slot holds (8-bit codes...)
+            for a in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+                add(getattr(t, a))
+            return
         total += _span(t.numel() * t.element_size(), not t.is_cuda)
         count += 1
 

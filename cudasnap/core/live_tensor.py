@@ -126,7 +126,7 @@ def check_tensor(name: str, t: torch.Tensor) -> None:
             raise ConfigError(f"{name} {why}")
     if not plain:
         if check_plain_tensor(name, t):
-            return  # a wrapper subclass: its inner tensors are checked (wrapped.expand)
+            return  # a wrapper subclass: its inner tensors are checked (expand_wrapper)
     if dtype_key(t.dtype) is None:
         raise ConfigError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, which "
                           f"snapshots do not hold (supported: {', '.join(dtype_names())}); "

@@ -91,8 +91,14 @@ def record_of(name: str, t: torch.Tensor) -> tuple[Record, list[torch.Tensor]]:
         raise ConfigError(f"{name} is a {class_path(type(t))} whose __tensor_flatten__ context "
                           f"cannot be recorded without pickle: {e}") from e
     inner = []
+    held = vars(t)
     for a in attrs:
         v = getattr(t, a, None)
+        if isinstance(v, torch.Tensor) and held.get(a) is not v:
+            raise ConfigError(
+                f"{name}: {class_path(type(t))} holds its inner tensor {a!r} outside its "
+                "instance __dict__ (a property or __slots__): cudasnap could not see it "
+                "replaced by another tensor, and would copy the old one; keep it an attribute")
         if not isinstance(v, torch.Tensor):
             raise ConfigError(f"{name}: {class_path(type(t))}.__tensor_flatten__() names "
                               f"{a!r}, which is not a tensor attribute ({type(v).__name__})")

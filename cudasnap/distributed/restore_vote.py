@@ -72,7 +72,11 @@ class RestoreVote:
         return str(getattr(self.local, "job", "") or "")
 
     def _epoch(self) -> str:
-        return self.kv.prefix.rstrip("/").rsplit("/", 1)[-1]  # "cudasnap/<job>/e<N>/"
+        # "cudasnap/<job>/e<N>/" or, a later Snapshotter of the job in these processes,
+        # "cudasnap/<job>/e<N>/i<n>/" (coordinator._instance): "e<N>" or "e<N>/i<n>"
+        parts = self.kv.prefix.rstrip("/").split("/")
+        at = max(i for i, x in enumerate(parts) if x[:1] == "e" and x[1:].isdigit())
+        return "/".join(parts[at:])
 
     def _job_key(self, rank: int) -> str:
         """Outside the job's namespace: ``cudasnap/restore-job/<epoch>/<dir hash>/<rank>``.

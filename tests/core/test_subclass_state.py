@@ -261,3 +261,37 @@ def test_subclasses_cudasnap_cannot_snapshot_are_refused_with_the_reason() -> No
     with pytest.raises(ConfigError, match=r"model\.nest\.a is a .*TwoTensor inside a .*"
                                           r"one level of tensor subclass"):
         TrainingState(m, None).live_tensors()
+
+
+def test_the_arena_estimate_counts_the_inner_tensors() -> None:
+    """A Snapshotter made after the first step sizes its arena from the live state: a
+    subclass counts as its inner tensors (1-byte codes), not as its fp32 outer shape."""
+    from cudasnap.core.arena_size import estimate_state_bytes
+
+    m, o = _make("8bit")
+    _step(m, o, 0)
+    st = TrainingState(m, o)
+    nbytes, count = estimate_state_bytes(st)
+    lts = st.live_tensors()
+    assert count == len(lts)
+    planned = sum(lt.nbytes for lt in lts)
+    assert planned <= nbytes < planned + (count + 1) * 2 * 4096
+
+
+def test_an_inner_tensor_held_outside_the_instance_dict_is_refused() -> None:
+    two = _two()
+
+    class Hidden(two):
+        @property
+        def b(self):  # type: ignore[no-untyped-def]
+            return self.__dict__["_b"]
+
+        @b.setter
+        def b(self, v):  # type: ignore[no-untyped-def]
+            self.__dict__["_b"] = v
+
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("h", Hidden(torch.zeros(2), torch.zeros(2)))
+    with pytest.raises(ConfigError, match=r"model\.h: .*Hidden holds its inner tensor 'b' "
+                                          r"outside its instance __dict__"):
+        TrainingState(m, None).live_tensors()
