@@ -132,16 +132,21 @@ def test_rollback_writes_into_the_live_subclass_in_place(tmp_path: Path) -> None
         snap.close(keep_arena=False)
 
 
-def test_the_manifest_records_each_inner_tensor_with_its_subclass(tmp_path: Path) -> None:
-    m, o = _make("4bit")
-    snap = _snap(m, o, tmp_path)
+def _flushed_entries(kind: str, d: Path) -> list[dict[str, Any]]:
+    """The manifest's tensor table of a one-step snapshot flushed to ``d``."""
+    m, o = _make(kind)
+    snap = _snap(m, o, d)
     try:
         _step(m, o, 0)
         snap.boundary(0)
         path = Path(snap.flush())
     finally:
         snap.close()
-    ents = json.loads((path / MANIFEST).read_text())["tensors"]
+    return list(json.loads((path / MANIFEST).read_text())["tensors"])
+
+
+def test_the_manifest_records_each_inner_tensor_with_its_subclass(tmp_path: Path) -> None:
+    ents = _flushed_entries("4bit", tmp_path)
     w = {e["name"]: e["wrapper"] for e in ents if "wrapper" in e}
     rec = w["optim.state.0.exp_avg.codes"]
     assert rec["class"] == "torchao.optim.subclass_4bit:OptimState4bit"
@@ -158,15 +163,7 @@ def test_the_manifest_records_each_inner_tensor_with_its_subclass(tmp_path: Path
 def test_a_corrupt_wrapper_record_is_refused_before_any_byte(tmp_path: Path) -> None:
     from cudasnap.format.manifest import validate_tensors
 
-    m, o = _make("8bit")
-    snap = _snap(m, o, tmp_path)
-    try:
-        _step(m, o, 0)
-        snap.boundary(0)
-        path = Path(snap.flush())
-    finally:
-        snap.close()
-    ents = json.loads((path / MANIFEST).read_text())["tensors"]
+    ents = _flushed_entries("8bit", tmp_path)
     bad = [dict(e) for e in ents]
     i = next(i for i, e in enumerate(bad) if "wrapper" in e)
     bad[i]["wrapper"] = {**bad[i]["wrapper"], "inner": "codes"}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import stat
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,9 @@ import torch
 
 from cudasnap.errors import ConfigError
 from cudasnap.format.paths import MANIFEST
-from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
 from cudasnap.tools import cli
+from tests.helpers.flushed import flushed_snapshot
 
 pytest.importorskip("safetensors", reason="safetensors is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -38,20 +37,7 @@ VOCAB = 128
 
 def _snapshot(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
               step_fn: Any, steps: int = 2) -> Path:
-    """Trains ``steps`` steps with a boundary after each, flushes; the flushed step dir."""
-    snap = Snapshotter(model, opt, directory=directory, health=False, copy_threads=1,
-                       job=f"tpeft-{uuid.uuid4().hex[:8]}")
-    try:
-        for step in range(steps):
-            step_fn()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            snap.boundary(step)
-        path = snap.flush()
-    finally:
-        snap.close()
-    assert not snap.arena_path.exists()
-    return Path(path)
+    return flushed_snapshot(directory, model, opt, step_fn, steps, job="tpeft")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:  # bitwise, dtype and shape included

@@ -5,7 +5,6 @@ snapshot; the optimizer state only with ``--optimizer``, in ``optimizer.safetens
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,9 @@ import pytest
 import torch
 
 from cudasnap.format.paths import MANIFEST
-from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
 from cudasnap.tools import cli
+from tests.helpers.flushed import flushed_snapshot
 
 pytest.importorskip("safetensors", reason="safetensors is not installed "
                     "(see requirements-extras.txt)")
@@ -25,20 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 def _snapshot(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
               step_fn: Any, steps: int = 2) -> Path:
-    """Trains ``steps`` steps with a boundary after each, flushes; the flushed step dir."""
-    snap = Snapshotter(model, opt, directory=directory, health=False, copy_threads=1,
-                       job=f"texport-{uuid.uuid4().hex[:8]}")
-    try:
-        for step in range(steps):
-            step_fn()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            snap.boundary(step)
-        path = snap.flush()
-    finally:
-        snap.close()
-    assert not snap.arena_path.exists()
-    return Path(path)
+    return flushed_snapshot(directory, model, opt, step_fn, steps, job="texport")
 
 
 def _meta(path: Path) -> dict[str, str]:
