@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 
 def pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` exists on this host (another user's counts)."""
+    """True when a process ``pid`` exists on this host and has not ended (another user's
+    counts). A zombie (SIGKILLed, not yet reaped by its parent) has ended: it holds no
+    lock, arena or socket (an in-process restart's spare adopts its arena at once)."""
     if pid <= 0:
         return False
     try:
@@ -17,7 +19,11 @@ def pid_alive(pid: int) -> bool:
         return True
     except OSError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc: kill(0) said it exists
 
 
 def process_start_time(pid: int | None = None) -> float | None:

@@ -258,6 +258,9 @@ def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, 
         _copy_from_file(pairs, data, file, before_copy)
     for done in finish:
         done()
+    for mod in state.models.values():  # gradients are no state: none, as in a new process
+        for p in mod.parameters():     # (a step that failed half-way, a NaN's backward,
+            p.grad = None              # left some; the next backward would add to them)
     for key, obj in state.extra.items():
         ent = hd.get("extra", {}).get(key)
         if ent is None:

@@ -14,6 +14,7 @@ import operator
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,19 +32,25 @@ if TYPE_CHECKING:
     from .replica import Replicator
 
 log = logging.getLogger("cudasnap.distributed")
-# Coordinators made in this process, per (job, epoch): a later one's store keys (_instance).
-_INSTANCES: dict[tuple[str, int], int] = {}
+# Coordinators made in this process, per process group and (job, epoch): a later one's store
+# keys (_instance). Keyed weakly by the group object: a group made again (an in-process
+# restart's next generation, cudasnap.distributed.inprocess) counts from 0 on every rank.
+_INSTANCES: weakref.WeakKeyDictionary[object, dict[tuple[str, int], int]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _instance(job: str, epoch: int) -> str:
-    """The store-key part of this process's next Coordinator of ``job`` in ``epoch``: "" for
-    the first (the keys it always had), ``i<n>/`` after it. A second Snapshotter of the job
-    in the same processes (one made again after a restore, an in-process restart) must not
-    read the first one's rounds: its round 0 found the first's agreed step in the store and
-    committed that old step again, and close() took it for the final one. Every rank makes
-    its Snapshotters in the same order, so the count agrees."""
-    n = _INSTANCES.get((job, epoch), 0)
-    _INSTANCES[(job, epoch)] = n + 1
+    """The store-key part of this process's next Coordinator of ``job`` in ``epoch`` on the
+    default process group: "" for the first (the keys it always had), ``i<n>/`` after it.
+    A second Snapshotter of the job on the same group (one made again after a restore)
+    must not read the first one's rounds: its round 0 found the first's agreed step in the
+    store and committed that old step again, and close() took it for the final one. Every
+    rank of a group makes its Snapshotters in the same order, so the count agrees."""
+    import torch.distributed as dist
+
+    counts = _INSTANCES.setdefault(dist.group.WORLD, {})
+    n = counts.get((job, epoch), 0)
+    counts[(job, epoch)] = n + 1
     return "" if n == 0 else f"i{n}/"
 
 

@@ -1,0 +1,168 @@
+"""Runs an in-process-restart job (tools/stacks/inprocess_train.py) and kills one of its ranks
+from outside: for tests/distributed/test_inprocess.py and bench/recovery.py.
+
+``run(work, world, spares, ...)`` hosts the control store (a TCPStore on 127.0.0.1 in this
+process: not a rank, so no rank's death takes it), starts ``world`` ranks and ``spares``
+spares (uids ``world..``), SIGKILLs uid ``victim`` once it logged step ``kill_after`` plus a
+random share of a step, and waits for every process. ``reference(work, world)`` is the same
+training without cudasnap and without a kill. ``Trial`` tells what happened: each rank's
+dump, the pids each uid ran as, the step each rank resumed at, the seconds from the kill to
+every rank's first step of the next generation.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "stacks" / "inprocess_train.py"
+STEP_RE = re.compile(r"\[ip\] uid=(\d+) rank=(\d+) step=(\d+) t=([\d.]+)")
+START_RE = re.compile(r"\[ip\] uid=(\d+) pid=(\d+) gen=(\d+) rank=(\d+) start=(\d+) src=(\S+)")
+
+
+@dataclass
+class Trial:
+    rc: dict[int, int | None] = field(default_factory=dict)  # exit status per uid
+    log: list[tuple[float, int, str]] = field(default_factory=list)
+    killed_at: float | None = None
+    killed_after_step: int | None = None  # the victim's newest step logged before the kill
+    starts: list[dict[str, Any]] = field(default_factory=list)  # one per attempt start
+    out: Path | None = None
+
+    def text(self, n: int = 80) -> str:
+        return "\n".join(f"{t:.3f} uid{u} {ln.rstrip()}" for t, u, ln in self.log[-n:])
+
+    def recovered_s(self) -> float | None:
+        """Kill -> every rank of the next generation executed its first step (logged it)."""
+        if self.killed_at is None:
+            return None
+        firsts: dict[int, float] = {}
+        for t, _, ln in self.log:
+            m = STEP_RE.search(ln)
+            if m and t > self.killed_at:
+                firsts.setdefault(int(m.group(2)), t)
+        gen1 = [s for s in self.starts if s["gen"] > 0]
+        if not gen1 or len(firsts) < len({s["rank"] for s in gen1}):
+            return None
+        return max(firsts.values()) - self.killed_at
+
+    def dumps(self, world: int) -> list[dict[str, Any]]:
+        import torch
+
+        assert self.out is not None
+        return [torch.load(self.out / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(n: int, env_of: Any, trial: Trial) -> tuple[list[subprocess.Popen[str]], list[Any]]:
+    procs, readers = [], []
+    for uid in range(n):
+        p = subprocess.Popen([sys.executable, str(SCRIPT)], env=env_of(uid), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+        procs.append(p)
+
+        def read(u: int = uid, q: subprocess.Popen[str] = p) -> None:
+            assert q.stdout is not None
+            for ln in q.stdout:
+                trial.log.append((time.time(), u, ln))
+                m = START_RE.search(ln)
+                if m:
+                    trial.starts.append({"uid": int(m.group(1)), "pid": int(m.group(2)),
+                                         "gen": int(m.group(3)), "rank": int(m.group(4)),
+                                         "start": int(m.group(5)), "src": m.group(6)})
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        readers.append(t)
+    return procs, readers
+
+
+def _finish(procs: list[subprocess.Popen[str]], readers: list[Any], trial: Trial,
+            timeout: float) -> None:
+    end = time.monotonic() + timeout
+    for uid, p in enumerate(procs):
+        try:
+            trial.rc[uid] = p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            trial.rc[uid] = None
+    for p in procs:
+        p.wait()
+    for t in readers:
+        t.join(timeout=5)
+
+
+def _base_env(work: Path, steps: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "CUDASNAP_HEALTH": "0", "OUT": str(work / "out"), "STEPS": str(steps)})
+    return env
+
+
+def reference(work: Path, world: int, steps: int, timeout: float = 120) -> Trial:
+    """The same training on ``world`` ranks, no cudasnap, no kill."""
+    port = _free_port()
+    trial = Trial(out=work / "out")
+
+    def env_of(uid: int) -> dict[str, str]:
+        return {**_base_env(work, steps), "REF": "1", "CUDASNAP_UID": str(uid), "RANK": str(uid),
+                "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+    procs, readers = _start(world, env_of, trial)
+    _finish(procs, readers, trial, timeout)
+    return trial
+
+
+def run(work: Path, world: int, spares: int, steps: int, victim: int | None,
+        kill_after: int, rng: random.Random, timeout: float = 120,
+        step_s: float = 0.03) -> Trial:
+    """One job under in-process restart; ``victim``: the uid SIGKILLed after its step
+    ``kill_after`` and a random share of a step (None: no kill)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    job = f"ip{uuid.uuid4().hex[:8]}"
+    trial = Trial(out=work / "out")
+
+    def env_of(uid: int) -> dict[str, str]:
+        return {**_base_env(work, steps), "CUDASNAP_CONTROL": f"127.0.0.1:{store.port}",
+                "CUDASNAP_UID": str(uid), "CUDASNAP_WORLD": str(world),
+                "CUDASNAP_NPROC": str(world + spares), "CKPT": str(work / "ckpt"),
+                "CUDASNAP_JOB": job}
+
+    procs, readers = _start(world + spares, env_of, trial)
+    try:
+        end = time.monotonic() + timeout
+        while victim is not None and trial.killed_at is None and time.monotonic() < end:
+            done = [int(m.group(3)) for _, u, ln in list(trial.log) if u == victim
+                    for m in [STEP_RE.search(ln)] if m]
+            if done and max(done) >= kill_after:
+                time.sleep(rng.random() * step_s)
+                done = [int(m.group(3)) for _, u, ln in list(trial.log) if u == victim
+                        for m in [STEP_RE.search(ln)] if m]
+                procs[victim].send_signal(signal.SIGKILL)
+                trial.killed_at = time.time()
+                trial.killed_after_step = max(done)
+            time.sleep(0.002)
+        _finish(procs, readers, trial, max(1.0, end - time.monotonic()))
+    finally:
+        for p in Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm")).glob(f"cudasnap-{job}-*"):
+            p.unlink(missing_ok=True)
+    return trial

@@ -1,0 +1,96 @@
+"""One process of an in-process-restart job (cudasnap.distributed.inprocess), launched by
+tools/stacks/inprocess_harness.py (tests/distributed/test_inprocess.py, bench/recovery.py).
+
+Env: CUDASNAP_CONTROL / CUDASNAP_UID / CUDASNAP_WORLD / CUDASNAP_NPROC (the membership), CKPT
+(snapshot directory), CUDASNAP_JOB, OUT, STEPS, REF=1 (no cudasnap: plain gloo over env://,
+the uninterrupted reference). A data-parallel MLP: gradients all-reduced by hand, AdamW, the batch
+of each step drawn from (step, rank). Prints ``[ip] uid=U pid=P gen=G rank=R start=S`` when an
+attempt starts and ``[ip] uid=U rank=R step=S t=<time>`` after each step; at the end, rank R
+writes OUT/rank-R.pt: parameters, optimizer state, the pids it ran as, its uid.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def train_step(m: torch.nn.Module, o: torch.optim.Optimizer, step: int, rank: int,
+               world: int) -> None:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    m(torch.randn(16, 64, generator=g)).square().mean().backward()
+    for p in m.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    o.step()
+    o.zero_grad(set_to_none=True)
+
+
+def dump(m: torch.nn.Module, o: torch.optim.Optimizer, rank: int, extra: dict) -> None:
+    out = Path(os.environ["OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"p.{k}": v.detach().clone() for k, v in m.state_dict().items()}
+    for i, st in enumerate(o.state.values()):
+        for k, v in st.items():
+            tensors[f"o{i}.{k}"] = torch.as_tensor(v).clone()
+    torch.save({"tensors": tensors, **extra}, out / f"rank-{rank}.pt")
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    steps = int(os.environ.get("STEPS", "40"))
+    uid = int(os.environ["CUDASNAP_UID"])
+    m, o = build()  # a spare builds its model before it waits: warm
+    if os.environ.get("REF"):
+        dist.init_process_group("gloo")
+        r, w = dist.get_rank(), dist.get_world_size()
+        for step in range(steps):
+            train_step(m, o, step, r, w)
+        dump(m, o, r, {"pids": [os.getpid()], "uid": uid})
+        dist.destroy_process_group()
+        return 0
+    import cudasnap
+    from cudasnap.distributed.inprocess import InProcessRestart
+
+    ipr = InProcessRestart()
+    pids: list[int] = []
+    rank = -1
+    for attempt in ipr.attempts():
+        rank = attempt.rank
+        with attempt:
+            snap = cudasnap.Snapshotter(m, o, directory=os.environ["CKPT"], health=False)
+            with snap:
+                start = snap.restore_latest()
+                pids.append(os.getpid())
+                print(f"[ip] uid={uid} pid={os.getpid()} gen={attempt.gen} rank={rank} "
+                      f"start={start + 1} src={(snap.stats().get('restore') or {}).get('source')}",
+                      flush=True)
+                for step in range(start, steps):
+                    attempt.check()
+                    train_step(m, o, step, rank, attempt.world)
+                    snap.boundary(step)
+                    print(f"[ip] uid={uid} rank={rank} step={step + 1} t={time.time():.3f}",
+                          flush=True)
+                    time.sleep(0.02)
+                snap.flush()
+    if rank >= 0:
+        dump(m, o, rank, {"pids": pids, "uid": uid})
+    ipr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
