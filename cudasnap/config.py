@@ -58,6 +58,14 @@ CUDASNAP_NODE_REPLICA           see right 0         node-loss protection: 1 (eac
                                                     "Node loss")
 CUDASNAP_NODE_ID                str      hostname   this process's node (partners are chosen by node;
                                                     set it to tell "nodes" on one host apart)
+CUDASNAP_CONTROL                host:port unset     in-process restart: the control store (a TCPStore
+                                                    no rank hosts; cudasnap.distributed.inprocess)
+CUDASNAP_UID                    int>=0   unset      in-process restart: this process's id (ranks 0..W-1,
+                                                    then the spares)
+CUDASNAP_WORLD                  int>0    unset      in-process restart: the ranks of a generation
+CUDASNAP_NPROC                  int>0    WORLD      in-process restart: ranks + spares
+CUDASNAP_PG_TIMEOUT_S           float>0  10         in-process restart: the process group's timeout (the
+                                                    bound on a rank stuck in a collective with a lost peer)
 CUDASNAP_REPLICA_ADDR           str      see right  address the replica server listens on and publishes
                                                     (default: this host's address on the route to
                                                     MASTER_ADDR, else 127.0.0.1)
@@ -118,6 +126,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .env_parse import _FALSE, _TRUE, _path, _raw, env_bool, env_float, env_int, env_url
 from .errors import ConfigError
 
 # Snapshotter keyword defaults (see the table above).
@@ -224,69 +233,6 @@ def resolve_rank(rank: int | None, world_size: int | None, env: Settings
     return r, w, on
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _raw(env: Mapping[str, str], name: str) -> str | None:
-    v = env.get(name, "").strip()
-    return v or None
-
-
-def _path(v: str | None) -> Path | None:
-    return Path(v) if v is not None else None
-
-
-def env_bool(env: Mapping[str, str], name: str) -> bool | None:
-    """True/False, or None when unset or empty."""
-    v = _raw(env, name)
-    if v is None:
-        return None
-    if v.lower() in _TRUE:
-        return True
-    if v.lower() in _FALSE:
-        return False
-    raise ConfigError(f"environment variable {name}={v!r} is not a boolean (use 1 or 0)")
-
-
-def env_float(env: Mapping[str, str], name: str, default: float | None = None) -> float | None:
-    """A positive finite number, or ``default`` when unset."""
-    v = _raw(env, name)
-    if v is None:
-        return default
-    try:
-        f = float(v)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={v!r} is not a number") from None
-    if not (0 < f < float("inf")):
-        raise ConfigError(f"environment variable {name}={v!r} must be a positive number")
-    return f
-
-
-def env_url(env: Mapping[str, str], name: str) -> str | None:
-    """An ``http://`` or ``https://`` URL, or None when unset."""
-    v = _raw(env, name)
-    if v is None:
-        return None
-    if not v.lower().startswith(("http://", "https://")) or len(v.split("://", 1)[1]) == 0:
-        raise ConfigError(f"environment variable {name}={v!r} is not an http:// or https:// URL")
-    return v
-
-
-def env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    """A non-negative int, or ``default`` when unset."""
-    v = _raw(env, name)
-    if v is None:
-        return default
-    try:
-        i = int(v)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={v!r} is not an integer") from None
-    if i < 0:
-        raise ConfigError(f"environment variable {name}={v!r} must not be negative")
-    return i
-
-
 @dataclass(frozen=True)
 class Settings:
     directory: str | None = None
@@ -328,6 +274,12 @@ class Settings:
     node_id: str | None = None
     replica_addr: str | None = None
     replica_max_mbps: float | None = None
+    # in-process restart (cudasnap.distributed.inprocess)
+    control: str | None = None
+    uid: int | None = None
+    world: int | None = None
+    nproc: int | None = None
+    pg_timeout_s: float = 10.0
     # test-only: CUDASNAP_TEST_KILL_AT or CUDASNAP_TEST_DIE_IN_FLUSH is set, so the fault
     # hooks of cudasnap._testing are loaded for this process (cudasnap._points)
     test_hooks: bool = False
@@ -374,6 +326,11 @@ class Settings:
             node_id=_raw(e, "CUDASNAP_NODE_ID"),
             replica_addr=_raw(e, "CUDASNAP_REPLICA_ADDR"),
             replica_max_mbps=env_float(e, "CUDASNAP_REPLICA_MAX_MBPS"),
+            control=_raw(e, "CUDASNAP_CONTROL"),
+            uid=_opt_int(e, "CUDASNAP_UID"),
+            world=_opt_int(e, "CUDASNAP_WORLD"),
+            nproc=_opt_int(e, "CUDASNAP_NPROC"),
+            pg_timeout_s=env_float(e, "CUDASNAP_PG_TIMEOUT_S", 10.0) or 10.0,
         )
 
 

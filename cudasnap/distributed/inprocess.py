@@ -63,6 +63,36 @@ class PeerLost(RuntimeError):
     attempt ends and the next one re-forms the group."""
 
 
+def _drop_groups() -> list[object]:
+    """Every process group of this process forgotten now; returns them, to be kept.
+
+    ``_abort_process_group()`` calls each group's ``abort()``, and gloo's waits for an
+    operation still in flight (one this rank left when a peer was lost: its ring neighbour
+    never sends) until the group's timeout, holding the GIL (every thread of the process
+    stops: 10 s of a 4-rank recovery, measured). So the bookkeeping it does after that
+    (torch.distributed's ``_world``) is done here, as it does it, and no ``abort()`` is
+    called: the old groups are kept alive (a release would wait alike) until their
+    operations have timed out (``InProcessRestart.close``). A torch whose ``_world``
+    differs gets the blocking call."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    w = c10d._world
+    try:
+        old: list[object] = list(w.pg_names)
+        c10d._update_default_pg(None)
+        for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config,
+                      w.pg_to_tag, w.tags_to_pg, w.pg_coalesce_state):
+            table.clear()
+        c10d._unregister_all_process_groups()
+        w.group_count = 0
+    except AttributeError as e:
+        log.debug("in-process restart: blocking abort (%s)", e)
+        c10d._abort_process_group()
+        return []
+    return old
+
+
 @dataclass
 class Attempt:
     """One generation of the job: this process's rank in it; a context that turns the loss of
@@ -81,6 +111,18 @@ class Attempt:
         """PeerLost once the job has moved to a later generation (a peer was lost)."""
         if self.owner.generation() != self.gen:
             raise PeerLost(f"generation {self.gen} ended: a peer was lost")
+
+    def wait(self, work: object, poll_s: float = 0.0005) -> None:
+        """Waits for a collective issued with ``async_op=True``; PeerLost as soon as the
+        monitor sees the generation move on. A rank whose gloo peers are all alive but one
+        of whose ring neighbours left would otherwise wait in it until the group's timeout
+        (hand-written collectives; DDP's and FSDP's own end at that timeout)."""
+        while not work.is_completed():  # type: ignore[attr-defined]
+            if self.owner.seen_gen != self.gen:
+                self.owner.abandoned.append(work)  # its release could wait for the op
+                raise PeerLost(f"generation {self.gen} ended: a peer was lost")
+            time.sleep(poll_s)
+        work.wait()  # type: ignore[attr-defined]  # its error, if it failed
 
     def __enter__(self) -> Attempt:
         return self
@@ -107,16 +149,26 @@ class InProcessRestart:
                  pg_timeout_s: float | None = None, backend: str = "gloo") -> None:
         import torch.distributed as dist
 
-        addr = control or os.environ.get("CUDASNAP_CONTROL", "")
+        from ..config import Settings
+        from ..errors import ConfigError
+
+        cfg = Settings.from_env()
+        addr = control or cfg.control or ""
         host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"in-process restart needs the control store's host:port "
-                             f"(CUDASNAP_CONTROL, set by `cudasnap run --inprocess`), got {addr!r}")
-        self.uid = int(os.environ["CUDASNAP_UID"] if uid is None else uid)
-        self.world = int(os.environ["CUDASNAP_WORLD"] if world is None else world)
+        uid = cfg.uid if uid is None else uid
+        world = cfg.world if world is None else world
+        if not host or not port.isdigit() or uid is None or not world:
+            raise ConfigError(
+                "in-process restart needs the control store's host:port (CUDASNAP_CONTROL), "
+                f"this process's id (CUDASNAP_UID) and the ranks (CUDASNAP_WORLD); got "
+                f"{addr!r}, {uid!r}, {world!r}")
+        self.uid, self.world = int(uid), int(world)
+        self.nproc = cfg.nproc or self.world
         self.heartbeat_s, self.stale_s, self.backend = heartbeat_s, stale_s, backend
-        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s or float(
-            os.environ.get("CUDASNAP_PG_TIMEOUT_S", "10")))
+        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s or cfg.pg_timeout_s)
+        self._old_groups: list[object] = []  # kept until their operations timed out
+        self._dropped_at: float | None = None
+        self.abandoned: list[object] = []  # collectives left in flight (Attempt.wait)
 
         def client() -> dist.TCPStore:
             return dist.TCPStore(host, int(port), is_master=False,
@@ -128,6 +180,7 @@ class InProcessRestart:
         self._store.compare_set("members/0", "", json.dumps(list(range(self.world))))
         self._beat(self._store)
         self._said: set[int] = set()  # generations whose lack of spares was logged
+        self.seen_gen = 0  # the generation the monitor saw last (Attempt.wait polls it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="cudasnap-inprocess",
                                         daemon=True)
@@ -187,16 +240,17 @@ class InProcessRestart:
 
     def _known(self, s: object) -> list[int]:
         """Every process's uid: the ranks, then the spares (CUDASNAP_NPROC in all)."""
-        return list(range(int(os.environ.get("CUDASNAP_NPROC", str(self.world)))))
+        return list(range(self.nproc))
 
     def _monitor(self) -> None:
         s = self._mon
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self._beat(s)
-                gen = self.generation(s)
+                gen = self.seen_gen = self.generation(s)
                 if self.uid in self.members(gen, s):
                     self._propose(gen, s)
+                    self.seen_gen = self.generation(s)
             except Exception as e:  # noqa: BLE001 - the control store gone: the job ends
                 log.debug("in-process monitor: %s", e)
 
@@ -228,7 +282,6 @@ class InProcessRestart:
         (a spare waits for one); ends after an attempt that finished without a peer loss."""
         import torch.distributed as dist
 
-        c10d = dist.distributed_c10d
         seen = -1
         self._ready = True
         self._beat(self._store)
@@ -244,7 +297,8 @@ class InProcessRestart:
                 continue
             seen = gen
             if dist.is_initialized():
-                c10d._abort_process_group()  # does not wait for an op stuck in gloo
+                self._old_groups += _drop_groups()
+                self._dropped_at = time.monotonic()
             t0 = time.monotonic()
             rank = members.index(self.uid)
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{gen}", self._store),
@@ -260,8 +314,14 @@ class InProcessRestart:
                 return
 
     def close(self) -> None:
+        """Stops the monitor, lets the old groups' operations time out (a gloo thread still
+        in an abandoned operation when the interpreter exits ends the process with
+        SIGABRT; at most the group timeout after the last restart), destroys the group."""
         self._stop.set()
         self._thread.join(timeout=2)
+        if self._dropped_at is not None:  # an old group's op may still wait for its timeout
+            time.sleep(max(0.0, self._dropped_at + self.pg_timeout.total_seconds() + 1
+                           - time.monotonic()))
         import torch.distributed as dist
 
         if dist.is_initialized():

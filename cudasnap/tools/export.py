@@ -188,11 +188,10 @@ def _json_value(v: Any) -> Any:  # json.dumps default for param groups and scala
     return tolist() if callable(tolist) else str(v)
 
 
-def _refuse_peft(directory: Path, step: int | None) -> None:
-    """ConfigError for a snapshot of a PEFT model (cudasnap.tools.export_peft writes it)."""
-    from .export_peft import peft_record
-
-    if peft_record(directory, step) is not None:
+def _refuse_peft(m0: dict[str, Any], directory: Path) -> None:
+    """ConfigError for a snapshot of a PEFT model (its manifest's ``dcp_names["peft"]``):
+    cudasnap.tools.export_peft writes what PEFT and from_pretrained load."""
+    if ((m0.get("dcp_names") or {}).get("peft")):
         raise ConfigError(
             f"{directory}: a snapshot of a PEFT model: its wrapper's names (base_layer, "
             "lora_A.default) match no loader; use cudasnap.tools.export_peft.export_adapters "
@@ -227,10 +226,10 @@ def export_safetensors(directory: Path, to_file: Path, step: int | None = None,
     ``from_pretrained`` load (``cudasnap export --to safetensors [--merged]`` picks them)."""
     from safetensors.torch import save_file
 
-    _refuse_peft(directory, step)
     model_file, optim_file = safetensors_paths(directory, to_file, optimizer)
     snap = _step_dir(directory, step)
     g = gather(directory, snap.step)
+    _refuse_peft(g.manifest, directory)
     step_, chunks, m0 = g.step, g.chunks, g.manifest
 
     def groups(kind: str) -> list[str]:

@@ -98,6 +98,7 @@ REVIEWED_WRITES = {
     ("core/state.py", "lt.owner"): "TrainingState's own LiveTensors",
     ("core/state.py", "lt.shard"): "TrainingState's own LiveTensors",
     ("core/state.py", "lt.tensor"): "TrainingState's own LiveTensors",
+    ("core/apply.py", "p.grad"): "a restore leaves the registered models no gradients (issue 46)",
 }
 
 

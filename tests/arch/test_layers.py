@@ -3,7 +3,7 @@ only from its own floor or the floors below it.
 
 Floors, lowest first (``FLOORS``)::
 
-    leaves    errors, config, _points, _native, _proc, _C   (no cudasnap package below)
+    leaves    errors, config, env_parse, _points, _native, _proc, _C   (no package below)
     format    names, manifests, codec                        (what is on disk)
     storage   where snapshots live; the byte counters and progress bars of their I/O
     core      the Snapshotter's mechanisms, and _cuda (the CUDA glue they drive)
@@ -37,7 +37,8 @@ PKG = REPO / "cudasnap"
 # Lowest first. An entry names a module or a package (and everything under it); the root
 # package "cudasnap" names cudasnap/__init__.py only.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("cudasnap.errors", "cudasnap.config", "cudasnap._points", "cudasnap._native",
+    ("leaves", ("cudasnap.errors", "cudasnap.config", "cudasnap.env_parse", "cudasnap._points",
+                "cudasnap._native",
                 "cudasnap._proc", "cudasnap._C")),
     ("format", ("cudasnap.format",)),
     ("storage", ("cudasnap.storage",)),

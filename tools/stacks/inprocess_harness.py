@@ -44,19 +44,30 @@ class Trial:
     def text(self, n: int = 80) -> str:
         return "\n".join(f"{t:.3f} uid{u} {ln.rstrip()}" for t, u, ln in self.log[-n:])
 
-    def recovered_s(self) -> float | None:
-        """Kill -> every rank of the next generation executed its first step (logged it)."""
+    def recovered_s(self, world: int) -> float | None:
+        """Kill -> every rank of the job after it executed its first step (logged it): for
+        each attempt start logged after the kill, its process's first step line after it."""
         if self.killed_at is None:
             return None
-        firsts: dict[int, float] = {}
-        for t, _, ln in self.log:
-            m = STEP_RE.search(ln)
-            if m and t > self.killed_at:
-                firsts.setdefault(int(m.group(2)), t)
-        gen1 = [s for s in self.starts if s["gen"] > 0]
-        if not gen1 or len(firsts) < len({s["rank"] for s in gen1}):
+        after = [st for st in self.starts if st["t"] > self.killed_at]
+        if len({st["rank"] for st in after}) < world:
             return None
-        return max(firsts.values()) - self.killed_at
+        firsts = []
+        for st in after:
+            t = next((t for t, _, ln in self.log if t > st["t"]
+                      and (m := STEP_RE.search(ln)) and int(m.group(1)) == st["uid"]), None)
+            if t is None:
+                return None
+            firsts.append(t)
+        return max(firsts) - self.killed_at
+
+    def replayed(self) -> int | None:
+        """Steps logged before the kill that the job trained again (the newest step the
+        victim logged + 1 - the step the job resumed at)."""
+        after = {st["start"] for st in self.starts if self.killed_at and st["t"] > self.killed_at}
+        if self.killed_after_step is None or len(after) != 1:
+            return None
+        return self.killed_after_step + 1 - after.pop()
 
     def dumps(self, world: int) -> list[dict[str, Any]]:
         import torch
@@ -71,26 +82,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(n: int, env_of: Any, trial: Trial) -> tuple[list[subprocess.Popen[str]], list[Any]]:
-    procs, readers = [], []
-    for uid in range(n):
-        p = subprocess.Popen([sys.executable, str(SCRIPT)], env=env_of(uid), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
-        procs.append(p)
-
+def _readers(procs: list[subprocess.Popen[str]], trial: Trial) -> list[threading.Thread]:
+    """One thread per process collecting its lines (and the attempt starts) into ``trial``."""
+    readers = []
+    for uid, p in enumerate(procs):
         def read(u: int = uid, q: subprocess.Popen[str] = p) -> None:
             assert q.stdout is not None
             for ln in q.stdout:
                 trial.log.append((time.time(), u, ln))
                 m = START_RE.search(ln)
                 if m:
-                    trial.starts.append({"uid": int(m.group(1)), "pid": int(m.group(2)),
+                    trial.starts.append({"t": time.time(), "uid": int(m.group(1)),
+                                         "pid": int(m.group(2)),
                                          "gen": int(m.group(3)), "rank": int(m.group(4)),
                                          "start": int(m.group(5)), "src": m.group(6)})
         t = threading.Thread(target=read, daemon=True)
         t.start()
         readers.append(t)
-    return procs, readers
+    return readers
+
+
+def _start(n: int, env_of: Any, trial: Trial) -> tuple[list[subprocess.Popen[str]],
+                                                     list[threading.Thread]]:
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env=env_of(uid), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+             for uid in range(n)]
+    return procs, _readers(procs, trial)
 
 
 def _finish(procs: list[subprocess.Popen[str]], readers: list[Any], trial: Trial,
@@ -129,6 +146,41 @@ def reference(work: Path, world: int, steps: int, timeout: float = 120) -> Trial
     return trial
 
 
+def classic(work: Path, world: int, steps: int, victim: int, kill_after: int,
+            rng: random.Random, timeout: float = 180, step_s: float = 0.03) -> Trial:
+    """The same job without in-process restart, as cudasnap runs it today: ``cudasnap run
+    -- torchrun --max-restarts=0``; rank ``victim``'s process SIGKILLed after its step
+    ``kill_after``; ``cudasnap run`` restarts every process (from shared memory)."""
+    trial = Trial(out=work / "out")
+    env = {**_base_env(work, steps), "CLASSIC": "1", "CKPT": str(work / "ckpt"),
+           "CUDASNAP_JOB": f"ipc{uuid.uuid4().hex[:8]}"}
+    cmd = [sys.executable, "-m", "cudasnap", "run", "--dir", str(work / "ckpt"),
+           "--max-restarts", "3", "--", sys.executable, "-m", "torch.distributed.run",
+           "--standalone", f"--nproc-per-node={world}", "--max-restarts=0",
+           "--monitor-interval=0.1", str(SCRIPT)]
+    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    readers = _readers([p], trial)
+    end = time.monotonic() + timeout
+    while trial.killed_at is None and time.monotonic() < end and p.poll() is None:
+        done = _steps_of(trial, victim)
+        if done and max(done) >= kill_after:
+            time.sleep(rng.random() * step_s)
+            pid = [st["pid"] for st in trial.starts if st["uid"] == victim][-1]
+            trial.killed_after_step = max(_steps_of(trial, victim))
+            os.kill(pid, signal.SIGKILL)
+            trial.killed_at = time.time()
+        time.sleep(0.002)
+    _finish([p], readers, trial, max(1.0, end - time.monotonic()))
+    trial.rc = {r: trial.rc.get(0) for r in range(world)}
+    return trial
+
+
+def _steps_of(trial: Trial, uid: int) -> list[int]:
+    return [int(m.group(3)) for _, _, ln in list(trial.log)
+            for m in [STEP_RE.search(ln)] if m and int(m.group(1)) == uid]
+
+
 def run(work: Path, world: int, spares: int, steps: int, victim: int | None,
         kill_after: int, rng: random.Random, timeout: float = 120,
         step_s: float = 0.03) -> Trial:
@@ -151,15 +203,12 @@ def run(work: Path, world: int, spares: int, steps: int, victim: int | None,
     try:
         end = time.monotonic() + timeout
         while victim is not None and trial.killed_at is None and time.monotonic() < end:
-            done = [int(m.group(3)) for _, u, ln in list(trial.log) if u == victim
-                    for m in [STEP_RE.search(ln)] if m]
+            done = _steps_of(trial, victim)
             if done and max(done) >= kill_after:
                 time.sleep(rng.random() * step_s)
-                done = [int(m.group(3)) for _, u, ln in list(trial.log) if u == victim
-                        for m in [STEP_RE.search(ln)] if m]
+                trial.killed_after_step = max(_steps_of(trial, victim))
                 procs[victim].send_signal(signal.SIGKILL)
                 trial.killed_at = time.time()
-                trial.killed_after_step = max(done)
             time.sleep(0.002)
         _finish(procs, readers, trial, max(1.0, end - time.monotonic()))
     finally:

@@ -3,10 +3,12 @@ tools/stacks/inprocess_harness.py (tests/distributed/test_inprocess.py, bench/re
 
 Env: CUDASNAP_CONTROL / CUDASNAP_UID / CUDASNAP_WORLD / CUDASNAP_NPROC (the membership), CKPT
 (snapshot directory), CUDASNAP_JOB, OUT, STEPS, REF=1 (no cudasnap: plain gloo over env://,
-the uninterrupted reference). A data-parallel MLP: gradients all-reduced by hand, AdamW, the batch
-of each step drawn from (step, rank). Prints ``[ip] uid=U pid=P gen=G rank=R start=S`` when an
-attempt starts and ``[ip] uid=U rank=R step=S t=<time>`` after each step; at the end, rank R
-writes OUT/rank-R.pt: parameters, optimizer state, the pids it ran as, its uid.
+the uninterrupted reference), CLASSIC=1 (cudasnap without in-process restart, under
+``cudasnap run -- torchrun``: every process starts again after a loss). A data-parallel
+MLP: gradients all-reduced by hand, AdamW, the batch of each step drawn from (step, rank).
+Prints ``[ip] uid=U pid=P gen=G rank=R start=S`` when an attempt starts and
+``[ip] uid=U rank=R step=S t=<time>`` after each step; at the end, rank R writes
+OUT/rank-R.pt: parameters, optimizer state, the pids it ran as, its uid.
 """
 from __future__ import annotations
 
@@ -28,12 +30,15 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def train_step(m: torch.nn.Module, o: torch.optim.Optimizer, step: int, rank: int,
-               world: int) -> None:
+               world: int, attempt: object = None) -> None:
     g = torch.Generator().manual_seed(step * 1000 + rank)
     m(torch.randn(16, 64, generator=g)).square().mean().backward()
     for p in m.parameters():
         assert p.grad is not None
-        dist.all_reduce(p.grad)
+        if attempt is None:
+            dist.all_reduce(p.grad)
+        else:  # left as soon as a peer is lost (Attempt.wait)
+            attempt.wait(dist.all_reduce(p.grad, async_op=True))  # type: ignore[attr-defined]
         p.grad /= world
     o.step()
     o.zero_grad(set_to_none=True)
@@ -50,9 +55,13 @@ def dump(m: torch.nn.Module, o: torch.optim.Optimizer, rank: int, extra: dict) -
 
 
 def main() -> int:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, file=sys.stdout)  # where a hung process is
     torch.set_num_threads(1)
     steps = int(os.environ.get("STEPS", "40"))
-    uid = int(os.environ["CUDASNAP_UID"])
+    uid = int(os.environ.get("CUDASNAP_UID") or os.environ.get("RANK", "0"))
     m, o = build()  # a spare builds its model before it waits: warm
     if os.environ.get("REF"):
         dist.init_process_group("gloo")
@@ -63,6 +72,25 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     import cudasnap
+
+    if os.environ.get("CLASSIC"):  # today's way: one process per rank per attempt (torchrun)
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        snap = cudasnap.Snapshotter(m, o, directory=os.environ["CKPT"], health=False)
+        start = snap.restore_latest()
+        src = (snap.stats().get("restore") or {}).get("source")
+        print(f"[ip] uid={rank} pid={os.getpid()} gen={os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+              f" rank={rank} start={start + 1} src={src}", flush=True)
+        for step in range(start, steps):
+            train_step(m, o, step, rank, world)
+            snap.boundary(step)
+            print(f"[ip] uid={rank} rank={rank} step={step + 1} t={time.time():.3f}", flush=True)
+            time.sleep(0.02)
+        snap.flush()
+        snap.close()
+        dump(m, o, rank, {"pids": [os.getpid()], "uid": rank})
+        dist.destroy_process_group()
+        return 0
     from cudasnap.distributed.inprocess import InProcessRestart
 
     ipr = InProcessRestart()
@@ -80,7 +108,7 @@ def main() -> int:
                       flush=True)
                 for step in range(start, steps):
                     attempt.check()
-                    train_step(m, o, step, rank, attempt.world)
+                    train_step(m, o, step, rank, attempt.world, attempt)
                     snap.boundary(step)
                     print(f"[ip] uid={uid} rank={rank} step={step + 1} t={time.time():.3f}",
                           flush=True)
