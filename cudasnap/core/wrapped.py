@@ -37,6 +37,7 @@ import torch
 
 from ..errors import ConfigError, IncompatibleSnapshot
 from ..format import codec
+from . import sharded
 
 # The manifest's "wrapper" record of one inner tensor (see the module doc).
 Record = dict[str, Any]
@@ -58,7 +59,7 @@ def is_wrapper(t: object) -> bool:
     cls = type(t)
     if cls is torch.Tensor or cls is torch.nn.Parameter or not isinstance(t, torch.Tensor):
         return False
-    if cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed"):
+    if sharded.is_dtensor(t):
         return False
     return callable(getattr(cls, "__tensor_flatten__", None)) and \
         callable(getattr(cls, "__tensor_unflatten__", None))

@@ -108,8 +108,9 @@ class Attempt:
     lost: BaseException | None = field(default=None, repr=False)
 
     def check(self) -> None:
-        """PeerLost once the job has moved to a later generation (a peer was lost)."""
-        if self.owner.generation() != self.gen:
+        """PeerLost once the job has moved to a later generation (a peer was lost): the
+        generation the monitor saw last (no store round trip per step)."""
+        if self.owner.seen_gen != self.gen:
             raise PeerLost(f"generation {self.gen} ended: a peer was lost")
 
     def wait(self, work: object, poll_s: float = 0.0005) -> None:
@@ -220,7 +221,7 @@ class InProcessRestart:
         dead = [u for u in old if not self._alive(u, s, now)]
         if not dead:
             return False
-        spares = sorted(u for u in self._known(s)
+        spares = sorted(u for u in range(self.nproc)
                         if u not in old and self._alive(u, s, now, ready=True))
         if len(spares) < len(dead):
             if gen not in self._said:
@@ -237,10 +238,6 @@ class InProcessRestart:
                         "uid(s) %s", gen + 1, [old.index(u) for u in dead],
                         [new[old.index(u)] for u in dead])
         return True
-
-    def _known(self, s: object) -> list[int]:
-        """Every process's uid: the ranks, then the spares (CUDASNAP_NPROC in all)."""
-        return list(range(self.nproc))
 
     def _monitor(self) -> None:
         s = self._mon
@@ -296,6 +293,7 @@ class InProcessRestart:
                 time.sleep(0.02)
                 continue
             seen = gen
+            self.seen_gen = max(self.seen_gen, gen)  # before the monitor's next beat
             if dist.is_initialized():
                 self._old_groups += _drop_groups()
                 self._dropped_at = time.monotonic()
