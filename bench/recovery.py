@@ -3,7 +3,8 @@ restart (cudasnap.distributed.inprocess: survivors keep their process, a warm sp
 lost rank, every rank restores from shared memory) against today's full restart (``cudasnap run
 -- torchrun --max-restarts=0``: every process starts again), measured side by side in one run.
 
-    python bench/recovery.py --quick            # 2 and 4 ranks, 5 trials per mode and size
+    python bench/recovery.py --quick            # 2 and 4 ranks, 5 trials per mode and size,
+                                                # and 5 node losses (2 nodes x 2 ranks)
     python bench/recovery.py --worlds 2 --trials 3
 
 The job: tools/stacks/inprocess_train.py (a data-parallel MLP on gloo, CPU) through
@@ -11,6 +12,13 @@ tools/stacks/inprocess_harness.py. Each trial: kill -> every rank of the job aft
 its first step (``kill_to_all_stepping_s``), the survivors' pids kept (in-process), the steps
 replayed, and the final state of every rank against an uninterrupted run (bitwise). Prints one
 JSON line: per world size and mode the median seconds and the in-process / full-restart ratio.
+
+Node loss (``node_loss``): 2 "nodes" of 2 ranks, each its own shared memory and node id
+(CUDASNAP_NODE_REPLICA=1), and 2 spares on a third; both processes of one node SIGKILLed at once
+and its memory removed. Nothing on the other node sees their pids: the loss is seen when their
+heartbeats go stale (``stale_s``, 1.5 s), as a node that lost power. The spares restore from the
+copies the surviving node holds. Its full-restart counterpart is bench/node_loss.py
+(``recovery_s_peer``: every process of both nodes started again), not run here.
 """
 from __future__ import annotations
 
@@ -46,8 +54,11 @@ def _trial(mode: str, world: int, work: Path, ref: harness.Trial,
            rng: random.Random) -> dict[str, Any]:
     victim = rng.randrange(world)
     kill_after = rng.randrange(3, STEPS - 8)
-    if mode == "inprocess":
-        t = harness.run(work, world, 1, STEPS, victim=victim, kill_after=kill_after, rng=rng)
+    if mode in ("inprocess", "node_loss"):
+        nodes = 2 if mode == "node_loss" else 1
+        victim = victim - victim % 2 if nodes == 2 else victim  # the lost node's first rank
+        t = harness.run(work, world, nodes, STEPS, victim=victim, kill_after=kill_after,  # a spare per lost rank
+                        rng=rng, nodes=nodes)
         before = {s["uid"]: s["pid"] for s in t.starts if s["gen"] == 0}
         kept = all(s["pid"] == before.get(s["uid"]) for s in t.starts
                    if s["gen"] > 0 and s["uid"] in before)
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--node-loss-trials", type=int, default=None,
+                    help="node losses on 2 nodes x 2 ranks (default: --trials; 0: none)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 30)
@@ -96,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
                 "max_replayed": max((r["replayed_steps"] or 0) for r in ok),
                 "survivor_pids_kept": all(r["survivor_pids_kept"] for r in ok
                                           if r["mode"] == "inprocess")}
+        n_node = a.trials if a.node_loss_trials is None else a.node_loss_trials
+        if n_node:
+            ref = harness.reference(Path(tmp) / "ref-node", 4, STEPS)
+            for i in range(n_node):
+                r = _trial("node_loss", 4, Path(tmp) / f"node{i}", ref, rng)
+                rows.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+            nl = [r for r in rows if r["mode"] == "node_loss"]
+            secs = [r["kill_to_all_stepping_s"] for r in nl if r["kill_to_all_stepping_s"]]
+            summary["node_loss"] = {
+                "nodes": 2, "ranks_per_node": 2,
+                "kill_to_all_stepping_s_median": statistics.median(secs) if secs else None,
+                "bitwise": sum(r["bitwise"] for r in nl), "trials": len(nl),
+                "max_replayed": max((r["replayed_steps"] or 0) for r in nl),
+                "survivor_pids_kept": all(r["survivor_pids_kept"] for r in nl),
+                "restore_source": sorted({s for r in nl for s in r["restore_source"]})}
     out = {"bench": "recovery", "seed": seed, "steps": STEPS, "summary": summary,
            "trials": rows}
     line = json.dumps(out)

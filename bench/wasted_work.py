@@ -31,12 +31,12 @@ from cudasnap.modelling.analysis import (  # noqa: E402
     DEFAULT_FLUSH_GBPS,
     DEFAULT_JIT_OVERHEAD,
     DEFAULT_RESTART_SECONDS,
-    PRESETS,
     Scenario,
     compare,
     jit_waste,
     periodic_waste,
 )
+from cudasnap.modelling.presets import PRESETS  # noqa: E402
 from cudasnap.modelling.simulate import simulate_waste  # noqa: E402
 
 DEFAULT_GPUS = (8, 64, 512, 4096, 16384, 131072)

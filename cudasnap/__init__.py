@@ -44,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from .snapshotter import Snapshotter
 
         return Snapshotter
+    if name == "run_inprocess":  # in-process restart: survivors keep their process
+        from .distributed.inprocess import run_inprocess
+
+        return run_inprocess
     if name == "load_resharded":  # a cudasnap export --to dcp checkpoint, any mesh
         from .core.dcp_load import load_resharded
 
@@ -51,6 +55,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'cudasnap' has no attribute {name!r}")
 
 
-__all__ = ["Snapshotter", "load_resharded", "build_info", "SnapshotError", "CorruptSnapshot",
+__all__ = ["Snapshotter", "load_resharded", "run_inprocess", "build_info", "SnapshotError", "CorruptSnapshot",
            "IncompatibleSnapshot", "StagingError", "FlushError", "CudaError", "ConfigError",
            "__version__"]

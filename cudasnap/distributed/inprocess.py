@@ -6,28 +6,35 @@ resiliency-ext's ``inprocess.Wrapper`` or torchft, measured on this machine):
 
 * a **control store** (a ``TCPStore`` hosted by a process that is not a rank: ``cudasnap run
   --inprocess``, or the caller) holds each process's heartbeat (``hb/<uid>``: time, pid,
-  host), the generation ``gen`` and its members ``members/<gen>`` (the uid of each rank, in
-  rank order);
+  node, ready), the generation ``gen``, its members ``members/<gen>`` (the uid of each rank,
+  in rank order), ``join/<gen>/<uid>``, and ``done`` / ``failed`` at the end;
 * a **monitor thread** per process beats every ``heartbeat_s`` and checks the members of the
-  current generation: a peer on this host is dead when its pid is gone or a zombie (seen at
-  once), any peer when its heartbeat is older than ``stale_s``. It then proposes the next
-  generation (the first proposal stored wins): the same members, each dead one replaced, in
-  its rank, by a live spare, so a survivor's rank, and so its arena, never changes;
+  current generation: a peer on this node (``CUDASNAP_NODE_ID``, default the host name) is
+  dead when its pid is gone or a zombie (seen at once), any peer when its heartbeat is older
+  than ``stale_s`` (a lost node: its ranks' spares restore from the copies another node
+  holds, ``CUDASNAP_NODE_REPLICA``). It then proposes the next generation (the first
+  proposal stored wins): the same members, each dead one replaced, in its rank, by a ready
+  spare, so a survivor's rank, and so its arena, never changes. No spare left: ``failed``
+  is set, the spares leave and the ranks raise NoSpare (``cudasnap run --inprocess`` then
+  restarts every process). Once the generation moved on, it aborts this process's NCCL
+  groups (which releases a training thread waiting in an NCCL collective);
 * the **training thread** leaves its attempt when a collective raises (gloo: the peer's
   socket reset, or the group's ``timeout``, the bound for a rank not connected to the dead
-  one) or at the next ``check()`` after the generation changed; ``attempts()`` then aborts
-  the process group (``_abort_process_group``: it does not wait for an op a gloo thread is
-  stuck in) and initialises one for the new generation on ``PrefixStore("pg/<gen>")``
-  (keys are never reused), with the rank the members list gives;
+  one), in ``Attempt.wait`` (an async collective) or at ``Attempt.check()`` once the
+  generation changed; ``attempts()`` then drops the old groups (``groups.drop_groups``: no
+  gloo abort, which holds the GIL until the group's timeout), waits until every member of
+  the new generation joined (a group is never formed with a member already lost) and
+  initialises its group on ``PrefixStore("pg/<gen>")`` (keys are never reused);
 * a **spare** is a process started ahead (interpreter up, torch and cudasnap imported, model
   built) that waits in ``attempts()`` until a generation names it; it then takes the dead
   rank's place, and its Snapshotter finds that rank's arena in shared memory (the job and
-  rank name it) and restores from it, like every survivor from its own.
+  rank name it), or the copy another node holds, and restores from it, like every survivor
+  from its own.
 
 The restore itself is the Snapshotter's (``restore_latest``: the ranks agree on the newest
 step every rank holds, the bytes go back into the same live objects): ≤ 1 step replayed.
 
-Call order (one process)::
+Call order (one process): ``run_inprocess(train)`` (cudasnap.run_inprocess), which does::
 
     ipr = InProcessRestart()               # CUDASNAP_CONTROL, CUDASNAP_UID, CUDASNAP_WORLD
     for attempt in ipr.attempts():         # a spare waits here until it is needed
@@ -47,15 +54,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeVar
 
 from .._proc import pid_alive
+from .groups import drop_groups, nccl_groups
 
 log = logging.getLogger("cudasnap.inprocess")
+T = TypeVar("T")
 
-_HOST = os.uname().nodename
 
 
 class PeerLost(RuntimeError):
@@ -63,34 +72,10 @@ class PeerLost(RuntimeError):
     attempt ends and the next one re-forms the group."""
 
 
-def _drop_groups() -> list[object]:
-    """Every process group of this process forgotten now; returns them, to be kept.
-
-    ``_abort_process_group()`` calls each group's ``abort()``, and gloo's waits for an
-    operation still in flight (one this rank left when a peer was lost: its ring neighbour
-    never sends) until the group's timeout, holding the GIL (every thread of the process
-    stops: 10 s of a 4-rank recovery, measured). So the bookkeeping it does after that
-    (torch.distributed's ``_world``) is done here, as it does it, and no ``abort()`` is
-    called: the old groups are kept alive (a release would wait alike) until their
-    operations have timed out (``InProcessRestart.close``). A torch whose ``_world``
-    differs gets the blocking call."""
-    import torch.distributed as dist
-
-    c10d = dist.distributed_c10d
-    w = c10d._world
-    try:
-        old: list[object] = list(w.pg_names)
-        c10d._update_default_pg(None)
-        for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config,
-                      w.pg_to_tag, w.tags_to_pg, w.pg_coalesce_state):
-            table.clear()
-        c10d._unregister_all_process_groups()
-        w.group_count = 0
-    except AttributeError as e:
-        log.debug("in-process restart: blocking abort (%s)", e)
-        c10d._abort_process_group()
-        return []
-    return old
+class NoSpare(RuntimeError):
+    """A member was lost and no spare can take its rank: the in-process restart cannot go
+    on; the job needs a full restart (``cudasnap run --inprocess`` starts every process
+    again, which restore from shared memory)."""
 
 
 @dataclass
@@ -134,6 +119,9 @@ class Attempt:
             self.done = True
             return False
         if not self.owner.is_peer_loss(e, self.gen):
+            why = self.owner.failed()
+            if why is not None:
+                raise NoSpare(f"in-process restart: {why}") from e
             return False
         self.lost = e
         log.warning("in-process restart: generation %d ended on rank %d (%s: %s)", self.gen,
@@ -143,11 +131,18 @@ class Attempt:
 
 
 class InProcessRestart:
-    """This process's membership in a job that restarts in place (module docstring)."""
+    """This process's membership in a job that restarts in place (module docstring).
+
+    ``control``/``uid``/``world``: the environment ``cudasnap run --inprocess`` sets when
+    None (CUDASNAP_CONTROL, CUDASNAP_UID, CUDASNAP_WORLD; CUDASNAP_NPROC the processes in
+    all, spares included); ``heartbeat_s``: the monitor's period; ``stale_s``: a heartbeat
+    older than this is a lost process (a lost node is seen so); ``pg_timeout_s``: each
+    group's timeout (CUDASNAP_PG_TIMEOUT_S); ``backend``: default NCCL for CUDA tensors and
+    gloo for CPU ones where CUDA is available, else gloo."""
 
     def __init__(self, control: str | None = None, uid: int | None = None,
                  world: int | None = None, heartbeat_s: float = 0.1, stale_s: float = 1.5,
-                 pg_timeout_s: float | None = None, backend: str = "gloo") -> None:
+                 pg_timeout_s: float | None = None, backend: str | None = None) -> None:
         import torch.distributed as dist
 
         from ..config import Settings
@@ -165,7 +160,11 @@ class InProcessRestart:
                 f"{addr!r}, {uid!r}, {world!r}")
         self.uid, self.world = int(uid), int(world)
         self.nproc = cfg.nproc or self.world
-        self.heartbeat_s, self.stale_s, self.backend = heartbeat_s, stale_s, backend
+        self.node = cfg.node_id or os.uname().nodename  # whose pids this process can see
+        import torch
+
+        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self.backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s or cfg.pg_timeout_s)
         self._old_groups: list[object] = []  # kept until their operations timed out
         self._dropped_at: float | None = None
@@ -182,6 +181,8 @@ class InProcessRestart:
         self._beat(self._store)
         self._said: set[int] = set()  # generations whose lack of spares was logged
         self.seen_gen = 0  # the generation the monitor saw last (Attempt.wait polls it)
+        self._attempt_gen: int | None = None  # the attempt this process is in (_release)
+        self._released: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="cudasnap-inprocess",
                                         daemon=True)
@@ -197,20 +198,30 @@ class InProcessRestart:
         return [int(u) for u in json.loads(s.get(f"members/{gen}"))]  # type: ignore[attr-defined]
 
     def _beat(self, s: object) -> None:
-        s.set(f"hb/{self.uid}", f"{time.time()},{os.getpid()},{_HOST},"  # type: ignore[attr-defined]
+        s.set(f"hb/{self.uid}", f"{time.time()},{os.getpid()},{self.node},"  # type: ignore[attr-defined]
               f"{int(self._ready)}")
 
     def _alive(self, u: int, s: object, now: float, ready: bool = False) -> bool:
         """Whether process ``u`` lives (``ready``: and waits in ``attempts()``, a spare
-        that can join a group now)."""
+        that can join a group now). Dead: its launcher saw it end (``gone/<u>``), its pid
+        is gone on this node, or neither its own heartbeat nor its launcher's for it
+        (``lhb/<u>``) is newer than ``stale_s``. The launcher's beat is what keeps a
+        process whose training thread holds the GIL (a gloo group connecting to a slow
+        peer holds it until the peer comes) from looking dead."""
         if u == self.uid:
             return True
+        if s.check([f"gone/{u}"]):  # type: ignore[attr-defined]
+            return False
         if not s.check([f"hb/{u}"]):  # type: ignore[attr-defined]
             return not ready  # a member still starting (no beat yet) is not dead
-        ts, pid, host, rdy = s.get(f"hb/{u}").decode().split(",")  # type: ignore[attr-defined]
-        if host == _HOST and not pid_alive(int(pid)):
-            return False  # SIGKILLed on this host: seen at once
-        return now - float(ts) <= self.stale_s and (rdy == "1" or not ready)
+        ts, pid, rest = s.get(f"hb/{u}").decode().split(",", 2)  # type: ignore[attr-defined]
+        host, rdy = rest.rsplit(",", 1)  # a node id may hold a comma
+        if host == self.node and not pid_alive(int(pid)):
+            return False  # SIGKILLed on this node: seen at once
+        age = now - float(ts)
+        if age > self.stale_s and s.check([f"lhb/{u}"]):  # type: ignore[attr-defined]
+            age = now - float(s.get(f"lhb/{u}"))  # type: ignore[attr-defined]
+        return age <= self.stale_s and (rdy == "1" or not ready)
 
     def _propose(self, gen: int, s: object) -> bool:
         """The next generation after ``gen`` when a member is dead: each dead member
@@ -224,10 +235,12 @@ class InProcessRestart:
         spares = sorted(u for u in range(self.nproc)
                         if u not in old and self._alive(u, s, now, ready=True))
         if len(spares) < len(dead):
+            why = (f"rank(s) {[old.index(u) for u in dead]} of generation {gen} lost and "
+                   f"{len(spares)} spare(s) left: the job needs a full restart")
+            s.compare_set("failed", "", why)  # type: ignore[attr-defined]  # spares go; ranks raise
             if gen not in self._said:
                 self._said.add(gen)
-                log.error("in-process restart: rank(s) %s lost and %d spare(s) left: the job "
-                          "needs a full restart", [old.index(u) for u in dead], len(spares))
+                log.error("in-process restart: %s", why)
             return False
         take = iter(spares)
         new = [u if u not in dead else next(take) for u in old]
@@ -244,19 +257,45 @@ class InProcessRestart:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self._beat(s)
-                gen = self.seen_gen = self.generation(s)
-                if self.uid in self.members(gen, s):
-                    self._propose(gen, s)
-                    self.seen_gen = self.generation(s)
+                self.seen_gen = self.generation(s)
+                self._propose(self.seen_gen, s)  # a spare too: every member may be lost
+                self.seen_gen = self.generation(s)
+                self._release(self.seen_gen)
             except Exception as e:  # noqa: BLE001 - the control store gone: the job ends
                 log.debug("in-process monitor: %s", e)
+
+    def _release(self, gen: int) -> None:
+        """Once the job moved past the attempt this process is in: its NCCL groups aborted
+        (``ProcessGroup.abort``: ncclCommAbort, safe from this thread), which ends a wait of
+        the training thread in a collective whose peer is gone; NCCL would otherwise wait
+        for its timeout (10 min by default). Gloo's groups are not aborted (its abort holds
+        the GIL until the group's timeout: ``groups.drop_groups``); a gloo collective with a lost
+        peer fails on its own, or ``Attempt.wait`` leaves it."""
+        cur = self._attempt_gen
+        if cur is None or gen == cur or self._released == cur:
+            return
+        self._released = cur
+        groups = nccl_groups()
+        for be in groups:
+            try:
+                be.abort()  # type: ignore[attr-defined]
+            except Exception as e:  # noqa: BLE001 - one group's failure leaves the rest
+                log.warning("in-process restart: aborting an NCCL group failed: %s", e)
+        if groups:
+            log.warning("in-process restart: generation %d ended: %d NCCL group(s) aborted "
+                        "to release the training thread", cur, len(groups))
+
+    def failed(self) -> str | None:
+        """Why the in-process restart gave up (a rank lost, no spare left), else None."""
+        s = self._store
+        return s.get("failed").decode() if s.check(["failed"]) else None
 
     def report(self, gen: int) -> None:
         """A collective failed in generation ``gen``: check the members now (the monitor
         would within ``heartbeat_s``)."""
         deadline = time.monotonic() + self.stale_s + 1.0
         while self.generation() == gen and time.monotonic() < deadline:
-            if self._propose(gen, self._store):
+            if self._propose(gen, self._store) or self.failed() is not None:
                 return
             time.sleep(self.heartbeat_s / 2)
 
@@ -290,26 +329,75 @@ class InProcessRestart:
                     log.info("in-process restart: the job ended; spare uid %d not needed",
                              self.uid)
                     return
+                if (why := self.failed()) is not None:
+                    raise NoSpare(f"in-process restart: {why}")
                 time.sleep(0.02)
                 continue
             seen = gen
             self.seen_gen = max(self.seen_gen, gen)  # before the monitor's next beat
             if dist.is_initialized():
-                self._old_groups += _drop_groups()
+                self._old_groups += drop_groups()
                 self._dropped_at = time.monotonic()
-            t0 = time.monotonic()
+            if not self._form(gen, members):
+                continue  # a member of it was lost before it formed: the next one
             rank = members.index(self.uid)
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{gen}", self._store),
-                                    rank=rank, world_size=len(members), timeout=self.pg_timeout)
-            log.info("in-process restart: generation %d, rank %d of %d (uid %d), group formed "
-                     "in %.3f s", gen, rank, len(members), self.uid, time.monotonic() - t0)
             a = Attempt(gen, rank, len(members), members, self)
-            yield a
+            self._attempt_gen = gen
+            try:
+                yield a
+            finally:
+                self._attempt_gen = None
             if a.done:
                 self._store.set("done", str(gen))  # the spares still waiting can go
                 return
             if a.lost is None:  # the body raised something else: not ours to swallow
                 return
+
+    def _joined(self, gen: int, members: list[int]) -> bool:
+        """Every member of generation ``gen`` is here (True), or the generation moved on
+        before they all came (False: a member was lost meanwhile; the monitor proposed the
+        next). A member that neither comes nor is seen dead within the group timeout is a
+        hang the job cannot pass: RuntimeError, naming it."""
+        self._store.set(f"join/{gen}/{self.uid}", str(os.getpid()))
+        keys = [f"join/{gen}/{u}" for u in members]
+        deadline = time.monotonic() + self.pg_timeout.total_seconds()
+        while not self._store.check(keys):
+            if self.generation() != gen:
+                return False
+            if time.monotonic() > deadline:
+                missing = [members.index(u) for u in members
+                           if not self._store.check([f"join/{gen}/{u}"])]
+                raise RuntimeError(
+                    f"in-process restart: generation {gen}: rank(s) {missing} neither joined "
+                    f"nor were seen dead within {self.pg_timeout.total_seconds():.0f} s "
+                    "(CUDASNAP_PG_TIMEOUT_S): a hung process the job cannot replace")
+            time.sleep(0.005)
+        return True
+
+    def _form(self, gen: int, members: list[int]) -> bool:
+        """The process group of generation ``gen`` formed (True) once all its members joined
+        (``_joined``: a group is never started with a member already lost, whose formation
+        would wait out the group timeout); False when the generation moved on first, or a
+        member was lost while it formed."""
+        import torch.distributed as dist
+
+        t0 = time.monotonic()
+        if not self._joined(gen, members):
+            return False
+        rank = members.index(self.uid)
+        try:
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{gen}", self._store),
+                                    rank=rank, world_size=len(members), timeout=self.pg_timeout)
+        except (RuntimeError, dist.DistError) as e:
+            if not self.is_peer_loss(e, gen):
+                raise
+            log.warning("in-process restart: generation %d lost a member while it formed (%s)",
+                        gen, str(e)[:200])
+            return False
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(members)))  # for who reads them
+        log.info("in-process restart: generation %d, rank %d of %d (uid %d), group formed in "
+                 "%.3f s", gen, rank, len(members), self.uid, time.monotonic() - t0)
+        return True
 
     def close(self) -> None:
         """Stops the monitor, lets the old groups' operations time out (a gloo thread still
@@ -324,3 +412,23 @@ class InProcessRestart:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_inprocess(train: Callable[[Attempt], T], **options: object) -> T | None:
+    """The one wrapper: ``train(attempt)`` called once per generation this process is a
+    member of (a spare first waits for one), inside the attempt, so the loss of a peer ends
+    the call, not the process; returns what the last call returned (None for a spare never
+    needed). ``train`` builds its Snapshotter and restores at its start (the survivors from
+    their own arenas, a spare from the lost rank's), as it would after a process restart.
+    ``options``: InProcessRestart's keywords (default: the environment ``cudasnap run
+    --inprocess`` sets). Raises NoSpare when a rank is lost and no spare is left."""
+    ipr = InProcessRestart(**options)  # type: ignore[arg-type]
+    out: T | None = None
+    try:
+        for attempt in ipr.attempts():
+            with attempt:
+                out = train(attempt)
+    finally:
+        ipr.close()
+    return out
+

@@ -33,7 +33,11 @@ Failures form a Poisson process of rate ``1/M`` in wall-clock time.
 * JIT: ``w = T_it``, ``c = o * T_it``, ``d = D + F + R`` (JIT resumes from the
   last completed iteration, so it loses at most one iteration: expected
   ``E[lost] = M - T/(exp(T/M) - 1) ~= T/2`` with ``T = T_it*(1+o)``, worst case
-  ``T``).
+  ``T``);
+* JIT with in-process restart (``jit_inprocess``): JIT's ``w`` and ``c``; per failure
+  the sum of the measured restart parts (detection, re-formation, spare take-over,
+  restore from host memory: no ``F``, no ``R``), or ``D + F + R`` when no spare is
+  left; see :mod:`cudasnap.modelling.restart`.  Goodput is ``1 - waste``.
 
 Closed forms, both returned by :func:`segment_waste`:
 
@@ -69,17 +73,8 @@ Monte-Carlo simulation: :mod:`cudasnap.modelling.simulate` checks these closed f
 
 Failure-rate presets (public numbers)
 -------------------------------------
-* Llama 3 405B pre-training (Meta, "The Llama 3 Herd of Models", 2024, §3.3.4):
-  16,384 H100 GPUs, 419 unexpected interruptions in a 54-day snapshot.
-  Job MTBF = 54 * 24 h / 419 = 1296 / 419 = 3.093 h; per-GPU MTBF
-  = 16,384 * 3.093 h = 50,677 h (5.8 years); lambda = 1.973e-5 per GPU-hour.
-  All unexpected interruptions are charged to the GPUs (GPU and HBM faults are
-  about 59% of them; the rest, e.g. network, host, software, also scale with
-  the job's size), so this is a per-GPU-slot rate.
-* Meta research clusters (Kokolis et al., "Revisiting Reliability in Large-Scale
-  Machine Learning Research Clusters", arXiv:2410.21680, 2024 / HPCA 2025):
-  job MTTF 7.9 h for 1,024-GPU jobs (A100).  Per-GPU MTBF = 1,024 * 7.9 h
-  = 8,089.6 h; lambda = 1.236e-4 per GPU-hour (about 6x the Llama 3 rate).
+:mod:`cudasnap.modelling.presets`: Llama 3 405B pre-training (Meta,
+2024) and Meta's research clusters (Kokolis et al., 2024/2025), with their arithmetic.
 
 Default costs (named constants; replace them with measured figures)
 -------------------------------------------------------------------
@@ -97,6 +92,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from .restart import (
+    DEFAULT_INPROCESS_PARTS,
+    DEFAULT_SPARE_REFILL_SECONDS,
+    DEFAULT_SPARES_PER_1K,
+    RestartParts,
+    fallback_probability,
+    mixed_downtime,
+)
+
 __all__ = [
     "DEFAULT_CHECKPOINT_GBPS",
     "DEFAULT_FLUSH_GBPS",
@@ -105,12 +109,6 @@ __all__ = [
     "DEFAULT_JIT_OVERHEAD",
     "DEFAULT_SIM_FAILURES",
     "DEFAULT_SIM_REPLICATIONS",
-    "FailurePreset",
-    "LLAMA3_405B",
-    "KOKOLIS_RSC_1024",
-    "PRESETS",
-    "LLAMA3_GPU_MTBF_HOURS",
-    "KOKOLIS_GPU_MTBF_HOURS",
     "Scenario",
     "young_interval",
     "daly_interval",
@@ -118,6 +116,7 @@ __all__ = [
     "segment_waste",
     "periodic_waste",
     "jit_waste",
+    "inprocess_waste",
     "compare",
 ]
 
@@ -144,56 +143,7 @@ DEFAULT_SIM_REPLICATIONS: int = 20
 SECONDS_PER_HOUR: float = 3600.0
 HOURS_PER_DAY: float = 24.0
 
-Policy = Literal["periodic", "jit"]
-
-
-# --------------------------------------------------------------------------
-# Presets
-# --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FailurePreset:
-    """An observed failure rate: ``interruptions`` in ``observed_hours`` at ``gpus``."""
-
-    name: str
-    gpus: int
-    observed_hours: float
-    interruptions: float
-    source: str
-
-    @property
-    def job_mtbf_hours(self) -> float:
-        return self.observed_hours / self.interruptions
-
-    @property
-    def gpu_mtbf_hours(self) -> float:
-        return self.gpus * self.job_mtbf_hours
-
-    @property
-    def gpu_failure_rate_per_hour(self) -> float:
-        return 1.0 / self.gpu_mtbf_hours
-
-
-LLAMA3_405B = FailurePreset(
-    name="llama3",
-    gpus=16_384,
-    observed_hours=54 * 24.0,  # 54-day snapshot = 1296 h
-    interruptions=419,  # unexpected interruptions
-    source='Meta, "The Llama 3 Herd of Models", 2024: 419 unexpected '
-    "interruptions in 54 days on 16,384 H100 GPUs",
-)
-LLAMA3_GPU_MTBF_HOURS: float = 16_384 * 54 * 24.0 / 419  # = 50,677 h per GPU
-
-KOKOLIS_RSC_1024 = FailurePreset(
-    name="kokolis",
-    gpus=1_024,
-    observed_hours=7.9,  # job MTTF of a 1,024-GPU job
-    interruptions=1,
-    source='Kokolis et al., "Revisiting Reliability in Large-Scale Machine '
-    'Learning Research Clusters", 2024/2025: job MTTF 7.9 h at 1,024 GPUs',
-)
-KOKOLIS_GPU_MTBF_HOURS: float = 1_024 * 7.9  # = 8,089.6 h per GPU
-
-PRESETS: dict[str, FailurePreset] = {p.name: p for p in (LLAMA3_405B, KOKOLIS_RSC_1024)}
+Policy = Literal["periodic", "jit", "jit_inprocess"]
 
 
 # --------------------------------------------------------------------------
@@ -233,7 +183,9 @@ def _fraction(name: str, value: float) -> float:
 class Scenario:
     """One job and its costs, all times in seconds.
 
-    ``gpu_mtbf_s`` is the per-GPU MTBF ``m``; the job MTBF is ``m / gpus``.
+    ``gpu_mtbf_s`` is the per-GPU MTBF ``m``; the job MTBF is ``m / gpus``.  ``inprocess``,
+    ``spares_per_1k`` (None: unlimited spares) and ``spare_refill_s`` set the in-process
+    restart (:mod:`cudasnap.modelling.restart`).
     """
 
     gpus: int
@@ -244,6 +196,9 @@ class Scenario:
     restart_s: float = DEFAULT_RESTART_SECONDS
     detect_s: float = DEFAULT_DETECT_SECONDS
     jit_overhead: float = DEFAULT_JIT_OVERHEAD
+    inprocess: RestartParts = DEFAULT_INPROCESS_PARTS
+    spares_per_1k: float | None = DEFAULT_SPARES_PER_1K
+    spare_refill_s: float = DEFAULT_SPARE_REFILL_SECONDS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", _positive_int("gpus", self.gpus))
@@ -254,6 +209,11 @@ class Scenario:
         object.__setattr__(self, "restart_s", _non_negative("restart_s", self.restart_s))
         object.__setattr__(self, "detect_s", _non_negative("detect_s", self.detect_s))
         object.__setattr__(self, "jit_overhead", _fraction("jit_overhead", self.jit_overhead))
+        if not isinstance(self.inprocess, RestartParts):
+            raise ValueError(f"inprocess must be RestartParts, got {self.inprocess!r}")
+        if self.spares_per_1k is not None:
+            object.__setattr__(self, "spares_per_1k", _non_negative("spares_per_1k", self.spares_per_1k))
+        object.__setattr__(self, "spare_refill_s", _non_negative("spare_refill_s", self.spare_refill_s))
 
     @classmethod
     def from_hours(
@@ -266,7 +226,9 @@ class Scenario:
         restart_s: float = DEFAULT_RESTART_SECONDS,
         detect_s: float = DEFAULT_DETECT_SECONDS,
         jit_overhead: float = DEFAULT_JIT_OVERHEAD,
+        **inprocess: Any,
     ) -> "Scenario":
+        """Per-GPU MTBF in hours; ``inprocess``: the in-process fields by name."""
         return cls(
             gpus=gpus,
             gpu_mtbf_s=_positive("gpu_mtbf_hours", gpu_mtbf_hours) * SECONDS_PER_HOUR,
@@ -276,6 +238,7 @@ class Scenario:
             restart_s=restart_s,
             detect_s=detect_s,
             jit_overhead=jit_overhead,
+            **inprocess,
         )
 
     @property
@@ -285,8 +248,16 @@ class Scenario:
     def with_gpus(self, gpus: int) -> "Scenario":
         return replace(self, gpus=gpus)
 
+    def inprocess_downtimes(self) -> list[tuple[float, float]]:
+        """``[(probability, seconds), ...]`` of an in-process restart's downtime: the parts
+        at this size, or (no spare left) the full restart ``D + F + R``."""
+        p = fallback_probability(self.gpus, self.job_mtbf_s, self.spares_per_1k, self.spare_refill_s)
+        full = self.detect_s + self.flush_s + self.restart_s
+        return [(1.0 - p, self.inprocess.at(self.gpus).total), (p, full)]
+
     def segments(self, policy: Policy, interval_s: float | None = None) -> tuple[float, float, float]:
-        """``(work, overhead, downtime)`` of one segment of ``policy``."""
+        """``(work, overhead, downtime)`` of one segment of ``policy`` (for
+        ``jit_inprocess`` the constant downtime equivalent to its mix, see ``restart``)."""
         if policy == "periodic":
             tau = daly_interval(self.checkpoint_s, self.job_mtbf_s) if interval_s is None else (
                 _positive("interval_s", interval_s)
@@ -298,7 +269,10 @@ class Scenario:
                 self.jit_overhead * self.iter_s,
                 self.detect_s + self.flush_s + self.restart_s,
             )
-        raise ValueError(f"policy must be 'periodic' or 'jit', got {policy!r}")
+        if policy == "jit_inprocess":
+            d = mixed_downtime(self.inprocess_downtimes(), self.job_mtbf_s)
+            return self.iter_s, self.jit_overhead * self.iter_s, d
+        raise ValueError(f"policy must be 'periodic', 'jit' or 'jit_inprocess', got {policy!r}")
 
 
 # --------------------------------------------------------------------------
@@ -368,8 +342,15 @@ def jit_waste(s: Scenario, *, exact: bool = True) -> float:
     return segment_waste(w, c, d, s.job_mtbf_s, exact=exact)
 
 
+def inprocess_waste(s: Scenario, *, exact: bool = True) -> float:
+    """Wasted fraction under JIT with in-process restart (parts, or a full restart with
+    no spare left)."""
+    w, c, d = s.segments("jit_inprocess")
+    return segment_waste(w, c, d, s.job_mtbf_s, exact=exact)
+
+
 def compare(s: Scenario, interval_s: float | None = None) -> dict[str, Any]:
-    """Both policies' expected waste for one scenario."""
+    """The three policies' expected waste (and ``goodput = 1 - waste``) for one scenario."""
     m = s.job_mtbf_s
     tau = daly_interval(s.checkpoint_s, m) if interval_s is None else _positive("interval_s", interval_s)
     per = periodic_waste(s, tau)
@@ -404,4 +385,22 @@ def compare(s: Scenario, interval_s: float | None = None) -> dict[str, Any]:
             "wasted_gpu_hours_per_day": jit * gpu_hours_day,
         },
         "ratio_periodic_to_jit": per / jit if jit > 0 else math.inf,
+        "jit_inprocess": _inprocess_row(s, jit_seg, gpu_hours_day),
+        "goodput": {"periodic": 1.0 - per, "jit": 1.0 - jit, "jit_inprocess": 1.0 - inprocess_waste(s)},
+    }
+
+
+def _inprocess_row(s: Scenario, jit_seg: float, gpu_hours_day: float) -> dict[str, Any]:
+    (_, d_ip), (p_fb, d_full) = s.inprocess_downtimes()
+    waste = inprocess_waste(s)
+    return {
+        "parts": s.inprocess.at(s.gpus).as_dict(),
+        "fallback_probability": p_fb,
+        "per_failure_seconds": d_ip,
+        "fallback_per_failure_seconds": d_full,
+        "effective_per_failure_seconds": s.segments("jit_inprocess")[2],
+        "lost_work_expected_seconds": expected_lost_work(jit_seg, s.job_mtbf_s),
+        "wasted_fraction": waste,
+        "wasted_fraction_first_order": inprocess_waste(s, exact=False),
+        "wasted_gpu_hours_per_day": waste * gpu_hours_day,
     }

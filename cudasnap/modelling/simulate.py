@@ -1,9 +1,13 @@
 """Monte-Carlo check of the wasted-work model of :mod:`cudasnap.modelling.analysis`.
 
 :func:`simulate_waste` draws failure times over a wall-clock horizon and runs
-the segment model of both policies on the *same* failure trace (common random
-numbers); the mean over independent seeded replications comes with a 95%
-Student-t confidence interval, so the closed forms can be checked against it.
+the segment model of the three policies (periodic, JIT with full restarts, JIT with
+in-process restart) on the *same* failure trace (common random numbers); the mean
+over independent seeded replications comes with a 95% Student-t confidence
+interval, so the closed forms can be checked against it.  For the in-process
+policy each failure draws its downtime independently: the restart parts, or the
+full restart when no spare is left (``Scenario.inprocess_downtimes``), from a
+generator of its own, so the other policies' draws do not depend on it.
 
 Failure processes
 -----------------
@@ -144,14 +148,16 @@ def _failure_times(
 
 
 def _useful_work(
-    failures: np.ndarray, horizon: float, work: float, overhead: float, downtime: float
+    failures: np.ndarray, horizon: float, work: float, overhead: float,
+    downtime: float | np.ndarray,
 ) -> float:
     """Useful work done in ``[0, horizon)`` by the segment model on a failure trace.
 
     The job computes from 0; after failure ``f_j`` it is down until ``f_j + d``
     unless another failure comes first (then the downtime starts over), so the
     compute windows are ``[0, f_1)``, ``[f_j + d, f_{j+1})`` when positive, and
-    ``[f_last + d, horizon)``.  A window of length ``g`` commits
+    ``[f_last + d, horizon)`` (``downtime`` a number, or one per failure: ``d_j``
+    is failure ``j``'s).  A window of length ``g`` commits
     ``floor(g / (w + c))`` segments; in the final window the unfinished
     segment's compute is counted as useful (an O(segment/horizon) edge effect).
     """
@@ -160,9 +166,10 @@ def _useful_work(
         gaps = np.empty(0)
         final = horizon
     else:
-        starts = np.concatenate(([0.0], failures[:-1] + downtime))
+        ends = failures + downtime  # when the downtime that failure j starts is over
+        starts = np.concatenate(([0.0], ends[:-1]))
         gaps = failures - starts
-        final = horizon - (failures[-1] + downtime)
+        final = horizon - float(ends[-1])
     gaps = gaps[gaps > 0.0]
     useful = float(np.floor(gaps / seg).sum()) * work
     if final > 0.0:
@@ -183,7 +190,7 @@ def simulate_waste(
     process: Literal["gpu", "job"] = "gpu",
     start: Literal["stationary", "fresh"] = "stationary",
 ) -> dict[str, SimResult]:
-    """Monte-Carlo wasted fraction of both policies, ``{"periodic": ..., "jit": ...}``.
+    """Monte-Carlo wasted fraction, ``{"periodic": ..., "jit": ..., "jit_inprocess": ...}``.
 
     Each replication draws one failure trace over ``horizon_s`` (default
     ``DEFAULT_SIM_FAILURES`` job MTBFs) and runs both policies on it; the CI is
@@ -201,14 +208,19 @@ def simulate_waste(
     k = _positive("shape", shape)
     horizon = DEFAULT_SIM_FAILURES * s.job_mtbf_s if horizon_s is None else _positive("horizon_s", horizon_s)
     segs = {p: s.segments(p, interval_s if p == "periodic" else None) for p in ("periodic", "jit")}
+    (_, d_ip), (p_fb, d_full) = s.inprocess_downtimes()
     rng = np.random.default_rng(seed)
-    wastes: dict[str, list[float]] = {"periodic": [], "jit": []}
+    kind_rng = np.random.default_rng(None if seed is None else [seed, 46])
+    wastes: dict[str, list[float]] = {"periodic": [], "jit": [], "jit_inprocess": []}
     n_fail = 0
     for _ in range(reps):
         f = _failure_times(rng, s.gpus, s.gpu_mtbf_s, horizon, distribution, k, process, start)
         n_fail += f.size
         for p, (w, c, d) in segs.items():
             wastes[p].append(1.0 - _useful_work(f, horizon, w, c, d) / horizon)
+        d_each = np.where(kind_rng.random(f.size) < p_fb, d_full, d_ip)  # no spare: full restart
+        useful = _useful_work(f, horizon, s.iter_s, s.jit_overhead * s.iter_s, d_each)
+        wastes["jit_inprocess"].append(1.0 - useful / horizon)
     out: dict[str, SimResult] = {}
     t = _t975(reps - 1)
     for p, vals in wastes.items():

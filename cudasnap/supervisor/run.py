@@ -33,6 +33,10 @@ in the URL's state directory (``$CUDASNAP_STATE_DIR/url-<hash>``, default
 ``~/.cache/cudasnap/url-<hash>``; cudasnap.supervisor.directory.open_directory).
 ``--fresh`` is refused with a URL (no rename in an object store: use a new prefix).
 
+``--inprocess`` hands the job to cudasnap.supervisor.inprocess_launch instead: one process per
+rank and warm spares, a lost rank taken by a spare while the others keep their process, a
+full restart only when no spare is left.
+
 This module owns the command line (:func:`main`: argument parsing, usage errors, the
 one-line error); ``cudasnap run`` (cudasnap.tools.cli) and ``python -m
 cudasnap.supervisor.run`` call it, and it calls cudasnap.supervisor.loop.supervise.
@@ -77,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warm", action="store_true",
                    help="no warm standby: every restart imports torch anew (saves its memory)")
     p.add_argument("--debug", action="store_true", help="tracebacks for errors")
+    g = p.add_argument_group("in-process restart (cudasnap.supervisor.inprocess_launch)")
+    g.add_argument("--inprocess", action="store_true",
+                   help="one process per rank plus warm spares; a lost rank is taken by a "
+                        "spare while the others keep their process")
+    g.add_argument("--nproc", type=int, default=1, help="ranks of the job (with --inprocess)")
+    g.add_argument("--spares", type=int, default=1, help="warm spare processes")
+    g.add_argument("--uids", default=None, help="A-B: the processes this launcher starts "
+                   "(several nodes; ranks are 0..nproc-1, spares the rest)")
+    g.add_argument("--control", default=None, help="HOST:PORT of the job's control store "
+                   "(several nodes; default: hosted here)")
+    g.add_argument("--host-control", action="store_true", help="host --control's store here")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command ...")
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -92,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.watchdog is not None and not a.watchdog > 0:
             raise ConfigError(f"--watchdog must be a positive number of seconds, not {a.watchdog}")
         directory: Path | str = a.dir if is_url(a.dir) else Path(a.dir)  # keep s3:// whole
+        if a.inprocess:
+            from .inprocess_launch import Layout, launch
+
+            lay = Layout.parse(a.nproc, a.spares, a.uids)
+            return launch(cmd, directory, lay, max_restarts=a.max_restarts,
+                          control=a.control, host_control=a.host_control)
         return supervise(cmd, directory, max_restarts=a.max_restarts, inject_first=a.inject,
                          watchdog_s=a.watchdog, auto=a.auto, fresh=a.fresh,
                          warm=not a.no_warm)

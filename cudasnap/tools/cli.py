@@ -323,13 +323,17 @@ def cmd_health(a: argparse.Namespace) -> int:
 def cmd_advise(a: argparse.Namespace) -> int:
     from ..core.host_fit import host_fit, mem_available_bytes, pick_snapshot_every, shm_free_bytes
     from ..modelling.advice import advise, format_advice
+    from ..modelling.restart import parse_parts
 
     for name in ("gpus", "mtbf_hours", "iter_seconds", "state_gb"):
         v = getattr(a, name)
         if not v > 0 or v != v or v == float("inf"):
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, not {v}")
 
-    d = advise(a.gpus, a.mtbf_hours, a.iter_seconds, a.state_gb, per_gpu=not a.job_mtbf)
+    d = advise(a.gpus, a.mtbf_hours, a.iter_seconds, a.state_gb, per_gpu=not a.job_mtbf,
+               inprocess_parts=parse_parts(a.inprocess_parts) if a.inprocess_parts else None,
+               inprocess_seconds=a.inprocess_seconds,
+               **{k: v for k in ("spares_per_1k", "spare_refill_hours") if (v := getattr(a, k)) is not None})
     d["snapshot_every"] = pick_snapshot_every(a.state_gb, a.iter_seconds)
     d["host_memory"] = host_fit(a.state_gb, a.gpus_per_node or min(a.gpus, 8),
                                 num_slots=a.num_slots, spare_slot=not a.no_spare_slot,
@@ -394,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--gpus-per-node", type=int, default=None, help="ranks per host (default min(gpus, 8))")
     q.add_argument("--num-slots", type=int, default=2)
     q.add_argument("--no-spare-slot", action="store_true")
+    q.add_argument("--inprocess-parts", metavar="D,G,T,R", help="in-process restart as measured, "
+                   "seconds: detect,regroup,spare take-over,restore (default: issue 46's, grown with N)")
+    q.add_argument("--inprocess-seconds", type=float, help="in-process restart, a measured total")
+    q.add_argument("--spares-per-1k", type=float, help="spare units per 1,024 GPUs (default 2)")
+    q.add_argument("--spare-refill-hours", type=float, help="until a used spare is back (default 4)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_advise)
     if argv[:1] == ["--debug"] and argv[1:2] == ["run"]:

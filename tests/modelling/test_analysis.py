@@ -7,10 +7,9 @@ import math
 import pytest
 
 from cudasnap.modelling import analysis as an
+from cudasnap.modelling import presets
 from cudasnap.modelling.advice import advise, format_advice
 from cudasnap.modelling.analysis import (
-    KOKOLIS_GPU_MTBF_HOURS,
-    LLAMA3_GPU_MTBF_HOURS,
     Scenario,
     compare,
     daly_interval,
@@ -20,6 +19,7 @@ from cudasnap.modelling.analysis import (
     segment_waste,
     young_interval,
 )
+from cudasnap.modelling.presets import KOKOLIS_GPU_MTBF_HOURS, LLAMA3_GPU_MTBF_HOURS
 from cudasnap.modelling.simulate import simulate_waste
 
 HOUR = 3600.0
@@ -35,12 +35,12 @@ def llama(gpus: int = 16_384, **kw: float) -> Scenario:
 def test_presets_arithmetic() -> None:
     # 16,384 GPUs * 54 days * 24 h / 419 interruptions
     assert LLAMA3_GPU_MTBF_HOURS == pytest.approx(50_677.0, abs=1.0)
-    assert an.LLAMA3_405B.job_mtbf_hours == pytest.approx(1296 / 419)
-    assert an.LLAMA3_405B.gpu_mtbf_hours == pytest.approx(LLAMA3_GPU_MTBF_HOURS)
-    assert an.LLAMA3_405B.gpu_failure_rate_per_hour == pytest.approx(1.973e-5, rel=1e-3)
+    assert presets.LLAMA3_405B.job_mtbf_hours == pytest.approx(1296 / 419)
+    assert presets.LLAMA3_405B.gpu_mtbf_hours == pytest.approx(LLAMA3_GPU_MTBF_HOURS)
+    assert presets.LLAMA3_405B.gpu_failure_rate_per_hour == pytest.approx(1.973e-5, rel=1e-3)
     assert KOKOLIS_GPU_MTBF_HOURS == pytest.approx(8_089.6)
-    assert an.KOKOLIS_RSC_1024.gpu_mtbf_hours == pytest.approx(8_089.6)
-    assert set(an.PRESETS) == {"llama3", "kokolis"}
+    assert presets.KOKOLIS_RSC_1024.gpu_mtbf_hours == pytest.approx(8_089.6)
+    assert set(presets.PRESETS) == {"llama3", "kokolis"}
 
 
 # ---------------------------------------------------------------- intervals

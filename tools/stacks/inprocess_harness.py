@@ -147,17 +147,26 @@ def reference(work: Path, world: int, steps: int, timeout: float = 120) -> Trial
 
 
 def classic(work: Path, world: int, steps: int, victim: int, kill_after: int,
-            rng: random.Random, timeout: float = 180, step_s: float = 0.03) -> Trial:
+            rng: random.Random, timeout: float = 180, step_s: float = 0.03,
+            spares: int | None = None) -> Trial:
     """The same job without in-process restart, as cudasnap runs it today: ``cudasnap run
     -- torchrun --max-restarts=0``; rank ``victim``'s process SIGKILLed after its step
-    ``kill_after``; ``cudasnap run`` restarts every process (from shared memory)."""
+    ``kill_after``; ``cudasnap run`` restarts every process (from shared memory).
+    ``spares`` (not None): the job under ``cudasnap run --inprocess --spares N`` instead
+    (with 0, its fallback: a full restart)."""
     trial = Trial(out=work / "out")
-    env = {**_base_env(work, steps), "CLASSIC": "1", "CKPT": str(work / "ckpt"),
+    env = {**_base_env(work, steps), "CKPT": str(work / "ckpt"),
            "CUDASNAP_JOB": f"ipc{uuid.uuid4().hex[:8]}"}
     cmd = [sys.executable, "-m", "cudasnap", "run", "--dir", str(work / "ckpt"),
-           "--max-restarts", "3", "--", sys.executable, "-m", "torch.distributed.run",
-           "--standalone", f"--nproc-per-node={world}", "--max-restarts=0",
-           "--monitor-interval=0.1", str(SCRIPT)]
+           "--max-restarts", "3"]
+    if spares is None:
+        env["CLASSIC"] = "1"
+        cmd += ["--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world}", "--max-restarts=0", "--monitor-interval=0.1",
+                str(SCRIPT)]
+    else:
+        cmd += ["--inprocess", f"--nproc={world}", f"--spares={spares}", "--",
+                sys.executable, str(SCRIPT)]
     p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     readers = _readers([p], trial)
@@ -173,6 +182,9 @@ def classic(work: Path, world: int, steps: int, victim: int, kill_after: int,
         time.sleep(0.002)
     _finish([p], readers, trial, max(1.0, end - time.monotonic()))
     trial.rc = {r: trial.rc.get(0) for r in range(world)}
+    for f in Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm")).glob(
+            f"*cudasnap-{env['CUDASNAP_JOB']}-*"):
+        f.unlink(missing_ok=True)
     return trial
 
 
@@ -181,11 +193,29 @@ def _steps_of(trial: Trial, uid: int) -> list[int]:
             for m in [STEP_RE.search(ln)] if m and int(m.group(1)) == uid]
 
 
+def _node_env(work: Path, world: int, nodes: int, uid: int) -> dict[str, str]:
+    """A "node" of its own for ``uid`` when the job spans ``nodes`` (> 1): its node id, its
+    shared-memory directory and its replica address; the spares (uids ``world..``) on a
+    node of their own, new to the job (a lost node is replaced by another)."""
+    if nodes <= 1:
+        return {}
+    n = min(uid // (world // nodes), nodes)
+    shm = work / f"shm-node{n}"
+    shm.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return {"CUDASNAP_NODE_ID": f"node{n}", "CUDASNAP_SHM_DIR": str(shm),
+            "CUDASNAP_REPLICA_ADDR": f"127.0.0.{10 + n}", "CUDASNAP_NODE_REPLICA": "1"}
+
+
 def run(work: Path, world: int, spares: int, steps: int, victim: int | None,
         kill_after: int, rng: random.Random, timeout: float = 120,
-        step_s: float = 0.03) -> Trial:
+        step_s: float = 0.03, nodes: int = 1) -> Trial:
     """One job under in-process restart; ``victim``: the uid SIGKILLed after its step
-    ``kill_after`` and a random share of a step (None: no kill)."""
+    ``kill_after`` and a random share of a step (None: no kill). ``nodes`` > 1: the ranks
+    spread over that many "nodes" (own node id, shared memory and replica address each,
+    CUDASNAP_NODE_REPLICA=1) and the victim's whole node is lost: every process of it
+    SIGKILLed at once and its shared memory removed."""
+    import shutil
+
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -197,8 +227,9 @@ def run(work: Path, world: int, spares: int, steps: int, victim: int | None,
         return {**_base_env(work, steps), "CUDASNAP_CONTROL": f"127.0.0.1:{store.port}",
                 "CUDASNAP_UID": str(uid), "CUDASNAP_WORLD": str(world),
                 "CUDASNAP_NPROC": str(world + spares), "CKPT": str(work / "ckpt"),
-                "CUDASNAP_JOB": job}
+                "CUDASNAP_JOB": job, **_node_env(work, world, nodes, uid)}
 
+    per_node = world // max(nodes, 1)
     procs, readers = _start(world + spares, env_of, trial)
     try:
         end = time.monotonic() + timeout
@@ -207,11 +238,19 @@ def run(work: Path, world: int, spares: int, steps: int, victim: int | None,
             if done and max(done) >= kill_after:
                 time.sleep(rng.random() * step_s)
                 trial.killed_after_step = max(_steps_of(trial, victim))
-                procs[victim].send_signal(signal.SIGKILL)
+                lost = ([u for u in range(world) if u // per_node == victim // per_node]
+                        if nodes > 1 else [victim])
+                for u in lost:
+                    procs[u].send_signal(signal.SIGKILL)
                 trial.killed_at = time.time()
+                if nodes > 1:  # the node's memory is gone with it
+                    shutil.rmtree(work / f"shm-node{victim // per_node}", ignore_errors=True)
             time.sleep(0.002)
         _finish(procs, readers, trial, max(1.0, end - time.monotonic()))
     finally:
-        for p in Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm")).glob(f"cudasnap-{job}-*"):
-            p.unlink(missing_ok=True)
+        shm = [Path(os.environ.get("CUDASNAP_SHM_DIR", "/dev/shm"))]
+        shm += [work / f"shm-node{n}" for n in range(nodes + 1)] if nodes > 1 else []
+        for d in shm:
+            for p in d.glob(f"*cudasnap-{job}-*"):
+                p.unlink(missing_ok=True)
     return trial

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,9 @@ def dump(m: torch.nn.Module, o: torch.optim.Optimizer, rank: int, extra: dict) -
     torch.save({"tensors": tensors, **extra}, out / f"rank-{rank}.pt")
 
 
+CKPT = os.environ.get("CKPT") or os.environ.get("CUDASNAP_DIR", "ckpt")
+
+
 def main() -> int:
     import faulthandler
     import signal
@@ -76,7 +80,7 @@ def main() -> int:
     if os.environ.get("CLASSIC"):  # today's way: one process per rank per attempt (torchrun)
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        snap = cudasnap.Snapshotter(m, o, directory=os.environ["CKPT"], health=False)
+        snap = cudasnap.Snapshotter(m, o, directory=CKPT, health=False)
         start = snap.restore_latest()
         src = (snap.stats().get("restore") or {}).get("source")
         print(f"[ip] uid={rank} pid={os.getpid()} gen={os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
@@ -91,32 +95,29 @@ def main() -> int:
         dump(m, o, rank, {"pids": [os.getpid()], "uid": rank})
         dist.destroy_process_group()
         return 0
-    from cudasnap.distributed.inprocess import InProcessRestart
-
-    ipr = InProcessRestart()
     pids: list[int] = []
-    rank = -1
-    for attempt in ipr.attempts():
-        rank = attempt.rank
-        with attempt:
-            snap = cudasnap.Snapshotter(m, o, directory=os.environ["CKPT"], health=False)
-            with snap:
-                start = snap.restore_latest()
-                pids.append(os.getpid())
-                print(f"[ip] uid={uid} pid={os.getpid()} gen={attempt.gen} rank={rank} "
-                      f"start={start + 1} src={(snap.stats().get('restore') or {}).get('source')}",
-                      flush=True)
-                for step in range(start, steps):
-                    attempt.check()
-                    train_step(m, o, step, rank, attempt.world, attempt)
-                    snap.boundary(step)
-                    print(f"[ip] uid={uid} rank={rank} step={step + 1} t={time.time():.3f}",
-                          flush=True)
-                    time.sleep(0.02)
-                snap.flush()
-    if rank >= 0:
+
+    def train(attempt: Any) -> int:  # once per generation (cudasnap.run_inprocess)
+        snap = cudasnap.Snapshotter(m, o, directory=CKPT, health=False)
+        with snap:
+            start = snap.restore_latest()
+            pids.append(os.getpid())
+            print(f"[ip] uid={uid} pid={os.getpid()} gen={attempt.gen} rank={attempt.rank} "
+                  f"start={start + 1} src={(snap.stats().get('restore') or {}).get('source')}",
+                  flush=True)
+            for step in range(start, steps):
+                attempt.check()
+                train_step(m, o, step, attempt.rank, attempt.world, attempt)
+                snap.boundary(step)
+                print(f"[ip] uid={uid} rank={attempt.rank} step={step + 1} "
+                      f"t={time.time():.3f}", flush=True)
+                time.sleep(0.02)
+            snap.flush()
+        return int(attempt.rank)
+
+    rank = cudasnap.run_inprocess(train)
+    if rank is not None:
         dump(m, o, rank, {"pids": pids, "uid": uid})
-    ipr.close()
     return 0
 
 
