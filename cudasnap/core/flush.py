@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -40,7 +41,7 @@ log = logging.getLogger("cudasnap")
 class FlushRounds(Protocol):
     """The coordinator's flush rounds (``cudasnap.distributed.coordinator``)."""
 
-    def flush(self, explicit: bool = False) -> Path | None: ...
+    def flush(self, explicit: bool = False, timeout: float | None = None) -> Path | None: ...
 
     @property
     def last_flush(self) -> Mapping[str, object] | None: ...
@@ -99,14 +100,19 @@ class Flusher:
         without ``wait`` waits for no rank's boundary.
         """
         guard, dist, copier = self._guard, self._dist, self._copier
+        end = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:  # one bound for every wait below, not one each
+            return None if end is None else max(0.0, end - time.monotonic())
+
         with self.lock, self._paused():
             if wait:
-                copier.wait_job(timeout)
-            copier.copy_live(timeout)
+                copier.wait_job(left())
+            copier.copy_live(left())
             if dist is None:
-                return self.flush_newest(timeout)
+                return self.flush_newest(left())
             triggered = guard is not None and guard.dispatcher.flushing
-            path = dist.flush(explicit=wait and not triggered)
+            path = dist.flush(explicit=wait and not triggered, timeout=left())
             done = dist.last_flush
             if path is not None and done is not None:
                 self._counters.flushes += 1

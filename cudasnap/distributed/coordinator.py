@@ -183,13 +183,15 @@ class Coordinator:
         return self.rounds.agree_step(g, deadline)
 
     # ------------------------------------------------------------ verbs
-    def flush(self, explicit: bool = False) -> Path | None:
+    def flush(self, explicit: bool = False, timeout: float | None = None) -> Path | None:
         """The agreed, committed flush; this rank's directory for the step, or None.
 
         ``explicit``: the program's own flush (e.g. at the end of the job), not a
-        trigger's: the round waits, bounded, for every live rank's newest boundary."""
+        trigger's: the round waits, bounded, for every live rank's newest boundary.
+        ``timeout``: every wait of the rounds (agreement, peers, the commit's lock on
+        ``latest``) ends by then (and each round's by ``flush_timeout_s``)."""
         try:
-            return self.rounds.flush(explicit=explicit)
+            return self.rounds.flush(explicit=explicit, timeout=timeout)
         except Exception as e:
             why = store_lost(e)
             if why is None:

@@ -2,28 +2,25 @@
 
 Round ``g`` (any trigger on any rank; the others join when they see
 ``flush/<g>/request``):
-  1. agree: each live rank publishes the steps COMPLETE in its arena
-     (``have/<rank>``); the ranks that publish nothing before the agreement
-     deadline (``peer_timeout_s`` + slack) form the dead set D. A dead rank
-     counts with the steps in its arena, read directly by a live rank on its
-     host (``left/<rank>``), or with the steps of the copies a live node holds
-     (node-loss replication: ``held/<rank>``, cudasnap.distributed.held_copies); with
-     neither it counts with its last heartbeat, or not at all when a live rank
-     replicates its state. The
-     newest step COMPLETE everywhere and D are proposed with compare_set;
-     the first proposal wins for every rank;
-  2. each live rank writes ``DIR/step-N/rank-RRRRR/`` and sets ``done/<rank>``;
-     the lowest live rank on a host also flushes the arena of each rank of D
-     on that host, and the holder of a copy of a rank of D writes it from the
-     copy (cudasnap.distributed.rank_files), each setting its ``done`` marker;
-  3. the lowest rank not in D waits for the markers (a rank of D with no live
-     rank on its host is not waited for), then writes ``DIR/step-N/COMMIT``
-     and ``latest``. (An object-store URL: the same names under the URL, uploaded;
-     ``latest`` by compare-and-swap; cudasnap.storage.rounds / remote_ranks.)
-     A rank that dies during the round (not in D, no marker) makes the round
-     fail: the step is not committed, and the ranks start round ``g+1`` (``retry``),
-     where it is in D, at most twice more. Every wait of a flush ends within
-     ``flush_timeout_s``.
+  1. agree: each live rank publishes the steps COMPLETE in its arena (``have/<rank>``);
+     the ranks that publish nothing before the agreement deadline (``peer_timeout_s`` +
+     slack) form the dead set D. A dead rank counts with the steps in its arena, read
+     directly by a live rank on its host (``left/<rank>``), or with the steps of the
+     copies a live node holds (node-loss replication: ``held/<rank>``,
+     cudasnap.distributed.held_copies); with neither it counts with its last heartbeat,
+     or not at all when a live rank replicates its state. The newest step COMPLETE
+     everywhere and D are proposed with compare_set; the first proposal wins for every rank;
+  2. each live rank writes ``DIR/step-N/rank-RRRRR/`` and sets ``done/<rank>``; the lowest
+     live rank on a host also flushes the arena of each rank of D on that host, and the
+     holder of a copy of a rank of D writes it from the copy
+     (cudasnap.distributed.rank_files), each setting its ``done`` marker;
+  3. the lowest rank not in D waits for the markers (a rank of D with no live rank on its
+     host is not waited for), then writes ``DIR/step-N/COMMIT`` and ``latest``. (An
+     object-store URL: the same names under the URL, uploaded; ``latest`` by
+     compare-and-swap; cudasnap.storage.rounds / remote_ranks.) A rank that dies during
+     the round (not in D, no marker) makes the round fail: the step is not committed, and
+     the ranks start round ``g+1`` (``retry``), where it is in D, at most twice more.
+     Every wait ends within ``flush_timeout_s`` a round, and the caller's ``timeout``.
 A trigger that finds the last round of this epoch finished and no newer step
 COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
 ``peer_failure`` flush): a second round would wait for ranks that have exited.
@@ -45,6 +42,7 @@ the flush returns at once, logging that its newer steps cannot be committed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -269,13 +267,15 @@ class FlushRounds:
         return None if int(step) < 0 else (int(step), parse_csv(dead))
 
     # ------------------------------------------------------------ round
-    def flush(self, explicit: bool = False) -> Path | None:
+    def flush(self, explicit: bool = False, timeout: float | None = None) -> Path | None:
         """The agreed, committed flush; returns this rank's directory for the step.
 
         None when no step could be agreed on or the round did not commit. ``explicit``:
         the program's own ``flush()`` (not a trigger's): a round it opens waits, bounded,
         for every live rank's copy of this rank's newest step (see the module docstring).
-        """
+        ``timeout``: no wait of any round (nor the commit's on ``latest``'s lock) runs past
+        it, nor does a new round start after it."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             g = f"flush/{self.gen}"
             self.live.check()
@@ -307,19 +307,22 @@ class FlushRounds:
             t0 = time.perf_counter()
             written: tuple[int, Path] | None = None
             for tries in range(3):
-                # A round's waits end within flush_timeout_s of its start on this rank.
+                # A round's waits end within flush_timeout_s, all by the caller's timeout.
                 deadline = time.monotonic() + self.flush_timeout_s
+                if end is not None:
+                    deadline = min(deadline, end)
                 g = f"flush/{self.gen}"
                 ok, step, path = self._round(g, explicit and tries == 0, newest, deadline,
                                              written)
                 self.gen += 1
                 self.last = {"step": step, "path": path, "committed": ok,
                              "newest": newest, "seconds": time.perf_counter() - t0}
-                # A rank died during the round: every rank (the committer's key decides,
-                # not a rank's clock) runs the next one, which counts it with D (its
-                # arena or its copy written by a survivor).
+                # A rank died in the round: every rank (the committer's key decides) runs
+                # the next one, which counts it with D (its arena or copy, by a survivor).
                 if ok or self.kv.get(f"{g}/retry") is None:
                     break
+                if end is not None and time.monotonic() >= end:
+                    break  # the caller's timeout is spent: no new round
                 written = (step, path) if step is not None and path is not None else None
                 log.warning("rank %d: rank(s) %s died during flush round %s; a new round",
                             self.rank, self.kv.get(f"{g}/retry"), g)
@@ -377,8 +380,11 @@ class FlushRounds:
                 self.kv.set(f"{g}/retry", str(committer))
                 return False
             time.sleep(0.05)
-        log.error("rank %d: no commit of step %d within %.0f s", self.rank, step,
-                  self.flush_timeout_s)
+        with contextlib.suppress(Exception):  # the committer may still be on `latest`'s
+            if self.store.committed_with(step, self.rank):  # lock: its COMMIT decides
+                return True
+        log.error("rank %d: no commit of step %d within the flush's bound (%.0f s a round)",
+                  self.rank, step, self.flush_timeout_s)
         return False
 
     def _commit(self, step: int, g: str, dead: set[int], deadline: float) -> bool:
@@ -427,7 +433,7 @@ class FlushRounds:
                 "step": step, "world_size": self.world, "present": present, "missing": missing,
                 "replica_groups": self.replica_groups, "time": time.time(),
                 "job": self.local.job, "dead": sorted(dead), "epoch": self.epoch},
-                self.local.keep)
+                self.local.keep, timeout=max(0.0, deadline - time.monotonic()))
         except (OSError, SnapshotError) as e:
             log.error("step %d NOT committed: writing its COMMIT to %s failed: %s", step,
                       self.store.where, e)

@@ -43,8 +43,11 @@ class RoundStore(Protocol):
     def present(self, step: int, world: int) -> list[int]:
         """Ranks whose part of ``step`` is complete."""
 
-    def commit(self, step: int, record: dict[str, Any], keep: int) -> None:
-        """``COMMIT`` of ``step``, then ``latest``, then prune to ``keep``."""
+    def commit(self, step: int, record: dict[str, Any], keep: int,
+               timeout: float | None = None) -> None:
+        """``COMMIT`` of ``step``, then ``latest``, then prune to ``keep``; ``timeout``:
+        the wait for ``latest`` (its lock, its compare-and-swap) ends by then, leaving
+        ``latest`` as it is (the step is committed: a restore finds it by listing)."""
 
     def committed_with(self, step: int, rank: int) -> bool:
         """``step`` is committed with ``rank``'s part."""
@@ -78,11 +81,12 @@ class PosixRounds:
         step_dir = self.directory / step_dirname(step)
         return [r for r in range(world) if (step_dir / rank_dirname(r) / MANIFEST).is_file()]
 
-    def commit(self, step: int, record: dict[str, Any], keep: int) -> None:
+    def commit(self, step: int, record: dict[str, Any], keep: int,
+               timeout: float | None = None) -> None:
         step_dir = self.directory / step_dirname(step)
         posix.write_commit(step_dir, record)
         try:
-            posix.replace_latest(self.directory, step_dir.name)
+            posix.replace_latest(self.directory, step_dir.name, timeout)
             posix.prune(self.directory, keep)
         except OSError as e:  # committed: `latest` is a hint, the prune runs again next time
             log.warning("step %d is committed in %s, but updating latest/pruning failed: %s",
@@ -128,13 +132,14 @@ class RemoteRounds:
 
         return remote_ranks.present_ranks(self.st, step, world)
 
-    def commit(self, step: int, record: dict[str, Any], keep: int) -> None:
+    def commit(self, step: int, record: dict[str, Any], keep: int,
+               timeout: float | None = None) -> None:
         from . import remote_ranks
 
         with self.st._failing(f"commit of step {step} to {self.where}"):
             remote_ranks.write_commit(self.st, step, record)
         try:
-            self.st.replace_latest(step)
+            self.st.replace_latest(step, timeout)
             self.st.prune(keep)
             remote_ranks.sync_index(self.st)
         except Exception as e:  # noqa: BLE001 - committed: `latest` and the index are hints

@@ -175,6 +175,41 @@ def _restored_older(base: Path, rank: int, world: int, name: str) -> dict[str, A
     return res
 
 
+def _latest_locked(base: Path, rank: int, world: int, name: str) -> dict[str, Any]:
+    """Another writer holds ``latest``'s lock (a process, for 60 s) while every rank
+    flushes with ``timeout=3``: the round still commits, and returns in time."""
+    import subprocess
+    import sys
+
+    import cudasnap
+
+    _pg(base, name, rank, world)
+    model, opt = _model()
+    d = base / name
+    snap = cudasnap.Snapshotter(model, opt, directory=d, job=f"{base.name}-{name}", health=False)
+    _train(model, opt, rank, range(4), snap)
+    holder = None
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"),
+            str(d / ".latest-lock")], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    dist.barrier()
+    t0 = time.monotonic()
+    path = snap.flush(timeout=3.0)
+    res: dict[str, Any] = {"seconds": time.monotonic() - t0, "path": str(path),
+                           "committed": (d / "step-00000003" / "COMMIT").is_file()}
+    if holder is not None:
+        holder.kill()
+        holder.wait()
+    dist.barrier()
+    snap.close()
+    dist.destroy_process_group()
+    return res
+
+
 def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
     torch.set_num_threads(1)
     os.environ.pop("CUDASNAP_HEALTH", None)
@@ -196,6 +231,8 @@ def worker(rank: int, world: int, base_s: str, scenarios: list[str]) -> None:
                 res = _lost_memory(base, rank, world, sc)
             elif sc == "restored_older":
                 res = _restored_older(base, rank, world, sc)
+            elif sc == "latest_locked":
+                res = _latest_locked(base, rank, world, sc)
             elif sc == "world1_replicated":
                 res = _restore(base, rank, world, sc, base / "save_replicated", "all")
             else:

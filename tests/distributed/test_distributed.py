@@ -194,6 +194,19 @@ def _restore_here(base: Path, name: str, directory: Path, replicas) -> dict:
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
+def test_a_multi_rank_flush_honours_its_timeout_with_latest_locked(tmp_path: Path) -> None:
+    """Issue 47: another writer holds ``latest``'s lock for 60 s; ``flush(timeout=3)`` on
+    every rank returns within its bound and the step is committed (``latest`` left as it
+    was: a restore finds the step by listing). Before, the committer waited for the lock
+    without a bound."""
+    res = _spawn(tmp_path, 2, ["latest_locked"])["latest_locked"]
+    for rank, r in enumerate(res):
+        assert r["seconds"] < 8.0, res
+        assert r["committed"], res  # and each rank knows it
+        assert r["path"].endswith(f"step-00000003/rank-0000{rank}"), res
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict]]]:
     base = tmp_path_factory.mktemp("spawn")
