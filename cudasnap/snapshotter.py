@@ -173,15 +173,16 @@ class Snapshotter:
         self.dist = None
         if distributed if distributed is not None else dist_on and self.world_size > 1:
             from .distributed.coordinator import Coordinator
-            from .distributed.local import SnapshotterLocal
+            from .distributed.local import ComponentsLocal
 
             if replicas == "auto":  # HSDP: the replicate dim of the DTensors' mesh
                 from .core.sharded import replica_groups
 
                 replicas = replica_groups([lt.owner for lt in self.state.live_tensors()
                                            if lt.owner is not None], self.world_size) or replicas
-            self.dist = Coordinator(SnapshotterLocal(self), replicas=replicas,
-                                    node_replica=node_replica, fresh=fresh)
+            local = ComponentsLocal(self.options, self.state, self.directory, self._timeline,
+                                    self._keeper, self._flusher, self._restorer, self._early)
+            self.dist = Coordinator(local, replicas=replicas, node_replica=node_replica, fresh=fresh)
         self.guard = None
         if health if health is not None else env.health:
             from .triggers.guard import Guard
@@ -307,13 +308,6 @@ class Snapshotter:
         """Flushes the newest COMPLETE snapshot unless that step is already on disk
         (``close()``'s final flush); None when there was nothing new to write."""
         return self._flusher.flush_if_new(wait_s)
-
-    def settle_newest(self, timeout: float | None) -> None:
-        """Zero-overhead mode: copies the newest boundary's live state now when that
-        boundary was not copied and no optimizer step ran since (a no-op otherwise).
-        The coordinator calls it while an explicit flush round waits for this rank's
-        newest step (cudasnap.distributed.flush_round)."""
-        self._flusher.settle_newest(timeout)
 
     # ------------------------------------------------------------ restore
     def restore_latest(self) -> int:

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 class Coordinator(FlushRounds, Coordinated, Protocol):
     """The distributed coordinator as the components see it (flush rounds, the restore)."""
 
+    def attach_guard(self, guard: Guard | None) -> None: ...
+
 
 class Guard(FlushGuard, Protocol):
     """The health guard as the components see it; started once they know it."""
@@ -93,6 +95,7 @@ def attach_triggers(parts: Components, dist: Coordinator | None, guard: Guard | 
     state's first layout build thread (parked)."""
     parts.flusher.attach(dist, guard)
     if dist is not None:
+        dist.attach_guard(guard)  # its peer failures go through the guard
         parts.copier.cadence.coordinated()  # every rank copies the same boundaries
     parts.restorer.attach(dist, guard)
     parts.keeper.attach(coordinated=dist is not None)

@@ -182,6 +182,10 @@ class Coordinator:
     def agree_step(self, g: str, deadline: float | None = None) -> tuple[int, set[int]] | None:
         return self.rounds.agree_step(g, deadline)
 
+    def attach_guard(self, guard: Any) -> None:
+        """The guard, once made: a peer's failure goes through it (``LocalSnapshots``)."""
+        self.local.attach(guard)
+
     # ------------------------------------------------------------ verbs
     def flush(self, explicit: bool = False, timeout: float | None = None) -> Path | None:
         """The agreed, committed flush; this rank's directory for the step, or None.

@@ -1,9 +1,9 @@
 """What the coordinator needs of this rank's local snapshots: the ``LocalSnapshots`` protocol.
 
-The coordinator (``cudasnap.distributed``) never imports the Snapshotter. It reads
-and drives this rank's snapshots only through this protocol; the Snapshotter
-passes a ``SnapshotterLocal`` adapter (below), the one place that knows which
-Snapshotter fields hold the arenas and how a slot or a directory is applied.
+The coordinator (``cudasnap.distributed``) never imports the Snapshotter nor calls it. It
+reads and drives this rank's snapshots only through this protocol; the Snapshotter passes
+a ``ComponentsLocal`` (below) made of its components, the one place that knows which
+component holds the arenas and how a slot or a directory is applied.
 """
 from __future__ import annotations
 
@@ -82,80 +82,93 @@ class LocalSnapshots(Protocol):
     def restore_source(self) -> str | None:
         """The source recorded by the last record_restore (None if none)."""
 
+    def attach(self, guard: Any) -> None:
+        """The guard, once made (None: none): a peer's failure goes through it."""
 
-class SnapshotterLocal:
-    """``LocalSnapshots`` over a Snapshotter (typed loosely: no import of it, no cycle).
 
-    Uses only the Snapshotter's public attributes and methods (``staged_arenas``,
-    ``restore_slot``, ``restore_dir``, ``record_restore``, ``last_restore``), never
-    its private fields."""
+class ComponentsLocal:
+    """``LocalSnapshots`` over the Snapshotter's components (cudasnap.core.wiring), not the
+    facade: the coordinator's calls (a flush round's ``settle_newest`` while the flush lock
+    is held, a restore's ``restore_from_slot``) go down to the component that does the
+    work, never back up through the Snapshotter."""
 
-    def __init__(self, snap: Any) -> None:
-        self._s = snap
+    FLUSH_TIMEOUT_S = 30.0  # a requested flush's bound: the Snapshotter's flush() default
+
+    def __init__(self, opts: Any, state: Any, directory: Path, timeline: Any, keeper: Any,
+                 flusher: Any, restorer: Any, early: Any) -> None:
+        self._o, self._state, self._dir = opts, state, Path(directory)
+        self._timeline, self._keeper, self._flusher = timeline, keeper, flusher
+        self._restorer, self._early = restorer, early
+        self._guard: Any = None
+
+    def attach(self, guard: Any) -> None:
+        """The guard, once made (a peer's failure goes through it: its policy decides)."""
+        self._guard = guard
 
     @property
     def rank(self) -> int:
-        return int(self._s.rank)
+        return int(self._o.rank)
 
     @property
     def world_size(self) -> int:
-        return int(self._s.world_size)
+        return int(self._o.world_size)
 
     @property
     def job(self) -> str:
-        return str(self._s.job)
+        return str(self._o.job)
 
     @property
     def directory(self) -> Path:
-        return Path(self._s.directory)
+        return self._dir
 
     @property
     def keep(self) -> int:
-        return int(self._s.keep)
+        return int(self._o.keep)
 
     @property
     def flush_threads(self) -> int:
-        return int(self._s.flush_threads)
+        return int(self._o.flush_threads)
 
     def arenas(self) -> list[Arena]:
-        arenas: list[Arena] = self._s.staged_arenas()
+        arenas: list[Arena] = self._keeper.staged_arenas()
         return arenas
 
     def arena_path_of(self, rank: int) -> Path:
-        return paths.arena_path(Path(self._s.arena_path).parent, self.job, rank)
+        return paths.arena_path(Path(self._o.arena_path).parent, self.job, rank)
 
     def last_step(self) -> int | None:
-        step: int | None = self._s.last_step
+        step: int | None = self._timeline.last_step
         return step
 
     def replicated(self) -> bool:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return any(isinstance(m, DDP) for m in self._s.state.models.values())
+        return any(isinstance(m, DDP) for m in self._state.models.values())
 
     def request_flush(self) -> None:
-        self._s.flush(wait=False)
+        self._early.before_flush(self.FLUSH_TIMEOUT_S)  # as the Snapshotter's flush() does
+        self._flusher.flush(False, self.FLUSH_TIMEOUT_S)
 
     def peer_failure(self, detail: str) -> None:
-        if self._s.guard is not None:
-            self._s.guard.trigger("peer_failure", detail)
+        if self._guard is not None:
+            self._guard.trigger("peer_failure", detail)
         else:
-            self._s.flush(wait=False)
+            self.request_flush()
 
     def settle_newest(self, timeout: float) -> None:
-        self._s.settle_newest(timeout)
+        self._flusher.settle_newest(timeout)
 
     def restore_from_slot(self, arena: Arena, slot: int, where: str) -> int:
-        step: int = self._s.restore_slot(arena, slot, where)
+        step: int = self._restorer.restore_slot(arena, slot, where)
         return step
 
     def restore_from_dir(self, path: Path) -> int:
-        step: int = self._s.restore_dir(path)
+        step: int = self._restorer.restore_dir(path)
         return step
 
     def record_restore(self, source: str, step: int, where: str) -> None:
-        self._s.record_restore(source, step, where)
+        self._restorer.record_restore(source, step, where)
 
     def restore_source(self) -> str | None:
-        src: str | None = (self._s.last_restore() or {}).get("source")
+        src: str | None = (self._restorer.last_restore() or {}).get("source")
         return src

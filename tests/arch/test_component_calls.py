@@ -186,3 +186,19 @@ def test_no_component_calls_the_facade_back() -> None:
         text = f.read_text()
         assert "Snapshotter.flush" not in re.sub(r'""".*?"""', "", text, flags=re.S), f
         assert "facade.flush" not in text, f
+
+
+# The one part below the facade still handed the facade itself: the guard, whose policy
+# acts as the program would (flush, then exit or go on; cudasnap.triggers.guard).
+HANDED_THE_FACADE = {"Guard"}
+
+
+def test_nothing_below_the_facade_is_handed_it_but_the_guard() -> None:
+    """Issue 47: the coordinator used to hold the Snapshotter (``SnapshotterLocal(self)``)
+    and called it back, ``settle_newest`` while the flush lock was held; it now holds the
+    components (``ComponentsLocal``). A new ``X(self)`` in the facade fails here."""
+    tree = ast.parse((PKG / "snapshotter.py").read_text())
+    handed = sorted({ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                     and any(isinstance(a, ast.Name) and a.id == "self"
+                             for a in [*n.args, *(k.value for k in n.keywords)])})
+    assert set(handed) <= HANDED_THE_FACADE, handed
