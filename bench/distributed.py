@@ -1,7 +1,7 @@
 """Recovery time of a 4-rank DDP job (gloo, CPU) after a SIGKILL of one rank.
 
 torchrun --standalone --nproc-per-node=4 --max-restarts=1 runs
-tests/dist/ddp_train.py with the guard on; rank 2 SIGKILLs itself in the
+tools/dist/ddp_train.py with the guard on; rank 2 SIGKILLs itself in the
 forward of step --kill-step. Phases, from timestamps the ranks write
 (OUT/kill.json, CKPT/dist-log.jsonl, OUT/rank-R.json), medians over --repeats:
 
@@ -18,7 +18,7 @@ forward of step --kill-step. Phases, from timestamps the ranks write
 
     python bench/distributed.py [--repeats 3] [--state-mb 50] [--no-results]
 
---fsdp: FSDP2 (``fully_shard``, tests/dist/sharded_train.py) on 4 ranks instead:
+--fsdp: FSDP2 (``fully_shard``, tools/dist/sharded_train.py) on 4 ranks instead:
 the time each step's boundary() blocks the loop against DCP ``async_save`` of the
 same sharded state (model + optimizer state_dict, one save in flight) in the same
 run, and kill -> every rank resumed (SIGKILL of rank 2, torchrun restart).
@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import log, machine_line, print_table  # noqa: E402
-from tests.dist import launch  # noqa: E402
+from tools.dist import launch  # noqa: E402
 
 PHASES = ["detection", "agreement", "flush+commit", "exit+restart", "startup", "restore"]
 

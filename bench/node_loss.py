@@ -1,6 +1,6 @@
 """Lose a node, lose one step: node-loss replication measured end to end (issue 25).
 
-Two "nodes" of one rank each on this host (tests/dist/node_launch.py: own node id, own
+Two "nodes" of one rank each on this host (tools/dist/node_launch.py: own node id, own
 shared-memory directory under /dev/shm, own replica address, DDP on gloo), replication on
 (CUDASNAP_NODE_REPLICA=1). Three runs of the same job, plus the raw transport:
 
@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "dist"))
 
 import node_launch  # noqa: E402
 

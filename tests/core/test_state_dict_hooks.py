@@ -13,7 +13,7 @@ import torch
 import cudasnap
 from cudasnap.core.state import TrainingState
 from cudasnap.errors import ConfigError
-from tests.helpers.fused import FusedQKV as Fused
+from tools.dist.fused import FusedQKV as Fused
 
 
 def _build(copy: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -3,14 +3,14 @@
 A peer's death makes gloo raise on the survivors; torchtitan's ``main()`` (and many trainers)
 then call ``close()`` inside ``except``. Before this fix a distributed ``close()`` removed its
 arena there, and the restart could assemble no step: the job started over at step 0. Each
-case runs tests/dist/close_worker.py on 2 ranks (gloo, CPU) under torchrun."""
+case runs tools/dist/close_worker.py on 2 ranks (gloo, CPU) under torchrun."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tests.dist import launch
+from tools.dist import launch
 
 SCRIPT = Path(launch.__file__).with_name("close_worker.py")
 

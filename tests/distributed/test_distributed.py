@@ -1,6 +1,6 @@
 """Multi-rank snapshots on CPU/gloo: torchrun kill/hang/restart runs and in-process spawn tests.
 
-The torchrun tests run tests/dist/ddp_train.py (DDP, 4 ranks) and compare
+The torchrun tests run tools/dist/ddp_train.py (DDP, 4 ranks) and compare
 with an uninterrupted reference run of the same script. With a fixed DDP
 bucket layout (see the script) the resumed runs are bitwise identical to the
 reference on every rank.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cudasnap.storage.posix import committed_steps, read_commit
-from tests.dist import launch
+from tools.dist import launch
 
 STEPS = 20
 WORLD = 4
@@ -170,7 +170,7 @@ def test_lost_rank_restores_from_replica_files(died, ref: launch.Run) -> None:
 def _spawn(base: Path, world: int, scenarios: list[str]) -> dict[str, list[dict]]:
     import torch.multiprocessing as mp
 
-    from tests.dist import spawn_worker
+    from tools.dist import spawn_worker
 
     mp.spawn(spawn_worker.worker, args=(world, str(base), scenarios), nprocs=world, join=True)
     out = {}
@@ -185,7 +185,7 @@ def _restore_here(base: Path, name: str, directory: Path, replicas) -> dict:
     """A 1-rank job in this process restores a 2-rank snapshot (world size changed)."""
     import torch.distributed as dist
 
-    from tests.dist import spawn_worker
+    from tools.dist import spawn_worker
 
     try:
         return spawn_worker._restore(base, 0, 1, name, directory, replicas)

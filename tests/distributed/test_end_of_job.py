@@ -1,5 +1,5 @@
 """The end of a multi-rank job (issue 23 item 1): ``flush()`` on every rank, then ``close()``,
-with one rank late to its last boundary (tests/dist/end_of_job_worker.py, 2 ranks,
+with one rank late to its last boundary (tools/dist/end_of_job_worker.py, 2 ranks,
 gloo on CPU). The late rank's lateness is gated on the store: it reaches its last
 boundary only after its part of the others' flush round has published its COMPLETE
 steps without the last one, so the round has to wait for it; and it closes only after
@@ -25,7 +25,7 @@ from cudasnap.distributed.kv import KV
 from cudasnap.distributed.liveness import Liveness
 from cudasnap.format import paths
 from cudasnap.storage import posix
-from tests.dist import launch
+from tools.dist import launch
 
 SCRIPT = Path(launch.__file__).with_name("end_of_job_worker.py")
 STEPS = 6

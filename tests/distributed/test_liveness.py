@@ -22,8 +22,8 @@ import pytest
 
 from cudasnap.distributed.kv import KV
 from cudasnap.distributed.liveness import REFUSED, UNKNOWN, UP, Liveness, probe
-from tests.dist import launch
 from tests.distributed.test_end_of_job import _Store
+from tools.dist import launch
 
 HB_S = 0.02
 

@@ -1,7 +1,7 @@
 """Nothing left behind (issue 35 item 5): node-loss replication's arenas go at a clean end and
 by ``cudasnap gc`` once their holder is gone; small states get small slots.
 
-* a whole job of two "nodes" on this host (tests/dist/node_launch.py) loses a node, and
+* a whole job of two "nodes" on this host (tools/dist/node_launch.py) loses a node, and
   the restart gives each node the other's ranks: after its clean end neither node's shared
   memory holds an arena of the job (old own arenas of the renumbered ranks, guest copies
   claimed at start, guests received since, temporaries);
@@ -27,7 +27,7 @@ from cudasnap.distributed.replica_wire import WireError, slot_header
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.tools import cli
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dist"))
 import node_launch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

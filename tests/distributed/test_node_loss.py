@@ -2,7 +2,7 @@
 
 Unit tests of the wire and the guest arenas (a cut transfer is never visible, a damaged
 chunk is refused on arrival, the partner is on another node), then whole jobs of two
-"nodes" on this host (tests/dist/node_launch.py): a node lost -> its rank resumes from the
+"nodes" on this host (tools/dist/node_launch.py): a node lost -> its rank resumes from the
 copy in the other node's memory, bitwise equal to a run without failure; its partner lost
 too -> disk, said in the log; a node lost in the middle of a transfer -> the previous
 replica.
@@ -27,7 +27,7 @@ from cudasnap.distributed.replica_wire import WireError, land, recv_msg, send_ms
 from cudasnap.errors import CorruptSnapshot
 from cudasnap.storage.posix import read_commit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dist"))
 import node_launch  # noqa: E402
 from replica_fakes import KV as _KV  # noqa: E402
 from replica_fakes import Local as _Local  # noqa: E402

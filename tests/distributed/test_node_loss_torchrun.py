@@ -4,7 +4,7 @@ Two agents (``--nnodes 2 --rdzv-backend c10d``, a standalone rendezvous store), 
 each, DDP on gloo; node 1's rank kills its agent and itself once its replica of step 9 is
 acknowledged; its shared memory is removed and a replacement agent (new node id, empty
 memory) joins. The job resumes from the copy in node 0's memory, one step replayed, and
-ends bitwise equal to a run without failure (tests/dist/node_torchrun.py).
+ends bitwise equal to a run without failure (tools/dist/node_torchrun.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dist"))
 import node_launch  # noqa: E402
 import node_torchrun  # noqa: E402
 

@@ -37,7 +37,7 @@ from cudasnap.distributed.parity import (
 )
 from cudasnap.errors import ConfigError, CorruptSnapshot
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dist"))
 import node_launch  # noqa: E402
 from replica_fakes import KV as _KV  # noqa: E402
 from replica_fakes import Local  # noqa: E402

@@ -20,7 +20,7 @@ WORLD = 2
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict]]]:
     import torch.multiprocessing as mp
 
-    from tests.dist import sharded_worker
+    from tools.dist import sharded_worker
 
     base = tmp_path_factory.mktemp("sharded")
     scenarios = ["fsdp", "tp", "mismatch", "fused"]
@@ -162,7 +162,7 @@ def test_export_torch_gathers_a_multi_rank_snapshot(spawned, tmp_path: Path, kin
         assert np.array_equal(got["model"][k].numpy(), ref[f"p.{k}"]), k
     assert np.array_equal(got["model"]["seen"].numpy(), ref["m.seen"])
     if kind == "fused":
-        from tests.helpers.fused import FusedQKV
+        from tools.dist.fused import FusedQKV
 
         torch.manual_seed(5)
         model = torch.nn.Sequential(FusedQKV(), torch.nn.Linear(6, 4))

@@ -2,7 +2,7 @@
 torchrun (CPU/gloo): SIGKILL one rank mid-run, torchrun
 --max-restarts restarts the job, every rank resumes from its local shard, and the
 final gathered state (parameters and optimizer state) is bitwise equal to an
-uninterrupted run of the same script (tests/dist/sharded_train.py)."""
+uninterrupted run of the same script (tools/dist/sharded_train.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist import launch
+from tools.dist import launch
 
 SCRIPT = Path(launch.__file__).with_name("sharded_train.py")
 STEPS = 10

@@ -1,7 +1,7 @@
 """Issue 45 item 1 under FSDP2: torchao's AdamW8bit state is a DTensor whose local shard is
 an OptimState8bit; the snapshot holds the local shard's inner tensors with the DTensor's shard
 record, and a new optimizer (no state until its first step) is rebuilt from them, bitwise
-(tests/dist/subclass_fsdp2_worker.py on 2 ranks, gloo, CPU); ``export --to dcp`` writes each
+(tools/dist/subclass_fsdp2_worker.py on 2 ranks, gloo, CPU); ``export --to dcp`` writes each
 rank's shard of it as DCP would."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import launch
+from tools.dist import launch
 
 pytest.importorskip("torchao.optim", reason="torchao is not installed (requirements-extras.txt)")
 SCRIPT = Path(launch.__file__).with_name("subclass_fsdp2_worker.py")

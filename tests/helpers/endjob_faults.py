@@ -1,7 +1,7 @@
 """Multi-rank fault families of issue 23 for bench/faults.py: ``endjob`` and ``jobmismatch``.
 
 endjob (item 1, the end of a multi-rank job): each case runs
-tests/dist/end_of_job_worker.py with 2 ranks on gloo under torchrun (--max-restarts=1;
+tools/dist/end_of_job_worker.py with 2 ranks on gloo under torchrun (--max-restarts=1;
 0 for ``stuck``/``dead``, whose failure is the fault), a fresh directory and job,
 CUDASNAP_PEER_TIMEOUT_S=10, STEPS=6 (last step 5): ``flush()`` on every rank, then
 ``close()``, with one rank late to its last boundary. ``expected`` = 5 (4 when a rank is
@@ -114,7 +114,7 @@ def _judge(case: Any, *, rc: int, log: str, ckpt: Path, out: Path, late_rank: in
 
 def _endjob_torchrun(ctx: Any, case: Any, *, env: dict[str, str], late_rank: int,
                      scenario: str, gated: bool, bound_s: float) -> Any:
-    from tests.dist import launch
+    from tools.dist import launch
 
     base = ctx.dir("endjob")
     mr = 0 if scenario in ("stuck", "dead") else 1
@@ -131,7 +131,7 @@ def _endjob_torchrun(ctx: Any, case: Any, *, env: dict[str, str], late_rank: int
 
 def _endjob_cudasnap_run(ctx: Any, case: Any) -> Any:
     """``cudasnap run --max-restarts 1 -- torchrun --max-restarts=0 ...``, FSDP2, gated."""
-    from tests.dist import launch
+    from tools.dist import launch
 
     base = ctx.dir("endjob-run")
     ckpt, out, store = base / "ckpt", base / "out", base / "store"

@@ -1,4 +1,4 @@
-"""Runs tests/dist/ddp_train.py under torchrun and collects what the ranks wrote.
+"""Runs tools/dist/ddp_train.py under torchrun and collects what the ranks wrote.
 
 Used by tests/distributed/test_distributed.py and bench/distributed.py.
 """

@@ -1,4 +1,4 @@
-"""Worker of the node-loss tests and bench (tests/dist/node_launch.py starts it; gloo on CPU).
+"""Worker of the node-loss tests and bench (tools/dist/node_launch.py starts it; gloo on CPU).
 
 One process per rank; "nodes" are told apart by CUDASNAP_NODE_ID and CUDASNAP_SHM_DIR.
 Env:

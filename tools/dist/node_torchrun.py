@@ -5,7 +5,7 @@ loss of either agent is survivable; each agent runs ``torchrun --nnodes 2 --rdzv
 c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false`` with its own loopback
 address, CUDASNAP_NODE_ID and CUDASNAP_SHM_DIR, and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 (else a replacement node never joins: /work/shared/DESIGN.md, "Node loss"). The workers are
-tests/dist/node_train.py. The victim rank SIGKILLs its agent, then itself (one rank per
+tools/dist/node_train.py. The victim rank SIGKILLs its agent, then itself (one rank per
 node: the whole node); the lost node's shared memory is removed and a replacement agent
 (new node id, new empty shared memory, the same address) joins; the survivor's agent
 restarts its worker, and the job resumes.

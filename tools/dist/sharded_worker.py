@@ -13,14 +13,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tests.dist.spawn_worker import _pg
-from tests.helpers.fused import FusedQKV
+from tools.dist.spawn_worker import _pg
+from tools.dist.fused import FusedQKV
 
 
 def build(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The same module tree (names) for both kinds: FSDP2 (13 hidden: uneven shards) or TP
     (14 hidden: DTensor's rowwise matmul needs even shards). ``fused``: FSDP2 over a model
-    whose state_dict is not its parameters (tests.helpers.fused.FusedQKV)."""
+    whose state_dict is not its parameters (tools.dist.fused.FusedQKV)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 MODE: "fsdp" (FSDP2 ``fully_shard`` on a 1-D mesh of every rank), "tp" (tensor
 parallel: colwise + rowwise Linear pair), "hsdp" (FSDP2 on a 2-D (replicate,
 shard) mesh, 2 x WORLD/2).
-Env as tests/dist/ddp_train.py: CKPT, OUT, STORE_DIR, STEPS, KILL_RANK, KILL_STEP,
+Env as tools/dist/ddp_train.py: CKPT, OUT, STORE_DIR, STEPS, KILL_RANK, KILL_STEP,
 NO_SNAP=1, DUMP_STEPS=1. Results: OUT/rank-R.npz holds the gathered FULL state
 (parameters and optimizer state, ``full_tensor()``), OUT/rank-R.json the restore
 info; OUT/restored-rank-R.npz the full state right after restore_latest().
@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import cudasnap  # noqa: E402
-from tests.dist.sharded_worker import full_state  # noqa: E402  (PYTHONPATH: the repo)
+from tools.dist.sharded_worker import full_state  # noqa: E402  (PYTHONPATH: the repo)
 
 
 class Data:

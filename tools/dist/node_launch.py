@@ -1,6 +1,6 @@
 """Several "nodes" on one host for the node-loss tests and bench/node_loss.py.
 
-Each node is a group of rank processes (tests/dist/node_train.py) with its own
+Each node is a group of rank processes (tools/dist/node_train.py) with its own
 CUDASNAP_NODE_ID, its own shared-memory directory (CUDASNAP_SHM_DIR) and its own replica
 address (127.0.0.<n>); all share the snapshot directory and a FileStore per attempt. A
 "node loss" is the SIGKILL of every process of the job once the victim rank died (a
