@@ -26,11 +26,12 @@ from pathlib import Path
 from .._proc import process_state
 from ..config import Settings
 from ..errors import ConfigError
+from ..triggers.kinds import ExitCode
 from .standby import warm_command
 
 log = logging.getLogger("cudasnap.run")
 
-EXIT_CODES = {75: "GPU lost", 76: "GPU fault", 77: "hang", 78: "preempted", 79: "peer failure"}
+EXIT_CODES = {int(c): c.describe for c in ExitCode if c >= 64}  # the guard's flush-and-exit
 
 
 def describe_exit(rc: int) -> str:

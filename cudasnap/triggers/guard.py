@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from ..config import Settings
 from .dispatch import Dispatcher, HistoryEntry
 from .hooks import ExceptHooks, install_excepthook
-from .kinds import Trigger
+from .kinds import Trigger, TriggerKind
 from .monitor import HealthMonitor
 from .policy import Policy
 from .signals import SignalHandlers, install_signal_handlers
@@ -42,7 +42,7 @@ class FlushTarget(Protocol):
 
 
 # Triggers after which the GPU may never finish a copy: flush what is COMPLETE now.
-_NO_WAIT = {"xid", "ecc_dbe", "ecc_uncorrected", "gpu_lost", "remap_failure", "recovery_action"}
+_NO_WAIT = {k.kind for k in TriggerKind if k.no_wait}
 
 
 # Guard.stop() waits this long for a triggered flush still in progress.

@@ -23,7 +23,7 @@ import threading
 import time
 
 from ..errors import ConfigError
-from .kinds import TRIGGER_KINDS, Trigger, TriggerCallback
+from .kinds import TRIGGER_KINDS, Trigger, TriggerCallback, TriggerKind
 
 logger = logging.getLogger("cudasnap.health")
 
@@ -86,7 +86,7 @@ def parse_inject(spec: str) -> list[_Fault]:
                 raise ConfigError(f"bad {ENV_INJECT} token {token!r}: bad or repeated qualifier @{qual}") from None
         if step is None and t is None:
             raise ConfigError(f"bad {ENV_INJECT} token {token!r}: needs @step=N or @t=SECONDS")
-        if device is None and kind not in ("sigterm", "sigusr1", "hang", "exception", "manual", "peer_failure"):
+        if device is None and TriggerKind.of(kind).device:
             device = 0
         faults.append(_Fault(kind, code, step, t, device, token))
     if not faults:

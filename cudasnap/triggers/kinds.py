@@ -6,13 +6,60 @@ hooks, peers) and by the policy; it depends on nothing else in cudasnap.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Callable
 
-TRIGGER_KINDS: frozenset[str] = frozenset({
-    "xid", "ecc_dbe", "ecc_uncorrected", "remap_failure", "remap_pending", "recovery_action",
-    "gpu_lost", "thermal", "sigterm", "sigusr1", "hang", "exception", "manual", "peer_failure",
-})
+
+class ExitCode(enum.IntEnum):
+    """The exit codes of a flush-and-exit (64-113, unused by shells, so a launcher or a
+    scheduler can tell why the job stopped and whether to requeue); ``describe`` names it
+    (``cudasnap run``'s log)."""
+
+    MANUAL = 0
+    EXCEPTION = 1
+    GPU_LOST = 75  # the GPU fell off the bus / NVML reports it lost: requeue elsewhere
+    GPU_FAULT = 76  # fatal Xid, uncorrected ECC, remap failure, recovery action
+    HANG = 77  # the progress watchdog fired
+    PREEMPTED = 78  # SIGTERM (preemption, cancel): resume elsewhere
+    PEER_FAILURE = 79  # another rank failed; this one flushed and stopped
+
+    @property
+    def describe(self) -> str:
+        return self.name.lower().replace("_", " ").replace("gpu", "GPU")
+
+
+class TriggerKind(enum.Enum):
+    """Every kind of trigger, with what the other parts derive from it: the exit code a
+    flush-and-exit uses when no code is given (the policy), whether the flush must not
+    wait for a running copy (the GPU may never finish it: the guard), and whether it
+    names a device (fault injection)."""
+
+    XID = ("xid", ExitCode.GPU_FAULT, True, True)
+    ECC_DBE = ("ecc_dbe", ExitCode.GPU_FAULT, True, True)
+    ECC_UNCORRECTED = ("ecc_uncorrected", ExitCode.GPU_FAULT, True, True)
+    REMAP_FAILURE = ("remap_failure", ExitCode.GPU_FAULT, True, True)
+    REMAP_PENDING = ("remap_pending", ExitCode.GPU_FAULT, False, True)
+    RECOVERY_ACTION = ("recovery_action", ExitCode.GPU_FAULT, True, True)
+    GPU_LOST = ("gpu_lost", ExitCode.GPU_LOST, True, True)
+    THERMAL = ("thermal", ExitCode.GPU_FAULT, False, True)
+    SIGTERM = ("sigterm", ExitCode.PREEMPTED, False, False)
+    SIGUSR1 = ("sigusr1", ExitCode.PREEMPTED, False, False)
+    HANG = ("hang", ExitCode.HANG, False, False)
+    EXCEPTION = ("exception", ExitCode.EXCEPTION, False, False)
+    MANUAL = ("manual", ExitCode.MANUAL, False, False)
+    PEER_FAILURE = ("peer_failure", ExitCode.PEER_FAILURE, False, False)
+
+    def __init__(self, kind: str, exit_code: ExitCode, no_wait: bool, device: bool) -> None:
+        self.kind, self.exit_code, self.no_wait, self.device = kind, exit_code, no_wait, device
+
+    @classmethod
+    def of(cls, kind: str) -> TriggerKind:
+        return _BY_NAME[kind]
+
+
+_BY_NAME = {k.kind: k for k in TriggerKind}
+TRIGGER_KINDS: frozenset[str] = frozenset(_BY_NAME)
 
 #: Xids after which the GPU itself is unusable (reset/reboot needed).
 FATAL_XIDS: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})

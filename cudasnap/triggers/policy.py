@@ -30,17 +30,17 @@ from collections.abc import Mapping
 
 from ..config import Settings
 from ..errors import ConfigError
-from .kinds import TRIGGER_KINDS, Trigger
+from .kinds import TRIGGER_KINDS, ExitCode, Trigger, TriggerKind
 
 logger = logging.getLogger("cudasnap.triggers")
 
-EXIT_GPU_LOST = 75
-EXIT_GPU_FAULT = 76
-EXIT_HANG = 77
-EXIT_PREEMPTED = 78
-EXIT_PEER_FAILURE = 79
-EXIT_EXCEPTION = 1
-EXIT_MANUAL = 0
+EXIT_GPU_LOST = ExitCode.GPU_LOST  # the names the policy's users know (one home: kinds.py)
+EXIT_GPU_FAULT = ExitCode.GPU_FAULT
+EXIT_HANG = ExitCode.HANG
+EXIT_PREEMPTED = ExitCode.PREEMPTED
+EXIT_PEER_FAILURE = ExitCode.PEER_FAILURE
+EXIT_EXCEPTION = ExitCode.EXCEPTION
+EXIT_MANUAL = ExitCode.MANUAL
 
 ENV_POLICY = "CUDASNAP_POLICY"
 
@@ -56,13 +56,7 @@ _ACTION_NAMES = {"ignore": Action.IGNORE, "log": Action.LOG, "flush": Action.FLU
                  "flush_exit": Action.FLUSH_AND_EXIT, "flush_and_exit": Action.FLUSH_AND_EXIT}
 
 #: Exit code used when a kind is (re)mapped to FLUSH_AND_EXIT without an explicit code.
-DEFAULT_EXIT_CODES: dict[str, int] = {
-    "xid": EXIT_GPU_FAULT, "ecc_dbe": EXIT_GPU_FAULT, "ecc_uncorrected": EXIT_GPU_FAULT,
-    "remap_failure": EXIT_GPU_FAULT, "remap_pending": EXIT_GPU_FAULT, "recovery_action": EXIT_GPU_FAULT,
-    "thermal": EXIT_GPU_FAULT, "gpu_lost": EXIT_GPU_LOST, "sigterm": EXIT_PREEMPTED,
-    "sigusr1": EXIT_PREEMPTED, "hang": EXIT_HANG, "exception": EXIT_EXCEPTION, "manual": EXIT_MANUAL,
-    "peer_failure": EXIT_PEER_FAILURE,
-}
+DEFAULT_EXIT_CODES: dict[str, int] = {k.kind: int(k.exit_code) for k in TriggerKind}
 
 Rule = tuple[Action, "int | None"]
 _XID_KEYS = ("xid.fatal", "xid.application", "xid.other")
