@@ -122,7 +122,7 @@ def _endjob_torchrun(ctx: Any, case: Any, *, env: dict[str, str], late_rank: int
             "LATE_RANK": str(late_rank), "SCENARIO": scenario, "GATE": "1" if gated else "0",
             **env}
     r = launch.run(base, nproc=WORLD, max_restarts=mr,
-                   script=REPO / "tests" / "dist" / "end_of_job_worker.py", timeout=240,
+                   script=REPO / "tools" / "dist" / "end_of_job_worker.py", timeout=240,
                    env=full)
     launch.cleanup_arenas(r.job)
     return _judge(case, rc=r.rc, log=r.log, ckpt=r.ckpt, out=r.out, late_rank=late_rank,
@@ -145,7 +145,7 @@ def _endjob_cudasnap_run(ctx: Any, case: Any) -> Any:
     cmd = [sys.executable, "-m", "cudasnap", "run", "--dir", str(ckpt), "--max-restarts", "1",
            "--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={WORLD}", "--max-restarts=0", "--monitor-interval=0.1",
-           f"--rdzv-id={uuid.uuid4().hex[:8]}", str(REPO / "tests" / "dist" /
+           f"--rdzv-id={uuid.uuid4().hex[:8]}", str(REPO / "tools" / "dist" /
                                                     "end_of_job_worker.py")]
     t0 = time.monotonic()
     try:
