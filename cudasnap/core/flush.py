@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -100,19 +99,14 @@ class Flusher:
         without ``wait`` waits for no rank's boundary.
         """
         guard, dist, copier = self._guard, self._dist, self._copier
-        end = None if timeout is None else time.monotonic() + timeout
-
-        def left() -> float | None:  # one bound for every wait below, not one each
-            return None if end is None else max(0.0, end - time.monotonic())
-
         with self.lock, self._paused():
             if wait:
-                copier.wait_job(left())
-            copier.copy_live(left())
+                copier.wait_job(timeout)
+            copier.copy_live(timeout)
             if dist is None:
-                return self.flush_newest(left())
+                return self.flush_newest(timeout)
             triggered = guard is not None and guard.dispatcher.flushing
-            path = dist.flush(explicit=wait and not triggered, timeout=left())
+            path = dist.flush(explicit=wait and not triggered, timeout=timeout)
             done = dist.last_flush
             if path is not None and done is not None:
                 self._counters.flushes += 1

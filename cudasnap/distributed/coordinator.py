@@ -192,8 +192,9 @@ class Coordinator:
 
         ``explicit``: the program's own flush (e.g. at the end of the job), not a
         trigger's: the round waits, bounded, for every live rank's newest boundary.
-        ``timeout``: every wait of the rounds (agreement, peers, the commit's lock on
-        ``latest``) ends by then (and each round's by ``flush_timeout_s``)."""
+        ``timeout``: the bound of the commit's wait on other writers of ``latest`` (as a
+        single rank's ``StorageWriter.write_slot``: past it ``latest`` stays, the step is
+        committed); every other wait of a round ends within ``flush_timeout_s``."""
         try:
             return self.rounds.flush(explicit=explicit, timeout=timeout)
         except Exception as e:

@@ -20,10 +20,10 @@ Round ``g`` (any trigger on any rank; the others join when they see
      compare-and-swap; cudasnap.storage.rounds / remote_ranks.) A rank that dies during
      the round (not in D, no marker) makes the round fail: the step is not committed, and
      the ranks start round ``g+1`` (``retry``), where it is in D, at most twice more.
-     Every wait ends within ``flush_timeout_s`` a round, and the caller's ``timeout``.
-A trigger that finds the last round of this epoch finished and no newer step
-COMPLETE returns that round's result at once (e.g. torchrun's SIGTERM after a
-``peer_failure`` flush): a second round would wait for ranks that have exited.
+     Every wait ends within ``flush_timeout_s`` (``latest``'s lock: and the flush's timeout).
+A trigger that finds the last round of this epoch finished and no newer step COMPLETE
+returns that round's result at once (e.g. torchrun's SIGTERM after a ``peer_failure``
+flush): a second round would wait for ranks that have exited.
 
 Explicit rounds (the end of a job). A ``flush()`` the program calls itself, not a
 trigger's, proposes its newest step as the round's target (``flush/<g>/target``): in
@@ -96,6 +96,7 @@ class FlushRounds:
         self.files = RankFiles(self.store, kv, live, local, copies, self.replicas_of)
         self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
         self.last: RoundResult | None = None
+        self._latest_wait: float | None = None  # the running flush's timeout (_lock_wait)
 
     def replicas_of(self, rank: int) -> list[int]:
         return next(g for g in self.replica_groups if rank in g)
@@ -273,10 +274,9 @@ class FlushRounds:
         None when no step could be agreed on or the round did not commit. ``explicit``:
         the program's own ``flush()`` (not a trigger's): a round it opens waits, bounded,
         for every live rank's copy of this rank's newest step (see the module docstring).
-        ``timeout``: no wait of any round (nor the commit's on ``latest``'s lock) runs past
-        it, nor does a new round start after it."""
-        end = None if timeout is None else time.monotonic() + timeout
+        ``timeout``: the commit's wait on other writers of ``latest`` (else the round's)."""
         with self.lock:
+            self._latest_wait = timeout
             g = f"flush/{self.gen}"
             self.live.check()
             last = self.last
@@ -307,10 +307,7 @@ class FlushRounds:
             t0 = time.perf_counter()
             written: tuple[int, Path] | None = None
             for tries in range(3):
-                # A round's waits end within flush_timeout_s, all by the caller's timeout.
-                deadline = time.monotonic() + self.flush_timeout_s
-                if end is not None:
-                    deadline = min(deadline, end)
+                deadline = time.monotonic() + self.flush_timeout_s  # this round's waits
                 g = f"flush/{self.gen}"
                 ok, step, path = self._round(g, explicit and tries == 0, newest, deadline,
                                              written)
@@ -321,8 +318,6 @@ class FlushRounds:
                 # the next one, which counts it with D (its arena or copy, by a survivor).
                 if ok or self.kv.get(f"{g}/retry") is None:
                     break
-                if end is not None and time.monotonic() >= end:
-                    break  # the caller's timeout is spent: no new round
                 written = (step, path) if step is not None and path is not None else None
                 log.warning("rank %d: rank(s) %s died during flush round %s; a new round",
                             self.rank, self.kv.get(f"{g}/retry"), g)
@@ -433,7 +428,7 @@ class FlushRounds:
                 "step": step, "world_size": self.world, "present": present, "missing": missing,
                 "replica_groups": self.replica_groups, "time": time.time(),
                 "job": self.local.job, "dead": sorted(dead), "epoch": self.epoch},
-                self.local.keep, timeout=max(0.0, deadline - time.monotonic()))
+                self.local.keep, timeout=self._lock_wait(deadline))
         except (OSError, SnapshotError) as e:
             log.error("step %d NOT committed: writing its COMMIT to %s failed: %s", step,
                       self.store.where, e)
@@ -443,6 +438,11 @@ class FlushRounds:
         log.warning("step %d committed by rank %d (%d/%d ranks present)", step, self.rank,
                     len(present), self.world)
         return True
+
+    def _lock_wait(self, deadline: float) -> float:
+        """The commit's wait on ``latest``'s writers: the round's time left, <= the timeout."""
+        left = max(0.0, deadline - time.monotonic())
+        return left if self._latest_wait is None else min(left, self._latest_wait)
 
     def _fail(self, g: str, step: int, ranks: list[int]) -> bool:
         self.kv.set(f"{g}/committed", "failed")
