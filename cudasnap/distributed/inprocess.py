@@ -206,9 +206,9 @@ class InProcessRestart:
         that can join a group now). Dead: its launcher saw it end (``gone/<u>``); on this
         node, its pid gone (or a zombie; a live pid is alive however late its beat: a hung
         one is the group timeout's); on another, neither its own heartbeat nor its
-        launcher's for it (``lhb/<u>``) newer than ``stale_s``. The launcher's beat is what keeps a
-        process whose training thread holds the GIL (a gloo group connecting to a slow
-        peer holds it until the peer comes) from looking dead."""
+        launcher's for it (``lhb/<u>``) newer than ``stale_s``. The launcher's beat keeps a
+        process whose training thread holds the GIL (a gloo group connecting to a slow peer
+        holds it until the peer comes) from looking dead."""
         if u == self.uid:
             return True
         if s.check([f"gone/{u}"]):  # type: ignore[attr-defined]
@@ -266,8 +266,8 @@ class InProcessRestart:
                 log.debug("in-process monitor: %s", e)
 
     def _release(self, gen: int) -> None:
-        """Once the job moved past the attempt this process is in: its NCCL groups aborted
-        (``ProcessGroup.abort``: ncclCommAbort, safe from this thread), which ends a wait of
+        """Once the job moved past the attempt this process is in: its groups' NCCL backends
+        aborted (``abort()``: ncclCommAbort, safe from this thread), which ends a wait of
         the training thread in a collective whose peer is gone; NCCL would otherwise wait
         for its timeout (10 min by default). Gloo's groups are not aborted (its abort holds
         the GIL until the group's timeout: ``groups.drop_groups``); a gloo collective with a lost
