@@ -6,7 +6,7 @@ the methods).
 
 The allocator registry (``cudasnap._C.AllocatorRegistry``) coalesces device
 ranges for the copy plan and reports coverage. The boundary's layout check is
-``LayoutGuard.boundary_check`` (cudasnap.core.layouts), which runs on every backend.
+``LayoutGuard.boundary_check`` (cudasnap.core.plan_cache), which runs on every backend.
 """
 from __future__ import annotations
 

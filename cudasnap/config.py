@@ -262,7 +262,7 @@ class Settings:
     # core: read by the Snapshotter (its keyword arguments win). RANK / WORLD_SIZE: the
     # launcher's rank and world size when torch.distributed is not initialised;
     # CUDASNAP_ARENA_SYNC_MAX_BYTES (int>=0): arenas up to this size are made on the
-    # training thread (None: cudasnap.core.arena_prep.SYNC_MAX_BYTES).
+    # training thread (None: cudasnap.core.arena_size.SYNC_MAX_BYTES).
     rank: int = 0
     world_size: int = 1
     arena_sync_max_bytes: int | None = None

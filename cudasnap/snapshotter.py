@@ -249,7 +249,7 @@ class Snapshotter:
         ``ceil(n / layout_watch.WINDOW)`` boundaries (n: state tensors; each boundary
         checks a window of them), and tensors added to a module or an existing
         ``opt.state[p]`` only by the full re-scan every ``Layouts.RESCAN_EVERY`` (64) x
-        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.layout.Layout). The
+        ``max(1, ceil(n / (4 * WINDOW)))`` boundaries (see core.copy_plan.Layout). The
         running copy keeps reading the old tensors, which stay alive until it completes.
         """
         self._layouts.invalidate()

@@ -33,9 +33,9 @@ from .._proc import pid_alive
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage.fresh import move_aside
-from . import arena_prep
+from . import arena_preparer
 from .arena_exit import left_at_exit
-from .arena_prep import ArenaPreparer, Prepared, drop, fully_reserved
+from .arena_preparer import ArenaPreparer, Prepared, drop, fully_reserved
 from .arena_size import estimate_meta_len, estimate_state_bytes
 from .slot_geometry import arena_slots, chunk_for, meta_capacity, slot_capacity
 
@@ -113,7 +113,7 @@ class ArenaKeeper:
                 and arena.chunk_bytes == chunk and arena.num_slots == self.num_slots)
 
     def chunk(self, nbytes: int) -> int:
-        """The chunk size of a copy plan (cudasnap.core.layout.make_plan) or an arena for a
+        """The chunk size of a copy plan (cudasnap.core.copy_plan.make_plan) or an arena for a
         slot of ``nbytes``: the Snapshotter's ``chunk_bytes``; else (None: it follows the
         state) the chunk of the arena in use, the inherited one or the one being prepared
         when its slots hold ``nbytes`` (any chunk is valid: that arena is then used, not
@@ -187,7 +187,7 @@ class ArenaKeeper:
                 prep.start(desc, None, speculative=True,
                            then=lambda _a, cancel: inh.prefault(cancel))
             else:
-                prep.start(desc, arena_prep.warm_job(inh, prep.device), speculative=True)
+                prep.start(desc, arena_preparer.warm_job(inh, prep.device), speculative=True)
             return
         nbytes, ntensors = estimate_state_bytes(state)
         chunk = self.chunk(nbytes)
@@ -261,7 +261,7 @@ class ArenaKeeper:
                 self.arena = self.adopt(inh)  # CUDA: page-locked here when not yet
                 return self.arena
             prep.start(f"the staging arena left by the previous process ({inh.path})",
-                       arena_prep.warm_job(inh, self._device()))
+                       arena_preparer.warm_job(inh, self._device()))
             self._not_ready(step)
             return None
         cap = slot_capacity(nbytes, chunk)
@@ -335,14 +335,14 @@ class ArenaKeeper:
             # any copy.
             arena = self.create_arena(capacity, meta_cap, chunk, cancel, device is not None)
             try:
-                got, reason = arena_prep.pin(arena, device)
+                got, reason = arena_preparer.pin(arena, device)
             except BaseException:
                 arena.unlink()
                 raise
             return got, reason, True
 
         self.prep.start(what, job, speculative=speculative,
-                        then=arena_prep.prefault_then if device is None else None)
+                        then=arena_preparer.prefault_then if device is None else None)
 
     def _make_here(self, regrow: bool, capacity: int, meta_capacity: int, chunk: int,
                    prefault: bool = True) -> Arena | None:

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 from ..errors import SnapshotError, StagingError
 from ..format.slot_manifest import slot_tail
+from .copy_plan import Layout
 from .host_capture import HostText
-from .layout import Layout
-from .live_state import LiveState
+from .pending_boundary import PendingBoundary
 from .rng import capture_rng
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .backend import Backend
     from .cadence import Cadence
     from .counters import Counters
-    from .layouts import Layouts
+    from .plan_cache import Layouts
     from .state import TrainingState
 
 log = logging.getLogger("cudasnap")
@@ -61,8 +61,8 @@ class Copier:
         # Re-entrant: a signal handler may flush while the main thread is in boundary().
         self.slot_lock = threading.RLock()
         # The newest boundary not copied while the live tensors still hold it (the cadence
-        # skipped it, its plan was being built, no arena was ready): cudasnap.core.live_state.
-        self.live = LiveState()
+        # skipped it, its plan was being built, no arena was ready): cudasnap.core.pending_boundary.
+        self.live = PendingBoundary()
         self._host_text: HostText | None = None  # made at the first boundary
         self._writers: list[torch.cuda.Stream] = []  # CUDA streams besides the current one that write state
 

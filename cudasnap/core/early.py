@@ -3,7 +3,7 @@
 Before the arena is ready (issue 23 item 2). A large arena is made (or an inherited
 one warmed) on a background thread from construction on (cudasnap.core.arena_prep);
 boundaries until then are skipped. Each skipped boundary still records its host
-state (``Copier.live``, a ``LiveState``), so that the live tensors, as long as no optimizer step
+state (``Copier.live``, a ``PendingBoundary``), so that the live tensors, as long as no optimizer step
 ran since, ARE that step. A flush (explicit, or a trigger's: SIGUSR1, SIGTERM, a
 health event, the hang watchdog) or ``close()`` arriving meanwhile calls
 :meth:`EarlySaver.before_flush` / :meth:`EarlySaver.at_close`: the arena is made (or
@@ -18,7 +18,7 @@ the attempt saved says so in a WARNING (:meth:`EarlySaver.warn_if_nothing_saved`
 Call order: the facade's ``flush()`` calls ``before_flush`` first, ``close()`` calls
 ``at_close`` then ``warn_if_nothing_saved``; ``boundary()`` calls
 :meth:`EarlySaver.boundary_done` after its copy was handed over (it records the step and
-wakes a waiting flush). The copier records the skipped boundary (``LiveState.record``).
+wakes a waiting flush). The copier records the skipped boundary (``PendingBoundary.record``).
 A regrowth inside ``save_now`` (the arena replaced while made synchronously) writes the
 old arena's snapshot through ``Flusher.flush_newest``, never through ``flush()``: nothing
 here is re-entered.
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from .arena_keeper import ArenaKeeper
     from .copier import Copier
     from .counters import Counters
-    from .layouts import Layouts
     from .options import Waits
+    from .plan_cache import Layouts
     from .timeline import Timeline
 
 log = logging.getLogger("cudasnap")

@@ -19,7 +19,7 @@ It never writes them. See docs/design.md §3.2.1.
 Call order: the facade calls :func:`install` once at construction (after the
 ``Copier`` exists) and removes the returned hook handles at ``close()``. The hooks
 call ``copier.fence`` by attribute at each call.
-How long the copied tensors are held: ``cudasnap.core.layouts.Layouts``.
+How long the copied tensors are held: ``cudasnap.core.plan_cache.Layouts``.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ class Options:
     snapshot_every: int | None  # None: the overhead budget's k (core.cadence)
     overhead_budget: float | None  # None: auto
     device_staging: int | str
-    sync_max_bytes: int | None  # None: core.arena_prep.SYNC_MAX_BYTES
+    sync_max_bytes: int | None  # None: core.arena_size.SYNC_MAX_BYTES
     allow_foreign_owner: bool | None
     fresh: bool
     require_resume: bool  # never with fresh

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from .arena_keeper import ArenaKeeper
     from .copier import Copier
     from .counters import Counters
-    from .layouts import Layouts
     from .options import Options
+    from .plan_cache import Layouts
     from .state import TrainingState
     from .timeline import Timeline
     from .types import SnapshotFile

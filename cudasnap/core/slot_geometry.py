@@ -8,7 +8,7 @@ states of 16 MiB and more keep 4 MiB), and the manifest floor a quarter of the s
 (64 KiB .. 1 MiB); the CRC32C stays per chunk. Guest arenas of node-loss replication take the
 sender's geometry (cudasnap.distributed.replica_store.make_arena), so they follow too.
 
-Used by cudasnap.core.arena_size (the estimate at construction), cudasnap.core.layout (the
+Used by cudasnap.core.arena_size (the estimate at construction), cudasnap.core.copy_plan (the
 copy plan's chunk), cudasnap.core.arena_keeper (the arena made for a plan) and
 cudasnap.core.host_fit (the memory a node needs); ``arena_slots``: the slot facts of
 ``stats()`` (the ArenaKeeper).

@@ -15,16 +15,18 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from . import arena_prep, fences
+from . import fences
 from .arena_keeper import ArenaKeeper
+from .arena_preparer import ArenaPreparer
+from .arena_size import SYNC_MAX_BYTES
 from .backend import Backend
 from .cadence import Cadence, clock_for
 from .copier import Copier
 from .counters import Counters
 from .early import EarlySaver
 from .flush import Flusher, FlushGuard, FlushRounds, Storage
-from .layouts import Layouts
 from .options import Options
+from .plan_cache import Layouts
 from .restore import Coordinated, Restorer
 from .state import TrainingState
 from .timeline import Timeline
@@ -65,8 +67,8 @@ def wire(state: TrainingState, storage: Storage, opts: Options) -> Components:
     be = Backend(opts.backend, opts.copy_threads, wait_s, opts.arena_path, opts.device_staging)
     # Re-entrant: a signal handler may flush while the main thread is in boundary().
     flush_lock = threading.RLock()
-    prep = arena_prep.ArenaPreparer(
-        arena_prep.SYNC_MAX_BYTES if opts.sync_max_bytes is None else opts.sync_max_bytes,
+    prep = ArenaPreparer(
+        SYNC_MAX_BYTES if opts.sync_max_bytes is None else opts.sync_max_bytes,
         be.state_device(state))
     keeper = ArenaKeeper(be, c, prep, storage, flush_lock, opts)
     # a plan's chunk: chunk_bytes, else the keeper's pick (its arena's when that one fits)

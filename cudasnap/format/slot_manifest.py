@@ -11,7 +11,7 @@ the other::
 The prefix is made once per layout (``encode_prefix``); the host value and the
 tail at every boundary, as pieces the copy engine writes one after the other
 (``host_open``, ``host_member``, ``HOST_CLOSE``, ``slot_tail``). Callers
-(``cudasnap.core.layouts``, ``cudasnap.core.host_capture``, ``cudasnap.core.copier``)
+(``cudasnap.core.plan_cache``, ``cudasnap.core.host_capture``, ``cudasnap.core.copier``)
 keep the caches (one prefix per layout, one text per unchanged RNG source or
 host member); every byte-shaping decision lives here: separators, key order
 (``"rng"`` first, then ``"step"``, then the other members in the order given),

@@ -58,10 +58,8 @@ from ..config import Settings
 from ..errors import CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, step_dirname
-from .latest import (  # noqa: F401  (re-exported: posix.check_directory, ...)
+from .latest import (  # noqa: F401  (re-exported: posix.replace_latest, ...)
     LATEST_LOCK,
-    DirectoryLock,
-    check_directory,
     read_latest,
     replace_latest,
 )
@@ -76,6 +74,7 @@ from .listing import (  # noqa: F401  (re-exported: posix.list_snapshots, ...)
     read_flush_log,
     write_commit,
 )
+from .ownership import DirectoryLock, check_directory  # noqa: F401  (re-exported)
 from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
 from .safe_io import _check_trust, _read_regular, _write_file_durable
 from .types import FlushResult

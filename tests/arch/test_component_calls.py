@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "cudasnap"
 DESIGN = REPO / "docs" / "design.md"
 COMPONENTS = {"Timeline", "Backend", "Layouts", "ArenaKeeper", "ArenaPreparer", "Copier",
-              "LiveState", "Cadence", "Flusher", "Restorer", "EarlySaver"}
+              "PendingBoundary", "Cadence", "Flusher", "Restorer", "EarlySaver"}
 # the module of each class whose uses are listed (fences.py: the hooks, caller "fences")
-MODULES = ["core/timeline.py", "core/backend.py", "core/layouts.py", "core/arena_keeper.py",
-           "core/arena_preparer.py", "core/copier.py", "core/live_state.py", "core/cadence.py",
+MODULES = ["core/timeline.py", "core/backend.py", "core/plan_cache.py", "core/arena_keeper.py",
+           "core/arena_preparer.py", "core/copier.py", "core/pending_boundary.py", "core/cadence.py",
            "core/flush.py", "core/restore.py", "core/early.py", "core/fences.py",
            "snapshotter.py"]
 

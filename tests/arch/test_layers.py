@@ -119,19 +119,19 @@ def test_the_check_sees_upward_imports(tmp_path: Path) -> None:
         (pkg / d / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "errors.py").write_text("")
-    (pkg / "core" / "layout.py").write_text("from ..format import paths\n")  # down: fine
+    (pkg / "core" / "copy_plan.py").write_text("from ..format import paths\n")  # down: fine
     (pkg / "format" / "paths.py").write_text(
         "from typing import TYPE_CHECKING\n"
         "from ..errors import X\n"                 # down: fine
         "if TYPE_CHECKING:\n"
-        "    from ..core.layout import Layout\n"     # line 4: up (type-only counts)
+        "    from ..core.copy_plan import Layout\n"  # line 4: up (type-only counts)
         "def f():\n"
         "    import cudasnap\n"                    # line 6: up, to the facade
         "    from .. import _testing\n")           # line 7: up, the test hooks
     bad, _, unassigned = upward_imports(tmp_path)
     assert unassigned == []
     assert bad == [
-        "cudasnap/format/paths.py:4: cudasnap.format.paths [format] imports cudasnap.core.layout [core]",
+        "cudasnap/format/paths.py:4: cudasnap.format.paths [format] imports cudasnap.core.copy_plan [core]",
         "cudasnap/format/paths.py:6: cudasnap.format.paths [format] imports cudasnap [facade]",
         "cudasnap/format/paths.py:7: cudasnap.format.paths [format] imports cudasnap._testing "
         "[test-only]",

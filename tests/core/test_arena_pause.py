@@ -19,7 +19,7 @@ from helpers.trainlib import small_adam as _adam
 import cudasnap
 from cudasnap._native import native
 from cudasnap._testing import arena_gate
-from cudasnap.core import arena_prep
+from cudasnap.core import arena_preparer
 from cudasnap.errors import StagingError
 
 CHUNK = 64 << 10
@@ -147,6 +147,6 @@ def test_restore_from_a_slot_holds_the_preparer_then_lets_it_finish(snap_env, mo
 
 
 def test_paused_without_a_running_set_up_is_a_no_op():
-    prep = arena_prep.ArenaPreparer(0, None)
+    prep = arena_preparer.ArenaPreparer(0, None)
     with prep.paused() as held:
         assert held is False

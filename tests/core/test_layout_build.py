@@ -69,7 +69,7 @@ def test_layout_table_matches_the_reference_entries(snap_env) -> None:
         assert snap.wait(60)
         lay = parts.layout(snap)
         assert lay is not None
-        from cudasnap.core.layout import make_plan
+        from cudasnap.core.copy_plan import make_plan
 
         _, offsets = make_plan(lay.tensors, None, snap.chunk_bytes)
         for lt, off in zip(lay.tensors, offsets):

@@ -19,7 +19,7 @@ from helpers import parts
 from torch import nn
 
 import cudasnap
-from cudasnap.core.layouts import Layouts
+from cudasnap.core.plan_cache import Layouts
 
 
 class Many(nn.Module):

@@ -101,7 +101,7 @@ class TinyGPT(nn.Module):
 
 class LazyMomentum(torch.optim.Optimizer):
     """SGD with momentum whose buffers appear at its first step. Not a torch.optim class,
-    so cudasnap cannot count its state before it exists (core/arena_prep.py
+    so cudasnap cannot count its state before it exists (core/arena_preparer.py
     estimate_state_bytes pre-counts Adam(W)'s moments and SGD's buffer): the state grows
     at the first step and the staging arena must regrow once."""
 

@@ -10,7 +10,7 @@ import logging
 
 import cudasnap._cuda as cuda_mod
 from cudasnap._native import native
-from cudasnap.core import arena_prep
+from cudasnap.core import arena_preparer
 
 CHUNK = 1 << 20
 REASON = "cudaHostRegister failed: operation not supported (cudaErrorNotSupported)"
@@ -69,7 +69,7 @@ def test_a_shared_arena_holding_a_snapshot_is_kept(snap_env, monkeypatch):
 
 
 def test_the_preparer_keeps_the_reason_for_stats():
-    prep = arena_prep.ArenaPreparer(0, None)
+    prep = arena_preparer.ArenaPreparer(0, None)
     prep.start("test arena", lambda cancel: (None, REASON, True))
     assert prep.wait(60)
     assert prep.fallback_reason == REASON

@@ -43,7 +43,7 @@ def _snap(env: Any, m: torch.nn.Module) -> Any:
 
 def test_the_plan_and_the_cuda_engine_are_made_off_the_training_thread(snap_env: Any,
                                                                        emu: Any) -> None:
-    from cudasnap.core.layouts import Layouts
+    from cudasnap.core.plan_cache import Layouts
 
     made: list[str] = []
     real = Layouts._build_layout

@@ -169,7 +169,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
 
 
 def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
-    from cudasnap.core import layouts as fences  # Layouts keeps _ABANDONED
+    from cudasnap.core import plan_cache as fences  # Layouts keeps _ABANDONED
 
     model, opt = _state()
     snap = _snap(snap_env, model, opt)

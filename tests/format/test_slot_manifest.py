@@ -14,7 +14,7 @@ import torch
 from helpers import parts
 
 import cudasnap
-from cudasnap.core import layouts as core_layout
+from cudasnap.core import plan_cache as core_layout
 from cudasnap.core.rng import DRAWN_KEY
 from cudasnap.format import codec
 from cudasnap.format import manifest as fmt
@@ -22,7 +22,7 @@ from cudasnap.format import slot_manifest as sm
 
 
 def _old_prefix(head: dict, entries: list) -> bytes:
-    """cudasnap.core.layouts's prefix before the writer moved to cudasnap.format."""
+    """cudasnap.core.plan_cache's prefix before the writer moved to cudasnap.format."""
     return (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":' +
             json.dumps(entries, separators=(",", ":")) + ',"host":').encode()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # The trials kill at every phase from step 0 on: the arena (~5 MB x 3 slots) is made
-# at the first boundary, not by the background preparer (tests/core/test_arena_prep.py).
+# at the first boundary, not by the background preparer (tests/core/test_arena_preparer.py).
 os.environ.setdefault("CUDASNAP_ARENA_SYNC_MAX_BYTES", str(1 << 30))
 sys.path.insert(0, str(HERE.parent.parent))
 sys.path.insert(0, str(HERE.parent))

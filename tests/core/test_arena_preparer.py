@@ -23,7 +23,7 @@ from torch import nn
 import cudasnap
 from cudasnap._native import native
 from cudasnap._testing import arena_gate
-from cudasnap.core import arena_prep
+from cudasnap.core import arena_size
 from cudasnap.errors import StagingError
 from cudasnap.storage import posix as store
 
@@ -193,7 +193,7 @@ def test_a_cancelled_arena_set_up_stops_and_leaves_no_file(snap_env):
 def test_estimate_covers_adam_state_before_the_first_step():
     model, opt = _adam(256)
     state = cudasnap.snapshotter.TrainingState(model, opt)
-    est, n = arena_prep.estimate_state_bytes(state)
+    est, n = arena_size.estimate_state_bytes(state)
     _step(model, opt)
     real = sum(lt.nbytes for lt in state.live_tensors())
     assert n == len(state.live_tensors())

@@ -1,15 +1,15 @@
-"""The LiveState (issue 36 item 1): the one owner of "the newest boundary not copied while the
+"""The PendingBoundary (issue 36 item 1): the one owner of "the newest boundary not copied while the
 live tensors still hold it", and the order between a copy of it and a write of the state."""
 from __future__ import annotations
 
 import logging
 import threading
 
-from cudasnap.core.live_state import LiveState
+from cudasnap.core.pending_boundary import PendingBoundary
 
 
-def _recorded(step: int = 5, **kw: bool) -> LiveState:
-    live = LiveState()
+def _recorded(step: int = 5, **kw: bool) -> PendingBoundary:
+    live = PendingBoundary()
     live.boundary_starts()
     live.record(step, b"suffix", **kw)
     return live

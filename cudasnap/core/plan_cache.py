@@ -1,6 +1,6 @@
 """Layouts: the copy plan cache, and how long each plan's tensors are held.
 
-A ``Layout`` (``cudasnap.core.layout``) is built at the first boundary and reused
+A ``Layout`` (``cudasnap.core.copy_plan``) is built at the first boundary and reused
 while the optimizer state's key counts hold and ``cudasnap.core.layout_watch`` (a window
 of identity checks per boundary, plus a periodic full re-scan) sees no replaced
 tensor.
@@ -43,7 +43,7 @@ from ..format import manifest as fmt
 from ..format.manifest import tensor_entry, validate_tensors
 from ..format.slot_manifest import encode_prefix
 from . import layout_watch
-from .layout import Layout, make_plan
+from .copy_plan import Layout, make_plan
 from .layout_watch import Watch, identity_entries
 from .live_tensor import single_cuda_device
 

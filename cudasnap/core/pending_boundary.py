@@ -1,4 +1,4 @@
-"""The LiveState: the newest boundary not copied while the live tensors still hold it.
+"""The PendingBoundary: the newest boundary not copied while the live tensors still hold it.
 
 A boundary is not always copied at once: zero-overhead mode (``snapshot_every=k``) skips
 k-1 of k by design, a large state's first plan is built off the training thread, and
@@ -7,7 +7,7 @@ of the state (an optimizer step, a buffer's forward, a fence, a load), the live 
 ARE that step, so a flush, ``wait()`` or ``close()`` meanwhile copies them
 (``Copier.copy_live``) and at most one step is lost.
 
-The ``Copier`` owns the one ``LiveState`` and is the only writer of its boundary; the
+The ``Copier`` owns the one ``PendingBoundary`` and is the only writer of its boundary; the
 others use these operations, never its fields:
 
 * :meth:`record` (the copier, at a boundary it does not copy) and :meth:`clear` (at one
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 log = logging.getLogger("cudasnap")
 
 
-class LiveState:
+class PendingBoundary:
     def __init__(self) -> None:
         self._boundary: tuple[int, bytes] | None = None  # (step, manifest suffix)
         self._dirty = True  # a write of the state since that boundary
