@@ -29,7 +29,7 @@ from .core.rng import DRAWN_KEY
 from .core.state import TrainingState
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError, exception_active
-from .storage import clean_partial, open_storage, posix
+from .storage import Storage, clean_partial, open_storage, posix
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -49,9 +49,10 @@ class Snapshotter:
         optimizer: a ``torch.optim.Optimizer``, a dict of them, or None; a wrapper of
             others is replaced by them (cudasnap.core.optim_wrap).
         directory: where flushed snapshots go (created 0700; checked writable now);
-            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. An fsspec URL
-            (``s3://bucket/prefix``) stores snapshots in an object store, single-rank,
-            one writer per URL (see cudasnap.storage.fsspec).
+            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. A URL picks its
+            backend by scheme (cudasnap.storage.registry): ``s3://bucket/prefix`` (any
+            fsspec URL) stores snapshots in an object store, ``objdir:///path`` a directory
+            written as one; or a ``cudasnap.storage.Storage`` made by the caller.
         extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
             data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
         num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
@@ -106,7 +107,7 @@ class Snapshotter:
     """
 
     def __init__(self, model: object, optimizer: object = None,
-                 directory: str | os.PathLike | None = None,
+                 directory: str | os.PathLike | Storage | None = None,
                  *, extra: Mapping[str, object] | None = None, num_slots: int = cfg.NUM_SLOTS,
                  backend: str = "auto", copy_threads: int | None = None,
                  flush_threads: int | None = None, chunk_bytes: int | None = None,
@@ -125,6 +126,7 @@ class Snapshotter:
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
         directory = env.directory or "ckpt" if directory is None else directory
+        where = directory if isinstance(directory, (str, os.PathLike)) else directory.url
         rank, world_size, dist_on = cfg.resolve_rank(rank, world_size, env)
 
         def open_dir() -> Path:  # once every keyword passed its check
@@ -132,7 +134,7 @@ class Snapshotter:
             return self.storage.local_dir
 
         opts = self.options = Options.resolve(
-            env, directory=directory, open_dir=open_dir,
+            env, directory=where, open_dir=open_dir,
             rank=rank, world_size=world_size, num_slots=num_slots, spare_slot=spare_slot,
             chunk_bytes=chunk_bytes, keep=keep, backend=backend, copy_threads=copy_threads,
             flush_threads=flush_threads, snapshot_every=snapshot_every,
@@ -290,7 +292,7 @@ class Snapshotter:
         boundary is snapshotted synchronously first (cudasnap.core.early).
         ``timeout`` (None: unbounded) also bounds each wait on the way down: the copy
         of a boundary not copied yet, and the storage's wait on other writers of the
-        ``latest`` pointer (``StorageWriter.write_slot``; past it ``latest`` stays, the
+        ``latest`` pointer (``Storage.write_slot``; past it ``latest`` stays, the
         step is committed). The write of the data itself is never cut short.
 
         Multi-rank: called by the program itself with ``wait`` (e.g. at the end of the

@@ -42,7 +42,7 @@ from .slot_geometry import arena_slots, chunk_for, meta_capacity, slot_capacity
 if TYPE_CHECKING:
     from cudasnap._C import Arena, CancelFlag, CopyPlan
 
-    from ..storage import StorageReader
+    from ..storage.protocol import Storage
     from .backend import Backend
     from .counters import Counters
     from .options import Options
@@ -53,7 +53,7 @@ log = logging.getLogger("cudasnap")
 
 class ArenaKeeper:
     def __init__(self, backend: Backend, counters: Counters, prep: ArenaPreparer,
-                 storage: StorageReader, flush_lock: threading.RLock, opts: Options) -> None:
+                 storage: Storage, flush_lock: threading.RLock, opts: Options) -> None:
         self._backend, self._counters, self.prep = backend, counters, prep
         self.arena_path, self.num_slots, self.spare_slot = (opts.arena_path, opts.num_slots,
                                                             opts.spare_slot)

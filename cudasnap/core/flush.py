@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import SnapshotError
-from ..storage import StorageReader, StorageWriter
 from ..storage.progress import bytes_written, io_progress
+from ..storage.protocol import Storage
 
 if TYPE_CHECKING:
     from .arena_keeper import ArenaKeeper
@@ -60,10 +60,6 @@ class FlushGuard(Protocol):
     def dispatcher(self) -> Flushing: ...
 
     def paused(self) -> AbstractContextManager[None]: ...
-
-
-class Storage(StorageWriter, StorageReader, Protocol):
-    """A storage that writes and lists (``cudasnap.storage``: POSIX or fsspec)."""
 
 
 class Flusher:
@@ -118,7 +114,7 @@ class Flusher:
         """This rank's newest COMPLETE slot to disk, as it is (nothing copied or waited for
         first; no round): a flush's last step, and ``ArenaKeeper.retire``'s write of the
         old arena before a regrowth. None when no COMPLETE slot exists. ``timeout`` bounds
-        the storage's waits on other writers (``StorageWriter.write_slot``)."""
+        the storage's waits on other writers (``Storage.write_slot``)."""
         with self.lock, self._paused():
             arenas = self._keeper.staged_arenas()
             arena = arenas[0] if arenas else None

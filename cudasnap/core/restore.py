@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from cudasnap._C import Arena, FileReadAhead
 
     from ..format.manifest import TensorEntry
-    from ..storage import StorageReader
     from ..storage.listing import StoredSnapshot
+    from ..storage.protocol import Storage
     from ..storage.remote_base import RemoteSnapshot
     from .arena_keeper import ArenaKeeper
     from .copier import Copier
@@ -95,7 +95,7 @@ class _Verify:
 
 
 class Restorer:
-    def __init__(self, state: TrainingState, storage: StorageReader, keeper: ArenaKeeper, copier: Copier,
+    def __init__(self, state: TrainingState, storage: Storage, keeper: ArenaKeeper, copier: Copier,
                  layouts: Layouts, timeline: Timeline, counters: Counters, opts: Options) -> None:
         self.state, self.storage, self._keeper, self._copier = state, storage, keeper, copier
         self._layouts, self._timeline, self._counters = layouts, timeline, counters

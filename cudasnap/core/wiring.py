@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from ..storage.protocol import Storage
 from . import fences
 from .arena_keeper import ArenaKeeper
 from .arena_preparer import ArenaPreparer
@@ -24,7 +25,7 @@ from .cadence import Cadence, clock_for
 from .copier import Copier
 from .counters import Counters
 from .early import EarlySaver
-from .flush import Flusher, FlushGuard, FlushRounds, Storage
+from .flush import Flusher, FlushGuard, FlushRounds
 from .options import Options
 from .plan_cache import Layouts
 from .restore import Coordinated, Restorer

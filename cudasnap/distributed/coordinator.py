@@ -193,7 +193,7 @@ class Coordinator:
         ``explicit``: the program's own flush (e.g. at the end of the job), not a
         trigger's: the round waits, bounded, for every live rank's newest boundary.
         ``timeout``: the bound of the commit's wait on other writers of ``latest`` (as a
-        single rank's ``StorageWriter.write_slot``: past it ``latest`` stays, the step is
+        single rank's ``Storage.write_slot``: past it ``latest`` stays, the step is
         committed); every other wait of a round ends within ``flush_timeout_s``."""
         try:
             return self.rounds.flush(explicit=explicit, timeout=timeout)

@@ -17,7 +17,7 @@ Round ``g`` (any trigger on any rank; the others join when they see
   3. the lowest rank not in D waits for the markers (a rank of D with no live rank on its
      host is not waited for), then writes ``DIR/step-N/COMMIT`` and ``latest``. (An
      object-store URL: the same names under the URL, uploaded; ``latest`` by
-     compare-and-swap; cudasnap.storage.rounds / remote_ranks.) A rank that dies during
+     compare-and-swap; Storage.commit: posix, remote_ranks.) A rank that dies during
      the round (not in D, no marker) makes the round fail: the step is not committed, and
      the ranks start round ``g+1`` (``retry``), where it is in D, at most twice more.
      Every wait ends within ``flush_timeout_s`` (``latest``'s lock: and the flush's timeout).
@@ -53,7 +53,6 @@ from .._native import native
 from .._points import reach
 from ..errors import SnapshotError
 from ..format.paths import rank_dirname, step_dirname
-from ..storage.rounds import RoundStore, round_store
 from .events import EventLog
 from .kv import KV, csv, parse_csv
 from .liveness import Liveness
@@ -61,6 +60,7 @@ from .local import LocalSnapshots, complete_steps
 from .rank_files import RankFiles
 
 if TYPE_CHECKING:
+    from ..storage.protocol import Storage
     from .held_copies import HeldCopies
 
 log = logging.getLogger("cudasnap.distributed")
@@ -90,9 +90,8 @@ class FlushRounds:
         self.heartbeat_s = heartbeat_s
         self.flush_timeout_s = flush_timeout_s
         self.lock = threading.RLock()
-        # Where the parts and the COMMIT go: the directory, or the object store whose
-        # state directory it is (cudasnap.storage.rounds; the same protocol on both).
-        self.store: RoundStore = round_store(local.directory)
+        # Where the parts and the COMMIT go: the Snapshotter's storage (storage.protocol).
+        self.store: Storage = local.storage
         self.files = RankFiles(self.store, kv, live, local, copies, self.replicas_of)
         self.gen = 0  # rounds this rank took part in, this epoch (keys: flush/<gen>/...)
         self.last: RoundResult | None = None
@@ -415,7 +414,7 @@ class FlushRounds:
             present = self.store.present(step, self.world)
         except Exception as e:  # noqa: BLE001 - an unreachable store: not committed
             log.error("step %d NOT committed: cannot list its parts in %s: %s", step,
-                      self.store.where, e)
+                      self.store.url, e)
             return self._fail(g, step, list(range(self.world)))
         missing = [r for r in range(self.world) if r not in present]
         uncovered = [r for r in missing if not any(q in present for q in self.replicas_of(r))]
@@ -431,7 +430,7 @@ class FlushRounds:
                 self.local.keep, timeout=self._lock_wait(deadline))
         except (OSError, SnapshotError) as e:
             log.error("step %d NOT committed: writing its COMMIT to %s failed: %s", step,
-                      self.store.where, e)
+                      self.store.url, e)
             return self._fail(g, step, [])
         self.kv.set(f"{g}/committed", str(step))
         self.events("committed", gen=self.gen, step=step, present=present)

@@ -15,6 +15,8 @@ from ..format import paths
 if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
     from cudasnap._C import Arena
 
+    from ..storage.protocol import Storage
+
 
 def complete_steps(arenas: list[Arena]) -> list[int]:
     """Steps COMPLETE in ``arenas``, newest first."""
@@ -43,6 +45,9 @@ class LocalSnapshots(Protocol):
     def job(self) -> str: ...
     @property
     def directory(self) -> Path: ...
+    @property
+    def storage(self) -> Storage:
+        """Where this rank's part of a round and the COMMIT go (the Snapshotter's)."""
     @property
     def keep(self) -> int: ...
     @property
@@ -120,6 +125,11 @@ class ComponentsLocal:
     @property
     def directory(self) -> Path:
         return self._dir
+
+    @property
+    def storage(self) -> Storage:
+        storage: Storage = self._flusher.storage
+        return storage
 
     @property
     def keep(self) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .._native import native
 from ..errors import SnapshotError
-from ..storage.rounds import RoundStore
+from ..storage.protocol import Storage
 from .kv import KV
 from .liveness import Liveness
 from .local import LocalSnapshots
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this mod
 log = logging.getLogger("cudasnap.distributed")
 
 
-def write_slot(store: RoundStore, arena: Arena, rank: int, step: int, threads: int,
+def write_slot(store: Storage, arena: Arena, rank: int, step: int, threads: int,
                replica_group: list[int]) -> Path | None:
     """Writes ``rank``'s slot of ``step`` in ``arena`` to ``store``, the slot leased while it
     is read; None (logged) when the slot is not there or the write fails."""
@@ -55,7 +55,7 @@ class RankFiles:
     """Writes rank directories of a round's step: this rank's, and the dead ranks' this
     rank is the claimed writer of (``{g}/writer/<rank>``: one writer per directory)."""
 
-    def __init__(self, store: RoundStore, kv: KV, live: Liveness, local: LocalSnapshots,
+    def __init__(self, store: Storage, kv: KV, live: Liveness, local: LocalSnapshots,
                  copies: HeldCopies | None, replicas_of: Callable[[int], list[int]]) -> None:
         self.store, self.kv, self.live, self.local = store, kv, live, local
         self.copies, self.replicas_of = copies, replicas_of

@@ -56,7 +56,8 @@ from ..errors import ConfigError, CorruptSnapshot, FlushError, IncompatibleSnaps
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit
 from ..format.paths import COMMIT, DATA, ID_FILE, LATEST, MANIFEST, parse_step_dirname, step_dirname
-from . import counters, posix, remote_latest, remote_ranks
+from . import counters, remote_latest, remote_ranks
+from .listing import StoredSnapshot, append_flush_log
 from .remote_base import (  # noqa: F401  (re-exported: fsspec.state_dir, fsspec.filesystem, ...)
     _BUCKETED,
     UPLOAD_BLOCK,
@@ -66,12 +67,13 @@ from .remote_base import (  # noqa: F401  (re-exported: fsspec.state_dir, fsspec
     _Unreachable,
     filesystem,
     state_dir,
-    url_of_state_dir,
 )
+from .slots import complete_slot
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
+    from fsspec import AbstractFileSystem
 
     from cudasnap._C import Arena
 
@@ -79,17 +81,26 @@ log = logging.getLogger("cudasnap.storage.fsspec")
 
 
 #: a snapshot a storage lists: on local disk or in an object store
-SnapshotRef = posix.StoredSnapshot | RemoteSnapshot
+SnapshotRef = StoredSnapshot | RemoteSnapshot
 
 
-class FsspecStorage:
-    """StorageWriter and StorageReader of one fsspec URL (see the module docstring)."""
+class FsspecStorage(remote_ranks.RankParts):
+    """``storage.protocol.Storage`` of one fsspec URL (see the module docstring); ``fs``:
+    the (filesystem, root) to use instead of the URL's own (``object_dir``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, fs: tuple[AbstractFileSystem, str] | None = None) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = filesystem(self.url)
+        self.fs, self.root = fs or filesystem(self.url)
         self.protocol = self.url.split("://", 1)[0]
         self.local_dir = state_dir(self.url)
+
+    @classmethod
+    def open(cls, url: str) -> FsspecStorage:
+        """The storage of ``url``, checked (bucket, writable prefix, directory id)."""
+        st = cls(url)
+        st.check()
+        st.share_id()
+        return st
 
     # ------------------------------------------------------------ names
     def _key(self, *parts: str) -> str:
@@ -111,7 +122,7 @@ class FsspecStorage:
     def _keys(self, ref: SnapshotRef) -> tuple[str, str]:
         """(step key, part key) of ``ref``: a step of this store (part = step), one rank's
         part of it (``.../step-N/rank-R``), or the local index's path of either."""
-        if isinstance(ref, posix.StoredSnapshot) and self._indexed(ref.path):
+        if isinstance(ref, StoredSnapshot) and self._indexed(ref.path):
             rel = Path(os.path.abspath(ref.path)).relative_to(os.path.abspath(self.local_dir))
             k = self._key(*rel.parts)
         else:
@@ -287,7 +298,7 @@ class FsspecStorage:
         (``timeout``: bound of its compare-and-swap retries)."""
         C = native()
         t0 = time.perf_counter()
-        info, meta = posix.complete_slot(arena, slot)
+        info, meta = complete_slot(arena, slot)
         step, nbytes, chunk = int(info["step"]), int(info["data_bytes"]), int(arena.chunk_bytes)
         key = self._key(step_dirname(step))
         if self._committed_same(key, key, meta.get("job"), int(info["seq"])):
@@ -319,7 +330,7 @@ class FsspecStorage:
                               "fsync_seconds": 0.0, "step": step}
         log.info("flushed step %d: %.1f MB in %.3f s to %s", step, nbytes / 1e6, elapsed,
                  self._url(key))
-        posix.append_flush_log(self.local_dir, {**stats, "pid": os.getpid(), "time": time.time(),
+        append_flush_log(self.local_dir, {**stats, "pid": os.getpid(), "time": time.time(),
                                                 "path": self._url(key)})
         return self._url(key), stats
 
@@ -417,19 +428,3 @@ class FsspecStorage:
         from .remote_report import verify_ref
 
         return verify_ref(self, ref, threads)
-
-
-def inspect_rows(url: str, verify: bool = False) -> list[dict[str, Any]]:
-    """``cudasnap inspect URL``: one row per committed snapshot (``storage.remote_report``)."""
-    from .remote_report import inspect_rows as rows
-
-    with _Unreachable(url, "list"):
-        return rows(FsspecStorage(url), verify)
-
-
-def verify_lines(url: str, step: int | None = None) -> tuple[int, list[str]]:
-    """``cudasnap verify URL``: (exit code, report lines) (``storage.remote_report``)."""
-    from .remote_report import verify_lines as lines
-
-    with _Unreachable(url, "verify"):
-        return lines(FsspecStorage(url), step)

@@ -25,7 +25,8 @@ writable by group/others loads with a warning.
 Test-only crash points (``cudasnap._testing.faults.kill_point``): phases
 manifest/rename/replace/renamed here, latest in ``latest.replace_latest``.
 
-Split (issue 24): this module is the slot writer (``complete_slot``, ``write_slot``) and the
+Split (issue 24): this module is the slot writer (``write_slot``; ``slots.complete_slot``
+reads the leased slot, for every backend), ``PosixStorage`` (the backend) and the
 reader of one snapshot (``load_manifest``, ``read_data``); the rest of the backend lives
 beside it and its public names are re-exported here, so ``posix.<name>`` stays the one
 place to look up: ``storage.latest`` (``check_directory``, ``DirectoryLock``,
@@ -55,9 +56,10 @@ from typing import TYPE_CHECKING, Any
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
 from ..config import Settings
-from ..errors import CorruptSnapshot, FlushError, SnapshotError
+from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
-from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, step_dirname
+from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, rank_dirname, step_dirname
+from . import listing
 from .latest import (  # noqa: F401  (re-exported: posix.replace_latest, ...)
     LATEST_LOCK,
     read_latest,
@@ -77,6 +79,7 @@ from .listing import (  # noqa: F401  (re-exported: posix.list_snapshots, ...)
 from .ownership import DirectoryLock, check_directory  # noqa: F401  (re-exported)
 from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
 from .safe_io import _check_trust, _read_regular, _write_file_durable
+from .slots import complete_slot
 from .types import FlushResult
 
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
@@ -84,16 +87,9 @@ if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
 
     from cudasnap._C import Arena, FileReadAhead, RestorePlan, ScatterStats, SlotInfo
 
+    from .protocol import SnapshotRef
+
 log = logging.getLogger("cudasnap.storage.posix")
-
-
-def complete_slot(arena: Arena, slot: int) -> tuple[SlotInfo, dict[str, Any]]:
-    """A leased slot's info and parsed manifest, for a writer: CorruptSnapshot when the slot
-    is not COMPLETE or its CRC-consistent manifest is not a JSON object (refuse, never crash)."""
-    info = arena.slot_info(slot)
-    if not info["valid"]:
-        raise CorruptSnapshot(f"slot {slot} of {arena.path} is not complete: {info['problem']}")
-    return info, fmt.parse_slot_meta(arena.read_meta(slot), f"slot {slot} of {arena.path}")
 
 
 def _copy_at(target: Path, info: SlotInfo, meta: dict[str, Any]) -> bool | None:
@@ -413,8 +409,108 @@ class DataFile:
         self.close()
 
 
+class PosixStorage:
+    """``storage.protocol.Storage`` of a local (or shared) file-system directory: one
+    rank's snapshot is committed by a directory rename, many ranks' by the COMMIT marker
+    (``listing.write_commit``), both with fsyncs (the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.local_dir = check_directory(Path(directory))
+        self.directory = self.local_dir
+        self.url = str(self.local_dir)
+
+    @classmethod
+    def open(cls, directory: str) -> PosixStorage:
+        return cls(directory)
+
+    def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,
+                   extra_manifest: dict[str, Any] | None = None, timeout: float | None = None
+                   ) -> tuple[Path, FlushResult]:
+        return write_slot(arena, slot, self.local_dir, threads=threads, keep=keep,
+                                extra_manifest=extra_manifest, timeout=timeout)
+
+    def clean_partial(self) -> list[Path]:
+        return clean_partial(self.local_dir)
+
+    # ------------------------------------------------------------ many ranks
+    def clear_stale(self, step: int, rank: int) -> None:
+        step_dir = self.directory / step_dirname(step)
+        d = step_dir / rank_dirname(rank)
+        if d.exists() and not (step_dir / COMMIT).exists():
+            log.warning("removing %s: left by a round that did not commit", d)
+            shutil.rmtree(d, ignore_errors=True)
+
+    def write_rank(self, arena: Arena, slot: int, rank: int, *, threads: int,
+                   extra_manifest: dict[str, Any]) -> Path:
+        path, _ = write_slot(arena, slot, self.directory, threads=threads,
+                             subdir=rank_dirname(rank), update_latest=False,
+                             extra_manifest=extra_manifest)
+        return Path(path)
+
+    def present(self, step: int, world: int) -> list[int]:
+        step_dir = self.directory / step_dirname(step)
+        return [r for r in range(world) if (step_dir / rank_dirname(r) / MANIFEST).is_file()]
+
+    def commit(self, step: int, record: dict[str, Any], keep: int,
+               timeout: float | None = None) -> None:
+        step_dir = self.directory / step_dirname(step)
+        write_commit(step_dir, record)
+        try:
+            replace_latest(self.directory, step_dir.name, timeout)
+            prune(self.directory, keep)
+        except OSError as e:  # committed: `latest` is a hint, the prune runs again next time
+            log.warning("step %d is committed in %s, but updating latest/pruning failed: %s",
+                        step, self.url, e)
+
+    def committed_with(self, step: int, rank: int) -> bool:
+        step_dir = self.directory / step_dirname(step)
+        return (step_dir / COMMIT).is_file() and \
+            (step_dir / rank_dirname(rank) / MANIFEST).is_file()
+
+    def refresh(self) -> None:
+        return None
+
+    # ------------------------------------------------------------ read
+
+    def list_snapshots(self) -> list[StoredSnapshot]:
+        return list_snapshots(self.local_dir)
+
+    def progress_evidence(self) -> str | None:
+        return listing.progress_evidence(self.local_dir, list_snapshots(self.local_dir))
+
+    @staticmethod
+    def _local(ref: SnapshotRef) -> StoredSnapshot:
+        if not isinstance(ref, StoredSnapshot):
+            raise ConfigError(f"{ref.path} is not a local snapshot: a local directory's storage "
+                              "cannot read it")
+        return ref
+
+    def load_manifest(self, ref: SnapshotRef, *, allow_foreign_owner: bool | None = None
+                      ) -> fmt.Manifest:
+        return load_manifest(self._local(ref).manifest_path,
+                                   allow_foreign_owner=allow_foreign_owner)
+
+    def read_data(self, ref: SnapshotRef, manifest: fmt.Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None) -> torch.Tensor:
+        return read_data(self._local(ref).path, manifest, threads,
+                               allow_foreign_owner=allow_foreign_owner)
+
+    def has_step(self, step: int) -> bool:
+        return any(s.step == step for s in list_snapshots(self.local_dir))
+
+    def read_ahead(self, ref: SnapshotRef, allow_foreign_owner: bool | None = None
+                   ) -> FileReadAhead | None:
+        return read_ahead(self._local(ref).path, allow_foreign_owner)
+
+    def open_data(self, ref: SnapshotRef, manifest: fmt.Manifest, threads: int = 4, *,
+                  allow_foreign_owner: bool | None = None,
+                  ahead: FileReadAhead | None = None) -> DataFile:
+        return DataFile(self._local(ref).path, manifest, threads,
+                              allow_foreign_owner=allow_foreign_owner, ahead=ahead)
+
+
 __all__ = [
-    "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
+    "PosixStorage", "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
     "read_latest", "replace_latest", "write_commit", "read_commit", "committed_steps",
     "write_slot", "prune", "load_manifest", "read_data", "DataFile", "read_flush_log",
     "append_flush_log",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from ..format.paths import MANIFEST, url_hash
-from . import posix
+from .ownership import check_directory
 from .safe_io import replace_private
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class _Unreachable:
         raise SnapshotError(f"cannot {self.what} {self.url}: {_one_line(e)}") from e
 
 
-#: in the state directory: the URL it stands for (read by ``storage.rounds``)
+#: in the state directory: the URL it stands for (for whoever looks at the directory)
 URL_FILE = ".url"
 
 
@@ -63,7 +63,7 @@ def state_dir(url: str) -> Path:
     ``$XDG_CACHE_HOME/cudasnap`` (``~/.cache/cudasnap``)."""
     base = Settings.from_env().state_dir or \
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cudasnap"
-    d = posix.check_directory(base / f"url-{url_hash(url)}")
+    d = check_directory(base / f"url-{url_hash(url)}")
     marker = d / URL_FILE
     text = url.rstrip("/") + "\n"
     try:
@@ -73,15 +73,6 @@ def state_dir(url: str) -> Path:
         pass
     replace_private(marker, text.encode())
     return d
-
-
-def url_of_state_dir(directory: Path) -> str | None:
-    """The URL a state directory stands for (None: a plain local directory)."""
-    try:
-        text = (Path(directory) / URL_FILE).read_text().strip()
-    except OSError:
-        return None
-    return text if "://" in text else None
 
 
 def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
@@ -131,6 +122,8 @@ class RemoteStore(Protocol):
     def _failing(self, what: str) -> AbstractContextManager[None]: ...
     def _upload_data(self, key: str, arena: Arena, slot: int, nbytes: int) -> None: ...
     def read_latest(self) -> str | None: ...
+    def replace_latest(self, step: int, timeout: float | None = None) -> bool: ...
+    def prune(self, keep: int) -> None: ...
     def list_snapshots(self) -> list[RemoteSnapshot]: ...
     def load_manifest(self, ref: Any, *, allow_foreign_owner: bool | None = None
                       ) -> Manifest: ...

@@ -7,7 +7,8 @@ Layout under the URL ``ROOT`` (the names of a multi-rank POSIX directory)::
     ROOT/step-00000041/COMMIT       last, by one rank, once every rank's part is there
     ROOT/step-00000041/rank-00001/.writer-<host>-<pid>       while that part is uploaded
 
-Protocol (``cudasnap.distributed.flush_round`` drives it through ``storage.rounds``): the ranks
+Protocol (``cudasnap.distributed.flush_round`` drives it through ``RankParts``, the
+rank-aware part of ``storage.protocol.Storage`` that ``FsspecStorage`` takes from here): the ranks
 agree on a step through the c10d store, each uploads its part (data, then manifest; a
 rank that finds the step committed with other content deletes its ``COMMIT`` first, so
 the step is invisible until the round commits it again), the lowest live rank waits for
@@ -44,6 +45,7 @@ import socket
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._native import native
@@ -54,8 +56,8 @@ from ..errors import CorruptSnapshot
 from ..format import manifest as fmt
 from ..format.commit import decode_commit, encode_commit
 from ..format.paths import COMMIT, MANIFEST, parse_step_dirname, rank_dirname, step_dirname
-from . import posix
 from .safe_io import replace_private
+from .slots import complete_slot
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -130,7 +132,7 @@ def upload_rank(st: RemoteStore, arena: Arena, slot: int, rank: int, *, threads:
     """Uploads ``rank``'s part of a leased COMPLETE slot (data, then manifest); its URL.
 
     Never commits: the round's committer does, once every part is there."""
-    info, meta = posix.complete_slot(arena, slot)
+    info, meta = complete_slot(arena, slot)
     step, nbytes, chunk = int(info["step"]), int(info["data_bytes"]), int(arena.chunk_bytes)
     step_key = st._key(step_dirname(step))
     key = rank_key(st, step, rank)
@@ -246,3 +248,44 @@ def sync_index(st: RemoteStore) -> None:
             same = False
         if not same:
             replace_private(d / COMMIT, raw)
+
+
+class RankParts:
+    """The rank-aware half of ``storage.protocol.Storage`` for ``fsspec.FsspecStorage``
+    (a mixin: its methods run on the storage, over this module's functions). A rank's
+    part is also named in the local index (``local_dir``), whose steps the agreed
+    restore lists."""
+
+    def clear_stale(self: RemoteStore, step: int, rank: int) -> None:
+        with self._failing(f"clean-up of rank {rank}'s part of step {step}"):
+            clear_stale(self, step, rank)
+
+    def write_rank(self: RemoteStore, arena: Arena, slot: int, rank: int, *, threads: int,
+                   extra_manifest: dict[str, Any]) -> Path:
+        upload_rank(self, arena, slot, rank, threads=threads, extra_manifest=extra_manifest)
+        step = int(arena.slot_info(slot)["step"])
+        return self.local_dir / step_dirname(step) / rank_dirname(rank)
+
+    def present(self: RemoteStore, step: int, world: int) -> list[int]:
+        return present_ranks(self, step, world)
+
+    def commit(self: RemoteStore, step: int, record: dict[str, Any], keep: int,
+               timeout: float | None = None) -> None:
+        with self._failing(f"commit of step {step} to {self.url}"):
+            write_commit(self, step, record)
+        try:
+            self.replace_latest(step, timeout)
+            self.prune(keep)
+            sync_index(self)
+        except Exception as e:  # noqa: BLE001 - committed: `latest` and the index are hints
+            log.warning("step %d is committed at %s, but updating latest/pruning failed: %s",
+                        step, self.url, e)
+
+    def committed_with(self: RemoteStore, step: int, rank: int) -> bool:
+        return committed_with(self, step, rank)
+
+    def refresh(self: RemoteStore) -> None:
+        try:
+            sync_index(self)
+        except Exception as e:  # noqa: BLE001 - the index is rebuilt at the next start
+            log.warning("could not refresh the local index of %s: %s", self.url, e)

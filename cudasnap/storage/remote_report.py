@@ -2,8 +2,9 @@
 
 A multi-rank step is one row (its COMMIT's world size, rank 0's part) and is verified
 part by part: every present rank's manifest and every chunk of its data.
-Call order: ``tools.cli`` -> ``storage.fsspec.inspect_rows`` / ``verify_lines`` (which
-turn an unreachable store into one line) -> here.
+Call order: ``tools.cli`` -> ``inspect_url`` / ``verify_url`` (the URL's backend from
+``storage.registry``, unchecked for writing; an unreachable store becomes one line) ->
+``inspect_rows`` / ``verify_lines``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ..errors import SnapshotError
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit
 from ..format.paths import COMMIT
 from . import remote_ranks
-from .remote_base import RemoteSnapshot, RemoteStore
+from .registry import backend_of
+from .remote_base import RemoteSnapshot, RemoteStore, _Unreachable
 
 
 def _parts(st: RemoteStore, ref: RemoteSnapshot) -> list[RemoteSnapshot]:
@@ -79,3 +81,22 @@ def verify_lines(st: RemoteStore, step: int | None) -> tuple[int, list[str]]:
         bad += not ok
         lines.append(f"step {s.step}: {'ok' if ok else 'FAILED'} ({msg})")
     return (1 if bad else 0), lines
+
+
+def _unchecked(url: str) -> RemoteStore:
+    """The object-store backend of ``url`` (a URL: never the local one), made without the
+    checks for writing."""
+    st: RemoteStore = backend_of(url)(url)  # type: ignore[call-arg, assignment]
+    return st
+
+
+def inspect_url(url: str, verify: bool = False) -> list[dict[str, Any]]:
+    """``cudasnap inspect URL``: one row per committed snapshot."""
+    with _Unreachable(url, "list"):
+        return inspect_rows(_unchecked(url), verify)
+
+
+def verify_url(url: str, step: int | None = None) -> tuple[int, list[str]]:
+    """``cudasnap verify URL``: (exit code, report lines)."""
+    with _Unreachable(url, "verify"):
+        return verify_lines(_unchecked(url), step)

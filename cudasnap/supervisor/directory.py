@@ -29,9 +29,10 @@ from .._proc import environ_of, ppid_of
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage import open_storage, posix
+from ..storage.ownership import check_directory
 
 if TYPE_CHECKING:
-    from ..storage.fsspec import FsspecStorage
+    from ..storage.protocol import Storage
 
 log = logging.getLogger("cudasnap.run")
 
@@ -49,7 +50,7 @@ def _refuse_url(directory: Path | str) -> None:
             "supervise(cmd, 's3://bucket/prefix')")
 
 
-def open_directory(directory: Path | str) -> tuple[Path, FsspecStorage | None]:
+def open_directory(directory: Path | str) -> tuple[Path, Storage | None]:
     """(local directory of the supervisor's state, the object store or None).
 
     A file-system directory is both (None). An object-store URL (``s3://bucket/prefix``, any
@@ -61,12 +62,9 @@ def open_directory(directory: Path | str) -> tuple[Path, FsspecStorage | None]:
     arenas and exclude the same jobs (one host; one job per URL across hosts)."""
     _refuse_url(directory)
     if paths.is_url(directory):
-        from ..storage.fsspec import FsspecStorage
-
-        storage = open_storage(str(directory))
-        assert isinstance(storage, FsspecStorage)
+        storage = open_storage(str(directory))  # its scheme's backend (storage.registry)
         return storage.local_dir, storage
-    return posix.check_directory(Path(directory)), None
+    return check_directory(Path(directory)), None
 
 
 class SupervisorLock:
@@ -173,7 +171,7 @@ def _wait_released(path: Path, timeout: float) -> bool:
 
 
 def _resume_point(directory: Path, job: str, shm: Path,
-                  remote: FsspecStorage | None = None) -> str | None:
+                  remote: Storage | None = None) -> str | None:
     """Where a run would resume from: "step N (source)", or None for a fresh start.
     ``remote``: the object store whose state directory ``directory`` is (its newest
     committed step is named unchecked: no data is read here)."""
@@ -194,7 +192,7 @@ def _resume_point(directory: Path, job: str, shm: Path,
     if remote is not None:
         snaps = remote.list_snapshots()
         if snaps and (best is None or snaps[0].step > best[0]):
-            best = (snaps[0].step, snaps[0].path)
+            best = (snaps[0].step, str(snaps[0].path))
         return None if best is None else f"step {best[0]} ({best[1]})"
     for s in posix.list_snapshots(directory):
         if best is not None and s.step <= best[0]:

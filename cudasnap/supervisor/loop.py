@@ -40,7 +40,7 @@ from .orphans import _flush_leased, _orphan_slots, _remove_own_partial
 from .standby import VERDICT_ENV, Standby
 
 if TYPE_CHECKING:
-    from ..storage.fsspec import FsspecStorage
+    from ..storage.protocol import Storage
 
 log = logging.getLogger("cudasnap.run")
 
@@ -114,7 +114,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
                       max_restarts: int, inject_first: str | None, watchdog_s: float | None,
                       extra_env: dict[str, str] | None, report: list[dict[str, Any]] | None,
                       auto: bool, warm_next: bool = True, verdict: Path | None = None,
-                      url: str | None = None, remote: FsspecStorage | None = None) -> int:
+                      url: str | None = None, remote: Storage | None = None) -> int:
     # The extension (and torch) loaded beside the first attempt: a flush after a death starts at once
     preload = threading.Thread(target=native, name="cudasnap-preload", daemon=True)
     preload.start()
@@ -192,7 +192,7 @@ def _supervise_locked(cmd: list[str], directory: Path, job: str, shm: Path, *,
         _remove_own_partial(directory)
 
 
-def _orphan_flush(directory: Path, job: str, shm: Path, remote: FsspecStorage | None,
+def _orphan_flush(directory: Path, job: str, shm: Path, remote: Storage | None,
                   preload: threading.Thread, entry: dict[str, Any],
                   wait: bool = False) -> threading.Thread:
     """The dead attempt's newest slots leased now and flushed on a thread, beside the

@@ -24,12 +24,12 @@ from ..format import paths
 from ..storage import posix
 
 if TYPE_CHECKING:
-    from ..storage.fsspec import FsspecStorage
+    from ..storage.protocol import Storage
 
 log = logging.getLogger("cudasnap.run")
 
 
-def _orphan_slots(directory: Path, job: str, shm_dir: Path, remote: FsspecStorage | None = None
+def _orphan_slots(directory: Path, job: str, shm_dir: Path, remote: Storage | None = None
                   ) -> list[tuple[Path, Any, int, int]]:
     """(path, arena, slot, step) of each arena's newest COMPLETE slot newer than disk (or
     than the object store ``remote``), leased.
@@ -61,7 +61,7 @@ def _orphan_slots(directory: Path, job: str, shm_dir: Path, remote: FsspecStorag
 
 
 def _flush_leased(directory: Path, leased: list[tuple[Path, Any, int, int]],
-                  threads: int = 4, remote: FsspecStorage | None = None) -> list[dict[str, Any]]:
+                  threads: int = 4, remote: Storage | None = None) -> list[dict[str, Any]]:
     """Writes each leased slot (to the object store ``remote`` when given: uploaded, then
     committed, as a Snapshotter's flush); a failure (disk full, store unreachable) is
     logged and the arena kept."""

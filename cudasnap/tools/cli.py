@@ -80,9 +80,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from ..format import paths
 
     if isinstance(a.directory, str):  # an fsspec URL (object store): no arena to list
-        from ..storage.fsspec import inspect_rows
+        from ..storage.remote_report import inspect_url
 
-        rows, job = inspect_rows(a.directory, a.verify), None
+        rows, job = inspect_url(a.directory, a.verify), None
     elif not a.directory.is_dir():
         raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
                           else f"no such directory: {a.directory}")
@@ -160,9 +160,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from ..storage import posix
 
     if isinstance(a.directory, str):  # an fsspec URL (object store)
-        from ..storage.fsspec import verify_lines
+        from ..storage.remote_report import verify_url
 
-        rc, lines = verify_lines(a.directory, a.step)
+        rc, lines = verify_url(a.directory, a.step)
         print("\n".join(lines), file=sys.stderr if rc == 2 else sys.stdout)
         return rc
     snaps = posix.list_snapshots(a.directory)

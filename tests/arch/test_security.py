@@ -200,8 +200,9 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
         # the package (__init__.py): a one-rank view of a multi-rank step, ranks as ints
         "rank_dirname(int(r))",
     }
-    modules = ("posix.py", "latest.py", "ownership.py", "listing.py", "safe_io.py", "rounds.py", "remote_ranks.py",
+    modules = ("posix.py", "latest.py", "ownership.py", "listing.py", "safe_io.py", "remote_ranks.py",
                "remote_latest.py", "remote_base.py", "remote_report.py", "fsspec.py", "fresh.py",
+               "object_dir.py", "registry.py", "slots.py", "protocol.py",
                "__init__.py")
     storage = {p.name for p in (PKG / "storage").glob("*.py")}
     assert storage <= {*modules, "counters.py", "partial.py",
