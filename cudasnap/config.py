@@ -121,6 +121,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,29 @@ RNG_RESTORE_POINTS = ("first_forward", "restore")  # core.rng.RestoredRng; the 1
 MAX_SLOTS = 8  # the arena header's slot table
 OVERHEAD_BUDGET = 0.01  # share of step time snapshots may cost (core.cadence; CUDA backend)
 MAX_EVERY = 64  # the budget's largest k: a process killed outright replays at most this many
+FLUSH_WAIT_S = 30.0  # Snapshotter.flush(timeout=): bound of each wait on the way down
+FINAL_FLUSH_WAIT_S = 60.0  # close()'s final flush / flush_if_new: wait for the running copy
+
+# Environment defaults (the table above; Settings and from_env use these: test_config_defaults).
+DIRECTORY = "ckpt"  # CUDASNAP_DIR unset: ./ckpt
+SHM_DIR = Path("/dev/shm")
+POLL_S = 1.0
+WAIT_S = 120.0
+PEER_TIMEOUT_S = 10.0
+FLUSH_TIMEOUT_S = 25.0
+PG_TIMEOUT_S = 10.0
+RESTART = 0
+RANK = 0
+WORLD_SIZE = 1
+ARENA_SYNC_MAX_BYTES = 16 << 20  # arenas whose slots hold at most this: made on the training thread
+DEVICE_STAGING = 0  # off
+RNG_RESTORE = RNG_RESTORE_POINTS[0]
+
+
+def default_node_id() -> str:
+    """This host's name: the node of a process when CUDASNAP_NODE_ID is unset (replica
+    partners, in-process restart's pid checks, liveness records)."""
+    return socket.gethostname()
 
 
 def check_options(*, num_slots: int, spare_slot: bool, keep: Any, chunk_bytes: int | None,
@@ -237,21 +261,21 @@ def resolve_rank(rank: int | None, world_size: int | None, env: Settings
 class Settings:
     directory: str | None = None
     job: str | None = None
-    shm_dir: Path = Path("/dev/shm")
+    shm_dir: Path = SHM_DIR
     health: bool | None = None
     watchdog_s: float | None = None
-    poll_s: float = 1.0
+    poll_s: float = POLL_S
     inject: str | None = None
     policy: str | None = None
-    wait_s: float = 120.0
+    wait_s: float = WAIT_S
     fresh: bool = False
     allow_foreign_owner: bool = False
     require_resume: bool = False
-    rng_restore: str = RNG_RESTORE_POINTS[0]
+    rng_restore: str = RNG_RESTORE
     allow_torch_mismatch: bool = False
-    peer_timeout_s: float = 10.0
-    flush_timeout_s: float = 25.0
-    restart: int = 0
+    peer_timeout_s: float = PEER_TIMEOUT_S
+    flush_timeout_s: float = FLUSH_TIMEOUT_S
+    restart: int = RESTART
     supervised: bool = False
     supervisor_pid: int | None = None
     run_verdict: str | None = None
@@ -262,16 +286,16 @@ class Settings:
     # core: read by the Snapshotter (its keyword arguments win). RANK / WORLD_SIZE: the
     # launcher's rank and world size when torch.distributed is not initialised;
     # CUDASNAP_ARENA_SYNC_MAX_BYTES (int>=0): arenas up to this size are made on the
-    # training thread (None: cudasnap.core.arena_size.SYNC_MAX_BYTES).
-    rank: int = 0
-    world_size: int = 1
+    # training thread (None: ARENA_SYNC_MAX_BYTES).
+    rank: int = RANK
+    world_size: int = WORLD_SIZE
     arena_sync_max_bytes: int | None = None
     overhead_budget: float | None = None  # None: auto (core.cadence)
-    device_staging: int | str = 0
+    device_staging: int | str = DEVICE_STAGING
     # node-loss replication (cudasnap.distributed.replica): off by default
     node_replica: bool = False
     node_parity: int = 0  # node_replica="xor:K": K (groups of K nodes); 0: full copies
-    node_id: str | None = None
+    node_id: str | None = None  # None: default_node_id() (the ``node`` property)
     replica_addr: str | None = None
     replica_max_mbps: float | None = None
     # in-process restart (cudasnap.distributed.inprocess)
@@ -279,10 +303,20 @@ class Settings:
     uid: int | None = None
     world: int | None = None
     nproc: int | None = None
-    pg_timeout_s: float = 10.0
+    pg_timeout_s: float = PG_TIMEOUT_S
     # test-only: CUDASNAP_TEST_KILL_AT or CUDASNAP_TEST_DIE_IN_FLUSH is set, so the fault
     # hooks of cudasnap._testing are loaded for this process (cudasnap._points)
     test_hooks: bool = False
+
+    @property
+    def first_of_job(self) -> bool:
+        """Rank 0 of the first attempt: the process that says a job-wide thing once."""
+        return self.restart == 0 and self.rank == 0
+
+    @property
+    def node(self) -> str:
+        """This process's node: CUDASNAP_NODE_ID, else :func:`default_node_id`."""
+        return self.node_id or default_node_id()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -291,22 +325,22 @@ class Settings:
         return cls(
             directory=_raw(e, "CUDASNAP_DIR"),
             job=_raw(e, "CUDASNAP_JOB"),
-            shm_dir=Path(_raw(e, "CUDASNAP_SHM_DIR") or "/dev/shm"),
+            shm_dir=_path(_raw(e, "CUDASNAP_SHM_DIR")) or SHM_DIR,
             health=env_bool(e, "CUDASNAP_HEALTH"),
             watchdog_s=env_float(e, "CUDASNAP_WATCHDOG_S"),
-            poll_s=env_float(e, "CUDASNAP_POLL_S", 1.0) or 1.0,
+            poll_s=_float(e, "CUDASNAP_POLL_S", POLL_S),
             inject=_raw(e, "CUDASNAP_INJECT"),
             policy=_raw(e, "CUDASNAP_POLICY"),
-            wait_s=env_float(e, "CUDASNAP_WAIT_S", 120.0) or 120.0,
+            wait_s=_float(e, "CUDASNAP_WAIT_S", WAIT_S),
             fresh=bool(env_bool(e, "CUDASNAP_FRESH")),
             allow_foreign_owner=bool(env_bool(e, "CUDASNAP_ALLOW_FOREIGN_OWNER")),
             require_resume=bool(env_bool(e, "CUDASNAP_REQUIRE_RESUME")),
-            rng_restore=check_rng_restore(_raw(e, "CUDASNAP_RNG_RESTORE") or RNG_RESTORE_POINTS[0],
+            rng_restore=check_rng_restore(_raw(e, "CUDASNAP_RNG_RESTORE") or RNG_RESTORE,
                                           "CUDASNAP_RNG_RESTORE"),
-            allow_torch_mismatch=bool(env_bool(e, "CUDASNAP_ALLOW_TORCH_MISMATCH")),
-            peer_timeout_s=env_float(e, "CUDASNAP_PEER_TIMEOUT_S", 10.0) or 10.0,
-            flush_timeout_s=env_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", 25.0) or 25.0,
-            restart=env_int(e, "TORCHELASTIC_RESTART_COUNT", env_int(e, "CUDASNAP_RESTART", 0)),
+            allow_torch_mismatch=torch_mismatch_allowed(e),
+            peer_timeout_s=_float(e, "CUDASNAP_PEER_TIMEOUT_S", PEER_TIMEOUT_S),
+            flush_timeout_s=_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", FLUSH_TIMEOUT_S),
+            restart=env_int(e, "TORCHELASTIC_RESTART_COUNT", env_int(e, "CUDASNAP_RESTART", RESTART)),
             supervised=bool(env_bool(e, "CUDASNAP_SUPERVISED")),
             supervisor_pid=_opt_int(e, "CUDASNAP_SUPERVISOR_PID"),
             run_verdict=run_verdict_path(e),
@@ -315,8 +349,8 @@ class Settings:
             state_dir=_path(_raw(e, "CUDASNAP_STATE_DIR")),
             s3_endpoint=env_url(e, "CUDASNAP_S3_ENDPOINT"),
             # core
-            rank=env_int(e, "RANK", 0),
-            world_size=env_int(e, "WORLD_SIZE", 1),
+            rank=env_int(e, "RANK", RANK),
+            world_size=env_int(e, "WORLD_SIZE", WORLD_SIZE),
             arena_sync_max_bytes=_opt_int(e, "CUDASNAP_ARENA_SYNC_MAX_BYTES"),
             overhead_budget=_budget_env(e),
             device_staging=_staging_env(e),
@@ -330,7 +364,7 @@ class Settings:
             uid=_opt_int(e, "CUDASNAP_UID"),
             world=_opt_int(e, "CUDASNAP_WORLD"),
             nproc=_opt_int(e, "CUDASNAP_NPROC"),
-            pg_timeout_s=env_float(e, "CUDASNAP_PG_TIMEOUT_S", 10.0) or 10.0,
+            pg_timeout_s=_float(e, "CUDASNAP_PG_TIMEOUT_S", PG_TIMEOUT_S),
         )
 
 
@@ -341,10 +375,21 @@ def test_hooks_asked(env: Mapping[str, str] | None = None) -> bool:
     return any(_raw(e, v) is not None for v in ("CUDASNAP_TEST_KILL_AT", "CUDASNAP_TEST_DIE_IN_FLUSH"))
 
 
+def torch_mismatch_allowed(env: Mapping[str, str] | None = None) -> bool:
+    """CUDASNAP_ALLOW_TORCH_MISMATCH alone: read once per process, when the extension is
+    first loaded (cudasnap._native.native, called from anywhere)."""
+    return bool(env_bool(os.environ if env is None else env, "CUDASNAP_ALLOW_TORCH_MISMATCH"))
+
+
 def run_verdict_path(env: Mapping[str, str] | None = None) -> str | None:
     """CUDASNAP_RUN_VERDICT alone: read where the rest of the environment may be the
     configuration error being reported (cudasnap.tools.standby.write_verdict)."""
     return _raw(os.environ if env is None else env, "CUDASNAP_RUN_VERDICT")
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:  # env_float, typed
+    v = env_float(env, name)
+    return default if v is None else v
 
 
 def _opt_int(env: Mapping[str, str], name: str) -> int | None:  # core
@@ -400,8 +445,6 @@ def _replica_env(env: Mapping[str, str]) -> int:
 
 def _staging_env(env: Mapping[str, str]) -> int | str:  # core
     v = _raw(env, "CUDASNAP_DEVICE_STAGING")
-    if v is None:
-        return 0
-    if v.lower() == "auto":
+    if v is not None and v.lower() == "auto":
         return "auto"
-    return env_int(env, "CUDASNAP_DEVICE_STAGING", 0)
+    return env_int(env, "CUDASNAP_DEVICE_STAGING", DEVICE_STAGING)

@@ -30,6 +30,7 @@ from .core.state import TrainingState
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError, exception_active
 from .storage import Storage, clean_partial, open_storage, posix
+from .storage.registry import url_of
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -48,16 +49,18 @@ class Snapshotter:
         model: a ``torch.nn.Module`` or a dict of them (names prefix tensor names).
         optimizer: a ``torch.optim.Optimizer``, a dict of them, or None; a wrapper of
             others is replaced by them (cudasnap.core.optim_wrap).
-        directory: where flushed snapshots go (created 0700; checked writable now);
-            default: $CUDASNAP_DIR (set by ``cudasnap run``) or ./ckpt. A URL picks its
-            backend by scheme (cudasnap.storage.registry): ``s3://bucket/prefix`` (any
-            fsspec URL) stores snapshots in an object store, ``objdir:///path`` a directory
-            written as one; or a ``cudasnap.storage.Storage`` made by the caller.
+        directory: where flushed snapshots go (created 0700; checked writable now); default
+            $CUDASNAP_DIR (``cudasnap run`` sets it) or ./ckpt; a URL's scheme picks its backend
+            (cudasnap.storage.registry: ``s3://b/p``, any fsspec URL, ``objdir:///path``), or
+            a ``cudasnap.storage.Storage`` made by the caller.
         extra: objects with ``state_dict``/``load_state_dict`` (schedulers, samplers,
             data-position objects) or ``torch.Generator``s; saved as JSON at each boundary.
-        num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING.
+        num_slots: shared-memory slots (>= 2): one COMPLETE while the next is WRITING
+            (``self.num_slots``; with the spare and parity ones: ``self.arena_slots``).
         spare_slot: one more slot (default on), so a flush, which holds its slot while it
             writes, never stops the snapshots (``stats()["spare_slot_bytes"]`` of /dev/shm).
+        chunk_bytes: the unit of a slot's checksums and a restore's verified reads (a
+            multiple of 4096); default None: follows the state (cudasnap.core.slot_geometry).
         flush_on_close: ``close()`` flushes the newest snapshot unless it is on disk (not
             with ``close(keep_arena=True)`` nor in distributed mode: flush on every rank).
         fresh: start over: snapshots, ``latest`` and the flush log are moved aside to
@@ -84,7 +87,11 @@ class Snapshotter:
             load) are not taken from the resumed run's first step; "restore": only at the
             restore. Default $CUDASNAP_RNG_RESTORE.
         health: the health monitor, signals and watchdog (default: CUDASNAP_HEALTH=1).
-        watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush).
+        watchdog_s: hang watchdog timeout (no boundary for this long triggers a flush);
+            default $CUDASNAP_WATCHDOG_S (unset: none).
+        policy: a ``cudasnap.triggers.policy.Policy``: what each trigger does; default the
+            built-in one with $CUDASNAP_POLICY's overrides.
+        inject: scripted faults instead of NVML ("xid=79@step=40"); default $CUDASNAP_INJECT.
         arena_sync_max_bytes: arenas up to this many bytes are made at the first boundary
             on the training thread, larger ones in the background from construction on;
             boundaries before that are skipped and a flush copies the live state.
@@ -125,8 +132,7 @@ class Snapshotter:
         env = Settings.from_env()  # keyword arguments win over the environment
         # Where snapshots are stored (a local path or an fsspec URL: cudasnap.storage); the
         # lock, directory id and flush log stay in a local directory either way.
-        directory = env.directory or "ckpt" if directory is None else directory
-        where = directory if isinstance(directory, (str, os.PathLike)) else directory.url
+        directory = env.directory or cfg.DIRECTORY if directory is None else directory
         rank, world_size, dist_on = cfg.resolve_rank(rank, world_size, env)
 
         def open_dir() -> Path:  # once every keyword passed its check
@@ -134,7 +140,7 @@ class Snapshotter:
             return self.storage.local_dir
 
         opts = self.options = Options.resolve(
-            env, directory=where, open_dir=open_dir,
+            env, directory=url_of(directory), open_dir=open_dir,
             rank=rank, world_size=world_size, num_slots=num_slots, spare_slot=spare_slot,
             chunk_bytes=chunk_bytes, keep=keep, backend=backend, copy_threads=copy_threads,
             flush_threads=flush_threads, snapshot_every=snapshot_every,
@@ -142,13 +148,13 @@ class Snapshotter:
             arena_sync_max_bytes=arena_sync_max_bytes, allow_foreign_owner=allow_foreign_owner,
             fresh=fresh, require_resume=require_resume, flush_on_close=flush_on_close,
             rng_sources=rng_sources, rng_restore=rng_restore, node_replica=node_replica,
-            shm_dir=shm_dir, job=job)
+            shm_dir=shm_dir, job=job, health=health, watchdog_s=watchdog_s, inject=inject)
         vml_warmup.warm()  # before the loop's first float unary op (pytorch#188792)
         self.directory = self.storage.local_dir
         self.state = TrainingState(model, optimizer, extra)
-        self.state.rng_sources = opts.rng_sources
-        self.state.restored_rng.again = opts.rng_restore == "first_forward"
-        self._lock = posix.DirectoryLock(self.directory, opts.rank, opts.supervised)
+        self.state.rng_sources = opts.copy.rng_sources
+        self.state.restored_rng.again = opts.copy.rng_restore == "first_forward"
+        self._lock = posix.DirectoryLock(self.directory, opts.dist.rank, opts.dist.supervised)
         self._lock.acquire()
         clean_partial(self.storage)
         self._closed = False
@@ -157,21 +163,17 @@ class Snapshotter:
         (self._counters, self._timeline, self._backend, self._layouts, self._keeper,
          self._copier, self._flusher, self._restorer, self._early, self._hooks) = parts
         try:
-            self._init_triggers(dist_on, distributed, replicas, health, policy, inject,
-                                watchdog_s, node_replica, opts.fresh)
+            self._init_triggers(env, dist_on, distributed, replicas, policy, node_replica)
             attach_triggers(parts, self.dist, self.guard)  # then starts the guard
         except BaseException:
             self._keeper.shutdown(opts.waits.close_s)
             self._lock.release()
             raise
 
-    def _init_triggers(self, dist_on: bool, distributed: bool | None, replicas: Any,
-                       health: bool | None, policy: Policy | None, inject: str | None,
-                       watchdog_s: float | None, node_replica: bool | str | None,
-                       fresh: bool) -> None:
+    def _init_triggers(self, env: Settings, dist_on: bool, distributed: bool | None,
+                       replicas: Any, policy: Policy | None, node_replica: bool | str | None) -> None:
         """The distributed coordinator and the guard (health monitor, signals, watchdog;
         started by the caller once the components know both)."""
-        env = Settings.from_env()
         self.dist = None
         if distributed if distributed is not None else dist_on and self.world_size > 1:
             from .distributed.coordinator import Coordinator
@@ -184,12 +186,16 @@ class Snapshotter:
                                            if lt.owner is not None], self.world_size) or replicas
             local = ComponentsLocal(self.options, self.state, self.directory, self._timeline,
                                     self._keeper, self._flusher, self._restorer, self._early)
-            self.dist = Coordinator(local, replicas=replicas, node_replica=node_replica, fresh=fresh)
+            self.dist = Coordinator(local, settings=env, replicas=replicas, node_replica=node_replica,
+                                    fresh=self.options.flush.fresh)
         self.guard = None
-        if health if health is not None else env.health:
+        if (h := self.options.health).on:
             from .triggers.guard import Guard
+            from .triggers.policy import Policy
 
-            self.guard = Guard(self, policy=policy, inject=inject, watchdog_s=watchdog_s)
+            self.guard = Guard(self, policy=policy or Policy.parse(h.policy or ""),
+                               inject=h.inject or "", watchdog_s=h.watchdog_s, poll_s=h.poll_s,
+                               first_of_job=h.first_of_job)
 
     # ---------------------------------------------------------- snapshots
     def boundary(self, step: int, **values: object) -> None:
@@ -282,7 +288,7 @@ class Snapshotter:
                          doc="The newest boundary's step (None before the first).")
 
     # -------------------------------------------------------------- flush
-    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | str | None:
+    def flush(self, wait: bool = True, timeout: float | None = cfg.FLUSH_WAIT_S) -> Path | str | None:
         """Writes the newest COMPLETE snapshot to disk now; returns its directory (its URL
         for an object store).
 
@@ -306,7 +312,7 @@ class Snapshotter:
         self._early.before_flush(timeout)
         return self._flusher.flush(wait, timeout)
 
-    def flush_if_new(self, wait_s: float = 60.0) -> Path | str | None:
+    def flush_if_new(self, wait_s: float = cfg.FINAL_FLUSH_WAIT_S) -> Path | str | None:
         """Flushes the newest COMPLETE snapshot unless that step is already on disk
         (``close()``'s final flush); None when there was nothing new to write."""
         return self._flusher.flush_if_new(wait_s)
@@ -358,15 +364,16 @@ class Snapshotter:
     # The resolved options (read-only; ``options`` holds them all: cudasnap.core.options).
     wait_timeout_s = property(lambda self: self.options.waits.copy_s, doc="Bound of every wait "
                               "on a copy (fences, submit, close()): CUDASNAP_WAIT_S.")
-    rank = property(lambda self: self.options.rank, doc="This process's rank.")
-    world_size = property(lambda self: self.options.world_size, doc="The job's ranks.")
-    job = property(lambda self: self.options.job, doc="The job id (names the arena).")
-    arena_path = property(lambda self: self.options.arena_path, doc="This rank's arena file.")
-    keep = property(lambda self: self.options.keep, doc="Committed snapshots kept.")
-    num_slots = property(lambda self: self.options.num_slots, doc="The arena's slots in all.")
-    chunk_bytes = property(lambda self: self.options.chunk_bytes, doc="None: follows the state.")
-    copy_threads = property(lambda self: self.options.copy_threads, doc="Copy engine threads.")
-    flush_threads = property(lambda self: self.options.flush_threads, doc="Flusher threads.")
+    rank = property(lambda self: self.options.dist.rank, doc="This process's rank.")
+    world_size = property(lambda self: self.options.dist.world_size, doc="The job's ranks.")
+    job = property(lambda self: self.options.arena.job, doc="The job id (names the arena).")
+    arena_path = property(lambda self: self.options.arena.path, doc="This rank's arena file.")
+    keep = property(lambda self: self.options.flush.keep, doc="Committed snapshots kept.")
+    num_slots = property(lambda self: self.options.arena.num_slots, doc="The slots asked for.")
+    arena_slots = property(lambda self: self.options.arena.slots, doc="The arena's slots in all.")
+    chunk_bytes = property(lambda self: self.options.arena.chunk_bytes, doc="None: the state's.")
+    copy_threads = property(lambda self: self.options.copy.threads, doc="Copy engine threads.")
+    flush_threads = property(lambda self: self.options.flush.threads, doc="Flusher threads.")
 
     @property
     def values(self) -> dict[str, object]:
@@ -404,7 +411,7 @@ class Snapshotter:
         failing = exception_active()
         keep = bool(keep_arena) or (keep_arena is None and failing is not None)
         if flush is None:
-            flush = self.options.flush_on_close and keep_arena is not True and self.dist is None
+            flush = self.options.flush.on_close and keep_arena is not True and self.dist is None
         if flush or keep_arena is not False:
             self._early.at_close(keep)
         self._keeper.shutdown(self.options.waits.close_s)  # a set-up in progress
@@ -427,7 +434,7 @@ class Snapshotter:
             self._layouts.release_at_close(self._backend.stop())
             if keep and keep_arena is None and self._keeper.staged_arenas():
                 log.warning("cudasnap: close() keeps the staging arena %s%s: a restart "
-                            "resumes from it", self.options.arena_path,
+                            "resumes from it", self.options.arena.path,
                             f" (closing during {type(failing).__name__})" if failing else
                             " (its newest snapshot is not on disk)")
             self._keeper.release(unlink=not keep)

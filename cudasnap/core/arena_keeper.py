@@ -55,12 +55,12 @@ class ArenaKeeper:
     def __init__(self, backend: Backend, counters: Counters, prep: ArenaPreparer,
                  storage: Storage, flush_lock: threading.RLock, opts: Options) -> None:
         self._backend, self._counters, self.prep = backend, counters, prep
-        self.arena_path, self.num_slots, self.spare_slot = (opts.arena_path, opts.num_slots,
-                                                            opts.spare_slot)
-        self.chunk_bytes, self.job, self.storage = opts.chunk_bytes, opts.job, storage
+        a = opts.arena
+        self.arena_path, self.slots, self.spare_slot = a.path, a.slots, a.spare_slot
+        self.chunk_bytes, self.job, self.storage = a.chunk_bytes, a.job, storage
         self.directory = storage.local_dir  # the fresh start's move (local: never a URL)
-        self.flush_threads, self._waits = opts.flush_threads, opts.waits
-        self._supervised = opts.supervised  # under `cudasnap run` (its supervisor handles a left arena)
+        self.flush_threads, self._waits = opts.flush.threads, opts.waits
+        self._supervised = opts.dist.supervised  # under `cudasnap run` (its supervisor handles a left arena)
         self._flush_lock = flush_lock  # an arena is never unmapped under a flush of it
         self._wait_copy: Callable[[float], bool] = lambda timeout: True  # connect()
         self._flush: Callable[[float | None], object] = lambda timeout: None
@@ -101,7 +101,7 @@ class ArenaKeeper:
             "fallback_reason": self.prep.fallback_reason or (
                 cuda.fallback_reason if cuda is not None else None)}}
         s["arena_preparing"] = self.prep.pending
-        s.update(arena_slots(a, self.num_slots, self.spare_slot))
+        s.update(arena_slots(a, self.slots, self.spare_slot))
         return s
 
     def ready(self, timeout: float | None = None) -> bool:
@@ -110,7 +110,7 @@ class ArenaKeeper:
 
     def _fits(self, arena: Arena, nbytes: int, meta_len: int, chunk: int) -> bool:
         return (arena.data_capacity >= nbytes and arena.meta_capacity >= meta_len
-                and arena.chunk_bytes == chunk and arena.num_slots == self.num_slots)
+                and arena.chunk_bytes == chunk and arena.num_slots == self.slots)
 
     def chunk(self, nbytes: int) -> int:
         """The chunk size of a copy plan (cudasnap.core.copy_plan.make_plan) or an arena for a
@@ -121,7 +121,7 @@ class ArenaKeeper:
         if self.chunk_bytes:
             return self.chunk_bytes
         for cap, chunk in ((a.data_capacity, a.chunk_bytes) for a in (self.arena, self.inherited)
-                           if a is not None and a.num_slots == self.num_slots):
+                           if a is not None and a.num_slots == self.slots):
             if cap >= nbytes:
                 return int(chunk)
         planned = self._planned
@@ -193,8 +193,8 @@ class ArenaKeeper:
         chunk = self.chunk(nbytes)
         cap = slot_capacity(nbytes, chunk)
         meta_cap = meta_capacity(estimate_meta_len(ntensors), nbytes)
-        total = native().Arena.required_bytes(self.num_slots, cap, meta_cap, chunk)
-        if self.num_slots * nbytes > prep.sync_max_bytes:
+        total = native().Arena.required_bytes(self.slots, cap, meta_cap, chunk)
+        if self.slots * nbytes > prep.sync_max_bytes:
             self._start_create(self._what(total), cap, meta_cap, chunk, prep.device,
                                speculative=True)
 
@@ -265,10 +265,10 @@ class ArenaKeeper:
             self._not_ready(step)
             return None
         cap = slot_capacity(nbytes, chunk)
-        total = native().Arena.required_bytes(self.num_slots, cap, need_meta, chunk)
+        total = native().Arena.required_bytes(self.slots, cap, need_meta, chunk)
         regrow = a is not None
         del a, inh  # the old mapping must go before the new arena's free-space check
-        if not sync and (self.num_slots * nbytes > prep.sync_max_bytes or discard is not None):
+        if not sync and (self.slots * nbytes > prep.sync_max_bytes or discard is not None):
             if regrow:
                 log.warning("state grew to %d bytes; re-creating the staging arena in the "
                             "background", nbytes)
@@ -286,7 +286,7 @@ class ArenaKeeper:
         self.prep.note_skip(step)
 
     def _what(self, total: int) -> str:
-        return f"the staging arena ({self.num_slots} slots, {total / 2**30:.2f} GiB)"
+        return f"the staging arena ({self.slots} slots, {total / 2**30:.2f} GiB)"
 
     def _settle(self) -> None:
         """``ensure(sync=True)`` while a set-up's job runs: a job at work is waited for (it
@@ -362,12 +362,12 @@ class ArenaKeeper:
         self.arena = self.adopt(arena)
         secs = self._counters.arena_setup_seconds = time.perf_counter() - t0
         log.info("staging arena %s: %d slots x %.1f MB, set up in %.2f s", self.arena_path,
-                 self.num_slots, capacity / 1e6, secs)
+                 self.slots, capacity / 1e6, secs)
         return self.arena
 
     def create_arena(self, capacity: int, meta_capacity: int, chunk: int,
                      cancel: CancelFlag | None = None, prefault: bool = True) -> Arena:
-        return native().Arena.create(str(self.arena_path), self.num_slots, capacity,
+        return native().Arena.create(str(self.arena_path), self.slots, capacity,
                                      meta_capacity, chunk, self.job, prefault, cancel)
 
     def retire(self) -> bool:

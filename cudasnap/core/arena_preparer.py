@@ -32,7 +32,7 @@ loaded 2-core VM, a few ms on a quiet host.)
 Split (issue 24): the policy of when and what to set up is the ``ArenaKeeper``'s
 (:mod:`cudasnap.core.arena_keeper`: ``start_at_construction``, ``ensure``, ``shutdown``);
 :mod:`cudasnap.core.arena_size` sizes the arena (``estimate_state_bytes``, slot and manifest
-capacities, ``SYNC_MAX_BYTES``).
+capacities; a synchronous set-up's limit is ``config.ARENA_SYNC_MAX_BYTES``).
 
 Owns :class:`ArenaPreparer` (one set-up at a time on a daemon thread: its job makes the
 arena usable, an optional follow-up pre-faults it at nice 10; :meth:`ArenaPreparer.paused`

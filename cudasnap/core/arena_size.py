@@ -113,5 +113,3 @@ def estimate_meta_len(ntensors: int) -> int:
     """Manifest bytes: ~200 B per tensor entry plus the host state (RNG states, ...)."""
     return 256 * ntensors + (64 << 10)
 
-
-SYNC_MAX_BYTES = 16 << 20  # arenas whose slots hold at most this are made on the training thread

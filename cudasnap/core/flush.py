@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ..config import FINAL_FLUSH_WAIT_S, FLUSH_WAIT_S
 from ..errors import SnapshotError
 from ..storage.progress import bytes_written, io_progress
 from ..storage.protocol import Storage
@@ -81,7 +82,7 @@ class Flusher:
         guard = self._guard
         return guard.paused() if guard is not None else contextlib.nullcontext()
 
-    def flush(self, wait: bool = True, timeout: float | None = 30.0) -> Path | str | None:
+    def flush(self, wait: bool = True, timeout: float | None = FLUSH_WAIT_S) -> Path | str | None:
         """Writes the newest COMPLETE snapshot to disk now; returns its directory.
 
         With ``wait`` the running copy (if any) is given ``timeout`` seconds to
@@ -147,7 +148,7 @@ class Flusher:
         waits for this rank's newest step (cudasnap.distributed.flush_round)."""
         self._copier.copy_live(timeout)
 
-    def flush_if_new(self, wait_s: float = 60.0) -> Path | str | None:
+    def flush_if_new(self, wait_s: float = FINAL_FLUSH_WAIT_S) -> Path | str | None:
         """Flushes the newest COMPLETE snapshot unless that step is already stored;
         None when there was nothing new."""
         arenas = self._keeper.staged_arenas()
@@ -173,7 +174,7 @@ class Flusher:
         if not arenas:
             return True
         try:
-            self.flush_if_new(60.0)
+            self.flush_if_new(FINAL_FLUSH_WAIT_S)
             return True
         except SnapshotError as e:
             log.error("close(): the final flush failed (%s); the arena %s is kept", e,

@@ -4,8 +4,9 @@ The facade calls :meth:`Options.resolve` first, before anything is made: each ke
 checked (``config.check_options``: one ConfigError naming the first bad one), each unset
 keyword takes its variable (``config.Settings``), each "auto" is resolved here once (the
 thread counts, the arena's slot count with the spare and parity slots, the job id), and
-the result is frozen. ``core.wiring.wire`` hands the components what they need of it;
-defaults live in ``cudasnap.config`` (its keyword table), nowhere else.
+the result is frozen, in groups: ``arena``, ``copy``, ``flush``, ``health``, ``dist`` and
+``waits``. ``core.wiring.wire`` hands the components what they need of it; defaults live
+in ``cudasnap.config`` (its tables and constants), nowhere else.
 
 :class:`Waits` is every wait bound derived from ``CUDASNAP_WAIT_S`` (``wait_s``): the bound
 of a wait on a copy, and the shorter one of ``close()`` and a cancelled set-up.
@@ -36,35 +37,72 @@ class Waits:
 
 
 @dataclass(frozen=True)
-class Options:
-    backend: str  # "auto", "cpu" or "cuda" (auto: resolved at the first boundary, Backend)
-    num_slots: int  # the arena's slots: num_slots + the spare + XOR parity's leased one
+class ArenaOptions:
+    """The staging arena in /dev/shm."""
+    num_slots: int  # as asked (>= 2): one COMPLETE while the next is WRITING
     spare_slot: bool
+    slots: int  # the arena's slots in all: num_slots + the spare + XOR parity's leased one
     chunk_bytes: int | None  # None: follows the state (core.slot_geometry)
-    keep: int
-    copy_threads: int
-    flush_threads: int
-    waits: Waits
+    sync_max_bytes: int  # arenas up to this size are made on the training thread
+    device_staging: int | str  # bytes of the device buffer, or "auto" (0: off)
+    job: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class CopyOptions:
+    """The copy engine and what each boundary's snapshot holds."""
+    backend: str  # "auto", "cpu" or "cuda" (auto: resolved at the first boundary, Backend)
+    threads: int
     snapshot_every: int | None  # None: the overhead budget's k (core.cadence)
     overhead_budget: float | None  # None: auto
-    device_staging: int | str
-    sync_max_bytes: int | None  # None: core.arena_size.SYNC_MAX_BYTES
-    allow_foreign_owner: bool | None
-    fresh: bool
-    require_resume: bool  # never with fresh
-    supervised: bool
-    flush_on_close: bool
     rng_sources: tuple[str, ...]
     rng_restore: str  # cfg.RNG_RESTORE_POINTS (core.rng.RestoredRng)
+
+
+@dataclass(frozen=True)
+class FlushOptions:
+    """The flusher and the restore from disk."""
+    threads: int
+    keep: int  # committed snapshots kept (0: all)
+    on_close: bool  # close() flushes the newest snapshot
+    fresh: bool  # start over: existing snapshots moved aside
+    require_resume: bool  # never with fresh
+    allow_foreign_owner: bool
+
+
+@dataclass(frozen=True)
+class HealthOptions:
+    """The guard: health monitor, signals, watchdog (cudasnap.triggers.guard)."""
+    on: bool
+    watchdog_s: float | None  # None: no watchdog
+    poll_s: float  # NVML poll interval
+    inject: str | None  # scripted faults instead of NVML
+    policy: str | None  # trigger policy overrides (triggers.policy.Policy.parse)
+    first_of_job: bool  # rank 0 of the first attempt (says "NVML unavailable" above DEBUG)
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    """This process among the job's ranks."""
     rank: int
     world_size: int
-    job: str
-    arena_path: Path
+    supervised: bool  # under ``cudasnap run``
+
+
+@dataclass(frozen=True)
+class Options:
+    arena: ArenaOptions
+    copy: CopyOptions
+    flush: FlushOptions
+    health: HealthOptions
+    dist: DistOptions
+    waits: Waits
 
     @classmethod
     def resolve(cls, env: Settings, *, directory: str | os.PathLike[str],
-                open_dir: Callable[[], Path], rank: int,
-                world_size: int, num_slots: int = cfg.NUM_SLOTS, spare_slot: bool = True,
+                open_dir: Callable[[], Path], rank: int, world_size: int,
+                num_slots: int = cfg.NUM_SLOTS, spare_slot: bool = True,
                 chunk_bytes: int | None = None, keep: int = cfg.KEEP, backend: str = "auto",
                 copy_threads: int | None = None, flush_threads: int | None = None,
                 snapshot_every: int | None = None, overhead_budget: float | None = None,
@@ -74,7 +112,8 @@ class Options:
                 require_resume: bool | None = None, flush_on_close: bool = True,
                 rng_sources: tuple[str, ...] = cfg.RNG_SOURCES, rng_restore: str | None = None,
                 node_replica: bool | str | None = None, shm_dir: str | os.PathLike[str] | None = None,
-                job: str | None = None) -> Options:
+                job: str | None = None, health: bool | None = None,
+                watchdog_s: float | None = None, inject: str | None = None) -> Options:
         """The options of a Snapshotter; keywords None take the environment's value, then
         the default. ConfigError names the first bad value, raised before anything is made:
         only then ``open_dir()`` opens the storage of ``directory`` (a path or an fsspec
@@ -95,22 +134,32 @@ class Options:
         job = job or supervisor_job(env.job, env.directory, env.supervised,
                                     local) or paths.snapshotter_job(local, shm)
         require = env.require_resume if require_resume is None else bool(require_resume)
+        sync = env.arena_sync_max_bytes if arena_sync_max_bytes is None else arena_sync_max_bytes
         return cls(
-            backend=backend,
-            num_slots=slots,
-            spare_slot=bool(spare_slot), chunk_bytes=chunk_bytes, keep=keep,
-            copy_threads=copy_n, flush_threads=flush_n, waits=Waits(env.wait_s),
-            snapshot_every=snapshot_every,
-            overhead_budget=env.overhead_budget if overhead_budget is None
-            else float(overhead_budget),
-            device_staging=env.device_staging if device_staging is None else device_staging,
-            sync_max_bytes=env.arena_sync_max_bytes if arena_sync_max_bytes is None
-            else arena_sync_max_bytes,
-            allow_foreign_owner=allow_foreign_owner, fresh=fresh,
-            require_resume=require and not fresh, supervised=env.supervised,
-            flush_on_close=flush_on_close, rng_sources=tuple(rng_sources),
-            rng_restore=env.rng_restore if rng_restore is None else rng_restore, rank=rank,
-            world_size=world_size, job=job, arena_path=paths.arena_path(shm, job, rank))
+            arena=ArenaOptions(
+                num_slots=num_slots, spare_slot=bool(spare_slot), slots=slots,
+                chunk_bytes=chunk_bytes,
+                sync_max_bytes=cfg.ARENA_SYNC_MAX_BYTES if sync is None else sync,
+                device_staging=env.device_staging if device_staging is None else device_staging,
+                job=job, path=paths.arena_path(shm, job, rank)),
+            copy=CopyOptions(
+                backend=backend, threads=copy_n, snapshot_every=snapshot_every,
+                overhead_budget=env.overhead_budget if overhead_budget is None
+                else float(overhead_budget),
+                rng_sources=tuple(rng_sources),
+                rng_restore=env.rng_restore if rng_restore is None else rng_restore),
+            flush=FlushOptions(
+                threads=flush_n, keep=keep, on_close=flush_on_close, fresh=fresh,
+                require_resume=require and not fresh,
+                allow_foreign_owner=env.allow_foreign_owner if allow_foreign_owner is None
+                else bool(allow_foreign_owner)),
+            health=HealthOptions(
+                on=bool(env.health) if health is None else bool(health),
+                watchdog_s=env.watchdog_s if watchdog_s is None else watchdog_s,
+                poll_s=env.poll_s, inject=env.inject if inject is None else inject,
+                policy=env.policy, first_of_job=env.first_of_job),
+            dist=DistOptions(rank=rank, world_size=world_size, supervised=env.supervised),
+            waits=Waits(env.wait_s))
 
 
 def supervisor_job(env_job: str | None, sup_dir: str | None, supervised: bool,

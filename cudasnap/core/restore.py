@@ -99,9 +99,9 @@ class Restorer:
                  layouts: Layouts, timeline: Timeline, counters: Counters, opts: Options) -> None:
         self.state, self.storage, self._keeper, self._copier = state, storage, keeper, copier
         self._layouts, self._timeline, self._counters = layouts, timeline, counters
-        self.rank, self.flush_threads, self.wait_timeout_s = opts.rank, opts.flush_threads, opts.waits.copy_s
-        self.allow_foreign_owner = opts.allow_foreign_owner
-        self.require_resume = opts.require_resume
+        self.rank, self.flush_threads, self.wait_timeout_s = opts.dist.rank, opts.flush.threads, opts.waits.copy_s
+        self.allow_foreign_owner = opts.flush.allow_foreign_owner
+        self.require_resume = opts.flush.require_resume
         self.partly_applied: str | None = None  # a snapshot that failed half-way through
         self._resume_logged = False
         self._dist: Coordinated | None = None

@@ -19,7 +19,6 @@ from ..storage.protocol import Storage
 from . import fences
 from .arena_keeper import ArenaKeeper
 from .arena_preparer import ArenaPreparer
-from .arena_size import SYNC_MAX_BYTES
 from .backend import Backend
 from .cadence import Cadence, clock_for
 from .copier import Copier
@@ -65,27 +64,26 @@ def wire(state: TrainingState, storage: Storage, opts: Options) -> Components:
     c = Counters()
     tl = Timeline()
     wait_s = opts.waits.copy_s
-    be = Backend(opts.backend, opts.copy_threads, wait_s, opts.arena_path, opts.device_staging)
+    a, d = opts.arena, opts.dist
+    be = Backend(opts.copy.backend, opts.copy.threads, wait_s, a.path, a.device_staging)
     # Re-entrant: a signal handler may flush while the main thread is in boundary().
     flush_lock = threading.RLock()
-    prep = ArenaPreparer(
-        SYNC_MAX_BYTES if opts.sync_max_bytes is None else opts.sync_max_bytes,
-        be.state_device(state))
+    prep = ArenaPreparer(a.sync_max_bytes, be.state_device(state))
     keeper = ArenaKeeper(be, c, prep, storage, flush_lock, opts)
     # a plan's chunk: chunk_bytes, else the keeper's pick (its arena's when that one fits)
-    lays = Layouts(state, be, c, chunk=keeper.chunk, rank=opts.rank,
-                   world_size=opts.world_size, job=opts.job)
+    lays = Layouts(state, be, c, chunk=keeper.chunk, rank=d.rank,
+                   world_size=d.world_size, job=a.job)
     cp = Copier(state, be, lays, keeper, c, wait_timeout_s=wait_s,
-                cadence=Cadence(opts.snapshot_every, opts.overhead_budget, clock_for(be)))
+                cadence=Cadence(opts.copy.snapshot_every, opts.copy.overhead_budget, clock_for(be)))
     hooks = fences.install(state, cp, lays.invalidate)
-    flusher = Flusher(storage, keeper, cp, c, flush_lock, keep=opts.keep,
-                      flush_threads=opts.flush_threads)
+    flusher = Flusher(storage, keeper, cp, c, flush_lock, keep=opts.flush.keep,
+                      flush_threads=opts.flush.threads)
     keeper.connect(wait_copy=cp.wait_job, flush=flusher.flush_newest)  # its regrowth
     restorer = Restorer(state, storage, keeper, cp, lays, tl, c, opts)
     early = EarlySaver(keeper, cp, lays, tl, c, flush_lock, waits=opts.waits)
     keeper.open_inherited()
-    if opts.fresh:
-        keeper.start_fresh(opts.world_size, opts.rank)
+    if opts.flush.fresh:
+        keeper.start_fresh(d.world_size, d.rank)
     # As early as the state is known (issue 23 item 2): the set-up overlaps the rest of
     # the construction and whatever the program does before its first boundary.
     keeper.start_at_construction(state)  # large arenas: off the training thread

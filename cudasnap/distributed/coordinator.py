@@ -81,11 +81,12 @@ def replica_groups(replicas: Replicas, world: int, replicated: bool) -> list[lis
 class Coordinator:
     """Agreed flushes and restores for one rank (see the package docstring)."""
 
-    def __init__(self, local: LocalSnapshots, replicas: Replicas = "auto", heartbeat_s: float = 0.5,
-                 peer_timeout_s: float | None = None, commit_timeout_s: float | None = None,
-                 restore_timeout_s: float = 300.0, settings: Settings | None = None,
+    def __init__(self, local: LocalSnapshots, settings: Settings, replicas: Replicas = "auto",
+                 heartbeat_s: float = 0.5, peer_timeout_s: float | None = None,
+                 commit_timeout_s: float | None = None, restore_timeout_s: float = 300.0,
                  node_replica: bool | str | None = None, fresh: bool | None = None) -> None:
-        """``node_replica``: node-loss replication, True or "xor:K" (.replica, .parity;
+        """``settings``: the environment, read by the caller (the Snapshotter) when it
+        started; ``node_replica``: node-loss replication, True or "xor:K" (.replica, .parity;
         default CUDASNAP_NODE_REPLICA); ``fresh``: the Snapshotter starts over (its node's
         guest copies of this job are removed; default CUDASNAP_FRESH)."""
         import dataclasses
@@ -94,7 +95,7 @@ class Coordinator:
 
         if not dist.is_initialized():
             raise ConfigError("distributed snapshots need torch.distributed initialised")
-        cfg = settings or Settings.from_env()
+        cfg = settings
         if node_replica is not None or fresh is not None:  # keyword arguments win
             mode = node_replica_mode(node_replica) if node_replica is not None else None
             cfg = dataclasses.replace(
@@ -130,7 +131,7 @@ class Coordinator:
 
         self.live = Liveness(self.kv, self.rank, self.world, self.peer_timeout_s,
                              self.complete_steps, local.last_step, heartbeat_s=heartbeat_s,
-                             addr=cfg.replica_addr or default_addr(), node=cfg.node_id)
+                             addr=cfg.replica_addr or default_addr(), node=cfg.node)
         copies = None
         if cfg.node_replica:
             from .held_copies import HeldCopies

@@ -160,7 +160,7 @@ class InProcessRestart:
                 f"{addr!r}, {uid!r}, {world!r}")
         self.uid, self.world = int(uid), int(world)
         self.nproc = cfg.nproc or self.world
-        self.node = cfg.node_id or os.uname().nodename  # whose pids this process can see
+        self.node = cfg.node  # whose pids this process can see
         import torch
 
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s

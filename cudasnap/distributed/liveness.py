@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from ..config import default_node_id
 from ..errors import ConfigError
 from .kv import KV
 
@@ -172,7 +173,7 @@ class Liveness:
         self.heartbeat_s = heartbeat_s
         self._complete_steps = complete_steps
         self._last_step = last_step
-        self.host = node or socket.gethostname()
+        self.host = node or default_node_id()
         self._seq = 0
         self._seen: dict[int, tuple[str, float]] = {}
         self.peer_steps: dict[int, list[int]] = {}  # from the last heartbeat of each peer

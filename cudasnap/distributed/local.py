@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..config import FLUSH_WAIT_S
 from ..format import paths
 
 if TYPE_CHECKING:  # the stub only: no extension is loaded by importing this module
@@ -97,8 +98,6 @@ class ComponentsLocal:
     is held, a restore's ``restore_from_slot``) go down to the component that does the
     work, never back up through the Snapshotter."""
 
-    FLUSH_TIMEOUT_S = 30.0  # a requested flush's bound: the Snapshotter's flush() default
-
     def __init__(self, opts: Any, state: Any, directory: Path, timeline: Any, keeper: Any,
                  flusher: Any, restorer: Any, early: Any) -> None:
         self._o, self._state, self._dir = opts, state, Path(directory)
@@ -112,15 +111,15 @@ class ComponentsLocal:
 
     @property
     def rank(self) -> int:
-        return int(self._o.rank)
+        return int(self._o.dist.rank)
 
     @property
     def world_size(self) -> int:
-        return int(self._o.world_size)
+        return int(self._o.dist.world_size)
 
     @property
     def job(self) -> str:
-        return str(self._o.job)
+        return str(self._o.arena.job)
 
     @property
     def directory(self) -> Path:
@@ -133,18 +132,18 @@ class ComponentsLocal:
 
     @property
     def keep(self) -> int:
-        return int(self._o.keep)
+        return int(self._o.flush.keep)
 
     @property
     def flush_threads(self) -> int:
-        return int(self._o.flush_threads)
+        return int(self._o.flush.threads)
 
     def arenas(self) -> list[Arena]:
         arenas: list[Arena] = self._keeper.staged_arenas()
         return arenas
 
     def arena_path_of(self, rank: int) -> Path:
-        return paths.arena_path(Path(self._o.arena_path).parent, self.job, rank)
+        return paths.arena_path(Path(self._o.arena.path).parent, self.job, rank)
 
     def last_step(self) -> int | None:
         step: int | None = self._timeline.last_step
@@ -156,8 +155,8 @@ class ComponentsLocal:
         return any(isinstance(m, DDP) for m in self._state.models.values())
 
     def request_flush(self) -> None:
-        self._early.before_flush(self.FLUSH_TIMEOUT_S)  # as the Snapshotter's flush() does
-        self._flusher.flush(False, self.FLUSH_TIMEOUT_S)
+        self._early.before_flush(FLUSH_WAIT_S)  # as the Snapshotter's flush() does
+        self._flusher.flush(False, FLUSH_WAIT_S)
 
     def peer_failure(self, detail: str) -> None:
         if self._guard is not None:

@@ -105,13 +105,13 @@ def ring_partner(nodes: dict[int, str], rank: int) -> int | None:
 
 
 class Replicator:
-    def __init__(self, kv: KV, local: LocalSnapshots, settings: Settings | None = None) -> None:
-        cfg = settings or Settings.from_env()
+    def __init__(self, kv: KV, local: LocalSnapshots, settings: Settings) -> None:
+        cfg = settings  # the coordinator's (read by the Snapshotter when it started)
         self.kv, self.local = kv, local
         self.rank, self.world, self.job = local.rank, local.world_size, local.job
         self.own_path = local.arena_path_of(self.rank)
         self.shm = self.own_path.parent
-        self.node = cfg.node_id or socket.gethostname()
+        self.node = cfg.node
         self.rate = cfg.replica_max_mbps * 1e6 if cfg.replica_max_mbps else None
         self.threads = max(1, min(4, local.flush_threads))
         self.guests = GuestStore(self.shm, self.job, self.threads)

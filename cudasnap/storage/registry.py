@@ -48,6 +48,11 @@ def backend_of(directory: str | os.PathLike[str]) -> type[Storage]:
                           f"imported: {e}") from e
 
 
+def url_of(directory: str | os.PathLike[str] | Storage) -> str | os.PathLike[str]:
+    """What ``directory`` names: itself, or a ``Storage``'s ``url``."""
+    return directory if isinstance(directory, (str, os.PathLike)) else directory.url
+
+
 def open_storage(directory: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of ``directory`` (a local path or a URL), opened and checked; a
     ``Storage`` passed in is returned as it is (made and checked by its caller)."""
@@ -56,4 +61,4 @@ def open_storage(directory: str | os.PathLike[str] | Storage) -> Storage:
     return backend_of(directory).open(os.fspath(directory))
 
 
-__all__ = ["SCHEMES", "backend_of", "open_storage", "scheme_of"]
+__all__ = ["SCHEMES", "backend_of", "open_storage", "scheme_of", "url_of"]

@@ -46,7 +46,7 @@ class Dispatcher:
                  step_fn: Callable[[], int | None] | None = None) -> None:
         self.flush_fn = flush
         self.step_fn = step_fn  # fills Trigger.step when the source did not know it
-        self.policy = policy if policy is not None else Policy.from_env()
+        self.policy = policy if policy is not None else Policy()
         self.exit_fn = exit_fn
         self.dedup_s = float(dedup_s)
         self.history: list[HistoryEntry] = []

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import Settings
+from ..config import POLL_S
 from .dispatch import Dispatcher, HistoryEntry
 from .hooks import ExceptHooks, install_excepthook
 from .kinds import Trigger, TriggerKind
@@ -54,17 +54,17 @@ class Guard:
 
     def __init__(self, target: FlushTarget, policy: Policy | None = None, inject: str | None = None,
                  watchdog_s: float | None = None, poll_s: float | None = None,
-                 exit_fn: Any = os._exit, signals: bool = True) -> None:
+                 exit_fn: Any = os._exit, signals: bool = True, first_of_job: bool = True) -> None:
         self._target = target
         self.last_step: int | None = None
-        cfg = Settings.from_env()  # arguments win over the environment
-        self.dispatcher = Dispatcher(self._flush, policy=policy or Policy.parse(cfg.policy or ""),
+        # The values are the caller's (the Snapshotter resolves them from its keywords and
+        # the environment: cudasnap.core.options.HealthOptions); None: the default.
+        self.dispatcher = Dispatcher(self._flush, policy=policy or Policy(),
                                      exit_fn=exit_fn, step_fn=lambda: self.last_step)
-        poll = poll_s if poll_s is not None else cfg.poll_s
-        self.monitor = HealthMonitor(self._on_health, poll_interval=poll,
-                                     inject=inject if inject is not None else (cfg.inject or ""))
-        wd = watchdog_s if watchdog_s is not None else cfg.watchdog_s
-        self.watchdog = Watchdog(wd, self.dispatcher.on_hang) if wd else None
+        self.monitor = HealthMonitor(self._on_health,
+                                     poll_interval=POLL_S if poll_s is None else poll_s,
+                                     inject=inject, first_of_job=first_of_job)
+        self.watchdog = Watchdog(watchdog_s, self.dispatcher.on_hang) if watchdog_s else None
         self._want_signals = signals
         self._signals: SignalHandlers | None = None
         self._hooks: ExceptHooks | None = None

@@ -5,7 +5,6 @@ import logging
 import threading
 from typing import Any
 
-from ..config import Settings
 from .inject import InjectedSource
 from .kinds import TriggerCallback
 from .nvml_source import NvmlSource
@@ -17,14 +16,18 @@ class HealthMonitor:
     """GPU health monitor: NVML (default) or scripted injection (``inject`` / ``CUDASNAP_INJECT``)."""
 
     def __init__(self, on_trigger: TriggerCallback, devices: list[int] | None = None,
-                 poll_interval: float = 1.0, inject: str | None = None) -> None:
+                 poll_interval: float = 1.0, inject: str | None = None,
+                 first_of_job: bool = True) -> None:
+        """``inject``: scripted faults (None or empty: NVML); ``first_of_job``: see
+        cudasnap.triggers.nvml.NvmlSession. Both the caller's (the Snapshotter's options)."""
         self._on_trigger = on_trigger
-        spec = inject if inject is not None else Settings.from_env().inject
+        spec = inject
         self.source: NvmlSource | InjectedSource
         if spec is not None and spec.strip():
             self.source = InjectedSource(spec, on_trigger)
         else:
-            self.source = NvmlSource(on_trigger, devices=devices, poll_interval=poll_interval)
+            self.source = NvmlSource(on_trigger, devices=devices, poll_interval=poll_interval,
+                                     first_of_job=first_of_job)
         self._started = False
         self._lock = threading.Lock()
 

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from ..config import Settings
-
 logger = logging.getLogger("cudasnap.health")
 
 try:  # pragma: no cover - depends on the environment
@@ -111,17 +109,7 @@ def _cuda_in_use() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-def _first_process_of_job() -> bool:
-    """False in a restarted attempt (``cudasnap run``'s CUDASNAP_RESTART, torchrun's
-    TORCHELASTIC_RESTART_COUNT) and in ranks other than 0: the job's first process said it."""
-    try:
-        cfg = Settings.from_env()
-    except Exception:  # a bad variable is reported where it matters, not here
-        return True
-    return cfg.restart == 0 and cfg.rank == 0  # restart: TORCHELASTIC_RESTART_COUNT wins
-
-
-def warn_unavailable_once(reason: str) -> None:
+def warn_unavailable_once(reason: str, first_of_job: bool = True) -> None:
     """Log 'NVML unavailable' once per job: in the first process of a job (rank 0 of
     the first attempt), once per process; everywhere else at DEBUG.
 
@@ -134,7 +122,7 @@ def warn_unavailable_once(reason: str) -> None:
         _warned_unavailable = True
     msg = ("NVML unavailable: %s; GPU health triggers disabled, "
            "signal/watchdog/exception triggers remain active")
-    if not first or not _first_process_of_job():
+    if not first or not first_of_job:
         level = logging.DEBUG
     else:
         level = logging.WARNING if _cuda_in_use() else logging.INFO
@@ -283,7 +271,9 @@ class NvmlSession:
     "NVML unavailable" is logged once per job (:func:`warn_unavailable_once`).
     """
 
-    def __init__(self, devices: list[int] | None = None) -> None:
+    def __init__(self, devices: list[int] | None = None, first_of_job: bool = True) -> None:
+        """``first_of_job``: False in a restarted attempt and in ranks other than 0
+        (``cudasnap.config.Settings.first_of_job``): "NVML unavailable" at DEBUG there."""
         self.handles: list[tuple[int, Any]] = []
         self.reason: str | None = init()
         self._open = self.reason is None
@@ -297,7 +287,7 @@ class NvmlSession:
             if self.reason is not None:
                 self.close()
         if self.reason is not None:
-            warn_unavailable_once(self.reason)
+            warn_unavailable_once(self.reason, first_of_job)
         self._by_key = {handle_key(h): i for i, h in self.handles}
 
     @property

@@ -245,10 +245,11 @@ class NvmlSource:
     """Real NVML health source: :class:`NvmlWatcher` detections as :class:`Trigger` objects."""
 
     def __init__(self, on_trigger: TriggerCallback, devices: list[int] | None = None,
-                 poll_interval: float = 1.0, event_timeout_ms: int = 100) -> None:
+                 poll_interval: float = 1.0, event_timeout_ms: int = 100,
+                 first_of_job: bool = True) -> None:
         self._on_trigger = on_trigger
         self._step: int | None = None
-        self.session = NvmlSession(devices)
+        self.session = NvmlSession(devices, first_of_job)
         self.watcher = NvmlWatcher(self.session, self._emit, poll_interval=poll_interval,
                                    event_timeout_ms=event_timeout_ms)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping
 
 from ..config import Settings
 from ..errors import ConfigError
@@ -119,9 +118,10 @@ class Policy:
         return policy
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Policy":
-        """The default policy with ``CUDASNAP_POLICY``'s overrides (cudasnap.config.Settings)."""
-        return cls.parse(Settings.from_env(environ).policy or "")
+    def from_settings(cls, settings: Settings) -> "Policy":
+        """The default policy with ``CUDASNAP_POLICY``'s overrides (``settings``: the
+        environment, read by the caller's entry point)."""
+        return cls.parse(settings.policy or "")
 
     def decide(self, trigger: Trigger) -> tuple[Action, int | None]:
         key = trigger.kind

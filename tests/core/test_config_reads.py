@@ -194,21 +194,34 @@ class _Target:
 
 @pytest.mark.parametrize("name,value", [("CUDASNAP_WATCHDOG_S", "soon"), ("CUDASNAP_WATCHDOG_S", "-3"),
                                         ("CUDASNAP_POLL_S", "0"), ("CUDASNAP_POLL_S", "fast")])
-def test_guard_timing_variables_are_checked(monkeypatch, name, value):
-    from cudasnap.triggers.guard import Guard
+def test_guard_timing_variables_are_checked(monkeypatch, snap_env, name, value):
+    torch = pytest.importorskip("torch")
+    from cudasnap import Snapshotter
 
     monkeypatch.setenv(name, value)
     with _bad(name, value):  # before: ValueError, or silently the default (POLL_S=0)
-        Guard(_Target(), inject="exception@step=99", signals=False)
+        Snapshotter(torch.nn.Linear(2, 2), directory=snap_env.dir, health=True)
 
 
-def test_guard_reads_the_watchdog_from_the_settings(monkeypatch):
+def test_the_guard_takes_the_snapshotters_health_settings(monkeypatch, snap_env):
+    """The Snapshotter (the entry point) reads CUDASNAP_WATCHDOG_S / _INJECT / _POLICY /
+    _POLL_S when it starts and hands them to the guard, which reads no environment."""
+    torch = pytest.importorskip("torch")
+    from cudasnap import Snapshotter
     from cudasnap.triggers.guard import Guard
+    from cudasnap.triggers.policy import Action
 
     monkeypatch.setenv("CUDASNAP_WATCHDOG_S", " 2.5 ")
-    g = Guard(_Target(), inject="exception@step=99", signals=False)
-    assert g.watchdog is not None and g.watchdog.timeout_s == 2.5
-    monkeypatch.delenv("CUDASNAP_WATCHDOG_S")
+    monkeypatch.setenv("CUDASNAP_INJECT", "exception@step=99")
+    monkeypatch.setenv("CUDASNAP_POLICY", "thermal=flush")
+    snap = Snapshotter(torch.nn.Linear(2, 2), directory=snap_env.dir, health=True,
+                       flush_on_close=False)
+    try:
+        g = snap.guard
+        assert g is not None and g.watchdog is not None and g.watchdog.timeout_s == 2.5
+        assert g.monitor.injected and g.dispatcher.policy.rules["thermal"][0] is Action.FLUSH
+    finally:
+        snap.close()
     assert Guard(_Target(), inject="exception@step=99", signals=False).watchdog is None
 
 
@@ -216,20 +229,22 @@ def test_inject_variable(monkeypatch):
     from cudasnap.triggers.monitor import HealthMonitor
 
     monkeypatch.setenv("CUDASNAP_INJECT", "xid=79@step=3")
-    assert HealthMonitor(lambda t: None).injected
+    assert HealthMonitor(lambda t: None, inject=Settings.from_env().inject).injected
+    assert not HealthMonitor(lambda t: None).injected  # the caller's value, not the environment
     monkeypatch.setenv("CUDASNAP_INJECT", "bogus")
     with _bad("CUDASNAP_INJECT", "bogus"):
-        HealthMonitor(lambda t: None)
+        HealthMonitor(lambda t: None, inject=Settings.from_env().inject)
 
 
 def test_policy_variable(monkeypatch):
     from cudasnap.triggers.policy import Action, Policy
 
     monkeypatch.setenv("CUDASNAP_POLICY", "thermal=flush")
-    assert Policy.from_env().rules["thermal"][0] is Action.FLUSH
-    assert Policy.from_env({"CUDASNAP_POLICY": "thermal=ignore"}).rules["thermal"][0] is Action.IGNORE
+    assert Policy.from_settings(Settings.from_env()).rules["thermal"][0] is Action.FLUSH
+    s = Settings.from_env({"CUDASNAP_POLICY": "thermal=ignore"})
+    assert Policy.from_settings(s).rules["thermal"][0] is Action.IGNORE
     with _bad("CUDASNAP_POLICY", "thermal=explode"):
-        Policy.from_env({"CUDASNAP_POLICY": "thermal=explode"})
+        Policy.from_settings(Settings.from_env({"CUDASNAP_POLICY": "thermal=explode"}))
 
 
 # ------------------------------------------------------------------ integrations

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.triggers import Collector, clean_trigger_env  # noqa: F401 (autouse fixture)
 
+from cudasnap.config import Settings
 from cudasnap.triggers.inject import InjectedFault, InjectedSource, parse_inject
 from cudasnap.triggers.kinds import Trigger
 from cudasnap.triggers.monitor import HealthMonitor
@@ -64,7 +65,7 @@ def test_injected_skipped_steps_and_time_based() -> None:
 
 def test_injected_exception_and_monitor_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDASNAP_INJECT", "exception@step=2,hang@t=0")
-    mon = HealthMonitor(lambda t: None)
+    mon = HealthMonitor(lambda t: None, inject=Settings.from_env().inject)
     assert mon.injected and mon.available and "exception@step=2" in mon.describe()
     mon.start()
     mon.notify_step(1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.triggers import clean_trigger_env  # noqa: F401 (autouse fixture)
 
+from cudasnap.config import Settings
 from cudasnap.triggers import nvml as _nvml
 from cudasnap.triggers.monitor import HealthMonitor
 from cudasnap.triggers.nvml import NvmlSession
@@ -57,7 +58,9 @@ def test_restarts_and_other_ranks_stay_quiet(var: str, no_nvml: pytest.LogCaptur
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_nvml, "_cuda_in_use", lambda: True)  # even where a WARNING would be due
     monkeypatch.setenv(var, "1")
-    NvmlSession()
+    first = Settings.from_env().first_of_job  # the entry point's (HealthOptions.first_of_job)
+    assert first is False
+    NvmlSession(first_of_job=first)
     assert _said(no_nvml) == [logging.DEBUG]
 
 

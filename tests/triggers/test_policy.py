@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cudasnap.config import Settings
 from cudasnap.triggers.kinds import Trigger
 from cudasnap.triggers.policy import (
     EXIT_GPU_FAULT,
@@ -45,16 +46,16 @@ def test_policy_defaults(trig: Trigger, expected: tuple[Action, int | None]) -> 
 
 def test_policy_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDASNAP_POLICY", "thermal=flush, sigusr1=flush_exit,xid.other=flush;hang=flush_exit:90")
-    p = Policy.from_env()
+    p = Policy.from_settings(Settings.from_env())
     assert p.decide(Trigger("thermal")) == (A.FLUSH, None)
     assert p.decide(Trigger("sigusr1")) == (A.FLUSH_AND_EXIT, 78)
     assert p.decide(Trigger("xid", code=62)) == (A.FLUSH, None)
     assert p.decide(Trigger("xid", code=79)) == (A.FLUSH_AND_EXIT, 76)   # untouched
     assert p.decide(Trigger("hang")) == (A.FLUSH_AND_EXIT, 90)
-    q = Policy.from_env({"CUDASNAP_POLICY": "xid=ignore,gpu_lost=log"})
+    q = Policy.from_settings(Settings.from_env({"CUDASNAP_POLICY": "xid=ignore,gpu_lost=log"}))
     assert q.decide(Trigger("xid", code=79)) == (A.IGNORE, None)
     assert q.decide(Trigger("gpu_lost")) == (A.LOG, None)
-    assert Policy.from_env({}).rules == Policy().rules
+    assert Policy.from_settings(Settings.from_env({})).rules == Policy().rules
 
 
 @pytest.mark.parametrize("spec,entry", [
@@ -64,5 +65,5 @@ def test_policy_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 ])
 def test_policy_env_errors(spec: str, entry: str) -> None:
     with pytest.raises(ValueError) as ei:
-        Policy.from_env({"CUDASNAP_POLICY": spec})
+        Policy.from_settings(Settings.from_env({"CUDASNAP_POLICY": spec}))
     assert repr(entry) in str(ei.value) and "CUDASNAP_POLICY" in str(ei.value)
