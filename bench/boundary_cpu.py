@@ -192,9 +192,9 @@ def first_only(ntensors: int, trials: int, compare_no_prestart: bool) -> dict[st
     {mode: {"wall_ms": [...], "cpu_ms": [...]}} for "prestart" (and "no_prestart")."""
     import cudasnap
     try:
-        from cudasnap.core.layouts import Layouts
+        from cudasnap.core.plan_cache import Layouts
     except ImportError:  # a tree before issue 36 (--against)
-        from cudasnap.core.layout import Layouts  # type: ignore[attr-defined,no-redef]
+        from cudasnap.core.copy_plan import Layouts  # type: ignore[attr-defined,no-redef]
 
     model, opt = adam_state(ntensors)
     modes = ["prestart", "no_prestart"] if compare_no_prestart else ["prestart"]

@@ -29,8 +29,7 @@ from .core.rng import DRAWN_KEY
 from .core.state import TrainingState
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError, exception_active
-from .storage import Storage, clean_partial, open_storage, posix
-from .storage.registry import url_of
+from .storage import Storage, clean_partial, open_storage, posix, url_of
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena

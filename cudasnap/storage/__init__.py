@@ -28,7 +28,7 @@ from ..format.paths import MANIFEST, rank_dirname
 from . import posix
 from .posix import PosixStorage
 from .protocol import Storage
-from .registry import open_storage
+from .registry import open_storage, url_of
 from .types import FlushResult
 
 log = logging.getLogger("cudasnap")
@@ -67,4 +67,4 @@ def local_snapshot(path: Path, step: int = -1) -> posix.StoredSnapshot:
 
 
 __all__ = ["FlushResult", "PosixStorage", "Storage", "clean_partial", "is_local", "local_snapshot",
-           "open_storage"]
+           "open_storage", "url_of"]
