@@ -13,14 +13,14 @@ import threading
 import pytest
 import torch
 from helpers import parts
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._native import native
 from cudasnap._testing import arena_gate
 from cudasnap.core import arena_preparer
 from cudasnap.errors import StagingError
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 HELD_S = 0.3  # far longer than an 8 MiB pre-fault takes, even on a loaded machine

@@ -16,8 +16,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import parts
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 from torch import nn
 
 import cudasnap
@@ -26,6 +24,8 @@ from cudasnap._testing import arena_gate
 from cudasnap.core import arena_size
 from cudasnap.errors import StagingError
 from cudasnap.storage import posix as store
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 NOT_READY = "is being prepared in the background"

@@ -7,13 +7,13 @@ import threading
 
 import torch
 from helpers import parts
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap import storage
 from cudasnap._testing import arena_gate
 from cudasnap.storage import posix
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 

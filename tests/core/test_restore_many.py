@@ -262,7 +262,7 @@ def test_a_damaged_slot_is_reported_as_such_and_copies_nothing(snap_env, incompa
     restore_slot reports (also when the live model does not fit the snapshot either),
     and not one byte reaches the live tensors."""
     from cudasnap.errors import IncompatibleSnapshot
-    from tests.helpers import layout as L
+    from tools.faults import layout as L
 
     m, opt = _trained(50)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir)

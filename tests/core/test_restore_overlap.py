@@ -4,12 +4,12 @@ and a manifest that fails after the check started still falls back cleanly."""
 from __future__ import annotations
 
 import torch
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap.core import restore
 from cudasnap.errors import CorruptSnapshot
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 

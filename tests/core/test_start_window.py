@@ -34,14 +34,14 @@ import pytest
 import torch
 from helpers import parts
 from helpers.children import last_json, run_script
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._testing import arena_gate
 from cudasnap.core import arena_exit, early
 from cudasnap.core.copier import Copier
 from cudasnap.storage import posix as store
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 

@@ -28,8 +28,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import layout as L
-from helpers.trainlib import Job
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +37,8 @@ from cudasnap.format import codec, paths
 from cudasnap.format import manifest as M
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
+from tools.faults import layout as L
+from tools.faults.trainlib import Job
 
 EXAMPLES = int(os.environ.get("CUDASNAP_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 500,

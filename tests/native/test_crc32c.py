@@ -6,7 +6,8 @@ import random
 
 import numpy as np
 import pytest
-from helpers import layout as L
+
+from tools.faults import layout as L
 
 
 @pytest.fixture

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.trainlib import train
 
 import cudasnap
 from cudasnap.distributed.restore_vote import RestoreVote
 from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot
 from cudasnap.storage import PosixStorage, posix
+from tools.faults.trainlib import train
 
 
 def small_job(seed: int = 0):

@@ -1,7 +1,7 @@
 """The supervisor and the guard end to end: injected faults, signals, the watchdog, NVML
 absent, and SIGKILL at seeded random points under ``supervise()`` / ``cudasnap run``.
 
-Training processes (tests/helpers/run_trainer.py) are forked from a warm server
+Training processes (tools/faults/run_trainer.py) are forked from a warm server
 that imported torch once (helpers/run_forkserver.py). Under ``supervise()`` the
 command is helpers/run_client.py, which has the server fork the trainer with the
 supervisor's environment and ends exactly as the trainer ended (exit code or
@@ -37,7 +37,7 @@ from cudasnap.supervisor.loop import supervise
 from cudasnap.supervisor.orphans import flush_orphans
 from cudasnap.triggers import nvml as _nvml
 
-HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+TRAINER = Path(__file__).resolve().parents[2] / "tools" / "faults" / "run_trainer.py"
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
 TRIALS = int(os.environ.get("CUDASNAP_RUN_TRIALS", "20"))
@@ -390,7 +390,7 @@ def expected_newest(k: int, phase: str) -> set[int]:
 
 
 def _trials() -> list[tuple[int, str]]:
-    from helpers.run_trainer import PHASES
+    from tools.faults.run_trainer import PHASES
 
     rng = random.Random(SEED)
     # Every phase at least twice, then seeded random points.
@@ -448,7 +448,7 @@ def test_cudasnap_run_cli_with_a_real_process(snap_env, reference, tmp_path):
                 "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
     p = subprocess.run([sys.executable, "-m", "cudasnap", "run", "--dir", str(snap_env.dir),
                         "--max-restarts", "1", "--", sys.executable,
-                        str(HELPERS / "run_trainer.py"), "--steps", str(STEPS), "--stats",
+                        str(TRAINER), "--steps", str(STEPS), "--stats",
                         str(stats), "--out", str(out), "--kill-at", "5", "--kill-phase",
                         "post_opt"], env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-4000:]

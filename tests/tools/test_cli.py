@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.layout import flip_byte
-from helpers.trainlib import train
 
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
 from cudasnap.tools import cli
 from cudasnap.triggers import nvml as _nvml
+from tools.faults.layout import flip_byte
+from tools.faults.trainlib import train
 
 REPO = Path(__file__).resolve().parents[2]
 SUBCOMMANDS = ["demo", "run", "inspect", "verify", "export", "gc", "health", "advise"]
