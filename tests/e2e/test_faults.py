@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import parts
 
 from cudasnap._native import native
 from cudasnap._testing import faults
@@ -215,7 +216,7 @@ KINDS = [(0, SnapshotError), (1, StagingError), (2, CorruptSnapshot), (3, Incomp
 @pytest.mark.parametrize("kind,cls", KINDS)
 def test_cpp_errors_map_to_the_hierarchy_with_file_and_line(kind, cls):
     with pytest.raises(cls) as ei:
-        native()._raise_for_test(kind, f"boom {kind}")
+        parts.raise_native(native(), kind, f"boom {kind}")
     assert type(ei.value) is cls and isinstance(ei.value, SnapshotError)
     msg = str(ei.value)
     assert f"boom {kind}" in msg and "[check: false]" in msg

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import parts
 from helpers.run_fork import ForkServer
 
 from cudasnap._native import native
@@ -363,7 +364,7 @@ def test_nvml_absent_logged_once_and_everything_else_works(server, snap_env):
     lines = [ln for ln in text.splitlines() if "NVML unavailable" in ln]
     assert len(lines) == 1, lines  # two Snapshotters with health on, one process
     # INFO: no CUDA device is in use in this CPU-only trainer (a WARNING where one is)
-    assert ("WARNING" if _nvml._cuda_in_use() else "INFO") in lines[0]
+    assert ("WARNING" if parts.cuda_in_use() else "INFO") in lines[0]
     assert "signal/watchdog/exception triggers remain active" in lines[0]
     evs = events(stats)
     assert evs[0]["guard"]
