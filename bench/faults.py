@@ -1,4 +1,4 @@
-"""The whole fault matrix: inject every fault of tests/helpers/faultlib.py and print a table.
+"""The whole fault matrix: inject every fault of tools/faults/matrix.py and print a table.
 
     .venv/bin/python bench/faults.py [--seed S] [--trunc N] [--flip N] [--shm N]
                                      [--families disk,shm,kill,...] [--json out.json]
@@ -50,12 +50,11 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from helpers import faultlib as F  # noqa: E402
-from helpers.endjob_faults import endjob_cases, jobmismatch_cases  # noqa: E402
-from helpers.supervisor_faults import (  # noqa: E402
+from tools.faults import matrix as F  # noqa: E402
+from tools.faults.endjob import endjob_cases, jobmismatch_cases  # noqa: E402
+from tools.faults.supervisor import (  # noqa: E402
     config_cases,
     escape_cases,
     stop_cases,

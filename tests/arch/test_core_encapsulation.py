@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import parts
 from torch import nn
 
 import cudasnap
@@ -255,7 +256,7 @@ def test_environment_is_read_and_keyword_arguments_win(snap_env, monkeypatch, tm
     with cudasnap.Snapshotter(m, opt, backend="cpu", shm_dir="/dev/shm",
                               flush_on_close=False) as snap:
         assert snap.wait_timeout_s == 7.0                        # from the environment
-        assert snap._copier.wait_timeout_s == 7.0                # what the fences use
+        assert parts.copier(snap).wait_timeout_s == 7.0                # what the fences use
         with pytest.raises(AttributeError):                      # not silently ignored
             snap.wait_timeout_s = 1.0  # type: ignore[misc]
         assert snap.job == snap_env.job                          # CUDASNAP_JOB

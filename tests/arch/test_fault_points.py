@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import parts
 
 from cudasnap import _points
 
@@ -35,7 +36,7 @@ def test_no_product_module_imports_the_test_hooks() -> None:
 
 def test_reach_runs_installed_hooks_only(monkeypatch) -> None:
     seen: list[tuple[str, dict]] = []
-    monkeypatch.setattr(_points, "_hooks", {})
+    parts.clear_fault_points(monkeypatch)
     _points.reach("manifest")  # no hook: nothing
     _points.install("t", lambda point, info: seen.append((point, info)))
     _points.reach("dist.flush_written", rank=1, step=7)

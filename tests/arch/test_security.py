@@ -29,8 +29,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import layout as L
-from helpers.trainlib import Job
 
 import cudasnap
 from cudasnap._native import native
@@ -39,6 +37,8 @@ from cudasnap.format import manifest as M
 from cudasnap.format import paths
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix, safe_io
+from tools.faults import layout as L
+from tools.faults.trainlib import Job
 
 PKG = Path(cudasnap.__file__).resolve().parent
 FOREIGN_UID = 12345

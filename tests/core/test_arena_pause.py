@@ -13,14 +13,14 @@ import threading
 import pytest
 import torch
 from helpers import parts
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._native import native
 from cudasnap._testing import arena_gate
 from cudasnap.core import arena_preparer
 from cudasnap.errors import StagingError
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 HELD_S = 0.3  # far longer than an 8 MiB pre-fault takes, even on a loaded machine
@@ -119,20 +119,20 @@ def test_restore_from_a_slot_holds_the_preparer_then_lets_it_finish(snap_env, mo
     model, opt = _adam(seed=1)
     snap = _snap(snap_env, model, opt)
     seen: list[bool] = []
-    inner = snap._restorer._restore_slot
+    inner = parts.restore_slot(snap)
 
     def spy(arena, slot, where):
-        seen.append(parts.prep(snap)._cancel.paused)
+        seen.append(parts.prep_paused(snap))
         gate.set()  # the held set-up may start now: it must still wait for the restore
         return inner(arena, slot, where)
 
-    monkeypatch.setattr(snap._restorer, "_restore_slot", spy)
+    parts.replace_restore_slot(monkeypatch, snap, spy)
     try:
         assert parts.prep(snap).busy  # the inherited arena's pre-fault, in the background
         got = snap.restore_latest()
         assert got == (1 if damaged else 2)
         assert seen and all(seen), "a slot was read while the arena set-up ran on"
-        assert not parts.prep(snap)._cancel.paused, "the set-up is still held after the restore"
+        assert not parts.prep_paused(snap), "the set-up is still held after the restore"
         if not damaged:
             for k, v in model.state_dict().items():
                 assert torch.equal(v, want[k]), k

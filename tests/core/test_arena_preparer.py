@@ -16,8 +16,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import parts
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 from torch import nn
 
 import cudasnap
@@ -26,6 +24,8 @@ from cudasnap._testing import arena_gate
 from cudasnap.core import arena_size
 from cudasnap.errors import StagingError
 from cudasnap.storage import posix as store
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 NOT_READY = "is being prepared in the background"
@@ -168,7 +168,7 @@ def test_background_regrowth_keeps_the_old_snapshot_restorable(snap_env, monkeyp
 def test_close_while_preparing_is_clean(snap_env, gate):
     model, opt = _adam()
     snap = _snap(snap_env, model, opt)
-    thread = parts.prep(snap)._thread
+    thread = parts.prep_thread(snap)
     assert thread is not None and thread.is_alive()
     snap.close()  # cancels the held set-up; bounded
     assert not thread.is_alive()
@@ -220,12 +220,12 @@ def test_copy_running_beside_a_flush_uses_one_worker(snap_env):
         engine.set_test_chunk_delay_us(3000)  # every worker gets chunks to copy
         used, yielded = _copy(C, engine, arena, plan, 0)
         assert used >= 2 and yielded == 0  # control: the copy is parallel without a flush
-        C._test_flush_active_add(1)
+        parts.flush_active_add(C, 1)
         try:
             assert C.flush_active() >= 1
             used, yielded = _copy(C, engine, arena, plan, 1)
         finally:
-            C._test_flush_active_add(-1)
+            parts.flush_active_add(C, -1)
         assert used == 1 and yielded == plan.num_chunks
         slot = arena.newest_complete()
         assert arena.slot_info(slot)["step"] == 1

@@ -20,8 +20,7 @@ from cudasnap.core.state import TrainingState
 
 
 def _bits(ht) -> dict[str, bool]:
-    mask = ht._hw.changed()
-    return {src: bool(mask >> bit & 1) for src, bit in ht._bit.items()}
+    return parts.host_changed(ht)
 
 
 @pytest.mark.parametrize("draw", sorted(DRAWS))
@@ -109,7 +108,7 @@ def test_fast_path_text_equals_the_codec_with_groups_extra_and_values():
     ht = HostText(st.rng_sources)
     for step in range(3):
         _same(ht, st, step)
-    assert ht._optim is not None  # unchanged groups: their text is reused
+    assert parts.host_optim_text(ht) is not None  # unchanged groups: their text is reused
     opt.param_groups[0]["lr"] = 0.05
     _same(ht, st, 3)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.2})
@@ -153,13 +152,13 @@ def test_boundary_skips_arena_prep_while_the_arena_fits(snap_env, monkeypatch):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     snap = Snapshotter(model, opt, directory=snap_env.dir, health=False, flush_on_close=False)
     calls: list[int] = []
-    real = snap._keeper.ensure
+    real = parts.keeper(snap).ensure
 
     def ensure(plan, meta_len, *a, **kw):
         calls.append(meta_len)
         return real(plan, meta_len, *a, **kw)
 
-    monkeypatch.setattr(snap._keeper, "ensure", ensure)
+    monkeypatch.setattr(parts.keeper(snap), "ensure", ensure)
     try:
         for step in range(4):
             opt.step()
@@ -182,6 +181,6 @@ def test_boundary_skips_arena_prep_while_the_arena_fits(snap_env, monkeypatch):
 def test_host_capture_helpers_stay_unwatchable_off_cpython(monkeypatch):
     monkeypatch.setattr(core_rng.sys.implementation, "name", "pypy")  # the watch helpers' home
     ht = HostText(("python", "numpy", "torch"))
-    assert set(ht._watch) == {"torch"}
+    assert parts.host_watched(ht) == {"torch"}
     assert _bits(ht) == {"python": True, "numpy": True, "torch": True}
     assert _bits(ht) == {"python": True, "numpy": True, "torch": False}

@@ -64,7 +64,7 @@ DRAWS = {
 def test_text_equals_the_codec_after_each_kind_of_draw(draw):
     st = _state()
     ht = HostText(st.rng_sources)
-    assert set(ht._watch) == {"torch", "python", "numpy"}  # all watched on CPython
+    assert parts.host_watched(ht) == {"torch", "python", "numpy"}  # all watched on CPython
     _same(ht, st, 0)
     for step in range(1, 5):  # twice in a row: the 2nd call of a cached-sample draw
         DRAWS[draw]()         # changes only the cache, not the generator's words
@@ -96,7 +96,7 @@ def test_a_replaced_generator_is_read_every_time(monkeypatch):
     other = random.Random(11)
     monkeypatch.setattr(random, "getstate", other.getstate)
     _same(ht, st, 1)
-    assert "python" not in ht._watch
+    assert "python" not in parts.host_watched(ht)
     other.random()
     _same(ht, st, 2)
 
@@ -112,7 +112,7 @@ def test_a_generator_swapped_out_and_back_is_not_stale(monkeypatch):
         m.setattr(random, "getstate", other.getstate)
         _same(ht, st, 1)  # the other generator's state
     _same(ht, st, 2)  # the original again, which did not draw meanwhile
-    assert "python" not in ht._watch
+    assert "python" not in parts.host_watched(ht)
 
 
 def test_boundary_does_not_call_the_rng_getters_when_nothing_drew(snap_env):

@@ -58,8 +58,8 @@ def _compile_counts(env, attach: bool, what: str) -> tuple[int, int, list[int]]:
     snap = _snap(env, model, opt) if attach else None
     fences: list[int] = []
     if snap is not None:
-        real = snap._copier.fence
-        snap._copier.fence = lambda phase: (fences.append(phase), real(phase))[1]
+        real = parts.copier(snap).fence
+        parts.copier(snap).fence = lambda phase: (fences.append(phase), real(phase))[1]
     cmodel = torch.compile(model, backend=backend) if what == "model" else model
     cstep = torch.compile(opt.step, backend=backend) if what == "step" else opt.step
     try:
@@ -71,7 +71,7 @@ def _compile_counts(env, attach: bool, what: str) -> tuple[int, int, list[int]]:
                 # The next forward and step meet this copy running (slowed): the hooks
                 # take their waiting path (traced eagerly, it was Dynamo-unsupported).
                 snap.boundary(step)
-                snap._backend.engine.set_test_chunk_delay_us(20_000)
+                parts.engine(snap).set_test_chunk_delay_us(20_000)
     finally:
         if snap is not None:
             snap.close()
@@ -130,8 +130,8 @@ def test_fullgraph_inductor_fences_a_stalled_copy_every_step(snap_env):
     cstep = torch.compile(opt.step)
     snap = _snap(snap_env, model, opt)
     phases: list[int] = []
-    real = snap._copier.fence
-    snap._copier.fence = lambda phase: (phases.append(phase), real(phase))[1]
+    real = parts.copier(snap).fence
+    parts.copier(snap).fence = lambda phase: (phases.append(phase), real(phase))[1]
 
     def train() -> None:
         cmodel(torch.randn(8, 16)).sum().backward()
@@ -142,7 +142,7 @@ def test_fullgraph_inductor_fences_a_stalled_copy_every_step(snap_env):
         train()  # compiles (the fences are no-ops: no copy yet)
         snap.boundary(0)
         assert snap.wait(60)
-        eng = snap._backend.engine
+        eng = parts.engine(snap)
         want: dict[str, torch.Tensor] = {}
         for step in range(1, 4):
             train()

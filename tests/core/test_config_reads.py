@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers import parts
 
 from cudasnap.config import Settings
 from cudasnap.errors import ConfigError
@@ -139,29 +140,27 @@ def _bad(name: str, value: str):
 @pytest.mark.parametrize("value,allowed", [("1", True), ("true", True), ("0", False),
                                            ("false", False), ("no", False), ("", False)])
 def test_allow_foreign_owner_is_the_settings_boolean(monkeypatch, tmp_path, value, allowed):
-    from cudasnap.storage import safe_io
 
     p = tmp_path / "f"
     p.write_bytes(b"x")
     os.chown(p, 12345, 12345)
     monkeypatch.setenv("CUDASNAP_ALLOW_FOREIGN_OWNER", value)
     if allowed:
-        safe_io._check_trust(p, p.stat(), None)
+        parts.check_trust(p, p.stat(), None)
     else:  # before: any value but "" and "0" allowed ("false" too)
         with pytest.raises(ConfigError, match="owned by uid 12345"):
-            safe_io._check_trust(p, p.stat(), None)
+            parts.check_trust(p, p.stat(), None)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown a file to another user")
 def test_allow_foreign_owner_bad_value(monkeypatch, tmp_path):
-    from cudasnap.storage import safe_io
 
     p = tmp_path / "f"
     p.write_bytes(b"x")
     os.chown(p, 12345, 12345)  # the variable is consulted for another user's file only
     monkeypatch.setenv("CUDASNAP_ALLOW_FOREIGN_OWNER", "maybe")
     with _bad("CUDASNAP_ALLOW_FOREIGN_OWNER", "maybe"):
-        safe_io._check_trust(p, p.stat(), None)
+        parts.check_trust(p, p.stat(), None)
 
 
 @pytest.fixture
@@ -325,8 +324,7 @@ def test_auto_mode_takes_the_guard_default_without_writing_the_environment(monke
     import cudasnap.snapshotter
     from cudasnap.tools import auto
 
-    monkeypatch.setattr(auto, "_handle", None)
-    monkeypatch.setattr(auto, "_state", {})
+    parts.auto_reset(monkeypatch)
     monkeypatch.setattr(optim_mod, "register_optimizer_step_post_hook", lambda fn: "h")
     monkeypatch.setattr(auto.atexit, "register", lambda fn: None)
     monkeypatch.setattr(cudasnap.snapshotter, "Snapshotter", _AutoSnapshotter)
@@ -336,13 +334,13 @@ def test_auto_mode_takes_the_guard_default_without_writing_the_environment(monke
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _RecordingSnapshotter.made.clear()
-    auto._post_step(opt, (), {})
+    parts.auto_post_step(opt, (), {})
     assert [m["health"] for m in _RecordingSnapshotter.made] == [True]
-    monkeypatch.setattr(auto, "_handle", None)
+    parts.auto_reset(monkeypatch, state=False)
     monkeypatch.setenv("CUDASNAP_HEALTH", "0")
     auto.install()
-    assert auto._health is False
-    monkeypatch.setattr(auto, "_handle", None)
+    assert parts.auto_health() is False
+    parts.auto_reset(monkeypatch, state=False)
     monkeypatch.setenv("CUDASNAP_HEALTH", "maybe")
     with _bad("CUDASNAP_HEALTH", "maybe"):
         auto.install()
@@ -370,7 +368,6 @@ def test_auto_mode_scan_skips_dead_weak_proxies() -> None:
     import weakref
 
     torch = pytest.importorskip("torch")
-    from cudasnap.tools import auto
 
     gone = torch.nn.Linear(1, 1)
     holder = [weakref.proxy(gone)]  # a GC-tracked container keeps the proxy visible
@@ -381,5 +378,5 @@ def test_auto_mode_scan_skips_dead_weak_proxies() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     live_proxy = [weakref.proxy(model)]  # a live proxy is not a second owner
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert auto._owning_modules(opt) == {"model": model}
+    assert parts.auto_owning_modules(opt) == {"model": model}
     assert live_proxy and holder

@@ -78,7 +78,7 @@ def _restores_step_0_in_a_new_process(snap_env, want: list[torch.Tensor]) -> Non
 
 
 def _join_build(snap: cudasnap.Snapshotter) -> None:
-    b = snap._layouts.building
+    b = parts.layouts(snap).building
     if b is not None:
         b.thread.join(60)
 
@@ -87,13 +87,13 @@ def _join_build(snap: cudasnap.Snapshotter) -> None:
 def builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The thread of every plan build."""
     seen: list[int] = []
-    real = Layouts._build_layout
+    real = parts.layout_build()
 
     def spy(self: Layouts) -> object:
         seen.append(threading.get_ident())
         return real(self)
 
-    monkeypatch.setattr(Layouts, "_build_layout", spy)
+    parts.replace_layout_build(spy, monkeypatch)
     return seen
 
 
@@ -168,7 +168,7 @@ def test_a_state_changed_under_the_build_is_planned_again(snap_env, monkeypatch)
     so the snapshot holds the new tensor, not the one the build saw."""
     m, opt = _trained(600)
     gate, walked = threading.Event(), threading.Event()
-    real = Layouts._build_layout_now
+    real = parts.layout_build(now=True)
 
     def slow(self: Layouts) -> object:
         lay = real(self)
@@ -177,7 +177,7 @@ def test_a_state_changed_under_the_build_is_planned_again(snap_env, monkeypatch)
             gate.wait(60)
         return lay
 
-    monkeypatch.setattr(Layouts, "_build_layout_now", slow)
+    parts.replace_layout_build(slow, monkeypatch, now=True)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
     try:
         snap.arena_ready()
@@ -203,14 +203,14 @@ def test_a_state_changed_under_the_build_is_planned_again(snap_env, monkeypatch)
 
 def test_a_failed_background_build_is_redone_on_the_training_thread(snap_env, monkeypatch):
     m, opt = _trained(600)
-    real = Layouts._build_layout_now
+    real = parts.layout_build(now=True)
 
     def failing(self: Layouts) -> object:
         if threading.current_thread().name == "cudasnap-layout":
             raise RuntimeError("dictionary changed size during iteration")
         return real(self)
 
-    monkeypatch.setattr(Layouts, "_build_layout_now", failing)
+    parts.replace_layout_build(failing, monkeypatch, now=True)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
     try:
         snap.arena_ready()
@@ -352,7 +352,7 @@ def test_a_deferring_boundary_that_raises_still_lets_its_build_go(snap_env, monk
         monkeypatch.setattr(Copier, "host_suffix", fail_once)
         with pytest.raises(RuntimeError, match="injected"):
             snap.boundary(0)
-        b = snap._layouts.building
+        b = parts.layouts(snap).building
         assert b is not None and b.go.is_set(), "the build was left parked"
         b.thread.join(60)
         assert b.layout is not None  # it built
@@ -367,23 +367,23 @@ def test_close_joins_a_build_dropped_while_it_ran(snap_env, monkeypatch):
     """invalidate_layout() during a background build drops it; close() still waits for its
     thread (it may be making the copy engine)."""
     gate = threading.Event()
-    real = Layouts._build_layout
+    real = parts.layout_build()
 
     def slow(self):
         if threading.current_thread().name == "cudasnap-layout":
             gate.wait(60)
         return real(self)
 
-    monkeypatch.setattr(Layouts, "_build_layout", slow)
+    parts.replace_layout_build(slow, monkeypatch)
     m, opt = _trained(600)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, backend="cpu")
     b = None
     try:
         snap.boundary(0)
-        b = snap._layouts.building
+        b = parts.layouts(snap).building
         assert b is not None
         snap.invalidate_layout()  # dropped while it runs (held at the gate)
-        assert snap._layouts.building is None and b in snap._layouts.dropped
+        assert parts.layouts(snap).building is None and b in parts.layouts(snap).dropped
         threading.Timer(0.2, gate.set).start()
     finally:
         snap.close(flush=False)

@@ -7,13 +7,13 @@ import threading
 
 import torch
 from helpers import parts
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap import storage
 from cudasnap._testing import arena_gate
 from cudasnap.storage import posix
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 
@@ -40,7 +40,7 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
     opened = storage.PosixStorage.open_data  # what Restorer.restore_dir reads data.bin through
 
     def spy(*a, **kw):
-        seen.append(parts.prep(snap)._cancel.paused)
+        seen.append(parts.prep_paused(snap))
         gate.set()  # the held set-up may start now: it must still wait for the restore
         return opened(*a, **kw)
 
@@ -48,7 +48,7 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
     scatter = posix.DataFile.scatter  # the reads themselves: chunk by chunk, in the apply
 
     def scatter_spy(self, *a, **kw):
-        seen.append(parts.prep(snap)._cancel.paused)
+        seen.append(parts.prep_paused(snap))
         return scatter(self, *a, **kw)
 
     monkeypatch.setattr(posix.DataFile, "scatter", scatter_spy)
@@ -57,7 +57,7 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
         assert snap.restore_latest() == 1
         assert (snap.stats().get("restore") or {}).get("source") == "disk"
         assert len(seen) == 2 and all(seen), "data.bin was read while the arena set-up ran on"
-        assert not parts.prep(snap)._cancel.paused, "the set-up is still held after the restore"
+        assert not parts.prep_paused(snap), "the set-up is still held after the restore"
         for k, v in model.state_dict().items():
             assert torch.equal(v, want[k]), k
         assert snap.arena_ready(60)  # the set-up went on and finished

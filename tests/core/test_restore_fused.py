@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import parts
 from helpers.restore_files import CH, data_file, entry, restore_fresh, same_state, snapshot_to_disk, state_of, trained
 from torch import nn
 
 import cudasnap
 from cudasnap import storage
 from cudasnap.core import apply as apply_mod
-from cudasnap.core import copy_back
 from cudasnap.core import state as state_mod
 from cudasnap.errors import CorruptSnapshot, SnapshotError
 from cudasnap.format import paths
@@ -192,7 +192,7 @@ def test_run_file_copies_the_plan_and_the_extra_spans(C, tmp_path):
             torch.zeros(5, 7).t()]
     entries = [entry([3, 300], "float32", 0), entry([1000], "float64", 3600),
                entry([17], "int16", 3 * CH + 2), entry([7, 5], "float32", 8 * CH)]
-    plan = C.plan_pairs(dsts, entries, copy_back._dtypes(), copy_back._PLAIN, torch.Tensor,
+    plan = C.plan_pairs(dsts, entries, *parts.copy_back_kinds(), torch.Tensor,
                         data.data_ptr(), nbytes)
     assert plan.slow == [3] and plan.count == 3  # the transposed destination: torch's copy_
     versions = [d._version for d in dsts]
@@ -212,7 +212,7 @@ def test_run_file_copies_the_plan_and_the_extra_spans(C, tmp_path):
     assert torch.equal(data[8 * CH:8 * CH + 140], raw[8 * CH:8 * CH + 140])
     assert all(d._version > v for d, v in zip(dsts[:3], versions[:3]))
     # planned for another size: refused
-    plan2 = C.plan_pairs(dsts[:1], entries[:1], copy_back._dtypes(), copy_back._PLAIN,
+    plan2 = C.plan_pairs(dsts[:1], entries[:1], *parts.copy_back_kinds(),
                          torch.Tensor, data.data_ptr(), nbytes - 1)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -230,8 +230,8 @@ def test_run_file_says_what_a_failed_chunk_left_behind(C, tmp_path, bad, partly)
     crcs[bad] ^= 1  # the table disagrees with chunk `bad`
     data = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.full((nbytes // 4,), 7.0)
-    plan = C.plan_pairs([dst], [entry([nbytes // 4], "float32", 0)], copy_back._dtypes(),
-                        copy_back._PLAIN, torch.Tensor, data.data_ptr(), nbytes)
+    plan = C.plan_pairs([dst], [entry([nbytes // 4], "float32", 0)], *parts.copy_back_kinds(),
+                         torch.Tensor, data.data_ptr(), nbytes)
     v0 = dst._version
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -430,7 +430,7 @@ def test_a_half_applied_snapshot_is_reported_after_a_coordinated_round(snap_env,
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir, chunk_bytes=CH,
                                 job=snap_env.sub_job("vote"))
     try:
-        snap._restorer.attach(_Vote(snap, dirs[0]), None)
+        parts.restorer(snap).attach(_Vote(snap, dirs[0]), None)
         if last:
             with pytest.raises(CorruptSnapshot, match="failed half-way"):
                 snap.restore_latest()
@@ -483,8 +483,8 @@ def test_data_file_checks_before_any_read(snap_env, C):
 def test_apply_holds_the_cyclic_gc_off_and_restores_it(snap_env, chunked, monkeypatch):
     snapshot_to_disk(snap_env, 0)
     seen: list[bool] = []
-    real = apply_mod._apply_state
-    monkeypatch.setattr(apply_mod, "_apply_state",
+    real = parts.apply_state()
+    parts.replace_apply_state(monkeypatch,
                         lambda *a: seen.append(gc.isenabled()) or real(*a))
     assert gc.isenabled()
     restore_fresh(snap_env, 0, "gc-on")
@@ -528,7 +528,7 @@ def test_the_new_bindings_release_the_gil_without_python_objects(tmp_path):
                 t = torch.zeros(n // 4)
                 e = {{"dtype": "float32", "shape": [n // 4], "stride": [1], "offset": 0,
                       "nbytes": n // 4 * 4}}
-                plan = C.plan_pairs([t], [e], copy_back._dtypes(), copy_back._PLAIN,
+                plan = C.plan_pairs([t], [e], *parts.copy_back_kinds(),
                                     torch.Tensor, data.data_ptr(), n)
                 ahead = C.FileReadAhead(fd, n // 2, 4096)
                 st = plan.run_file(fd, path, n, CH, crcs, [(data.data_ptr() + n - 5, n - 5, 5)],
@@ -560,7 +560,6 @@ def test_the_data_file_is_closed_when_the_restore_fails_before_reading_it(snap_e
                                                                            monkeypatch):
     """restore_dir closes the DataFile it opened however the apply ends, also when it fails
     before apply's own ``with`` (no descriptor left to the garbage collector)."""
-    from cudasnap.core import restore as restore_mod
 
     snapshot_to_disk(snap_env, 0)
     opened: list[posix.DataFile] = []
@@ -575,7 +574,7 @@ def test_the_data_file_is_closed_when_the_restore_fails_before_reading_it(snap_e
         raise CorruptSnapshot("injected before the apply")
 
     monkeypatch.setattr(storage.PosixStorage, "open_data", spy)
-    monkeypatch.setattr(restore_mod.Restorer, "_apply", fail)
+    parts.replace_restorer_apply(monkeypatch, fail)
     _, step, _ = restore_fresh(snap_env, 0, "closed")
     assert step == 0 and opened and all(isinstance(d, posix.DataFile) for d in opened)
     assert [d.fd for d in opened] == [-1] * len(opened)

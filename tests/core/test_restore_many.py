@@ -25,7 +25,7 @@ from cudasnap.format import manifest as M
 
 
 def _entry(shape: list[int], stride: list[int], dtype: str, offset: int) -> dict:
-    item = M._ITEMSIZE[dtype]
+    item = parts.itemsize(dtype)
     return {"name": f"t{offset}", "group": "model:model", "dtype": dtype, "shape": shape,
             "stride": stride, "storage_offset": 0, "offset": offset,
             "nbytes": M.span_bytes(shape, stride, item), "phase": 1}
@@ -92,7 +92,7 @@ def test_native_plan_matches_the_python_reference(native_C, seed):
     want_data = data.clone()
     spans, fast, slow = copy_back.plan_reference(want, data)
     assert native_C.plan_pairs(  # lo 0: no byte copies, everything to torch
-        [d for d, _ in got], [s for _, s in got], copy_back._dtypes(), copy_back._PLAIN,
+        [d for d, _ in got], [s for _, s in got], *parts.copy_back_kinds(),
         torch.Tensor, 0, 0).slow == list(range(len(got)))
     versions = [d._version for d, _ in got]
     moved_ref = copy_back.copy_into(want, data, threads=2, reference=True)
@@ -112,7 +112,7 @@ def test_native_plan_fast_set_is_the_reference_fast_set(native_C, monkeypatch):
     pairs = _pairs(data, 11)
     _, fast, slow = copy_back.plan_reference(pairs, data)
     plan = native_C.plan_pairs(
-        [d for d, _ in pairs], [s for _, s in pairs], copy_back._dtypes(), copy_back._PLAIN,
+        [d for d, _ in pairs], [s for _, s in pairs], *parts.copy_back_kinds(),
         torch.Tensor, data.data_ptr(), data.numel())
     slow_native = plan.slow
     assert plan.count == len(fast)
@@ -161,11 +161,11 @@ def test_fast_table_check_accepts_exactly_what_the_full_check_accepts(key, value
         t = copy.deepcopy(base)
         t[at][key] = value
         try:
-            M._check_tensors(t, size, "W")
+            parts.check_tensors(t, size, "W")
             full = None
         except CorruptSnapshot as e:
             full = str(e)
-        assert M._tensors_sound(t, size) is (full is None)
+        assert parts.tensors_sound(t, size) is (full is None)
         if full is None:
             M.validate_tensors(t, size, "W")
         else:
@@ -178,7 +178,7 @@ def test_fast_table_check_on_the_data_size_edge():
     t, size = _table(10)
     last = t[-1]
     end = last["offset"] + last["nbytes"]
-    assert M._tensors_sound(t, end) and not M._tensors_sound(t, end - 1)
+    assert parts.tensors_sound(t, end) and not parts.tensors_sound(t, end - 1)
     with pytest.raises(CorruptSnapshot, match="outside the data"):
         M.validate_tensors(t, end - 1, "W")
 
@@ -262,7 +262,7 @@ def test_a_damaged_slot_is_reported_as_such_and_copies_nothing(snap_env, incompa
     restore_slot reports (also when the live model does not fit the snapshot either),
     and not one byte reaches the live tensors."""
     from cudasnap.errors import IncompatibleSnapshot
-    from tests.helpers import layout as L
+    from tools.faults import layout as L
 
     m, opt = _trained(50)
     snap = cudasnap.Snapshotter(m, opt, directory=snap_env.dir)

@@ -4,12 +4,13 @@ and a manifest that fails after the check started still falls back cleanly."""
 from __future__ import annotations
 
 import torch
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
+from helpers import parts
 
 import cudasnap
 from cudasnap.core import restore
 from cudasnap.errors import CorruptSnapshot
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 
@@ -34,7 +35,7 @@ def test_the_crc_check_starts_before_the_manifest_is_parsed(snap_env, monkeypatc
     want = _two_slots(snap_env)
     events: list[str] = []
 
-    class Spy(restore._Verify):
+    class Spy(parts.verify_class()):
         def __init__(self, *a):
             events.append("crc")
             super().__init__(*a)
@@ -45,7 +46,7 @@ def test_the_crc_check_starts_before_the_manifest_is_parsed(snap_env, monkeypatc
         events.append("parse")
         return parse(*a)
 
-    monkeypatch.setattr(restore, "_Verify", Spy)
+    parts.replace_verify_class(monkeypatch, Spy)
     monkeypatch.setattr(restore.fmt, "parse_slot_meta", spy_parse)
     model, opt = _adam(seed=1)
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, chunk_bytes=CHUNK)
@@ -62,7 +63,7 @@ def test_a_manifest_failing_beside_the_running_check_falls_back(snap_env, monkey
     want = _two_slots(snap_env)
     threads = []
 
-    class Spy(restore._Verify):
+    class Spy(parts.verify_class()):
         def __init__(self, *a):
             super().__init__(*a)
             threads.append(self._thread)
@@ -76,7 +77,7 @@ def test_a_manifest_failing_beside_the_running_check_falls_back(snap_env, monkey
             raise CorruptSnapshot("test: malformed slot manifest")
         return parse(*a)
 
-    monkeypatch.setattr(restore, "_Verify", Spy)
+    parts.replace_verify_class(monkeypatch, Spy)
     monkeypatch.setattr(restore.fmt, "parse_slot_meta", bad_first)
     model, opt = _adam(seed=1)
     snap = cudasnap.Snapshotter(model, opt, directory=snap_env.dir, chunk_bytes=CHUNK)

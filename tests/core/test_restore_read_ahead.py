@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import parts
 from helpers.restore_files import CH, data_file, entry, restore_fresh, same_state, snapshot_to_disk
 
 from cudasnap import storage
-from cudasnap.core import copy_back
 from cudasnap.errors import CorruptSnapshot
 from cudasnap.format import paths
 from cudasnap.storage import posix
@@ -46,8 +46,8 @@ def _plan(C, nbytes: int) -> tuple[object, torch.Tensor, torch.Tensor]:
     """A restore plan copying the whole file into one float32 tensor (+ its stand-in buffer)."""
     data = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.full((nbytes // 4,), 7.0)
-    plan = C.plan_pairs([dst], [entry([nbytes // 4], "float32", 0)], copy_back._dtypes(),
-                        copy_back._PLAIN, torch.Tensor, data.data_ptr(), nbytes)
+    plan = C.plan_pairs([dst], [entry([nbytes // 4], "float32", 0)], *parts.copy_back_kinds(),
+                         torch.Tensor, data.data_ptr(), nbytes)
     return plan, dst, data
 
 
@@ -179,7 +179,7 @@ def test_posix_read_ahead_only_for_a_regular_data_file_of_this_users(C, tmp_path
     monkeypatch.setattr(posix, "READ_AHEAD_BYTES", 0)
     assert posix.read_ahead(d) is None  # off
     monkeypatch.setattr(posix, "READ_AHEAD_BYTES", 1 << 20)
-    monkeypatch.setattr(posix, "_check_trust", _refuse)
+    parts.replace_check_trust(monkeypatch, _refuse)
     assert posix.read_ahead(d) is None  # another user's file: the DataFile will say so
 
 

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 from helpers import parts
-from helpers.trainlib import Job
 
 import cudasnap
 from cudasnap.errors import ConfigError, IncompatibleSnapshot, SnapshotError
 from cudasnap.storage import posix
+from tools.faults.trainlib import Job
 
 
 def _snap(env, job, **kw):

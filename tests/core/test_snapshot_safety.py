@@ -70,25 +70,25 @@ def test_regrowth_releases_old_arena_first_and_keeps_last_snapshot(snap_env):
     model, opt = _adam(256)  # Adam's moments (2x the parameters) outgrow the headroom
     snap = _snap(snap_env, model, opt)
     mapped_at_create = []
-    create = snap._keeper.create_arena
+    create = parts.keeper(snap).create_arena
 
     def spy(*a):
         maps = open("/proc/self/maps").read()
         mapped_at_create.append(sum(str(snap.arena_path) in ln for ln in maps.splitlines()))
         return create(*a)
 
-    snap._keeper.create_arena = spy
+    parts.keeper(snap).create_arena = spy
     try:
         snap.boundary(0)
         assert snap.wait(30)
         _step(model, opt)  # Adam state appears: the state grows
-        snap._backend.engine.set_test_chunk_delay_us(30_000_000)  # the new copy stalls until released
+        parts.engine(snap).set_test_chunk_delay_us(30_000_000)  # the new copy stalls until released
         snap.boundary(1)
         assert not parts.job(snap).done(1)  # step 1 is not COMPLETE yet
         assert mapped_at_create == [0, 0], "the old arena was still mapped at re-creation"
         assert 0 in _reachable_steps(snap_env), "step 0 is lost while step 1 copies"
         assert snap.stats()["arena_regrowths"] == 1
-        snap._backend.engine.set_test_chunk_delay_us(0)
+        parts.engine(snap).set_test_chunk_delay_us(0)
         assert snap.wait(60)
         assert 1 in _reachable_steps(snap_env)
     finally:
@@ -148,7 +148,7 @@ def test_flush_is_not_blocked_by_a_submit_inside_the_engine(snap_env):
         snap.boundary(0)
         assert snap.wait(30)
         entered, release = threading.Event(), threading.Event()
-        real = snap._backend.engine
+        real = parts.engine(snap)
 
         class Stuck:
             def __getattr__(self, name):
@@ -200,7 +200,7 @@ def test_public_fence_orders_a_write_the_hooks_do_not_see(snap_env):
         w = model[0].weight
         snap.boundary(0)  # builds the engine; the copy of step 0 runs unstalled
         assert snap.wait(30)
-        eng = snap._backend.engine
+        eng = parts.engine(snap)
         want = w.detach().clone()
         eng.set_test_chunk_delay_us(30_000_000)  # stalled until released below
         snap.boundary(1)
@@ -227,7 +227,7 @@ def test_invalidate_layout_keeps_old_tensors_alive_until_the_copy_completes(snap
     try:
         snap.boundary(0)
         assert snap.wait(30)
-        snap._backend.engine.set_test_chunk_delay_us(30_000_000)
+        parts.engine(snap).set_test_chunk_delay_us(30_000_000)
         snap.boundary(1)
         p = model[0].weight
         old = opt.state[p]["exp_avg"]
@@ -238,7 +238,7 @@ def test_invalidate_layout_keeps_old_tensors_alive_until_the_copy_completes(snap
         gc.collect()
         assert not parts.job(snap).done(1)
         assert ref() is not None, "the running copy's tensor was freed under it"
-        snap._backend.engine.set_test_chunk_delay_us(0)
+        parts.engine(snap).set_test_chunk_delay_us(0)
         assert snap.wait(30)
         gc.collect()
         assert ref() is None  # released once the copy completed
@@ -257,7 +257,7 @@ def test_step_hook_fence_waits_for_a_stalled_copy(snap_env):
     try:
         snap.boundary(0)
         assert snap.wait(30)
-        eng = snap._backend.engine
+        eng = parts.engine(snap)
         want = {k: v.detach().clone() for k, v in model.state_dict().items()}
         eng.set_test_chunk_delay_us(30_000_000)
         snap.boundary(1)

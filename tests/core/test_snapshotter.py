@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import layout as L
 from helpers import parts
-from helpers.trainlib import Job
 from torch import nn
 
 import cudasnap
 from cudasnap.errors import ConfigError, IncompatibleSnapshot, SnapshotError
 from cudasnap.storage import posix
+from tools.faults import layout as L
+from tools.faults.trainlib import Job
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 STEPS = 9

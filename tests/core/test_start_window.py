@@ -34,14 +34,14 @@ import pytest
 import torch
 from helpers import parts
 from helpers.children import last_json, run_script
-from helpers.trainlib import adam_step as _step
-from helpers.trainlib import small_adam as _adam
 
 import cudasnap
 from cudasnap._testing import arena_gate
-from cudasnap.core import arena_exit, early
+from cudasnap.core import arena_exit
 from cudasnap.core.copier import Copier
 from cudasnap.storage import posix as store
+from tools.faults.trainlib import adam_step as _step
+from tools.faults.trainlib import small_adam as _adam
 
 CHUNK = 64 << 10
 
@@ -189,7 +189,7 @@ def test_sigusr1_mid_step_before_the_arena_is_ready_writes_the_next_boundary(
     try:
         _step(model, opt)  # step 3 under way: the live state is no boundary's
         waiting, in_copy, looking = threading.Event(), threading.Event(), threading.Event()
-        inner = early._wait_next_boundary
+        inner = parts.wait_next_boundary()
         real_snapshot = Copier.snapshot
 
         def slow_snapshot(self: Copier, step: int, *a: object) -> None:
@@ -205,7 +205,7 @@ def test_sigusr1_mid_step_before_the_arena_is_ready_writes_the_next_boundary(
             looking.set()
             return inner(s, step, 120.0)
         monkeypatch.setattr(Copier, "snapshot", slow_snapshot)
-        monkeypatch.setattr(early, "_wait_next_boundary", spy)
+        parts.replace_wait_next_boundary(monkeypatch, spy)
         done, paths = _spy_flush(snap, monkeypatch)
         os.kill(os.getpid(), signal.SIGUSR1)
         assert waiting.wait(120), "the flush did not wait for the next boundary"

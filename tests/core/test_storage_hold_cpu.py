@@ -43,7 +43,7 @@ def test_swapped_parameter_storage_held_during_cpu_copy(snap_env, native_C):
         snap.boundary(1)
         assert snap.wait(30)
         want = {f"model.{i}": _bytes(p) for i, p in enumerate(model)}
-        snap._backend.engine.set_test_chunk_delay_us(10_000_000)  # stalled until released below
+        parts.engine(snap).set_test_chunk_delay_us(10_000_000)  # stalled until released below
         snap.boundary(2)
         olds, junk = [], []
         for p in model:
@@ -55,7 +55,7 @@ def test_swapped_parameter_storage_held_during_cpu_copy(snap_env, native_C):
         assert not parts.job(snap).done(1)
         freed = [i for i, (r, _) in enumerate(olds) if r.expired()]
         reused = {x.data_ptr() for x in junk} & {ptr for _, ptr in olds}
-        snap._backend.engine.set_test_chunk_delay_us(0)
+        parts.engine(snap).set_test_chunk_delay_us(0)
         assert snap.wait(30)
         step, got = _slot_bytes(parts.arena(snap), parts.arena(snap).newest_complete())
         assert step == 2
@@ -78,7 +78,7 @@ _CANCEL = textwrap.dedent("""
                                 arena_sync_max_bytes=1 << 34)
     snap.boundary(1)
     assert snap.wait(60)
-    snap._backend.engine.wait_timeout_s = 0.002
+    parts.engine(snap).wait_timeout_s = 0.002
     snap.boundary(2)
     snap.fence()  # waits 2 ms, then cancels the job while the worker still copies
     p = model[0]
@@ -88,7 +88,7 @@ _CANCEL = textwrap.dedent("""
     assert snap.wait(60)  # retires the failed job
     gc.collect()
     print("held after the cancelled job was retired:", not ref.expired(), flush=True)
-    snap._backend.engine.wait_timeout_s = 60.0
+    parts.engine(snap).wait_timeout_s = 60.0
     model[0].data = torch.ones(16)
     snap.boundary(3)  # accepted: the cancelled copy's worker is done
     assert snap.wait(60)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import parts
 
 from cudasnap import _C
 from cudasnap.errors import CudaError, SnapshotError, StagingError
@@ -123,14 +124,14 @@ def test_import_cuda_glue_does_not_initialise_cuda():
 
 
 def test_span_helpers_and_fallbacks_without_tracking():
-    from cudasnap._cuda import CudaBackend, _spans, tensor_span_bytes
+    from cudasnap._cuda import CudaBackend, tensor_span_bytes
 
     t = torch.zeros(4, 6)
     assert tensor_span_bytes(t) == 96
     assert tensor_span_bytes(t[:, 1:3]) == (3 * 6 + 2) * 4
     assert tensor_span_bytes(t.t()) == 96
     assert tensor_span_bytes(torch.zeros(0)) == 0
-    assert _spans([(1, 2), [3, 4], t]) == [(1, 2), (3, 4)]  # CPU tensors left out
+    assert parts.cuda_spans([(1, 2), [3, 4], t]) == [(1, 2), (3, 4)]  # CPU tensors left out
 
     b = CudaBackend.__new__(CudaBackend)  # no device: the no-tracking fallbacks only
     b.registry, b.tracker_error, b.index = None, "not attached", 0

@@ -47,8 +47,8 @@ def test_compiled_step_snapshot_bytes_equal_state_at_boundary(snap_env: Any, emu
     snap = _snap(model, opt, snap_env)
     cmodel, cstep, graphs = _compiled(model, opt)
     phases: list[int] = []
-    real = snap._copier.fence
-    snap._copier.fence = lambda phase: (phases.append(phase), real(phase))[1]
+    real = parts.copier(snap).fence
+    parts.copier(snap).fence = lambda phase: (phases.append(phase), real(phase))[1]
     try:
         checked = 0
         for i in range(4):
@@ -128,7 +128,7 @@ def test_compiled_without_fences_the_slot_is_torn(snap_env: Any, emu: Any) -> No
         cstep()
         snap.boundary(0)  # builds the engine
         assert snap.wait(timeout=60)
-        snap._copier.fence = lambda phase: None
+        parts.copier(snap).fence = lambda phase: None
         cmodel(1)
         cstep()
         want = state_bytes(snap)

@@ -46,7 +46,7 @@ def test_the_plan_and_the_cuda_engine_are_made_off_the_training_thread(snap_env:
     from cudasnap.core.plan_cache import Layouts
 
     made: list[str] = []
-    real = Layouts._build_layout
+    real = parts.layout_build()
 
     def spy(self: Layouts) -> Any:
         made.append(threading.current_thread().name)
@@ -54,12 +54,12 @@ def test_the_plan_and_the_cuda_engine_are_made_off_the_training_thread(snap_env:
 
     m = _model(0.0)
     snap = _snap(snap_env, m)
-    Layouts._build_layout = spy  # type: ignore[method-assign]
+    parts.replace_layout_build(spy)
     try:
         snap.arena_ready()
         snap.boundary(0)
         assert snap.stats()["skipped_layout"] == 1
-        b = snap._layouts.building
+        b = parts.layouts(snap).building
         assert b is not None
         b.thread.join(120)
         assert made == ["cudasnap-layout"]
@@ -72,7 +72,7 @@ def test_the_plan_and_the_cuda_engine_are_made_off_the_training_thread(snap_env:
         _set(m, 200.0)
         assert snap.flush() is not None
     finally:
-        Layouts._build_layout = real  # type: ignore[method-assign]
+        parts.replace_layout_build(real)
         snap.close(flush=False)
     m2 = _model(-1.0)
     fresh = _snap(snap_env, m2)

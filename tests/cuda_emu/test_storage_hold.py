@@ -150,7 +150,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
             gc.collect()
             # Its DMA is still queued on the copy stream: the old storage must stay allocated.
             assert not ref.expired(), "a failed job's storages were freed while its DMA is queued"
-            assert snap._layouts.draining
+            assert parts.layouts(snap).draining
         finally:
             emu.release()
         # A later COMPLETE job runs after that DMA on the copy stream: then it may go.
@@ -159,7 +159,7 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
         assert snap.wait(30)
         assert parts.arena(snap).slot_info(parts.arena(snap).newest_complete())["step"] == 3
         gc.collect()
-        assert snap._layouts.draining == () and ref.expired()
+        assert parts.layouts(snap).draining == () and ref.expired()
         from cudasnap import _C
 
         # close() leaves the arena of a once-hung engine registered: the next tests reuse.
@@ -169,7 +169,6 @@ def test_failed_copy_keeps_its_storages_until_the_engine_drained(emu, snap_env):
 
 
 def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
-    from cudasnap.core import plan_cache as fences  # Layouts keeps _ABANDONED
 
     model, opt = _state()
     snap = _snap(snap_env, model, opt)
@@ -186,7 +185,7 @@ def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
             ref = StorageWeakRef(w.untyped_storage())
             w.data = torch.empty_like(w)
             snap.invalidate_layout()
-            before = len(fences._ABANDONED)
+            before = len(parts.abandoned_fences())
             # The queued DMA still writes into the arena: keep it mapped (the emulator writes
             # through the virtual address; a real GPU's registration keeps the pages pinned).
             arena = parts.arena(snap)
@@ -194,12 +193,12 @@ def test_close_on_a_hung_gpu_keeps_the_storages_its_dma_may_read(emu, snap_env):
             closed = True
             gc.collect()
             assert eng.hung
-            assert len(fences._ABANDONED) == before + 1 and not ref.expired()
-            assert snap._layouts.draining == () and snap._layouts.running is None
+            assert len(parts.abandoned_fences()) == before + 1 and not ref.expired()
+            assert parts.layouts(snap).draining == () and parts.layouts(snap).running is None
         finally:
             emu.release()
         torch.cuda.synchronize()  # the DMA has run: let this test's layout and arena go
-        del fences._ABANDONED[before:]
+        del parts.abandoned_fences()[before:]
         from cudasnap import _C
 
         _C.unregister_arena(arena)  # close() left it registered (hung): later tests reuse

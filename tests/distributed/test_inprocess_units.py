@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import parts
 
 from cudasnap.distributed.inprocess import Attempt, InProcessRestart, NoSpare, PeerLost
 
@@ -43,9 +44,9 @@ def test_a_stale_member_is_replaced_in_its_rank_by_a_ready_spare(store: dist.TCP
         _beat(store, 2, age_s=5)  # stale: lost
         _beat(store, 3, ready=False)  # a spare still starting: not taken
         _beat(store, 4)
-        assert ipr._propose(0, store)
+        assert parts.inprocess_propose(ipr, 0, store)
         assert ipr.generation() == 1 and ipr.members(1) == [0, 1, 4]
-        assert not ipr._propose(1, store)  # nobody dead in generation 1
+        assert not parts.inprocess_propose(ipr, 1, store)  # nobody dead in generation 1
     finally:
         ipr.close()
 
@@ -55,9 +56,9 @@ def test_a_dead_pid_on_this_node_is_seen_at_once_and_only_there(store: dist.TCPS
     try:
         gone = 2 ** 22 + 12345  # above pid_max's default: no such process
         _beat(store, 1, pid=gone, node="on,a,node,with,commas")  # another node: pid not looked at
-        assert ipr._alive(1, store, time.time())
+        assert parts.inprocess_alive(ipr, 1, store, time.time())
         _beat(store, 1, pid=gone, node=ipr.node)
-        assert not ipr._alive(1, store, time.time())
+        assert not parts.inprocess_alive(ipr, 1, store, time.time())
     finally:
         ipr.close()
 
@@ -68,7 +69,7 @@ def test_no_spare_left_fails_the_job_loudly_on_ranks_and_spares(store: dist.TCPS
     try:
         _beat(store, 1, age_s=5)
         _beat(store, 2, ready=False)  # alive, but not waiting for a rank
-        assert not ipr._propose(0, store)
+        assert not parts.inprocess_propose(ipr, 0, store)
         why = ipr.failed()
         assert why is not None and "rank(s) [1]" in why and "full restart" in why
         with pytest.raises(NoSpare, match="full restart"):
@@ -88,7 +89,7 @@ def test_a_member_that_neither_joins_nor_dies_is_a_hang_named_within_the_timeout
         _beat(store, 1)  # alive and beating, never joins generation 0
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] neither joined"):
-            ipr._joined(0, [0, 1])
+            parts.inprocess_joined(ipr, 0, [0, 1])
         assert time.monotonic() - t0 < 5
     finally:
         ipr.close()
@@ -100,7 +101,7 @@ def test_a_generation_that_moves_on_before_it_formed_is_left(store: dist.TCPStor
         store.set("members/1", "[0, 2]")
         store.set("gen", "1")  # a proposal by another member: uid 1 was lost
         t0 = time.monotonic()
-        assert ipr._joined(0, [0, 1]) is False
+        assert parts.inprocess_joined(ipr, 0, [0, 1]) is False
         assert time.monotonic() - t0 < 5
         att_gen = 0
         ipr.seen_gen = 1
@@ -128,13 +129,13 @@ def test_nccl_groups_are_aborted_once_when_the_generation_moves_on(
     monkeypatch.setattr(inprocess, "nccl_groups", lambda: [g])
     ipr = _ipr(store, 0, 2)
     try:
-        ipr._release(0)
+        parts.inprocess_release(ipr, 0)
         assert g.aborts == 0  # not in an attempt
-        ipr._attempt_gen = 0
-        ipr._release(0)
+        parts.set_inprocess_attempt(ipr, 0)
+        parts.inprocess_release(ipr, 0)
         assert g.aborts == 0  # the attempt's own generation
-        ipr._release(1)
-        ipr._release(1)
+        parts.inprocess_release(ipr, 1)
+        parts.inprocess_release(ipr, 1)
         assert g.aborts == 1  # once per generation left
     finally:
         ipr.close()
@@ -163,12 +164,12 @@ def test_a_late_beat_on_this_node_is_not_a_loss_but_on_another_it_is(
     ipr = _ipr(store, 0, 2)
     try:
         _beat(store, 1, age_s=60, node=ipr.node)
-        assert ipr._alive(1, store, time.time())
+        assert parts.inprocess_alive(ipr, 1, store, time.time())
         _beat(store, 1, age_s=60, node="other")
-        assert not ipr._alive(1, store, time.time())
+        assert not parts.inprocess_alive(ipr, 1, store, time.time())
         store.set("lhb/1", str(time.time()))
-        assert ipr._alive(1, store, time.time())
+        assert parts.inprocess_alive(ipr, 1, store, time.time())
         store.set("gone/1", "-9")  # its launcher saw it end
-        assert not ipr._alive(1, store, time.time())
+        assert not parts.inprocess_alive(ipr, 1, store, time.time())
     finally:
         ipr.close()

@@ -1,5 +1,5 @@
 """Fault matrix (bounded): every fault leaves a clear message, the previous good snapshot
-loadable, and never a torn load. The cases live in tests/helpers/faultlib.py;
+loadable, and never a torn load. The cases live in tools/faults/matrix.py;
 bench/faults.py runs the whole matrix with more seeds and prints the table.
 
 Families: truncated/flipped/deleted snapshot files, flipped shared-memory slot
@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import faultlib as F
+from helpers import parts
 
 from cudasnap._native import native
 from cudasnap._testing import faults
@@ -31,6 +31,7 @@ from cudasnap.errors import (
     StagingError,
 )
 from cudasnap.storage import posix
+from tools.faults import matrix as F
 
 SEED = int(os.environ.get("CUDASNAP_FAULT_SEED", "20261202"))
 
@@ -171,7 +172,7 @@ def test_disk_full_during_flush(ctx, what):
     if mode == "rlimit" and what != "data":
         pytest.skip("only the data case can be simulated with RLIMIT_FSIZE")
     case = F.Case("diskfull", what, 0 if what != "latest" else 1)
-    _check([F.guarded(case, lambda: F._diskfull(ctx, what, mode, case))])
+    _check([F.guarded(case, lambda: F.diskfull_case(ctx, what, mode, case))])
 
 
 def _can_mount(ctx) -> bool:
@@ -188,7 +189,7 @@ def test_staging_dir_too_small_is_refused_with_sizes(ctx, what):
     if not _can_mount(ctx):
         pytest.skip("needs mount -t tmpfs (root)")
     case = F.Case("shmfull", what, None)
-    _check([F.guarded(case, lambda: F._shmfull(ctx, what, case))])
+    _check([F.guarded(case, lambda: F.shmfull_case(ctx, what, case))])
 
 
 # ------------------------------------------------------------------- lock
@@ -215,7 +216,7 @@ KINDS = [(0, SnapshotError), (1, StagingError), (2, CorruptSnapshot), (3, Incomp
 @pytest.mark.parametrize("kind,cls", KINDS)
 def test_cpp_errors_map_to_the_hierarchy_with_file_and_line(kind, cls):
     with pytest.raises(cls) as ei:
-        native()._raise_for_test(kind, f"boom {kind}")
+        parts.raise_native(native(), kind, f"boom {kind}")
     assert type(ei.value) is cls and isinstance(ei.value, SnapshotError)
     msg = str(ei.value)
     assert f"boom {kind}" in msg and "[check: false]" in msg
@@ -249,7 +250,7 @@ def test_a_real_cpp_failure_names_file_line_and_call(tmp_path):
 def test_ranks_of_different_jobs_fail_with_a_config_error_naming_both(ctx):
     """jobmismatch: 2 gloo ranks restoring with different CUDASNAP_JOB both exit non-zero
     with a ConfigError naming both jobs (bound: a failure guard, not a timing)."""
-    from helpers.endjob_faults import jobmismatch_cases
+    from tools.faults.endjob import jobmismatch_cases
 
     _check(jobmismatch_cases(ctx, bound_s=120.0, names=("fresh directory",)), 1)
 
@@ -257,7 +258,7 @@ def test_ranks_of_different_jobs_fail_with_a_config_error_naming_both(ctx):
 @pytest.mark.slow
 def test_a_too_small_shm_under_cudasnap_run_is_one_attempt(ctx):
     """config: CUDASNAP_SHM_DIR a 64 KiB tmpfs under `cudasnap run`: exit 1, one attempt."""
-    from helpers.supervisor_faults import config_cases
+    from tools.faults.supervisor import config_cases
 
     if not _can_mount(ctx):
         pytest.skip("needs mount -t tmpfs (root)")
@@ -267,7 +268,7 @@ def test_a_too_small_shm_under_cudasnap_run_is_one_attempt(ctx):
 @pytest.mark.slow
 def test_a_sigstopped_attempt_is_restarted_and_ends_bitwise(ctx):
     """stop: SIGSTOP after boundary 3 under --watchdog 2: restarted at 4, bitwise."""
-    from helpers.supervisor_faults import stop_cases
+    from tools.faults.supervisor import stop_cases
 
     _check(stop_cases(ctx), 1)
 
@@ -276,7 +277,7 @@ def test_a_sigstopped_attempt_is_restarted_and_ends_bitwise(ctx):
 def test_a_group_kill_after_a_warm_restart_leaves_nothing_and_the_next_run_resumes(ctx):
     """escape: `kill -9 -- -PGID` of `cudasnap run` after a warm restart: no survivor; the
     next run resumes at the newest COMPLETE step + 1 and ends bitwise."""
-    from helpers.supervisor_faults import escape_cases
+    from tools.faults.supervisor import escape_cases
 
     _check(escape_cases(ctx, names=("group kill after a warm restart",)), 1)
 
@@ -286,9 +287,9 @@ def test_a_gated_late_rank_ends_the_job_without_a_restart(ctx):
     """endjob: rank 0 late to its last boundary (gated on the others' flush round), plain:
     exit 0, no restart, `latest` = the last step (no bound on the flush's duration here:
     tests/distributed/test_end_of_job.py has it)."""
-    from helpers.endjob_faults import STEPS, _endjob_torchrun
+    from tools.faults.endjob import STEPS, endjob_torchrun
 
     case = F.Case("endjob", "gated late rank 0, plain", STEPS - 1, need_named=False)
-    _check([F.guarded(case, lambda: _endjob_torchrun(
+    _check([F.guarded(case, lambda: endjob_torchrun(
         ctx, case, env={"MODE": "plain", "LATE_S": "0.5"}, late_rank=0, scenario="late",
         gated=True, bound_s=float("inf")))], 1)

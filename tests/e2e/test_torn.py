@@ -20,11 +20,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers.zygote import LineServer
 
 from cudasnap._native import native
 from cudasnap.format import paths
 from cudasnap.storage import posix
+from tools.faults.zygote import LineServer
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 DIM = 640  # state: 2 x (640x640 + 640) params + AdamW moments + BN buffers, about 10 MB

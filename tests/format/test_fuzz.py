@@ -28,8 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import layout as L
-from helpers.trainlib import Job
+from helpers import parts
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +38,8 @@ from cudasnap.format import codec, paths
 from cudasnap.format import manifest as M
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
+from tools.faults import layout as L
+from tools.faults.trainlib import Job
 
 EXAMPLES = int(os.environ.get("CUDASNAP_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 500,
@@ -92,7 +93,7 @@ def _invariants(m: dict) -> None:
     assert d["file"] == "data.bin"
     assert len(d["crc32c"]) == -(-d["bytes"] // d["chunk_bytes"])
     for e in m["tensors"]:
-        item = M._ITEMSIZE[e["dtype"]]
+        item = parts.itemsize(e["dtype"])
         assert e["nbytes"] == M.span_bytes(e["shape"], e["stride"], item)
         assert 0 <= e["offset"] and e["offset"] + e["nbytes"] <= d["bytes"]
         assert "\x00" not in e["name"]
@@ -272,7 +273,7 @@ def _b64(b: bytes) -> str:
 
 
 tagged = st.one_of(
-    st.builds(lambda t, v: {t: v}, st.sampled_from(codec._TAGS), json_value),
+    st.builds(lambda t, v: {t: v}, st.sampled_from(parts.codec_tags()), json_value),
     st.builds(lambda dt, shape, b: {"__tensor__": {"dtype": dt, "shape": shape, "data": _b64(b)}},
               st.sampled_from(_TENSOR_DTYPES),
               st.lists(st.integers(-2, 2**40) | st.floats(), max_size=3), st.binary(max_size=32)),

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from helpers import parts
 
 from cudasnap.errors import CorruptSnapshot, IncompatibleSnapshot
 from cudasnap.format import manifest as M
@@ -20,7 +21,7 @@ def good_manifest():
                                ("model.bn.num_batches_tracked", "int64", []),
                                ("optim.state.0.exp_avg", "bfloat16", [4, 8]),
                                ("model.empty", "float16", [0, 3])]:
-        item = M._ITEMSIZE[dtype]
+        item = parts.itemsize(dtype)
         stride = [int(x) for x in torch.empty(shape).stride()]
         n = M.span_bytes(shape, stride, item)
         tensors.append({"name": name, "group": "model:model", "dtype": dtype, "shape": shape,
@@ -138,7 +139,7 @@ def test_every_single_tensor_field_mutation_is_caught_or_harmless():
         except CorruptSnapshot:
             continue
         for t in m["tensors"]:  # it passed: then it must really be sound
-            item = M._ITEMSIZE[t["dtype"]]
+            item = parts.itemsize(t["dtype"])
             assert t["nbytes"] == M.span_bytes(t["shape"], t["stride"], item)
             assert 0 <= t["offset"] and t["offset"] + t["nbytes"] <= total
             assert t["offset"] % item == 0
@@ -172,6 +173,6 @@ def test_tensor_entry_and_dtype_names():
     for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8,
                torch.complex128, torch.float8_e4m3fn):
         assert M.torch_dtype(M.dtype_name(dt)) is dt
-        assert M._ITEMSIZE[M.dtype_name(dt)] == torch.empty((), dtype=dt).element_size()
+        assert parts.itemsize(M.dtype_name(dt)) == torch.empty((), dtype=dt).element_size()
     with pytest.raises(IncompatibleSnapshot, match="not supported"):
         M.dtype_name(torch.quint8)

@@ -70,7 +70,7 @@ def test_names_the_codec_would_tag_are_refused():
         sm.rng_member("__float__", "1")
     assert sm.host_value(float("nan"), "x") == '{"__float__":"nan"}'  # tagged by the codec
     with pytest.raises(ValueError, match="Out of range"):  # anything left is refused
-        codec._COMPACT([float("inf")])  # the encoder host_value (codec.dumps) uses
+        parts.compact_dumps([float("inf")])  # the encoder host_value (codec.dumps) uses
 
 
 def test_a_real_boundary_writes_the_writers_bytes(snap_env, monkeypatch):

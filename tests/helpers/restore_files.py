@@ -10,6 +10,7 @@ from torch import nn
 
 import cudasnap
 from cudasnap.core import copy_back
+from helpers import parts
 
 CH = 4096  # the smallest chunk a manifest allows: many chunks in a small file
 
@@ -29,7 +30,7 @@ def entry(shape: list[int], dtype: str, offset: int) -> dict:
     stride = copy_back.contiguous_strides(shape)
     return {"name": f"t{offset}", "group": "model:model", "dtype": dtype, "shape": shape,
             "stride": stride, "storage_offset": 0, "offset": offset,
-            "nbytes": M.span_bytes(shape, stride, M._ITEMSIZE[dtype]), "phase": 1}
+            "nbytes": M.span_bytes(shape, stride, parts.itemsize(dtype)), "phase": 1}
 
 
 class Odd(nn.Module):

@@ -2,7 +2,7 @@
 
 A fresh Python process that imports torch and builds an optimizer costs
 seconds on the test machines; this one does it once and forks a training
-process (helpers/run_trainer.py) per request. Each forked process takes the
+process (tools/faults/run_trainer.py) per request. Each forked process takes the
 environment, working directory and arguments of the request, so it behaves
 like ``python run_trainer.py ARGS`` started with that environment (by
 ``cudasnap run``, through helpers/run_client.py, or by a test directly).
@@ -24,7 +24,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402,F401  (the Snapshotter imports it)
@@ -35,7 +34,7 @@ import cudasnap.storage.posix  # noqa: E402,F401
 import cudasnap.triggers  # noqa: E402,F401
 import cudasnap.triggers.guard  # noqa: E402,F401
 from cudasnap._native import native  # noqa: E402
-from helpers import run_trainer  # noqa: E402
+from tools.faults import run_trainer  # noqa: E402
 
 native()
 torch.set_num_threads(1)
@@ -55,7 +54,7 @@ def child(req: dict, srv: socket.socket, conn: socket.socket) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
-        sys.argv = [str(HERE / "run_trainer.py"), *req["argv"]]
+        sys.argv = [run_trainer.__file__, *req["argv"]]
         code = run_trainer.main(req["argv"]) or 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

@@ -36,7 +36,6 @@ HERE = Path(__file__).resolve().parent
 # at the first boundary, not by the background preparer (tests/core/test_arena_preparer.py).
 os.environ.setdefault("CUDASNAP_ARENA_SYNC_MAX_BYTES", str(1 << 30))
 sys.path.insert(0, str(HERE.parent.parent))
-sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402,F401  (the Snapshotter imports it)
@@ -44,7 +43,7 @@ import torch.distributed  # noqa: E402,F401  (the Snapshotter imports it)
 import cudasnap  # noqa: E402
 import cudasnap.snapshotter  # noqa: E402,F401
 from cudasnap._native import native  # noqa: E402
-from helpers.trainlib import Job  # noqa: E402
+from tools.faults.trainlib import Job  # noqa: E402
 
 native()
 torch.set_num_threads(1)

@@ -21,14 +21,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # the repository root
-sys.path.insert(0, str(HERE.parent))  # tests/ (for helpers.*)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from helpers.trainlib import Job  # noqa: E402
+from tools.faults.trainlib import Job  # noqa: E402
 
 
 def main() -> None:

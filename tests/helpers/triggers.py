@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from cudasnap.triggers import nvml as _nvml
 from cudasnap.triggers.kinds import Trigger
+from helpers import parts
 
 
 class Collector:
@@ -42,4 +42,4 @@ def clean_trigger_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDASNAP_INJECT", raising=False)
     monkeypatch.delenv("CUDASNAP_POLICY", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(_nvml, "_warned_unavailable", False)
+    parts.reset_nvml_warning(monkeypatch)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import parts
 
 import cudasnap
 from cudasnap import _native
@@ -28,7 +29,7 @@ def test_build_info_reports_the_torch_built_against():
     info = cudasnap.build_info()
     assert info["torch_built_against"] == torch.__version__
     assert info["torch"] == torch.__version__
-    lib = _native._library_path()
+    lib = parts.library_path()
     assert lib and _native.built_torch_version(lib) == torch.__version__, (
         "the torch version marker must be readable from the library file without loading it")
 
@@ -60,7 +61,7 @@ def test_unloadable_extension_names_both_versions(fresh_native, monkeypatch, tmp
         raise ImportError("undefined symbol: _ZN3c1019UndefinedTensorImpl10_singletonE")
 
     monkeypatch.setattr(fresh_native.importlib, "import_module", fail)
-    monkeypatch.setattr(fresh_native, "_library_path", lambda: str(lib))
+    parts.replace_library_path(monkeypatch, fresh_native, lambda: str(lib))
     with pytest.raises(SnapshotError) as ei:
         fresh_native.native()
     msg = str(ei.value)

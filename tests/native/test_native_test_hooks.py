@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import parts
 
 from cudasnap._native import native
 from cudasnap._testing import faults
@@ -65,17 +66,17 @@ def test_native_kill_point(tmp_path, how, env_at_start, dies):
 def test_arming_is_checked_and_reversible():
     C = native()
     with pytest.raises(Exception, match="unknown native kill phase 'nope'"):
-        C._arm_test_hook("kill_at", "nope")
+        parts.arm_native_hook(C, "kill_at", "nope")
     with pytest.raises(ValueError, match="unknown test hook"):
-        C._arm_test_hook("explode", "write")
+        parts.arm_native_hook(C, "explode", "write")
     with pytest.raises(ValueError, match="bad kill spec"):
         faults.arm_kill("write@zero")
-    assert set(faults.NATIVE_PHASES) == set(C._test_kill_phases())
+    assert set(faults.NATIVE_PHASES) == set(parts.native_kill_phases(C))
     try:
         faults.arm_kill("fsync@3")
-        assert C._armed_kill_phase() == "fsync"
+        assert parts.armed_kill_phase(C) == "fsync"
         faults.arm_kill("latest")  # a Python phase: the native hook is disarmed
-        assert C._armed_kill_phase() == ""
+        assert parts.armed_kill_phase(C) == ""
     finally:
         faults.arm_kill(None)
-    assert C._armed_kill_phase() == ""
+    assert parts.armed_kill_phase(C) == ""

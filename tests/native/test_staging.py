@@ -8,9 +8,9 @@ import struct
 
 import numpy as np
 import pytest
-from helpers import layout as L
 
 from cudasnap.errors import CorruptSnapshot, IncompatibleSnapshot, StagingError
+from tools.faults import layout as L
 
 CAP = 3 * 4096 + 100  # data capacity: not a multiple of the chunk size on purpose
 META = 5000

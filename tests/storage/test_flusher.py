@@ -8,12 +8,12 @@ import random
 
 import numpy as np
 import pytest
-from helpers import layout as L
 
 from cudasnap.errors import CorruptSnapshot, FlushError, SnapshotError, StagingError
 from cudasnap.format import manifest as M
 from cudasnap.format import paths
 from cudasnap.storage import posix
+from tools.faults import layout as L
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.trainlib import train
+
+from tools.faults.trainlib import train
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cudasnap[s3]')")
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")

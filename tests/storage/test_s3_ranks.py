@@ -25,6 +25,7 @@ import pytest
 s3fs = pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cudasnap[s3]')")
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
 
+from helpers import parts
 from test_s3 import REPO, _fs, s3, s3_server  # noqa: E402,F401 - fixtures
 
 from cudasnap.tools import cli  # noqa: E402
@@ -222,7 +223,6 @@ def test_latest_moves_by_compare_and_swap_and_never_back(s3, monkeypatch):
     """``latest`` on S3: created with If-None-Match, never moved back to an older step, and a
     writer that slips in between the read and the write makes the stale If-Match fail (412):
     the pointer is read again, and the newer step it names now stays."""
-    from cudasnap.storage import remote_latest
     from cudasnap.storage.fsspec import FsspecStorage
 
     st = FsspecStorage(s3)
@@ -232,7 +232,7 @@ def test_latest_moves_by_compare_and_swap_and_never_back(s3, monkeypatch):
         fs.pipe_file(f"{key}/step-{step:08d}/COMMIT", b"{}")
     assert st.replace_latest(5) and st.read_latest() == "step-00000005"
     assert not st.replace_latest(3) and st.read_latest() == "step-00000005"
-    real, raced = remote_latest._read, []
+    real, raced = parts.remote_latest_read(), []
 
     def racing(fs_, k):
         got = real(fs_, k)  # (ETag, pointer) of step 5
@@ -242,7 +242,7 @@ def test_latest_moves_by_compare_and_swap_and_never_back(s3, monkeypatch):
             fs.pipe_file(k, b"step-00000009\n")
         return got
 
-    monkeypatch.setattr(remote_latest, "_read", racing)
+    parts.replace_remote_latest_read(monkeypatch, racing)
     assert not st.replace_latest(7)  # a plain read-compare-write would have put 7 over 9
     assert raced and _fs().cat_file(f"{key}/latest") == b"step-00000009\n"
 
@@ -250,13 +250,12 @@ def test_latest_moves_by_compare_and_swap_and_never_back(s3, monkeypatch):
 def test_clean_partial_spares_a_live_writer_and_removes_a_dead_ones(s3):
     """An uncommitted step whose writer marker names a live process on this host (or one on
     another host, recently) is left alone; one whose writer is dead is removed."""
-    from cudasnap.storage import remote_ranks
     from cudasnap.storage.fsspec import FsspecStorage
 
     st = FsspecStorage(s3)
     key = s3.removeprefix("s3://")
     fs = _fs()
-    host = remote_ranks._host()
+    host = parts.remote_host()
     live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                             stdin=subprocess.PIPE)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

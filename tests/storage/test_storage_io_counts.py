@@ -13,7 +13,8 @@ import threading
 import pytest
 import test_s3
 import torch
-from helpers.trainlib import train
+
+from tools.faults.trainlib import train
 
 pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cudasnap[s3]')")
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.trainlib import train
+from helpers import parts
 
 import cudasnap
 from cudasnap.distributed.restore_vote import RestoreVote
 from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot
 from cudasnap.storage import PosixStorage, posix
+from tools.faults.trainlib import train
 
 
 def small_job(seed: int = 0):
@@ -103,7 +104,7 @@ def test_restore_vote_refuses_a_slot_whose_manifest_is_not_an_object(native_C, s
         arena.commit(0, 7, 0)
         assert arena.slot_info(0)["valid"]
         with pytest.raises(CorruptSnapshot, match="not a JSON object"):
-            _vote([arena])._restore_step(7, True, None)
+            parts.vote_restore_step(_vote([arena]), 7, True, None)
     finally:
         arena.unlink()
 
@@ -111,8 +112,8 @@ def test_restore_vote_refuses_a_slot_whose_manifest_is_not_an_object(native_C, s
 @pytest.mark.parametrize("groups", [7, "0,1", {"a": 1}, None, [[0], [1]]])
 def test_world_change_with_a_malformed_commit_record_is_incompatible(groups):
     with pytest.raises(IncompatibleSnapshot, match="saved by 4 ranks, this job has 2"):
-        _vote()._check_world(5, 4, groups, "DIR/step-00000005")
-    _vote()._check_world(5, 4, [[0, 1, 2, 3]], "DIR")  # replicated then and now: fine
+        parts.vote_check_world(_vote(), 5, 4, groups, "DIR/step-00000005")
+    parts.vote_check_world(_vote(), 5, 4, [[0, 1, 2, 3]], "DIR")  # replicated then and now: fine
 
 
 @pytest.mark.parametrize("bad", ["bogus", 5, [[0, "x"], [1]], [0, 1], [[0.0], [1]]])

@@ -1,7 +1,7 @@
 """The supervisor and the guard end to end: injected faults, signals, the watchdog, NVML
 absent, and SIGKILL at seeded random points under ``supervise()`` / ``cudasnap run``.
 
-Training processes (tests/helpers/run_trainer.py) are forked from a warm server
+Training processes (tools/faults/run_trainer.py) are forked from a warm server
 that imported torch once (helpers/run_forkserver.py). Under ``supervise()`` the
 command is helpers/run_client.py, which has the server fork the trainer with the
 supervisor's environment and ends exactly as the trainer ended (exit code or
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import parts
 from helpers.run_fork import ForkServer
 
 from cudasnap._native import native
@@ -37,7 +38,7 @@ from cudasnap.supervisor.loop import supervise
 from cudasnap.supervisor.orphans import flush_orphans
 from cudasnap.triggers import nvml as _nvml
 
-HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+TRAINER = Path(__file__).resolve().parents[2] / "tools" / "faults" / "run_trainer.py"
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
 TRIALS = int(os.environ.get("CUDASNAP_RUN_TRIALS", "20"))
@@ -363,7 +364,7 @@ def test_nvml_absent_logged_once_and_everything_else_works(server, snap_env):
     lines = [ln for ln in text.splitlines() if "NVML unavailable" in ln]
     assert len(lines) == 1, lines  # two Snapshotters with health on, one process
     # INFO: no CUDA device is in use in this CPU-only trainer (a WARNING where one is)
-    assert ("WARNING" if _nvml._cuda_in_use() else "INFO") in lines[0]
+    assert ("WARNING" if parts.cuda_in_use() else "INFO") in lines[0]
     assert "signal/watchdog/exception triggers remain active" in lines[0]
     evs = events(stats)
     assert evs[0]["guard"]
@@ -390,7 +391,7 @@ def expected_newest(k: int, phase: str) -> set[int]:
 
 
 def _trials() -> list[tuple[int, str]]:
-    from helpers.run_trainer import PHASES
+    from tools.faults.run_trainer import PHASES
 
     rng = random.Random(SEED)
     # Every phase at least twice, then seeded random points.
@@ -448,7 +449,7 @@ def test_cudasnap_run_cli_with_a_real_process(snap_env, reference, tmp_path):
                 "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
     p = subprocess.run([sys.executable, "-m", "cudasnap", "run", "--dir", str(snap_env.dir),
                         "--max-restarts", "1", "--", sys.executable,
-                        str(HELPERS / "run_trainer.py"), "--steps", str(STEPS), "--stats",
+                        str(TRAINER), "--steps", str(STEPS), "--stats",
                         str(stats), "--out", str(out), "--kill-at", "5", "--kill-phase",
                         "post_opt"], env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-4000:]

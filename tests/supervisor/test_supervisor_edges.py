@@ -20,9 +20,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import parts
 
 from cudasnap.storage import posix
-from cudasnap.supervisor import child
 from cudasnap.supervisor.loop import supervise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -387,7 +387,7 @@ def test_verdict_file_is_private_and_names_the_error(tmp_path, monkeypatch):
     assert path.stat().st_mode & 0o777 == 0o600
     rec = json.loads(path.read_text())
     assert rec["kind"] == "config" and rec["error"] == "ConfigError: bad CUDASNAP_NUM_SLOTS"
-    assert child._read_verdict(path) == "ConfigError: bad CUDASNAP_NUM_SLOTS"
+    assert parts.read_verdict(path) == "ConfigError: bad CUDASNAP_NUM_SLOTS"
     assert not path.exists()
 
 

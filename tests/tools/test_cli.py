@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.layout import flip_byte
-from helpers.trainlib import train
+from helpers import parts
 
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
 from cudasnap.storage import posix
 from cudasnap.tools import cli
 from cudasnap.triggers import nvml as _nvml
+from tools.faults.layout import flip_byte
+from tools.faults.trainlib import train
 
 REPO = Path(__file__).resolve().parents[2]
 SUBCOMMANDS = ["demo", "run", "inspect", "verify", "export", "gc", "health", "advise"]
@@ -438,11 +439,10 @@ def test_transparent_modes_scan_prints_no_warning_of_its_own() -> None:
     import torch
     import torch.distributed  # noqa: F401 - its lazy deprecated attribute is in the heap
 
-    from cudasnap.tools import auto
 
     m = torch.nn.Linear(2, 2)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        found = auto._live_modules()
+        found = parts.auto_live_modules()
     assert any(x is m for x in found)
     assert [str(w.message) for w in seen] == []

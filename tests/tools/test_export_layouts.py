@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import parts
 
 from cudasnap.errors import ConfigError, SnapshotError
 from cudasnap.format import codec
 from cudasnap.tools import shards
-from cudasnap.tools.shards import _assemble, _chunks, local_indices
+from cudasnap.tools.shards import local_indices
 
 
 def _layout(full: torch.Tensor, mesh_shape: tuple[int, ...], placements: list[Any]
@@ -98,8 +99,8 @@ def test_offline_assembly_matches_dtensors_own_layout(mesh, text, shape) -> None
         for d, ix in enumerate(idx):
             picked = picked.index_select(d, torch.tensor(ix, dtype=torch.long))
         assert torch.equal(picked, t), (info, t)
-    ent = _chunks(_ranks("model.w", per_rank), maps={})["model.w"]
-    assert torch.equal(_assemble("model.w", ent), full)
+    ent = parts.shards_chunks(_ranks("model.w", per_rank), maps={})["model.w"]
+    assert torch.equal(parts.shards_assemble("model.w", ent), full)
     covered = 0
     for off, (_, t) in ent["chunks"].items():  # each DCP chunk is a box of the tensor
         assert torch.equal(full[tuple(slice(o, o + n) for o, n in zip(off, t.shape))], t)
@@ -217,7 +218,7 @@ def test_unmatched_stage_parameters_are_refused_naming_the_optimizer(monkeypatch
     ranks[1]["manifest"]["dcp_names"]["optim"]["optim.0"][1] = None
     with pytest.raises(ConfigError, match=r"optimizer 'optim.0' holds different parameters "
                                           r"on different ranks .* cannot be matched"):
-        _chunks(ranks)
+        parts.shards_chunks(ranks)
 
 
 # ------------------------------------------------------------------- refusals
@@ -230,7 +231,7 @@ def test_partial_and_unknown_placements_are_refused_naming_the_tensor() -> None:
         with pytest.raises(ConfigError, match=rf"optim.state.0.exp_avg: placement "
                                               rf"{p.replace('(', '.').replace(')', '.')} "
                                               rf"cannot be exported offline: .*{why}"):
-            _chunks(ranks, maps={})
+            parts.shards_chunks(ranks, maps={})
 
 
 def test_a_shard_that_is_not_what_its_placements_say_is_refused() -> None:
@@ -242,13 +243,13 @@ def test_a_shard_that_is_not_what_its_placements_say_is_refused() -> None:
                                             r"placements \[_StridedShard\(dim=0, sf=2\), "
                                             r"Shard\(0\)\] on mesh \[2, 2\] at coordinate "
                                             r"\[1, 1\] of global shape \[7, 2\] give \[1, 2\]"):
-        _chunks(_ranks("model.w", bad), maps={})
+        parts.shards_chunks(_ranks("model.w", bad), maps={})
     missing = _ranks("model.w", per_rank[:3])  # rank 3's files absent: a hole
     with pytest.raises(SnapshotError, match=r"model.w: the ranks' shards cover 12 of 14"):
-        _chunks(missing, maps={})
+        parts.shards_chunks(missing, maps={})
     twice = _ranks("model.w", per_rank)
     twice[2]["manifest"]["tensors"][0]["shard"] = {**per_rank[0][0], "coord": [1, 0],
                                                     "placements": ["Shard(0)", "Replicate()"]}
     twice[2]["tensors"]["model.w"] = torch.zeros(3, 2)
     with pytest.raises(SnapshotError, match="model.w: the ranks' shards"):
-        _chunks(twice, maps={})
+        parts.shards_chunks(twice, maps={})

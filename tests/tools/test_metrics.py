@@ -6,6 +6,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from helpers import parts
 
 from cudasnap.tools.metrics import CONTENT_TYPE, TimingHistograms, prometheus_text, serve_metrics
 
@@ -151,7 +152,7 @@ def test_server_serves_metrics_on_loopback() -> None:
     src = _Fake()
     with serve_metrics(src, 0, labels={"job": "t"}) as server:
         assert server.host == "127.0.0.1" and server.port > 0
-        assert server._thread.daemon
+        assert parts.metrics_thread(server).daemon
         code, ctype, body = _get(server.url)
         assert code == 200 and ctype == CONTENT_TYPE
         assert value(parse(body), "cudasnap_snapshots_total") == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import parts
 from helpers.triggers import Collector, clean_trigger_env  # noqa: F401 (autouse fixture)
 
 from cudasnap.triggers import nvml as _nvml
@@ -30,7 +31,7 @@ def test_nvml_unavailable_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     b = NvmlSource(lambda t: None)
     assert not a.available and not b.available
     # INFO on a CPU-only machine, WARNING where CUDA devices are in use (tests/triggers/test_nvml_once.py)
-    want = logging.WARNING if _nvml._cuda_in_use() else logging.INFO
+    want = logging.WARNING if parts.cuda_in_use() else logging.INFO
     lines = [r for r in caplog.records if r.levelno == want and "NVML unavailable" in r.getMessage()]
     assert len(lines) == 1
     msg = lines[0].getMessage()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import parts
 from helpers.triggers import clean_trigger_env  # noqa: F401 (autouse fixture)
 
 from cudasnap.config import Settings
@@ -38,7 +39,7 @@ def _said(caplog: pytest.LogCaptureFixture) -> list[int]:
 
 
 def test_no_gpu_in_use_info_once(no_nvml: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_nvml, "_cuda_in_use", lambda: False)
+    parts.replace_cuda_in_use(monkeypatch, lambda: False)
     for _ in range(3):
         assert not NvmlSession().available
     HealthMonitor(lambda t: None).start()
@@ -47,7 +48,7 @@ def test_no_gpu_in_use_info_once(no_nvml: pytest.LogCaptureFixture, monkeypatch:
 
 def test_cuda_devices_in_use_warning_once(no_nvml: pytest.LogCaptureFixture,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_nvml, "_cuda_in_use", lambda: True)
+    parts.replace_cuda_in_use(monkeypatch, lambda: True)
     NvmlSession()
     NvmlSession()
     assert _said(no_nvml) == [logging.WARNING, logging.DEBUG]
@@ -56,7 +57,7 @@ def test_cuda_devices_in_use_warning_once(no_nvml: pytest.LogCaptureFixture,
 @pytest.mark.parametrize("var", ["CUDASNAP_RESTART", "TORCHELASTIC_RESTART_COUNT", "RANK"])
 def test_restarts_and_other_ranks_stay_quiet(var: str, no_nvml: pytest.LogCaptureFixture,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_nvml, "_cuda_in_use", lambda: True)  # even where a WARNING would be due
+    parts.replace_cuda_in_use(monkeypatch, lambda: True)  # even where a WARNING would be due
     monkeypatch.setenv(var, "1")
     first = Settings.from_env().first_of_job  # the entry point's (HealthOptions.first_of_job)
     assert first is False
@@ -67,7 +68,7 @@ def test_restarts_and_other_ranks_stay_quiet(var: str, no_nvml: pytest.LogCaptur
 def test_cuda_in_use_is_false_on_a_cpu_only_process() -> None:
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("an NVIDIA driver is present on this machine")
-    assert _nvml._cuda_in_use() is False
+    assert parts.cuda_in_use() is False
 
 
 @pytest.mark.slow

@@ -4,17 +4,18 @@ policy, the guard, fault injection and ``cudasnap run``'s exit log derive from i
 from __future__ import annotations
 
 import pytest
+from helpers import parts
 
 from cudasnap.errors import ConfigError
 from cudasnap.supervisor.child import EXIT_CODES, describe_exit
-from cudasnap.triggers import guard, inject, policy
+from cudasnap.triggers import inject, policy
 from cudasnap.triggers.kinds import TRIGGER_KINDS, ExitCode, Trigger, TriggerKind
 
 
 def test_every_part_reads_the_kinds_from_the_enum() -> None:
     assert TRIGGER_KINDS == {k.kind for k in TriggerKind}
     assert policy.DEFAULT_EXIT_CODES == {k.kind: int(k.exit_code) for k in TriggerKind}
-    assert guard._NO_WAIT == {"xid", "ecc_dbe", "ecc_uncorrected", "gpu_lost", "remap_failure",
+    assert parts.no_wait_kinds() == {"xid", "ecc_dbe", "ecc_uncorrected", "gpu_lost", "remap_failure",
                               "recovery_action"}
     assert EXIT_CODES[77] == "hang" and describe_exit(75) == "exit code 75 (GPU lost)"
     assert policy.EXIT_PEER_FAILURE == 79 == ExitCode.PEER_FAILURE

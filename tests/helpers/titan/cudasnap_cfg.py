@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from cudasnap.integrations.torchtitan import CudaSnapCheckpointManager
+from tests.helpers import parts
 from tools.stacks.titan_cfg import llama3_debugmodel_cudasnap
 
 __all__ = ["llama3_debugmodel_cudasnap"]
 
-_save = CudaSnapCheckpointManager._save
+_save = parts.titan_save()
 
 
 def _save_then_maybe_die(self, curr_step: int, last_step: bool = False) -> bool:
@@ -31,4 +31,4 @@ def _save_then_maybe_die(self, curr_step: int, last_step: bool = False) -> bool:
     return done
 
 
-CudaSnapCheckpointManager._save = _save_then_maybe_die  # type: ignore[method-assign]
+parts.set_titan_save(_save_then_maybe_die)

@@ -1,4 +1,4 @@
-"""Fork server for the kill -9 fault cases (tests/helpers/faultlib.py); run with sys.executable.
+"""Fork server for the kill -9 fault cases (tools/faults/matrix.py); run with sys.executable.
 
 Imports torch and cudasnap once, then forks one training process per command.
 Each child arms the test-only kill point (``faults.arm_kill``: cudasnap/_testing/faults.py
@@ -23,8 +23,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent.parent))  # the repository root
 
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402,F401
@@ -33,7 +32,7 @@ import cudasnap  # noqa: E402
 import cudasnap.snapshotter  # noqa: E402,F401
 from cudasnap._native import native  # noqa: E402
 from cudasnap._testing import faults  # noqa: E402
-from helpers.trainlib import Job  # noqa: E402
+from tools.faults.trainlib import Job  # noqa: E402
 
 native()
 torch.set_num_threads(1)

@@ -1,8 +1,9 @@
-"""A training process for tests/supervisor/test_run.py and tests/tools/test_cli.py.
+"""A training process for tests/supervisor/test_run.py, tests/tools/test_cli.py and the
+supervisor fault cases (tools/faults/supervisor.py).
 
 Runs as a script (``python run_trainer.py ...``) or, much faster, forked from
 the warm server in run_forkserver.py (``run_trainer.main(argv)``). The model,
-optimizer, scheduler, data position and RNG use are helpers.trainlib.Job's;
+optimizer, scheduler, data position and RNG use are tools.faults.trainlib.Job's;
 the step is split here so a kill can land between its phases.
 
     --steps N --stats FILE [--out final.npz] [--ref]
@@ -44,14 +45,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-for _p in (str(HERE.parent.parent), str(HERE.parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(HERE.parent.parent) not in sys.path:  # the repository root (run as a script)
+    sys.path.insert(0, str(HERE.parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from helpers.trainlib import Job  # noqa: E402
+from tools.faults.trainlib import Job  # noqa: E402
 
 PHASES = ("pre", "mid", "post_opt", "post_boundary", "post_wait", "flush")
 
@@ -66,7 +66,7 @@ def emit(path: str, **rec) -> None:
 
 
 def train_step(job: Job, at) -> None:
-    """helpers.trainlib.Job.step, with a callback between its phases."""
+    """tools.faults.trainlib.Job.step, with a callback between its phases."""
     i = job.data.pos % job.data.n_batches
     x = job.dataset[i * job.batch:(i + 1) * job.batch]
     noise = np.random.standard_normal(x.shape).astype(np.float32)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
                     real = posix._write_file_durable
 
-                    def killing_write(path, data):
+                    def killing_write(path, data, real=real, step=step):
                         if Path(path).name == paths.MANIFEST:  # data.bin written, not renamed
                             emit(a.stats, ev="kill", step=step, phase="flush")
                             die()

@@ -23,11 +23,11 @@ CUDASNAP_TEST_KILL_AT), lock (two jobs on one directory, a dead job's lock), exp
 (SIGKILL of `cudasnap export` at a random moment: the target holds a whole export).
 
 Families in other modules (bench/faults.py runs them too): supervisor (`cudasnap run`
-kills, full disk, shared directories: supervisor_faults.py), and issue 23's edges:
+kills, full disk, shared directories: supervisor.py), and issue 23's edges:
 endjob (the end of a 2-rank job with a late, stuck or dead rank) and jobmismatch (ranks
-restoring with different jobs) in endjob_faults.py; escape (the supervisor or its
+restoring with different jobs) in endjob.py; escape (the supervisor or its
 process group SIGKILLed after a warm restart), config (a /dev/shm too small under
-`cudasnap run`) and stop (a SIGSTOPped attempt under --watchdog) in supervisor_faults.py.
+`cudasnap run`) and stop (a SIGSTOPped attempt under --watchdog) in supervisor.py.
 ``Case.ok`` is False when such a case's other condition failed (a wait over its bound).
 """
 from __future__ import annotations
@@ -50,16 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    from .zygote import LineServer
-except ImportError:  # imported as a top-level module by the spawned distributed workers
-    from zygote import LineServer  # type: ignore[no-redef]
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-for p in (str(REPO), str(HERE.parent)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if str(REPO) not in sys.path:  # run as a script (the dist-rank processes)
+    sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
@@ -70,9 +64,9 @@ from cudasnap.errors import CorruptSnapshot, FlushError, StagingError  # noqa: E
 from cudasnap.format import paths  # noqa: E402
 from cudasnap.snapshotter import Snapshotter  # noqa: E402
 from cudasnap.storage import posix  # noqa: E402
-from helpers import layout as L  # noqa: E402
-from helpers import parts  # noqa: E402
-from helpers.trainlib import Job  # noqa: E402
+from tools.faults import layout as L  # noqa: E402
+from tools.faults.trainlib import Job  # noqa: E402
+from tools.faults.zygote import LineServer  # noqa: E402
 
 DIM = 64  # ~100 KB of state: 25 chunks of 4 KiB
 CHUNK = 4096
@@ -310,7 +304,7 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
             return judge(case, got, dig, base.refs, msgs, names)
         return guarded(case, body)
 
-    for i in range(n_trunc):
+    for _ in range(n_trunc):
         fname = rng.choice([paths.DATA, paths.MANIFEST])
         target = newest if rng.random() < 0.75 else newest - 1
         size = (step_dir(base.dir, target) / fname).stat().st_size
@@ -323,7 +317,7 @@ def disk_cases(ctx: Ctx, base: Base, n_trunc: int = 60, n_flip: int = 40,
             return exp, [str(f)] if target == newest else []
         out.append(run(f"truncate {fname} of step {target} at {off}", trunc))
 
-    for i in range(n_flip):
+    for _ in range(n_flip):
         fname = rng.choice([paths.DATA, paths.MANIFEST])
         target = newest if rng.random() < 0.75 else newest - 1
         size = (step_dir(base.dir, target) / fname).stat().st_size
@@ -439,7 +433,7 @@ def shm_cases(ctx: Ctx, base: Base, n: int = 24, seed: int = 2) -> list[Case]:
 # ----------------------------------------------------------- family: kill
 
 class Zygote(LineServer):
-    """tests/helpers/fault_worker.py: forks training processes that kill themselves."""
+    """tools/faults/fault_worker.py: forks training processes that kill themselves."""
 
     def __init__(self) -> None:
         super().__init__(HERE / "fault_worker.py", 180.0, drop_env=(faults.KILL_ENV,),
@@ -567,7 +561,7 @@ def _free(d: Path) -> int:
     return v.f_bavail * v.f_frsize
 
 
-def _fill(fs: Path, leave: int) -> Path:
+def fill(fs: Path, leave: int) -> Path:
     filler = fs / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -589,11 +583,11 @@ def diskfull_cases(ctx: Ctx) -> list[Case]:
     variants = ["data", "manifest", "latest"] if mode == "tmpfs" else ["data"]
     for what in variants:
         case = Case("diskfull", f"{what} does not fit ({mode})", 0 if what != "latest" else 1)
-        out.append(guarded(case, lambda what=what, case=case: _diskfull(ctx, what, mode, case)))
+        out.append(guarded(case, lambda what=what, case=case: diskfull_case(ctx, what, mode, case)))
     return out
 
 
-def _diskfull(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
+def diskfull_case(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
     from cudasnap.triggers.guard import Guard
 
     fs = mount_tmpfs(ctx, "8m") if mode == "tmpfs" else ctx.dir("rl")
@@ -612,7 +606,7 @@ def _diskfull(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
                 snap.wait()
                 if k == 0:
                     snap.flush()
-            arena = parts.arena(snap)
+            arena = snap.staged_arenas()[0]  # its own arena
             nbytes = arena.slot_info(arena.newest_complete())["data_bytes"]
             pages = -(-nbytes // 4096)
             man_pages = -(-(d / "step-00000000" / "manifest.json").stat().st_size // 4096)
@@ -621,7 +615,7 @@ def _diskfull(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
             if mode == "tmpfs":
                 leave = {"data": pages - 1, "manifest": pages,
                          "latest": pages + man_pages}[what] * 4096
-                filler = _fill(fs, leave)
+                filler = fill(fs, leave)
             else:
                 old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
                 old_sig = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -685,18 +679,18 @@ def shmfull_cases(ctx: Ctx) -> list[Case]:
     out = []
     for what in ("tiny", "full", "env"):
         case = Case("shmfull", f"staging tmpfs {what}", None)
-        out.append(guarded(case, lambda what=what, case=case: _shmfull(ctx, what, case)))
+        out.append(guarded(case, lambda what=what, case=case: shmfull_case(ctx, what, case)))
     return out
 
 
-def _shmfull(ctx: Ctx, what: str, case: Case) -> Case:
+def shmfull_case(ctx: Ctx, what: str, case: Case) -> Case:
     fs = mount_tmpfs(ctx, "256k" if what != "full" else "16m")
     if fs is None:
         case.error = "cannot mount a tmpfs here (not root?)"
         return case
     try:
         if what == "full":
-            _fill(fs, 64 << 10)
+            fill(fs, 64 << 10)
         j = Job(dim=DIM)
         job = ctx.job("m")
         kw: dict[str, Any] = {"shm_dir": fs}
@@ -841,7 +835,7 @@ def build_dist_layout(ctx: Ctx, steps: tuple[int, ...] = (1, 2)) -> Path:
                 _fill_rank(m, r, s)
                 snap.boundary(s)
                 snap.wait()
-                a = parts.arena(snap)
+                a = snap.staged_arenas()[0]  # its own arena
                 slot = a.newest_complete()
                 a.lease(slot)
                 try:
@@ -1049,7 +1043,7 @@ def export_cases(ctx: Ctx, n: int = 4, seed: int = 5) -> list[Case]:
             case = Case("export", f"{fmt} kill {i}", s0 if fmt != "dcp" else None)
 
             def one(fmt: str = fmt, case: Case = case, i: int = i, base: Path = base,
-                    took: float = took) -> Case:
+                    took: float = took, ext: str = ext) -> Case:
                 target = base / (f"t{i}{ext}" if fmt == "dcp" else f"first{ext}")
                 if fmt != "dcp":  # start each case from the step-0 export
                     shutil.copyfile(base / f"first{ext}", base / f"keep{ext}")

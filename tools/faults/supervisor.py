@@ -1,7 +1,7 @@
 """Supervisor (``cudasnap run``) fault cases for bench/faults.py (issue 14, items 1-7).
 
-Each case runs real ``cudasnap run`` processes around tests/helpers/run_trainer.py
-and reports a faultlib.Case: ``expected`` is the step the restarted attempt must
+Each case runs real ``cudasnap run`` processes around tools/faults/run_trainer.py
+and reports a matrix.Case: ``expected`` is the step the restarted attempt must
 start at (or a count, named in the case), ``got`` what happened.
 
 ``negative`` (bench/faults.py --negative) runs the cases of items 1 and 2 with the
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers.faultlib import Case, Ctx, _fill, guarded, mount_tmpfs, umount
+from tools.faults.matrix import Case, Ctx, fill, guarded, mount_tmpfs, umount
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).resolve().parent / "run_trainer.py"
@@ -122,7 +122,7 @@ def _diskfull_orphan_flush(ctx: Ctx, case: Case) -> Case:
         from cudasnap.format import paths
 
         paths.directory_id(d)
-        _fill(fs, 64 << 10)  # room for the lock and id files, not for a snapshot
+        fill(fs, 64 << 10)  # room for the lock and id files, not for a snapshot
         p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt",
                  run_args=("--max-restarts", "1"))
         s = _starts(stats)

@@ -50,7 +50,8 @@ class LineServer:
         try:
             return self.q.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"{self.name} silent for {timeout}s; stderr:\n{self.stderr()}")
+            raise AssertionError(
+                f"{self.name} silent for {timeout}s; stderr:\n{self.stderr()}") from None
 
     def send(self, **cmd: Any) -> None:
         assert self.p.stdin is not None

@@ -31,9 +31,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-for _p in (str(REPO), str(HERE.parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(REPO) not in sys.path:  # run as a script (the jm-rank processes)
+    sys.path.insert(0, str(REPO))
 
 STEPS = 6
 WORLD = 2
@@ -112,7 +111,7 @@ def _judge(case: Any, *, rc: int, log: str, ckpt: Path, out: Path, late_rank: in
     return case
 
 
-def _endjob_torchrun(ctx: Any, case: Any, *, env: dict[str, str], late_rank: int,
+def endjob_torchrun(ctx: Any, case: Any, *, env: dict[str, str], late_rank: int,
                      scenario: str, gated: bool, bound_s: float) -> Any:
     from tools.dist import launch
 
@@ -159,13 +158,13 @@ def _endjob_cudasnap_run(ctx: Any, case: Any) -> Any:
 
 
 def endjob_cases(ctx: Any, seed: int = 23, n_ungated: int = 4) -> list[Any]:
-    from helpers.faultlib import Case, guarded
+    from tools.faults.matrix import Case, guarded
 
     rng = random.Random(seed)
     specs: list[tuple[str, int, Any]] = []
 
     def add(name: str, expected: int, **kw: Any) -> None:
-        specs.append((name, expected, lambda c, kw=kw: _endjob_torchrun(ctx, c, **kw)))
+        specs.append((name, expected, lambda c, kw=kw: endjob_torchrun(ctx, c, **kw)))
 
     for mode in ("plain", "fsdp"):
         for late in (1, 0):
@@ -203,7 +202,7 @@ def jobmismatch_cases(ctx: Any, timeout: float = 150.0, bound_s: float = PEER_TI
                       names: tuple[str, ...] = JOBMISMATCH) -> list[Any]:
     """``bound_s``: a rank counts when its restore failed within this (default: the peer
     timeout; tests pass a failure guard instead of a wall-time bound)."""
-    from helpers.faultlib import Case, build_dist_layout, guarded
+    from tools.faults.matrix import Case, build_dist_layout, guarded
 
     out = []
     for name in names:
