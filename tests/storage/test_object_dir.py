@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.trainlib import train
+
+from tools.faults.trainlib import train
 
 pytest.importorskip("fsspec")
 
