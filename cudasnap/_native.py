@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     _module_is_native: NativeModule = _C_stub  # the stub's module satisfies its protocol
 
-from .config import torch_mismatch_allowed
+from .config import allowed
 
 log = logging.getLogger("cudasnap")
 _C: ModuleType | None = None
@@ -89,7 +89,7 @@ def native() -> NativeModule:
         built = mod.BUILD_INFO.get("torch")
         if built != running:
             msg = torch_mismatch_message(built, running, getattr(mod, "__file__", None))
-            if not torch_mismatch_allowed():
+            if not allowed("CUDASNAP_ALLOW_TORCH_MISMATCH"):
                 raise SnapshotError(msg + " (set CUDASNAP_ALLOW_TORCH_MISMATCH=1 to try anyway)")
             log.warning("%s (continuing: CUDASNAP_ALLOW_TORCH_MISMATCH=1)", msg)
         _C = mod

@@ -160,8 +160,7 @@ RNG_RESTORE = RNG_RESTORE_POINTS[0]
 
 
 def default_node_id() -> str:
-    """This host's name: the node of a process when CUDASNAP_NODE_ID is unset (replica
-    partners, in-process restart's pid checks, liveness records)."""
+    """This host's name: a process's node when CUDASNAP_NODE_ID is unset (one home)."""
     return socket.gethostname()
 
 
@@ -337,7 +336,7 @@ class Settings:
             require_resume=bool(env_bool(e, "CUDASNAP_REQUIRE_RESUME")),
             rng_restore=check_rng_restore(_raw(e, "CUDASNAP_RNG_RESTORE") or RNG_RESTORE,
                                           "CUDASNAP_RNG_RESTORE"),
-            allow_torch_mismatch=torch_mismatch_allowed(e),
+            allow_torch_mismatch=allowed("CUDASNAP_ALLOW_TORCH_MISMATCH", e),
             peer_timeout_s=_float(e, "CUDASNAP_PEER_TIMEOUT_S", PEER_TIMEOUT_S),
             flush_timeout_s=_float(e, "CUDASNAP_FLUSH_TIMEOUT_S", FLUSH_TIMEOUT_S),
             restart=env_int(e, "TORCHELASTIC_RESTART_COUNT", env_int(e, "CUDASNAP_RESTART", RESTART)),
@@ -370,15 +369,16 @@ class Settings:
 
 def test_hooks_asked(env: Mapping[str, str] | None = None) -> bool:
     """CUDASNAP_TEST_KILL_AT or CUDASNAP_TEST_DIE_IN_FLUSH is set (alone: read at import by
-    cudasnap._points, where a malformed other variable must not fail the import)."""
+    _points, where a malformed other variable must not fail the import)."""
     e = os.environ if env is None else env
     return any(_raw(e, v) is not None for v in ("CUDASNAP_TEST_KILL_AT", "CUDASNAP_TEST_DIE_IN_FLUSH"))
 
 
-def torch_mismatch_allowed(env: Mapping[str, str] | None = None) -> bool:
-    """CUDASNAP_ALLOW_TORCH_MISMATCH alone: read once per process, when the extension is
-    first loaded (cudasnap._native.native, called from anywhere)."""
-    return bool(env_bool(os.environ if env is None else env, "CUDASNAP_ALLOW_TORCH_MISMATCH"))
+def allowed(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """A safety switch alone, where no caller hands it down: ALLOW_TORCH_MISMATCH (the first
+    load, _native), ALLOW_FOREIGN_OWNER (a read whose caller did not say, storage.safe_io)."""
+    assert name in ("CUDASNAP_ALLOW_TORCH_MISMATCH", "CUDASNAP_ALLOW_FOREIGN_OWNER"), name
+    return bool(env_bool(os.environ if env is None else env, name))
 
 
 def run_verdict_path(env: Mapping[str, str] | None = None) -> str | None:

@@ -135,7 +135,7 @@ class Snapshotter:
         rank, world_size, dist_on = cfg.resolve_rank(rank, world_size, env)
 
         def open_dir() -> Path:  # once every keyword passed its check
-            self.storage = open_storage(directory)
+            self.storage = open_storage(directory, env)
             return self.storage.local_dir
 
         opts = self.options = Options.resolve(

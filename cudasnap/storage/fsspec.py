@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
+from ..config import Settings
 from ..errors import ConfigError, CorruptSnapshot, FlushError, IncompatibleSnapshot, SnapshotError
 from ..format import manifest as fmt
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, encode_commit
@@ -85,19 +86,22 @@ SnapshotRef = StoredSnapshot | RemoteSnapshot
 
 
 class FsspecStorage(remote_ranks.RankParts):
-    """``storage.protocol.Storage`` of one fsspec URL (see the module docstring); ``fs``:
-    the (filesystem, root) to use instead of the URL's own (``object_dir``)."""
+    """``storage.protocol.Storage`` of one fsspec URL (see the module docstring).
+    ``settings``: the entry point's (the state directory, the S3 endpoint, the world size);
+    ``fs``: the (filesystem, root) to use instead of the URL's own (``object_dir``)."""
 
-    def __init__(self, url: str, fs: tuple[AbstractFileSystem, str] | None = None) -> None:
+    def __init__(self, url: str, settings: Settings,
+                 fs: tuple[AbstractFileSystem, str] | None = None) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = fs or filesystem(self.url)
+        self.settings = settings
+        self.fs, self.root = fs or filesystem(self.url, settings.s3_endpoint)
         self.protocol = self.url.split("://", 1)[0]
-        self.local_dir = state_dir(self.url)
+        self.local_dir = state_dir(self.url, settings.state_dir)
 
     @classmethod
-    def open(cls, url: str) -> FsspecStorage:
+    def open(cls, url: str, settings: Settings) -> FsspecStorage:
         """The storage of ``url``, checked (bucket, writable prefix, directory id)."""
-        st = cls(url)
+        st = cls(url, settings)
         st.check()
         st.share_id()
         return st

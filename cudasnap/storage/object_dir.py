@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import Settings
 from ..errors import ConfigError
 from .fsspec import FsspecStorage
 from .ownership import check_directory
@@ -26,7 +27,7 @@ from .ownership import check_directory
 class ObjectDirStorage(FsspecStorage):
     """``storage.protocol.Storage`` of an ``objdir:///absolute/path`` URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, settings: Settings) -> None:
         path = url.split("://", 1)[1]
         if not path.startswith("/"):
             raise ConfigError(f"{url}: an objdir:// URL names an absolute path "
@@ -37,11 +38,11 @@ class ObjectDirStorage(FsspecStorage):
             raise ConfigError(f"{url}: objdir:// directories need fsspec "
                               "(pip install 'cudasnap[s3]')") from e
         root = check_directory(Path(path))
-        super().__init__(url, fs=(LocalFileSystem(auto_mkdir=True), str(root).rstrip("/")))
+        super().__init__(url, settings, fs=(LocalFileSystem(auto_mkdir=True), str(root).rstrip("/")))
 
     @classmethod
-    def open(cls, url: str) -> ObjectDirStorage:
-        st = cls(url)
+    def open(cls, url: str, settings: Settings) -> ObjectDirStorage:
+        st = cls(url, settings)
         st.check()
         st.share_id()
         return st

@@ -420,7 +420,7 @@ class PosixStorage:
         self.url = str(self.local_dir)
 
     @classmethod
-    def open(cls, directory: str) -> PosixStorage:
+    def open(cls, directory: str, settings: Settings) -> PosixStorage:
         return cls(directory)
 
     def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,

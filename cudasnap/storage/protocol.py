@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # type-only: importing cudasnap.storage loads neither torch n
 
     from cudasnap._C import Arena, FileReadAhead
 
+    from ..config import Settings
     from ..format.manifest import Manifest
     from .listing import StoredSnapshot
     from .remote_base import RemoteSnapshot
@@ -48,9 +49,10 @@ class Storage(Protocol):
     local_dir: Path  # this host's directory of the lock, the directory id and the flush log
 
     @classmethod
-    def open(cls, directory: str) -> Storage:
+    def open(cls, directory: str, settings: Settings) -> Storage:
         """The storage of ``directory`` (its scheme's, ``storage.registry``), checked before
-        anything is written (ConfigError: a missing bucket, a directory not writable)."""
+        anything is written (ConfigError: a missing bucket, a directory not writable);
+        ``settings``: the entry point's (``config.Settings``: a backend reads no environment)."""
 
     # ------------------------------------------------------------------ one rank
     def write_slot(self, arena: Arena, slot: int, *, threads: int = 4, keep: int = 3,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
+    from ..config import Settings
     from .protocol import Storage
 
 SCHEMES: dict[str, str] = {
@@ -53,12 +54,13 @@ def url_of(directory: str | os.PathLike[str] | Storage) -> str | os.PathLike[str
     return directory if isinstance(directory, (str, os.PathLike)) else directory.url
 
 
-def open_storage(directory: str | os.PathLike[str] | Storage) -> Storage:
-    """The storage of ``directory`` (a local path or a URL), opened and checked; a
-    ``Storage`` passed in is returned as it is (made and checked by its caller)."""
+def open_storage(directory: str | os.PathLike[str] | Storage, settings: Settings) -> Storage:
+    """The storage of ``directory`` (a local path or a URL), opened and checked with the
+    entry point's ``settings``; a ``Storage`` passed in is returned as it is (made and
+    checked by its caller)."""
     if not isinstance(directory, (str, os.PathLike)):
         return directory
-    return backend_of(directory).open(os.fspath(directory))
+    return backend_of(directory).open(os.fspath(directory), settings)
 
 
 __all__ = ["SCHEMES", "backend_of", "open_storage", "scheme_of", "url_of"]

@@ -56,12 +56,12 @@ class _Unreachable:
 URL_FILE = ".url"
 
 
-def state_dir(url: str) -> Path:
+def state_dir(url: str, base: Path | None) -> Path:
     """This host's local directory for a URL: lock, directory id (job), flush log, the
     index of committed multi-rank steps (``remote_ranks.sync_index``), ``cudasnap run``'s
-    supervisor lock. ``$CUDASNAP_STATE_DIR/url-<hash>``, default under
-    ``$XDG_CACHE_HOME/cudasnap`` (``~/.cache/cudasnap``)."""
-    base = Settings.from_env().state_dir or \
+    supervisor lock. ``base/url-<hash>`` (``base``: ``Settings.state_dir``,
+    ``$CUDASNAP_STATE_DIR``), default under ``$XDG_CACHE_HOME/cudasnap`` (``~/.cache/cudasnap``)."""
+    base = base or \
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cudasnap"
     d = check_directory(base / f"url-{url_hash(url)}")
     marker = d / URL_FILE
@@ -75,15 +75,15 @@ def state_dir(url: str) -> Path:
     return d
 
 
-def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
-    """(fsspec filesystem, root path without protocol) of ``url``."""
+def filesystem(url: str, endpoint: str | None) -> tuple[AbstractFileSystem, str]:
+    """(fsspec filesystem, root path without protocol) of ``url``; ``endpoint``: an S3
+    URL's (``Settings.s3_endpoint``, ``$CUDASNAP_S3_ENDPOINT``; None: AWS)."""
     try:
         import fsspec
     except ImportError as e:  # pragma: no cover - the extra is missing
         raise ConfigError(f"{url}: object-store directories need fsspec "
                           "(pip install 'cudasnap[s3]')") from e
     opts: dict[str, Any] = {}
-    endpoint = Settings.from_env().s3_endpoint
     if url.startswith(("s3://", "s3a://")) and endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint}
     try:
@@ -113,6 +113,7 @@ class RemoteStore(Protocol):
     url: str
     protocol: str
     local_dir: Path
+    settings: Settings
 
     def _key(self, *parts: str) -> str: ...
     def _url(self, key: str) -> str: ...

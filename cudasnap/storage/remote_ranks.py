@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 from .._native import native
 from .._points import reach as kill_point  # test fault points (cudasnap._testing)
 from .._proc import pid_alive
-from ..config import Settings
 from ..errors import CorruptSnapshot
 from ..format import manifest as fmt
 from ..format.commit import decode_commit, encode_commit
@@ -209,7 +208,7 @@ def index_wanted(st: RemoteStore) -> bool:
             return True
     except Exception:  # noqa: BLE001 - a half-initialised group: decide by the rest
         pass
-    return Settings.from_env().world_size > 1 or any(st.local_dir.glob("step-*"))
+    return st.settings.world_size > 1 or any(st.local_dir.glob("step-*"))
 
 
 def sync_index(st: RemoteStore) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..config import Settings
 from ..errors import SnapshotError
 from ..format.commit import MAX_COMMIT_BYTES, decode_commit
 from ..format.paths import COMMIT
@@ -83,20 +84,20 @@ def verify_lines(st: RemoteStore, step: int | None) -> tuple[int, list[str]]:
     return (1 if bad else 0), lines
 
 
-def _unchecked(url: str) -> RemoteStore:
+def _unchecked(url: str, settings: Settings) -> RemoteStore:
     """The object-store backend of ``url`` (a URL: never the local one), made without the
     checks for writing."""
-    st: RemoteStore = backend_of(url)(url)  # type: ignore[call-arg, assignment]
+    st: RemoteStore = backend_of(url)(url, settings)  # type: ignore[call-arg, assignment]
     return st
 
 
-def inspect_url(url: str, verify: bool = False) -> list[dict[str, Any]]:
+def inspect_url(url: str, settings: Settings, verify: bool = False) -> list[dict[str, Any]]:
     """``cudasnap inspect URL``: one row per committed snapshot."""
     with _Unreachable(url, "list"):
-        return inspect_rows(_unchecked(url), verify)
+        return inspect_rows(_unchecked(url, settings), verify)
 
 
-def verify_url(url: str, step: int | None = None) -> tuple[int, list[str]]:
+def verify_url(url: str, settings: Settings, step: int | None = None) -> tuple[int, list[str]]:
     """``cudasnap verify URL``: (exit code, report lines)."""
     with _Unreachable(url, "verify"):
-        return verify_lines(_unchecked(url), step)
+        return verify_lines(_unchecked(url, settings), step)

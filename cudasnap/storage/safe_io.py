@@ -23,7 +23,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from ..config import Settings
+from ..config import allowed
 from ..errors import ConfigError, CorruptSnapshot
 
 log = logging.getLogger("cudasnap.storage.posix")  # one logger for the POSIX backend
@@ -33,9 +33,11 @@ FOREIGN_ENV = "CUDASNAP_ALLOW_FOREIGN_OWNER"
 
 
 def _allow_foreign(allow: bool | None) -> bool:
+    """``allow``, else (a caller that did not say: the offline tools) the process's switch
+    (the Snapshotter passes its resolved option)."""
     if allow is not None:
         return bool(allow)
-    return Settings.from_env().allow_foreign_owner
+    return allowed(FOREIGN_ENV)
 
 
 def _check_trust(path: Path, st: os.stat_result, allow_foreign_owner: bool | None) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from .._native import native
 from .._proc import environ_of, ppid_of
+from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
 from ..storage import open_storage, posix
@@ -50,7 +51,7 @@ def _refuse_url(directory: Path | str) -> None:
             "supervise(cmd, 's3://bucket/prefix')")
 
 
-def open_directory(directory: Path | str) -> tuple[Path, Storage | None]:
+def open_directory(directory: Path | str, settings: Settings) -> tuple[Path, Storage | None]:
     """(local directory of the supervisor's state, the object store or None).
 
     A file-system directory is both (None). An object-store URL (``s3://bucket/prefix``, any
@@ -62,7 +63,7 @@ def open_directory(directory: Path | str) -> tuple[Path, Storage | None]:
     arenas and exclude the same jobs (one host; one job per URL across hosts)."""
     _refuse_url(directory)
     if paths.is_url(directory):
-        storage = open_storage(str(directory))  # its scheme's backend (storage.registry)
+        storage = open_storage(str(directory), settings)  # its scheme's (storage.registry)
         return storage.local_dir, storage
     return check_directory(Path(directory)), None
 

@@ -74,8 +74,8 @@ def supervise(cmd: list[str], directory: Path | str, *, max_restarts: int = 3,
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}")
     _command_exists(cmd)
-    directory, remote = open_directory(directory)
     cfg = Settings.from_env()
+    directory, remote = open_directory(directory, cfg)
     shm = Path(shm_dir) if shm_dir else cfg.shm_dir
     lock = SupervisorLock(directory)
     lock.acquire()

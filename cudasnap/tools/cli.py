@@ -82,7 +82,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if isinstance(a.directory, str):  # an fsspec URL (object store): no arena to list
         from ..storage.remote_report import inspect_url
 
-        rows, job = inspect_url(a.directory, a.verify), None
+        rows, job = inspect_url(a.directory, Settings.from_env(), a.verify), None
     elif not a.directory.is_dir():
         raise ConfigError(f"{a.directory} is not a directory" if a.directory.exists()
                           else f"no such directory: {a.directory}")
@@ -162,7 +162,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if isinstance(a.directory, str):  # an fsspec URL (object store)
         from ..storage.remote_report import verify_url
 
-        rc, lines = verify_url(a.directory, a.step)
+        rc, lines = verify_url(a.directory, Settings.from_env(), a.step)
         print("\n".join(lines), file=sys.stderr if rc == 2 else sys.stdout)
         return rc
     snaps = posix.list_snapshots(a.directory)

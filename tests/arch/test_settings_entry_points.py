@@ -29,13 +29,6 @@ ENTRY_POINTS = {
     "cudasnap/distributed/inprocess.py",       # InProcessRestart (a user's wrapper)
     "cudasnap/demo/train.py",                  # the demo script
 }
-# Storage modules still reading the environment themselves: the storage seam (issue 47
-# item 1) is being rebuilt around them; the test fails once one listed here no longer
-# does (then remove it from this set).
-PENDING = {
-    "cudasnap/storage/posix.py", "cudasnap/storage/safe_io.py",
-    "cudasnap/storage/remote_base.py", "cudasnap/storage/remote_ranks.py",
-}
 
 
 def from_env_calls(source: str) -> list[int]:
@@ -56,11 +49,9 @@ def test_settings_are_read_at_entry_points_only() -> None:
     calls = {str(f.relative_to(REPO)): from_env_calls(f.read_text())
              for f in sorted(PKG.rglob("*.py"))}
     calls = {rel: lines for rel, lines in calls.items() if lines and rel != "cudasnap/config.py"}
-    leaf = {rel: lines for rel, lines in calls.items() if rel not in ENTRY_POINTS | PENDING}
+    leaf = {rel: lines for rel, lines in calls.items() if rel not in ENTRY_POINTS}
     assert not leaf, ("Settings.from_env() outside an entry point: receive the values (or the "
                       f"Settings) from the caller instead: {leaf}")
-    clean = PENDING - set(calls)
-    assert not clean, f"{sorted(clean)} no longer read the environment: remove from PENDING"
     gone = ENTRY_POINTS - set(calls)
     assert not gone, f"{sorted(gone)} call Settings.from_env() no more: drop them from ENTRY_POINTS"
     assert len(ENTRY_POINTS) <= 15  # a short list: a new reader is a leaf until argued otherwise

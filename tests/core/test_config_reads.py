@@ -124,10 +124,11 @@ def test_fsspec_state_dir_and_endpoint_come_from_the_settings(monkeypatch, tmp_p
     from cudasnap.storage import fsspec as fss
 
     monkeypatch.setenv("CUDASNAP_STATE_DIR", str(tmp_path / "state"))
-    assert fss.state_dir("s3://b/p").parent == tmp_path / "state"
+    assert fss.FsspecStorage("s3://b/p", Settings.from_env()).local_dir.parent == \
+        tmp_path / "state"
     monkeypatch.setenv("CUDASNAP_S3_ENDPOINT", "localhost:9000")
     with pytest.raises(ConfigError, match="CUDASNAP_S3_ENDPOINT='localhost:9000'"):
-        fss.filesystem("s3://b/p")
+        fss.FsspecStorage("s3://b/p", Settings.from_env())
 
 
 def _bad(name: str, value: str):

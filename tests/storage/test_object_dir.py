@@ -25,6 +25,7 @@ from tools.faults.trainlib import train
 pytest.importorskip("fsspec")
 
 import cudasnap  # noqa: E402
+from cudasnap.config import Settings  # noqa: E402
 from cudasnap.errors import ConfigError  # noqa: E402
 from cudasnap.storage import registry  # noqa: E402
 from cudasnap.tools import cli  # noqa: E402
@@ -105,8 +106,8 @@ def test_flush_and_restore_bitwise_without_a_rename(objdir, monkeypatch):
 
 def test_a_storage_passed_in_is_the_one_used(objdir):
     url, root = objdir
-    store = registry.open_storage(url)
-    assert registry.open_storage(store) is store
+    store = registry.open_storage(url, Settings.from_env())
+    assert registry.open_storage(store, Settings.from_env()) is store
     model, opt = small_job()
     snap = cudasnap.Snapshotter(model, opt, directory=store, backend="cpu",
                                 flush_on_close=False, health=False)
@@ -144,7 +145,7 @@ def test_verify_and_inspect_read_it(objdir, capsys):
 
 def test_a_relative_path_is_refused(objdir):
     with pytest.raises(ConfigError, match="absolute path"):
-        registry.open_storage("objdir://relative/run")
+        registry.open_storage("objdir://relative/run", Settings.from_env())
 
 
 def _ranks(scenario: str, url: str, base: Path) -> list[int]:

@@ -28,6 +28,7 @@ pytest.importorskip("moto.server", reason="moto[server] not installed (requireme
 from helpers import parts
 from test_s3 import REPO, _fs, s3, s3_server  # noqa: E402,F401 - fixtures
 
+from cudasnap.config import Settings  # noqa: E402
 from cudasnap.tools import cli  # noqa: E402
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "s3_ranks.py"
@@ -151,7 +152,7 @@ TRAIN = textwrap.dedent("""
         # Resume from the store, not from shared memory: wait (bounded) until the
         # supervisor has committed the dead attempt's step, then drop the arenas.
         from cudasnap.storage.fsspec import filesystem
-        fs, root = filesystem(os.environ["CUDASNAP_DIR"])
+        fs, root = filesystem(os.environ["CUDASNAP_DIR"], os.environ["CUDASNAP_S3_ENDPOINT"])
         end = time.monotonic() + 300
         while not fs.exists(f"{root}/step-00000004/COMMIT"):
             assert time.monotonic() < end, "the supervisor never committed step 4"
@@ -191,7 +192,7 @@ def test_cudasnap_run_on_s3_flushes_the_killed_child_and_resumes_from_the_store(
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     env = _env()
-    job = paths.job_for(state_dir(s3))  # the supervisor derives the job from it
+    job = paths.job_for(state_dir(s3, Settings.from_env().state_dir))  # the supervisor derives the job from it
     assert job is not None
     env["CUDASNAP_DIR_JOB"] = job
     try:
@@ -225,7 +226,7 @@ def test_latest_moves_by_compare_and_swap_and_never_back(s3, monkeypatch):
     the pointer is read again, and the newer step it names now stays."""
     from cudasnap.storage.fsspec import FsspecStorage
 
-    st = FsspecStorage(s3)
+    st = FsspecStorage(s3, Settings.from_env())
     key = s3.removeprefix("s3://")
     fs = _fs()
     for step in (3, 5):
@@ -252,7 +253,7 @@ def test_clean_partial_spares_a_live_writer_and_removes_a_dead_ones(s3):
     another host, recently) is left alone; one whose writer is dead is removed."""
     from cudasnap.storage.fsspec import FsspecStorage
 
-    st = FsspecStorage(s3)
+    st = FsspecStorage(s3, Settings.from_env())
     key = s3.removeprefix("s3://")
     fs = _fs()
     host = parts.remote_host()
@@ -300,7 +301,7 @@ def test_every_host_of_a_url_gets_the_same_directory_id(s3, monkeypatch, tmp_pat
     ids = []
     for host in ("node-a", "node-b"):
         monkeypatch.setenv("CUDASNAP_STATE_DIR", str(tmp_path / host))
-        st = open_storage(s3)
+        st = open_storage(s3, Settings.from_env())
         ids.append(paths.directory_id(st.local_dir, create=False))
     assert ids[0] is not None and ids[0] == ids[1]
     assert _fs().cat_file(f"{s3.removeprefix('s3://')}/.cudasnap-id").decode().strip() == ids[0]

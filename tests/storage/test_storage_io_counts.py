@@ -21,6 +21,7 @@ pytest.importorskip("moto.server", reason="moto[server] not installed (requireme
 
 import cudasnap  # noqa: E402
 from cudasnap._native import native  # noqa: E402
+from cudasnap.config import Settings  # noqa: E402
 from cudasnap.storage import counters, open_storage, progress  # noqa: E402
 from cudasnap.storage.fsspec import FsspecStorage  # noqa: E402
 
@@ -72,7 +73,7 @@ def tty(monkeypatch):
 def test_progress_bars_of_an_upload_and_a_download_reach_the_data_size(s3, tty):
     snap = _flushed(s3)
     try:
-        st = open_storage(s3)
+        st = open_storage(s3, Settings.from_env())
         assert isinstance(st, FsspecStorage)
         arena = snap.staged_arenas()[0]
         slot = arena.newest_complete()

@@ -24,6 +24,7 @@ import torch
 from helpers import parts
 
 import cudasnap
+from cudasnap.config import Settings
 from cudasnap.distributed.restore_vote import RestoreVote
 from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot
 from cudasnap.storage import PosixStorage, posix
@@ -66,7 +67,7 @@ def test_a_storage_refuses_another_backends_snapshot_clearly(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="memory://elsewhere/step-00000003 is not a local"):
         local.load_manifest(remote)
     monkeypatch.setenv("CUDASNAP_STATE_DIR", str(tmp_path / "state"))
-    store = FsspecStorage("memory://typ-test/run")
+    store = FsspecStorage("memory://typ-test/run", Settings.from_env())
     on_disk = posix.StoredSnapshot(3, tmp_path / "d" / "step-00000003")
     for call in (lambda: store.load_manifest(on_disk),
                  lambda: store.read_data(on_disk, {"data": {"bytes": 0}})):  # type: ignore[typeddict-item]
@@ -146,7 +147,7 @@ def test_has_step_asks_the_storage_itself_never_a_local_path(tmp_path, monkeypat
             assert store.has_step(1) and not store.has_step(0) and not store.has_step(2)
         finally:
             snap.close()
-    remote = FsspecStorage(url)
+    remote = FsspecStorage(url, Settings.from_env())
     fake = remote.local_dir / "step-00000007"  # a local folder of a step's name
     fake.mkdir(parents=True)
     (fake / "manifest.json").write_text("{}")
