@@ -221,7 +221,7 @@ class Restorer:
             return self.state.apply(tensors, host, data, where, before_copy)
         except SnapshotError as e:
             if getattr(e, "partly_applied", False):  # a chunk failed after earlier ones were
-                self.partly_applied = where          # copied (storage.posix.DataFile.scatter)
+                self.partly_applied = where          # copied (core.file_copy)
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
             self.partly_applied = where

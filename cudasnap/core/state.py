@@ -303,9 +303,9 @@ class TrainingState:
               data: torch.Tensor | SnapshotFile, where: str, before_copy: Callable[[], None] | None = None) -> int:
         """Copies a snapshot into the live objects; returns its step
         (``core.apply.apply_snapshot``: every check before the first byte, one copy of every
-        tensor, then the host state). ``data``: a verified uint8 tensor or a
-        ``storage.posix.DataFile``; ``before_copy``: called after the checks, before the
-        first byte (it may raise). The values saved with the step go into ``values``."""
+        tensor, then the host state). ``data``: a verified uint8 tensor or a storage's byte
+        source (``storage.data_file.DataFile``); ``before_copy``: called after the checks,
+        before the first byte (it may raise). The values saved with the step go into ``values``."""
         step, self.values = apply_mod.apply_snapshot(self, tensors, host, data, where,
                                                      before_copy)
         return step
