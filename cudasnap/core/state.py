@@ -254,12 +254,20 @@ class TrainingState:
 
     # ------------------------------------------------------- host state
     def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, object]:
-        """Host-side state at a boundary, as codec-ready Python values.
+        """Host-side state at a boundary, as codec-ready Python values: ``"step"``,
+        ``"rng"``, then ``host_members``' members.
 
         ``rng=False``: no RNG state (``"rng": {}``); ``optim=False``: no ``"optim"`` key.
         The boundary reads those itself, only when they changed
         (cudasnap.core.host_capture.HostText)."""
-        rng_states = capture_rng(self.rng_sources) if rng else {}
+        out: dict[str, object] = {"step": step,
+                                  "rng": capture_rng(self.rng_sources) if rng else {}}
+        out.update(self.host_members(optim))
+        return out
+
+    def host_members(self, optim: bool = True) -> dict[str, object]:
+        """The host state but its step and RNG states, in order: ``"optim"`` (not with
+        ``optim=False``), ``"extra"``, ``"values"`` (only if there are any)."""
         groups_of: dict[str, object] = {}
         for okey, opt in self.optimizers.items() if optim else ():
             groups = []
@@ -285,7 +293,7 @@ class TrainingState:
             else:
                 extra[key] = {"kind": "state_dict", "state": cast("Stateful", obj).state_dict(),
                               "class": type(obj).__qualname__}
-        out: dict[str, object] = {"step": step, "rng": rng_states, "optim": groups_of, "extra": extra}
+        out: dict[str, object] = {"optim": groups_of, "extra": extra}
         if not optim:
             del out["optim"]
         if self.step_values:
