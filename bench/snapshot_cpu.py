@@ -14,7 +14,7 @@ on the same bytes and in the same run:
   memory and from disk (arena renamed away, data.bin evicted from the page
   cache) next to ``torch.load`` (+ copy into the live tensors) of a ``torch.save``;
   from disk twice: the chunk-by-chunk path (read, CRC32C-check, copy each chunk
-  into the live tensors: ``storage.posix.DataFile``) and the whole-file path it
+  into the live tensors: ``core.file_copy`` reading ``storage.posix.DataFile``) and the whole-file path it
   replaced (``read_data`` into a buffer, then the copy), the three in rotated order;
 * peers: torch.save+fsync, torch.distributed.checkpoint.save and async_save
   (single-rank gloo group on a FileStore): time blocked, time until durable.
@@ -25,7 +25,7 @@ on the same bytes and in the same run:
 made first): the chunk-by-chunk path, the whole-file path, torch.load + copy and a
 plain read of data.bin (the disk's floor), rotated, each after evicting the files
 from the page cache; with where each path's time goes (read + verify, the copy,
-Python) from timers around ``posix.read_data``, ``DataFile.scatter`` and
+Python) from timers around ``posix.read_data``, ``file_copy.run_plan`` and
 ``TrainingState.apply``.
 
 ``--first-boundary``: only the start-up stall (issue 15 target 1). Per size, in
@@ -167,15 +167,16 @@ def disk_path(mode: str) -> Iterator[None]:
 @contextlib.contextmanager
 def breakdown(out: dict[str, float]) -> Iterator[None]:
     """Adds the seconds spent in the restore's stages to ``out``: manifest (load_manifest),
-    read_verify (read_data: read + CRC32C of the whole file), scatter (DataFile.scatter:
+    read_verify (read_data: read + CRC32C of the whole file), scatter (file_copy.run_plan:
     read + CRC32C + copy, chunk by chunk), apply (TrainingState.apply: checks, planning,
     the copy, host state; includes scatter); and ahead_bytes, the bytes the scatter took
     from the read-ahead instead of reading them."""
+    from cudasnap.core import file_copy
     from cudasnap.core.state import TrainingState
     from cudasnap.storage import posix
 
     targets = [(posix, "load_manifest", "manifest"), (posix, "read_data", "read_verify"),
-               (posix.DataFile, "scatter", "scatter"), (TrainingState, "apply", "apply")]
+               (file_copy, "run_plan", "scatter"), (TrainingState, "apply", "apply")]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
 
     def timer(fn: Any, key: str) -> Any:
@@ -488,7 +489,7 @@ def report_restore_only(results: list[dict[str, Any]], a: Any) -> str:
          "copy + Python (apply)"], rows,
         "total = restore_latest() of a fresh Snapshotter (listing, manifest, arena hold, "
         "apply); the parts are timers around posix.load_manifest, posix.read_data, "
-        "DataFile.scatter and TrainingState.apply (Python = apply - scatter)."))
+        "file_copy.run_plan and TrainingState.apply (Python = apply - scatter)."))
     return "\n".join(out)
 
 

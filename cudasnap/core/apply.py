@@ -5,8 +5,10 @@
 optimizer and LR scheduler classes), then copies every tensor (model and optimizer state)
 in one call, then puts back the host state (optimizer scalars and param groups, ``extra``
 objects, RNG states). The data is a verified uint8 tensor (a slot, or ``read_data``) or a
-``storage.posix.DataFile`` read chunk by chunk straight into the live tensors
-(``_copy_from_file``) where ``scatters`` says it can.
+storage's byte source (``SnapshotFile``: ``storage.data_file.DataFile``, opened and checked,
+not read) that this module plans the copies from and ``core.file_copy`` reads chunk by chunk
+straight into the live tensors (``_copy_from_file``) where ``scatters`` says it can: the
+restore calls down only, never back into the storage to copy.
 
 It needs of the state only the registered objects and the walk (``Registered``; a
 ``TrainingState`` is one): cudasnap.core.state imports this module, never the reverse.
@@ -20,10 +22,11 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from ..config import WAIT_S
 from ..errors import IncompatibleSnapshot
 from ..format import codec
 from ..format.manifest import TensorEntry, dtype_key, dtype_name
-from . import copy_back, device_restore, optim_apply, sharded, values, wrapped
+from . import copy_back, device_restore, file_copy, optim_apply, sharded, values, wrapped
 from .copy_back import Pair
 from .live_tensor import _PLAIN, LiveTensor, _param_order
 from .rng import DRAWN_KEY, RestoredRng
@@ -99,10 +102,10 @@ def _gc_held() -> Iterator[None]:
 
 def _copy_from_file(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile,
                     before: Callable[[], None] | None) -> None:
-    """``copy_back.copy_into(pairs, data)`` with ``data`` still on disk: ``file`` (a
-    storage.posix.DataFile) is read chunk by chunk into a small buffer, each chunk's CRC32C
-    checked, and only then its bytes copied to the destinations (one native call, GIL
-    released, no buffer of the file's size).
+    """``copy_back.copy_into(pairs, data)`` with ``data`` still on disk: ``file`` (the
+    storage's byte source) is read chunk by chunk into a small buffer, each chunk's CRC32C
+    checked, and only then its bytes copied to the destinations (``file_copy.run_plan``: one
+    native call, GIL released, no buffer of the file's size).
 
     ``data``: an untouched ``torch.empty`` of the file's size, standing for the file. The
     byte-copy pairs are planned against it as copy_into plans them (``_C.plan_pairs``, no
@@ -114,7 +117,7 @@ def _copy_from_file(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile,
 
     A chunk failing its CRC32C raises CorruptSnapshot before any byte of it is copied;
     chunks verified before it may have been copied (``partly_applied`` on the exception,
-    see DataFile.scatter); torch's copies have not run then.
+    see ``core.file_copy``); torch's copies have not run then.
     """
     from .._native import native
 
@@ -127,7 +130,7 @@ def _copy_from_file(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile,
     extra = copy_back.ranges_read(rest, lo, size)
     if before is not None:
         before()
-    file.scatter(plan, extra)
+    file_copy.run_plan(file, plan, extra)
     with torch.no_grad():
         for d, s in rest:
             d.copy_(s)
@@ -189,7 +192,8 @@ def _check_wrapper(name: str, rec: wrapped.Record | None, live: LiveTensor, wher
 
 def apply_snapshot(state: Registered, tensors: list[TensorEntry], host: dict[str, object],
                    data: torch.Tensor | SnapshotFile, where: str,
-                   before_copy: Callable[[], None] | None = None) -> tuple[int, dict[str, object]]:
+                   before_copy: Callable[[], None] | None = None, wait_s: float = WAIT_S
+                   ) -> tuple[int, dict[str, object]]:
     """Copies a snapshot into the live objects of ``state``; returns its step and the values
     saved with it (``boundary(step, **values)``; ``TrainingState.apply`` keeps them).
 
@@ -197,39 +201,41 @@ def apply_snapshot(state: Registered, tensors: list[TensorEntry], host: dict[str
     optimizer state) go through one ``copy_back.copy_into`` call; then the host state.
     ``before_copy``: called after the checks, before the first byte (it may raise).
 
-    ``data``: the snapshot's bytes, a uint8 tensor (verified), or a
-    ``storage.posix.DataFile`` (``PosixStorage.open_data``: checked, not read). A file is read
-    chunk by chunk straight into the live tensors (``_copy_from_file``: each chunk's
-    CRC32C checked before any byte of it is copied) when every live tensor is on the
-    CPU and nothing is sharded (``scatters``), else whole first (``DataFile.read``); it is
-    closed once read. A chunk failing its check then raises CorruptSnapshot with
+    ``data``: the snapshot's bytes, a uint8 tensor (verified), or a storage's byte source
+    (``PosixStorage.open_data``'s ``storage.data_file.DataFile``: checked, not read). A file
+    is read chunk by chunk straight into the live tensors (``_copy_from_file``, or
+    ``device_restore.copy_to_device`` for one CUDA device: each chunk's CRC32C checked before
+    any byte of it is copied) when nothing is sharded and the live tensors are on the CPU
+    (``scatters``) or one device (``device_scatters``), else whole first
+    (``file_copy.read_whole``); it is closed once read. A chunk failing its check then raises CorruptSnapshot with
     ``partly_applied`` telling whether earlier chunks were copied already.
 
     Python's cyclic GC is held off meanwhile (``_gc_held``), as in the layout build.
     """
     with _gc_held():
         if isinstance(data, torch.Tensor):
-            return _apply_state(state, tensors, host, data, None, where, before_copy)
-        with data:  # a DataFile: closed however the restore ends
-            return _apply_state(state, tensors, host, None, data, where, before_copy)
+            return _apply_state(state, tensors, host, data, None, where, before_copy, wait_s)
+        with data:  # a byte source (DataFile): closed however the restore ends
+            return _apply_state(state, tensors, host, None, data, where, before_copy, wait_s)
 
 
 def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, object],
                  data: torch.Tensor | None, file: SnapshotFile | None, where: str,
-                 before_copy: Callable[[], None] | None) -> tuple[int, dict[str, object]]:
+                 before_copy: Callable[[], None] | None, wait_s: float
+                 ) -> tuple[int, dict[str, object]]:
     lts = state.live_tensors()  # once per restore: it walks every module and optimizer
     check_compatible(state, tensors, where, lts)
     hd = codec.decode(host, "host")
     check_classes(state, hd, where)  # before anything is changed
     device = None
-    if file is not None:  # a storage.posix.DataFile: not read yet
+    if file is not None:  # the storage's byte source: not read yet
         device = device_scatters(state, lts, tensors) if file.nbytes else None
         if file.nbytes and (device is not None or scatters(state, lts, tensors)):
             # Address space only (no page is touched): the planner's stand-in for the
             # file, and where the bytes torch's copy_ reads (if any) are read to.
             data = torch.empty(file.nbytes, dtype=torch.uint8)
         else:  # a destination torch must copy to (sharded, several devices): the whole file
-            data, file = file.read(), None
+            data, file = file_copy.read_whole(file), None
     assert data is not None
     live = {lt.name: lt for lt in lts}
     for lt in lts:
@@ -253,7 +259,7 @@ def _apply_state(state: Registered, tensors: list[TensorEntry], host: dict[str, 
     if file is None:
         copy_back.copy_into(pairs, data, before=before_copy)
     elif device is not None:
-        device_restore.copy_to_device(pairs, data, file, device, before_copy)
+        device_restore.copy_to_device(pairs, data, file, device, before_copy, wait_s)
     else:
         _copy_from_file(pairs, data, file, before_copy)
     for done in finish:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import SnapshotError, StagingError
-from ..format.slot_manifest import slot_tail
+from ..format.slot_manifest import suffix_pieces
 from .copy_plan import Layout
 from .host_capture import HostText
 from .pending_boundary import PendingBoundary
@@ -141,18 +141,17 @@ class Copier:
 
     def host_suffix(self, step: int) -> list[bytes]:
         """The per-boundary end of the slot manifest, host state + step, in pieces that
-        the copy engine writes one after the other (no joined copy: see HostText.parts;
-        the bytes: cudasnap.format.slot_manifest).
+        the copy engine writes one after the other (no joined copy: see HostText.parts).
 
-        Reads only the RNG sources whose bytes changed since the last boundary
-        (cudasnap.core.host_capture.HostText)."""
+        Capture, then encode: the host state is captured first, reading only the RNG
+        sources whose bytes changed since the last boundary
+        (cudasnap.core.host_capture.HostText.capture), then the finished record is written
+        (cudasnap.format.slot_manifest.suffix_pieces)."""
         st = self.state
         ht = self._host_text
         if ht is None or ht.sources != st.rng_sources:
             ht = self._host_text = HostText(st.rng_sources, capture_rng)
-        parts = ht.parts(st, step)
-        parts.append(slot_tail(step))
-        return parts
+        return suffix_pieces(ht.capture(st), step)
 
     def submit(self, lay: Layout, step: int, suffix: bytes | list[bytes],
                still_clean: Callable[[], bool] | None = None) -> CopyJob | None:

@@ -2,9 +2,9 @@
 
 ``core.apply`` picks this path (``apply.device_scatters``) when the live tensors are on one
 CUDA device and nothing is sharded; ``copy_to_device`` plans the byte copies (contiguous
-CUDA and CPU destinations) and hands them to ``DataFile.scatter_device``
-(``_C.read_file_to_device``, ``csrc/cuda/device_sink.cpp``); torch's ``copy_`` keeps the
-rest, from the bytes read into the stand-in buffer.
+CUDA and CPU destinations) and reads the storage's byte source with them
+(``file_copy.run_to_device``: ``_C.read_file_to_device``, ``csrc/cuda/device_sink.cpp``);
+torch's ``copy_`` keeps the rest, from the bytes read into the stand-in buffer.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from . import copy_back
+from . import copy_back, file_copy
 from .copy_back import Pair
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def _disjoint(spans: list[tuple[int, int, int]]) -> set[int]:
 
 
 def copy_to_device(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile, device: int,
-                    before: Callable[[], None] | None) -> None:
+                    before: Callable[[], None] | None, wait_s: float) -> None:
     """``apply._copy_from_file`` for a state on a GPU (issue 34 item 5): one native call reads the
     file chunk by chunk into page-locked buffers, checks each chunk's CRC32C, then copies
     its bytes to the contiguous CUDA destinations (a DMA, overlapped with the next read)
@@ -73,7 +73,7 @@ def copy_to_device(pairs: list[Pair], data: torch.Tensor, file: SnapshotFile, de
     # (an init's kernels, the last optimizer step before a rollback) must land first, as
     # it would before torch's copy_ on the current stream.
     torch.cuda.synchronize(device)
-    file.scatter_device(dev, host, device)
+    file_copy.run_to_device(file, dev, host, device, wait_s)
     for t in moved:  # changed in place behind autograd's back
         if not t.is_inference():
             torch.autograd.graph.increment_version(t)

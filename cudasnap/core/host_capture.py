@@ -1,19 +1,23 @@
-"""Host state at a boundary as the codec's JSON text, re-encoding only what changed.
+"""Host state at a boundary, captured for the codec's JSON text, re-encoding only what changed.
 
 ``codec.dumps(state.capture_host(step))`` walks the whole host state in Python
 at every boundary, and most of its bytes are RNG states (about 10 KB of
 base64) that often do not change between boundaries (NumPy and Python RNGs a
-loop never draws from). ``HostEncoder`` keeps the JSON text of each RNG source
-with an exact key of its raw value and encodes a source again only when its key
-changed; ``HostText`` reads an RNG source only when its bytes changed, and
-re-encodes the rest of the host state per top-level key when its value changed.
+loop never draws from). ``HostEncoder`` keeps each RNG source's member
+(``slot_manifest.Member``: its text once encoded) with an exact key of its raw value and
+hands a new one (encoded again) only when its key changed; ``HostText`` reads an RNG source
+only when its bytes changed, and captures the rest of the host state again per top-level
+key when its value changed.
 
-The bytes are written by ``cudasnap.format.slot_manifest`` (separators, key order,
-where the step goes); this module only decides what to read and which text to
-reuse. The text decodes to the same value as ``codec.dumps(host)`` (tested); only
-the order of keys differs. Keys are exact: bytes as they are, floats by ``repr``
-(``-0.0`` and ``nan`` differ from ``0.0``), types included (``True`` is not
-``1``); a part holding anything else is encoded afresh each time.
+Capture, then encode: ``HostText.capture`` reads what changed and returns a finished
+``slot_manifest.HostRecord`` (the members, the unchanged ones with their text); the
+caller hands it to ``cudasnap.format.slot_manifest`` (``suffix_pieces`` /
+``host_pieces``), which encodes what is new and writes the bytes (separators, key order,
+where the step goes). This module only decides what to read and which member to reuse;
+it never calls the format back while capturing. The text decodes to the same value as
+``codec.dumps(host)`` (tested); only the order of keys differs. Keys are exact: bytes as
+they are, floats by ``repr`` (``-0.0`` and ``nan`` differ from ``0.0``), types included
+(``True`` is not ``1``); a part holding anything else is encoded afresh each time.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch
 
 from .._native import native
 from ..format import slot_manifest as sm
-from ..format.slot_manifest import EMPTY_EXTRA, HOST_CLOSE, host_open
+from ..format.slot_manifest import EMPTY_EXTRA, HostRecord, Member
 from .rng import Unwatchable, numpy_watch, python_watch
 
 if TYPE_CHECKING:
@@ -59,27 +63,29 @@ def exact_key(v: object) -> object:
 
 
 class HostEncoder:
-    """Per-RNG-source cache of encoded text; one per TrainingState (the training
-    thread's boundary() is its only user)."""
+    """Per-RNG-source member, kept while its value is exactly the same; one per HostText
+    (the training thread's boundary() is its only user)."""
 
     def __init__(self) -> None:
-        self._parts: dict[str, tuple[object, str]] = {}
-        self.encoded = 0  # parts encoded afresh (the rest reused their text)
+        self._parts: dict[str, tuple[object, Member]] = {}
+        self.encoded = 0  # members handed to be encoded afresh (the rest keep their text)
 
-    def part(self, name: str, value: object, path: str) -> str:
+    def member(self, name: str, value: object) -> Member:
+        """``name``'s member for ``value``: the last one (its text kept) if ``value`` has
+        the same exact key, else a new one (``slot_manifest.host_pieces`` encodes it)."""
         try:
             key = exact_key(value)
         except _Unkeyable:
             self._parts.pop(name, None)
             self.encoded += 1
-            return sm.host_value(value, path)
+            return Member(name, value)
         hit = self._parts.get(name)
         if hit is not None and hit[0] == key:
             return hit[1]
-        text = sm.host_value(value, path)
-        self._parts[name] = (key, text)
+        m = Member(name, value)
+        self._parts[name] = (key, m)
         self.encoded += 1
-        return text
+        return m
 
 
 # ------------------------------------------------------------------ boundary path
@@ -107,7 +113,7 @@ def _still_watched(src: str, held: tuple[object, ...]) -> bool:
     return True
 
 
-_NO_TEXT = b""  # a source read last time that had nothing to save
+_NOTHING = Member("")  # a source read last time that had nothing to save
 
 
 class HostText:
@@ -125,6 +131,9 @@ class HostText:
     of ``capture_host`` (``extra``, values, param groups that changed or are not
     plain values) is captured as before and encoded per top-level key when that
     key's exact value changed.
+
+    ``capture`` reads and returns the finished record; ``slot_manifest.host_pieces``
+    encodes it (``parts``: both, for one boundary's host value).
     """
 
     def __init__(self, sources: tuple[str, ...],
@@ -136,13 +145,14 @@ class HostText:
         self._hw = native().HostWatch()
         self._bit: dict[str, int] = {}
         self._watch: dict[str, tuple[object, ...]] = {}  # watched source -> objects it reads
-        self._text: dict[str, bytes] = {}
-        self._rng: list[bytes] | None = None  # the RNG text pieces of the last boundary
+        self._member: dict[str, Member] = {}  # RNG source -> its member (_NOTHING: none)
+        self._rng: list[Member] | None = None  # the RNG members of the last boundary
         self._rng_mask = 0
-        self._rest_text: dict[str, bytes] = {}
+        self._rest: dict[str, Member] = {}  # top-level key -> its member while unchanged
         self._values: dict[str, ValueWatch] = {}  # native ValueWatch per top-level key
         self._bound: TrainingState | None = None  # the TrainingState whose optimizers _hw watches
-        self._optim: bytes | None = None  # ',"optim":<text>' while the groups did not change
+        self._optim: Member | None = None  # the "optim" member while the groups did not change
+        self._empty_extra = Member("extra", text=EMPTY_EXTRA)
         self._optim_bit = int(self._hw.OPTIM_BIT)
         for src in sources:
             bit = None
@@ -162,82 +172,85 @@ class HostText:
             self._bit[src] = self._hw.add_always() if bit is None else bit
             self._rng_mask |= 1 << self._bit[src]
 
-    def _rng_parts(self, mask: int) -> list[bytes]:
-        members: list[bytes] = []
+    def _rng_members(self, mask: int) -> list[Member]:
+        members: list[Member] = []
         for src in self.sources:
             bit = self._bit[src]
-            text = self._text.get(src)
-            if mask >> bit & 1 or text is None:
+            m = self._member.get(src)
+            if mask >> bit & 1 or m is None:
                 held = self._watch.get(src)
                 if held is not None and not _still_watched(src, held):
                     del self._watch[src]  # replaced generator: read at every boundary from now on
                     self._hw.unwatch(bit)
                 # The bytes were compared BEFORE they are read: a draw in between shows
                 # as a change at the next boundary, never as a stale text.
-                text = self._read(src)
-            if text is not _NO_TEXT:
-                members.append(text)
-        return sm.rng_pieces(members)  # separate pieces: no copy of the texts
+                m = self._read(src)
+            if m is not _NOTHING:
+                members.append(m)
+        return members
 
-    def _read(self, src: str) -> bytes:
-        """``"src":<text>`` (``slot_manifest.rng_member``) of one RNG source read now (_NO_TEXT: nothing to save)."""
+    def _read(self, src: str) -> Member:
+        """One RNG source's member read now (``_NOTHING``: nothing to save)."""
         if src == "cuda" and not torch.cuda.is_initialized():
             got: dict[str, object] = {}  # what capture_rng gives then, without its ~20 us check
         else:
             got = self._capture_rng((src,))
         if src not in got:
-            self._text[src] = _NO_TEXT
-            return _NO_TEXT
+            self._member[src] = _NOTHING
+            return _NOTHING
         self.read += 1
-        text = sm.rng_member(src, self.enc.part(src, got[src], f"host.rng.{src}"))
-        self._text[src] = text
-        return text
+        m = self._member[src] = self.enc.member(src, got[src])
+        return m
 
     def parts(self, state: TrainingState, step: int) -> list[bytes]:
         """The host JSON text in pieces (the copy engine writes them one after the other;
-        joining them here would allocate the whole text at every boundary)."""
+        joining them here would allocate the whole text at every boundary): ``capture``,
+        then ``slot_manifest.host_pieces``."""
+        return sm.host_pieces(self.capture(state), step)
+
+    def capture(self, state: TrainingState) -> HostRecord:
+        """The host state of this boundary (all but its step), read where it changed: the
+        finished record ``slot_manifest.host_pieces`` writes."""
         if state is not self._bound:
             self._hw.set_optim(state.optimizers, state._scalar_keys)
             self._bound, self._optim = state, None
         mask = self._hw.changed()
         rng = self._rng
         if rng is None or mask & self._rng_mask:
-            rng = self._rng = self._rng_parts(mask)
-        out = host_open(rng, step)
+            rng = self._rng = self._rng_members(mask)
+        members: list[Member] = []
         optim = self._optim
         if optim is None or mask & self._optim_bit:
             optim = None
         if optim is None or state.extra or state.step_values:
-            host = state.capture_host(step, rng=False, optim=optim is None)
+            host = state.host_members(optim=optim is None)
             for k, v in host.items():
-                if k != "rng" and k != "step":
-                    out.append(self._rest(k, v))
+                members.append(self._member_of(k, v))
             if optim is None:
-                self._optim = self._rest_text.get("optim")  # None: not a plain value
+                self._optim = self._rest.get("optim")  # None: not a plain value
             else:
-                out.append(optim)
+                members.append(optim)
         else:  # nothing but the step changed
-            out.append(optim)
-            out.append(EMPTY_EXTRA)
-        out.append(HOST_CLOSE)
-        return out
+            members.append(optim)
+            members.append(self._empty_extra)
+        return HostRecord(rng, members)
 
-    def _rest(self, key: str, value: object) -> bytes:
-        """``,"key":<text>`` (``slot_manifest.host_member``), reused while ``value`` is
-        exactly the same plain value (compared natively: a ValueWatch per key; no Python
-        objects, no allocation)."""
-        if type(value) is int:  # its text is its repr
-            return sm.host_member(key, repr(value))
+    def _member_of(self, key: str, value: object) -> Member:
+        """``key``'s member: the last one (its text kept) while ``value`` is exactly the
+        same plain value (compared natively: a ValueWatch per key; no Python objects, no
+        allocation), else a new one to encode."""
+        if type(value) is int:  # its text is its repr (slot_manifest.host_pieces)
+            return Member(key, value)
         w = self._values.get(key)
         if w is None:
             w = self._values[key] = native().ValueWatch()
         try:
             same = not w.changed(value)
         except ValueError:  # not a plain value (a tensor, an object): encoded every time
-            self._rest_text.pop(key, None)
-            return sm.host_member(key, sm.host_value(value, "host." + key))
-        text = self._rest_text.get(key)
-        if same and text is not None:
-            return text
-        text = self._rest_text[key] = sm.host_member(key, sm.host_value(value, "host." + key))
-        return text
+            self._rest.pop(key, None)
+            return Member(key, value)
+        m = self._rest.get(key)
+        if same and m is not None:
+            return m
+        m = self._rest[key] = Member(key, value)
+        return m

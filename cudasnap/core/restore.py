@@ -218,10 +218,10 @@ class Restorer:
         as CorruptSnapshot instead of a raw KeyError/TypeError crashing restore."""
         self._copier.forget_live()  # the live state is about to be replaced: no JIT copy of it
         try:
-            return self.state.apply(tensors, host, data, where, before_copy)
+            return self.state.apply(tensors, host, data, where, before_copy, self.wait_timeout_s)
         except SnapshotError as e:
             if getattr(e, "partly_applied", False):  # a chunk failed after earlier ones were
-                self.partly_applied = where          # copied (storage.posix.DataFile.scatter)
+                self.partly_applied = where          # copied (core.file_copy)
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
             self.partly_applied = where

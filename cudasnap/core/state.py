@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
+from ..config import WAIT_S
 from ..errors import ConfigError
 from ..format.manifest import TensorEntry
 from . import apply as apply_mod
@@ -254,12 +255,20 @@ class TrainingState:
 
     # ------------------------------------------------------- host state
     def capture_host(self, step: int, rng: bool = True, optim: bool = True) -> dict[str, object]:
-        """Host-side state at a boundary, as codec-ready Python values.
+        """Host-side state at a boundary, as codec-ready Python values: ``"step"``,
+        ``"rng"``, then ``host_members``' members.
 
         ``rng=False``: no RNG state (``"rng": {}``); ``optim=False``: no ``"optim"`` key.
         The boundary reads those itself, only when they changed
         (cudasnap.core.host_capture.HostText)."""
-        rng_states = capture_rng(self.rng_sources) if rng else {}
+        out: dict[str, object] = {"step": step,
+                                  "rng": capture_rng(self.rng_sources) if rng else {}}
+        out.update(self.host_members(optim))
+        return out
+
+    def host_members(self, optim: bool = True) -> dict[str, object]:
+        """The host state but its step and RNG states, in order: ``"optim"`` (not with
+        ``optim=False``), ``"extra"``, ``"values"`` (only if there are any)."""
         groups_of: dict[str, object] = {}
         for okey, opt in self.optimizers.items() if optim else ():
             groups = []
@@ -285,7 +294,7 @@ class TrainingState:
             else:
                 extra[key] = {"kind": "state_dict", "state": cast("Stateful", obj).state_dict(),
                               "class": type(obj).__qualname__}
-        out: dict[str, object] = {"step": step, "rng": rng_states, "optim": groups_of, "extra": extra}
+        out: dict[str, object] = {"optim": groups_of, "extra": extra}
         if not optim:
             del out["optim"]
         if self.step_values:
@@ -300,12 +309,14 @@ class TrainingState:
         apply_mod.check_compatible(self, tensors, where, live_tensors)
 
     def apply(self, tensors: list[TensorEntry], host: dict[str, object],
-              data: torch.Tensor | SnapshotFile, where: str, before_copy: Callable[[], None] | None = None) -> int:
+              data: torch.Tensor | SnapshotFile, where: str, before_copy: Callable[[], None] | None = None,
+              wait_s: float = WAIT_S) -> int:
         """Copies a snapshot into the live objects; returns its step
         (``core.apply.apply_snapshot``: every check before the first byte, one copy of every
-        tensor, then the host state). ``data``: a verified uint8 tensor or a
-        ``storage.posix.DataFile``; ``before_copy``: called after the checks, before the
-        first byte (it may raise). The values saved with the step go into ``values``."""
+        tensor, then the host state). ``data``: a verified uint8 tensor or a storage's byte
+        source (``storage.data_file.DataFile``); ``before_copy``: called after the checks,
+        before the first byte (it may raise); ``wait_s``: the bound of a device copy's wait.
+        The values saved with the step go into ``values``."""
         step, self.values = apply_mod.apply_snapshot(self, tensors, host, data, where,
-                                                     before_copy)
+                                                     before_copy, wait_s)
         return step

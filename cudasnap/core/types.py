@@ -7,23 +7,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import torch
+    from pathlib import Path
 
-    from cudasnap._C import RestorePlan
+    from cudasnap._C import FileReadAhead
 
 
 class SnapshotFile(Protocol):
-    """A snapshot's data file opened and checked but not read (what
-    ``storage.open_data`` returns for a local snapshot: ``storage.posix.DataFile``)."""
+    """A snapshot's data file opened and checked but not read: the byte source a storage
+    hands a restore (``storage.open_data`` for a local snapshot: ``storage.data_file.DataFile``).
+    A record, no copy logic: ``core.file_copy`` reads it, each chunk checked against
+    ``crcs`` before any byte of it is copied."""
 
+    fd: int
+    path: Path
     nbytes: int
+    chunk_bytes: int
+    crcs: list[int]
+    threads: int
+    io_bytes: int
+    direct: bool
+    ahead: FileReadAhead | None
 
-    def read(self) -> torch.Tensor: ...
-
-    def scatter(self, plan: RestorePlan, extra: list[tuple[int, int, int]]) -> object: ...
-
-    def scatter_device(self, device_spans: list[tuple[int, int, int]],
-                       host_spans: list[tuple[int, int, int]], device: int) -> object: ...
+    def stop_ahead(self) -> None: ...
 
     def close(self) -> None: ...
 

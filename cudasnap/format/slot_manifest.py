@@ -10,10 +10,13 @@ the other::
 
 The prefix is made once per layout (``encode_prefix``); the host value and the
 tail at every boundary, as pieces the copy engine writes one after the other
-(``host_open``, ``host_member``, ``HOST_CLOSE``, ``slot_tail``). Callers
-(``cudasnap.core.plan_cache``, ``cudasnap.core.host_capture``, ``cudasnap.core.copier``)
-keep the caches (one prefix per layout, one text per unchanged RNG source or
-host member); every byte-shaping decision lives here: separators, key order
+(``suffix_pieces``: ``host_pieces`` of a ``HostRecord``, then ``slot_tail``). The host
+value is written in one pass from a finished record: ``cudasnap.core.host_capture``
+captures (reads what changed, keeps the ``Member``s whose value did not change, their
+text with them), then ``cudasnap.core.copier`` hands the record here, which encodes the
+members not encoded yet and writes the pieces (``host_open``, ``host_member``,
+``HOST_CLOSE``). Callers keep the caches (``cudasnap.core.plan_cache``: one prefix per
+layout; ``host_capture``: the members); every byte-shaping decision lives here: separators, key order
 (``"rng"`` first, then ``"step"``, then the other members in the order given),
 the step written twice (inside ``host``, where the codec's host value has it, and
 at the top level, which ``validate_manifest`` requires), non-finite floats
@@ -95,6 +98,59 @@ def host_member(key: str, text: str) -> bytes:
 
 
 EMPTY_EXTRA = host_member("extra", host_value({}, "host.extra"))
+
+
+class Member:
+    """One member of a boundary's host value as a capture hands it over: its ``name``, the
+    captured ``value`` and ``text``, its bytes (``rng_member`` / ``host_member``): None until
+    ``host_pieces`` encodes it, which then drops the value. A capturer may keep a member and
+    hand it again while its value is unchanged: its text is reused, not encoded again."""
+
+    __slots__ = ("name", "value", "text")
+
+    def __init__(self, name: str, value: Any = None, text: bytes | None = None) -> None:
+        self.name, self.value, self.text = name, value, text
+
+
+class HostRecord:
+    """A boundary's host state, captured and finished (``cudasnap.core.host_capture``):
+    ``rng``, the ``"rng"`` object's members in order; ``members``, the members after
+    ``"step"`` in order. ``host_pieces`` writes it."""
+
+    __slots__ = ("rng", "members")
+
+    def __init__(self, rng: list[Member], members: list[Member]) -> None:
+        self.rng, self.members = rng, members
+
+
+def host_pieces(rec: HostRecord, step: int) -> list[bytes]:
+    """The host value of ``rec`` in pieces, in one pass: each member not encoded yet is
+    encoded (an RNG source's state with ``host_value``; a member after ``"step"`` with
+    ``host_value``, an ``int`` by its ``repr``), then ``host_open``, the members,
+    ``HOST_CLOSE``; the same bytes as those functions joined by hand (tested)."""
+    texts: list[bytes] = []
+    for m in rec.rng:
+        if m.text is None:
+            m.text = rng_member(m.name, host_value(m.value, f"host.rng.{m.name}"))
+            m.value = None
+        texts.append(m.text)
+    out = host_open(rng_pieces(texts), step)
+    for m in rec.members:
+        if m.text is None:
+            v = m.value
+            m.text = host_member(m.name, repr(v) if type(v) is int
+                                 else host_value(v, "host." + m.name))
+            m.value = None
+        out.append(m.text)
+    out.append(HOST_CLOSE)
+    return out
+
+
+def suffix_pieces(rec: HostRecord, step: int) -> list[bytes]:
+    """What a boundary writes after the prefix: ``host_pieces`` then ``slot_tail``."""
+    out = host_pieces(rec, step)
+    out.append(slot_tail(step))
+    return out
 
 
 def slot_tail(step: int) -> bytes:

@@ -39,8 +39,9 @@ Call order: ``PosixStorage`` (cudasnap.storage), the supervisor's orphan flush, 
 distributed flush round and the timeline each call ``posix.write_slot``: ``complete_slot`` ->
 data and manifest into ``.tmp`` -> rename -> ``latest.replace_latest`` -> ``listing.prune``
 -> ``listing.append_flush_log``. A restore calls ``load_manifest`` then ``read_data``, or opens
-a ``DataFile`` (``PosixStorage.open_data``, for a ``PosixStorage``'s local snapshot: read
-by ``TrainingState.apply`` chunk by chunk into the live tensors, issue 26).
+a ``DataFile`` (``storage.data_file``; ``PosixStorage.open_data``, for a ``PosixStorage``'s local
+snapshot: opened and checked here, read by ``core.file_copy`` chunk by chunk into the live
+tensors, issue 26).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
 from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, rank_dirname, step_dirname
 from . import listing
+from .data_file import DataFile, _check_data_file, _lstat_data  # noqa: F401  (posix.DataFile)
 from .latest import (  # noqa: F401  (re-exported: posix.replace_latest, ...)
     LATEST_LOCK,
     read_latest,
@@ -85,7 +87,7 @@ from .types import FlushResult
 if TYPE_CHECKING:  # type-only: importing this module loads neither torch nor _C
     import torch
 
-    from cudasnap._C import Arena, FileReadAhead, RestorePlan, ScatterStats, SlotInfo
+    from cudasnap._C import Arena, FileReadAhead, SlotInfo
 
     from .protocol import SnapshotRef
 
@@ -220,32 +222,6 @@ def read_data(snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
     return buf
 
 
-def _lstat_data(path: Path) -> os.stat_result:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:  # torn (e.g. a prune killed half-way): skip it, don't fail restore
-        raise CorruptSnapshot(f"{path} is missing (the snapshot is incomplete)") from None
-    except OSError as e:
-        raise CorruptSnapshot(f"cannot stat {path}: {e}") from e
-
-
-def _check_data_file(path: Path, st: os.stat_result, nbytes: int,
-                     allow_foreign_owner: bool | None) -> None:
-    """data.bin's checks before a byte is read: a regular file of this user's (``_check_trust``)
-    of the manifest's size."""
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptSnapshot(f"{path} is not a regular file")
-    _check_trust(path, st, allow_foreign_owner)
-    if st.st_size != nbytes:
-        raise CorruptSnapshot(f"{path} is {st.st_size} bytes, the manifest says {nbytes} "
-                              "(truncated or replaced)")
-
-
-# The fused restore's reads (DataFile.scatter; bench/snapshot_cpu.py --restore-only measures
-# them): bytes per read (0: one chunk) and O_DIRECT. One chunk per read through the page cache
-# measured fastest on the bench VM (issue 26; O_DIRECT and 2-4 chunk reads were no faster).
-SCATTER_IO_BYTES = 0
-SCATTER_DIRECT = False
 # The head of data.bin read on a native thread while the restore lists, parses the manifest
 # and plans the copy (``read_ahead``): those ~90 ms at 4,000 tensors no longer wait before the
 # first read (issue 26). At most this many bytes (a transient buffer, freed once restored).
@@ -258,10 +234,10 @@ def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None
     (``_C.FileReadAhead``) before its manifest is read; hand it to ``DataFile(ahead=)``.
 
     Best effort: None where there is no regular data.bin of this user's to read (the
-    DataFile's own checks then say what is wrong). Nothing read is trusted before
-    ``DataFile.scatter`` checked each chunk against the manifest's CRC32C, and only if it
-    is the very file (device, inode) the DataFile opened. ``release()`` it when done (the
-    DataFile does): its buffer is freed then, not when it is collected."""
+    DataFile's own checks then say what is wrong). Nothing read is trusted before the
+    reader (``core.file_copy``) checked each chunk against the manifest's CRC32C, and only
+    if it is the very file (device, inode) the DataFile opened. ``release()`` it when done
+    (``DataFile.stop_ahead`` does): its buffer is freed then, not when it is collected."""
     if READ_AHEAD_BYTES <= 0:
         return None
     path = Path(snapshot_dir) / DATA
@@ -279,134 +255,6 @@ def read_ahead(snapshot_dir: Path, allow_foreign_owner: bool | None = None
         return None
     finally:
         os.close(fd)  # the reader has its own descriptor
-
-
-class DataFile:
-    """A snapshot's data.bin, opened and checked but not read (``PosixStorage.open_data``).
-
-    The restore (``TrainingState.apply``) either reads it chunk by chunk straight into
-    the live tensors (``scatter``: each chunk's CRC32C checked in a small buffer before
-    any byte of it is copied; no buffer of the file's size, one pass over the memory) or,
-    where a destination is not a plain CPU tensor, whole into a new buffer (``read``: the
-    same chunk-by-chunk check, the buffer as the one destination). Both read the file the
-    checks ran on: it is opened without following symlinks and must be the
-    regular file ``lstat`` saw, of this user's, of the manifest's size (read_data's
-    checks), all checked on the open file too. Close it (``close``, or ``with``) when
-    done; the restore closes it once read.
-
-    ``ahead``: a ``read_ahead`` of this snapshot, started before the manifest was read;
-    ``scatter`` and ``read`` take the bytes it holds instead of reading them again (checked
-    the same way, and only if it read this very file), then stop it; so does ``close``.
-    """
-
-    def __init__(self, snapshot_dir: Path, manifest: fmt.Manifest, threads: int = 4, *,
-                 allow_foreign_owner: bool | None = None,
-                 ahead: FileReadAhead | None = None) -> None:
-        self.fd = -1
-        self.ahead = ahead
-        data = manifest["data"]
-        if data.get("file") != DATA:  # validate_manifest refuses it; never a path from JSON
-            raise CorruptSnapshot(f"{snapshot_dir}: data file must be {DATA!r}")
-        self.path = Path(snapshot_dir) / DATA
-        self.nbytes = int(data["bytes"])
-        self.chunk_bytes = int(data["chunk_bytes"])
-        self.crcs = [int(c) for c in data["crc32c"]]
-        self.threads = max(1, int(threads))
-        before = _lstat_data(self.path)
-        _check_data_file(self.path, before, self.nbytes, allow_foreign_owner)
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-                              | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise CorruptSnapshot(f"{self.path} is missing (the snapshot is incomplete)") from None
-        except OSError as e:  # ELOOP: a symlink planted since the lstat
-            raise CorruptSnapshot(f"cannot open {self.path}: {e}") from e
-        try:
-            st = os.fstat(self.fd)
-            if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-                raise CorruptSnapshot(f"{self.path} was replaced while it was being opened")
-            _check_data_file(self.path, st, self.nbytes, allow_foreign_owner)
-        except BaseException:
-            self.close()
-            raise
-
-    def read(self) -> torch.Tensor:
-        """The whole file in a new uint8 tensor, every chunk CRC32C-verified before any byte
-        of it is copied there (read from this open file, the head from the read-ahead)."""
-        import torch
-
-        buf = torch.empty(self.nbytes, dtype=torch.uint8)
-        try:
-            native().read_file_scatter(self.fd, str(self.path), self.nbytes, self.chunk_bytes,
-                                       self.crcs, [(buf.data_ptr(), 0, self.nbytes)],
-                                       self.threads, SCATTER_IO_BYTES, SCATTER_DIRECT,
-                                       self.ahead)
-        finally:
-            self._stop_ahead()
-        return buf
-
-    def scatter(self, plan: RestorePlan, extra: list[tuple[int, int, int]]) -> ScatterStats:
-        """``plan.run_file`` on this file: the planned copies (``plan_pairs`` against a buffer
-        of the file's size standing for it) and the ``extra`` (dst pointer, file offset,
-        bytes) spans, each chunk verified before any byte of it is copied.
-
-        A chunk failing its CRC32C raises CorruptSnapshot with ``partly_applied`` set to
-        whether chunks verified before it had been copied already (the live tensors then
-        hold parts of two snapshots: the caller must restore another one in full, or say
-        so; ``core.restore.Restorer._apply`` records it)."""
-        try:
-            return plan.run_file(self.fd, str(self.path), self.nbytes, self.chunk_bytes, self.crcs,
-                                 extra, self.threads, SCATTER_IO_BYTES, SCATTER_DIRECT,
-                                 self.ahead)
-        except SnapshotError as e:
-            e.partly_applied = plan.applied > 0  # type: ignore[attr-defined]
-            raise
-        finally:
-            self._stop_ahead()
-
-    def scatter_device(self, device_spans: list[tuple[int, int, int]],
-                       host_spans: list[tuple[int, int, int]], device: int) -> dict[str, Any]:
-        """Reads this file chunk by chunk into page-locked buffers, each chunk verified
-        before any byte of it is copied: to ``device_spans`` (device pointer, file offset,
-        bytes) on cuda:``device`` by DMA, overlapped with the next read, and to
-        ``host_spans`` by memcpy (``_C.read_file_to_device``). A chunk failing its CRC32C
-        raises CorruptSnapshot with ``partly_applied`` as in :meth:`scatter`."""
-        progress: dict[str, int] = {}
-        try:
-            return native().read_file_to_device(
-                self.fd, str(self.path), self.nbytes, self.chunk_bytes, self.crcs, host_spans,
-                device_spans, device, self.threads, SCATTER_IO_BYTES, SCATTER_DIRECT,
-                self.ahead, Settings.from_env().wait_s, progress)  # CUDASNAP_WAIT_S bounds a copy
-        except SnapshotError as e:
-            e.partly_applied = progress.get("applied", 0) > 0  # type: ignore[attr-defined]
-            raise
-        finally:
-            self._stop_ahead()
-
-    def _stop_ahead(self) -> None:
-        """Stops the read-ahead (if any) and frees its buffer."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            ahead.finish()
-            if ahead.error:
-                log.debug("read-ahead of %s stopped at byte %d: %s", self.path, ahead.held,
-                          ahead.error)
-            ahead.release()
-
-    def close(self) -> None:
-        self._stop_ahead()
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-
-    def __enter__(self) -> DataFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class PosixStorage:

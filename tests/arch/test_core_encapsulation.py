@@ -100,6 +100,8 @@ REVIEWED_WRITES = {
     ("core/state.py", "lt.shard"): "TrainingState's own LiveTensors",
     ("core/state.py", "lt.tensor"): "TrainingState's own LiveTensors",
     ("core/apply.py", "p.grad"): "a restore leaves the registered models no gradients (issue 46)",
+    ("core/file_copy.py", "e.partly_applied"): "a chunk failing its CRC after earlier ones were "
+    "copied says so on the CorruptSnapshot it raises (issue 47: moved from storage.posix)",
 }
 
 

@@ -203,7 +203,7 @@ def test_no_code_path_builds_a_path_from_manifest_strings():
     modules = ("posix.py", "latest.py", "ownership.py", "listing.py", "safe_io.py", "remote_ranks.py",
                "remote_latest.py", "remote_base.py", "remote_report.py", "fsspec.py", "fresh.py",
                "object_dir.py", "registry.py", "slots.py", "protocol.py",
-               "__init__.py")
+               "__init__.py", "data_file.py")
     storage = {p.name for p in (PKG / "storage").glob("*.py")}
     assert storage <= {*modules, "counters.py", "partial.py",
                        "progress.py", "types.py"}, f"new storage modules to review: {storage}"

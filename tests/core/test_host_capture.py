@@ -1,5 +1,5 @@
 """Host state encoding with per-RNG-source reuse (issue 15 target 2): the host value
-written with ``HostEncoder.part``'s texts (through ``cudasnap.format.slot_manifest``) is
+written with ``HostEncoder.member``'s members (through ``cudasnap.format.slot_manifest``) is
 the writer's own bytes and decodes to exactly what ``codec.dumps(capture_host())`` holds,
 whichever RNG changed, and unchanged sources are not encoded again."""
 from __future__ import annotations
@@ -24,14 +24,11 @@ def _state() -> TrainingState:
 
 
 def _dumps(enc: HostEncoder, host: dict) -> bytes:
-    """The host value with each RNG source's text from ``enc`` (as HostText writes it)."""
-    rng = sm.rng_pieces([sm.rng_member(k, enc.part(k, v, f"host.rng.{k}"))
-                         for k, v in host["rng"].items()])
-    out = sm.host_open(rng, host["step"])
-    out += [sm.host_member(k, sm.host_value(v, "host." + k)) for k, v in host.items()
-            if k not in ("rng", "step")]
-    out.append(sm.HOST_CLOSE)
-    return b"".join(out)
+    """The host value with each RNG source's member from ``enc`` (as HostText captures it),
+    written by ``slot_manifest.host_pieces``."""
+    rec = sm.HostRecord([enc.member(k, v) for k, v in host["rng"].items()],
+                        [sm.Member(k, v) for k, v in host.items() if k not in ("rng", "step")])
+    return b"".join(sm.host_pieces(rec, host["step"]))
 
 
 def _same(enc: HostEncoder, st: TrainingState, step: int) -> dict:
@@ -74,6 +71,8 @@ def test_exact_keys_sign_of_zero_nan_and_types():
         got = _same(enc, st, 0)
         assert repr(codec.decode(got["rng"]["numpy"], "x")["gauss"]) == repr(gauss)
     enc = HostEncoder()
-    a = enc.part("x", {"v": True}, "x")
-    assert enc.part("x", {"v": 1}, "x") != a  # True is not 1
-    assert enc.part("x", {"v": 1.0}, "x") != enc.part("y", {"v": 1}, "y")
+    a = enc.member("x", {"v": True})
+    one = enc.member("x", {"v": 1})
+    assert one is not a  # True is not 1: a new member, encoded again
+    assert enc.member("x", {"v": 1}) is one  # the same exact value: its member (and text) kept
+    assert enc.member("x", {"v": 1.0}) is not one  # 1.0 is not 1

@@ -11,7 +11,7 @@ from helpers import parts
 import cudasnap
 from cudasnap import storage
 from cudasnap._testing import arena_gate
-from cudasnap.storage import posix
+from cudasnap.core import file_copy
 from tools.faults.trainlib import adam_step as _step
 from tools.faults.trainlib import small_adam as _adam
 
@@ -45,13 +45,13 @@ def test_restore_from_disk_holds_the_preparer_then_lets_it_finish(snap_env, monk
         return opened(*a, **kw)
 
     monkeypatch.setattr(storage.PosixStorage, "open_data", spy)
-    scatter = posix.DataFile.scatter  # the reads themselves: chunk by chunk, in the apply
+    scatter = file_copy.run_plan  # the reads themselves: chunk by chunk, in the apply
 
-    def scatter_spy(self, *a, **kw):
+    def scatter_spy(*a, **kw):
         seen.append(parts.prep_paused(snap))
-        return scatter(self, *a, **kw)
+        return scatter(*a, **kw)
 
-    monkeypatch.setattr(posix.DataFile, "scatter", scatter_spy)
+    monkeypatch.setattr(file_copy, "run_plan", scatter_spy)
     try:
         assert parts.prep(snap).busy  # the new arena's set-up, in the background
         assert snap.restore_latest() == 1

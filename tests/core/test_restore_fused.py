@@ -6,7 +6,8 @@
 * a chunk failing its CRC32C: none of its bytes reaches a destination, the error names it,
   and whether earlier chunks were copied is known (``RestorePlan.applied``,
   ``partly_applied`` on the exception);
-* through a Snapshotter (``storage.posix.DataFile`` into ``TrainingState.apply``) the live
+* through a Snapshotter (``storage.posix.DataFile`` into ``TrainingState.apply``, read by
+  ``core.file_copy``) the live
   state ends bitwise equal to the whole-file path's, at a few and at many tensors, with odd
   dtypes, zero-size, non-contiguous, expanded and tied tensors, in place or into an optimizer
   without state; where a destination is not a plain CPU tensor the whole file is read first;
@@ -32,6 +33,7 @@ from torch import nn
 import cudasnap
 from cudasnap import storage
 from cudasnap.core import apply as apply_mod
+from cudasnap.core import file_copy
 from cudasnap.core import state as state_mod
 from cudasnap.errors import CorruptSnapshot, SnapshotError
 from cudasnap.format import paths
@@ -249,17 +251,17 @@ def test_run_file_says_what_a_failed_chunk_left_behind(C, tmp_path, bad, partly)
 @pytest.fixture
 def chunked(monkeypatch):
     """Records each scatter of a restore from disk (``Restorer.restore_dir`` ->
-    ``PosixStorage.open_data`` -> ``posix.DataFile`` -> ``TrainingState.apply``: the product path,
-    unpatched)."""
+    ``PosixStorage.open_data`` -> ``posix.DataFile`` -> ``TrainingState.apply`` ->
+    ``file_copy.run_plan``: the product path, unpatched)."""
     calls: list[dict] = []
-    real = posix.DataFile.scatter
+    real = file_copy.run_plan
 
-    def scatter(self, plan, extra):
-        st = real(self, plan, extra)
+    def scatter(src, plan, extra):
+        st = real(src, plan, extra)
         calls.append({"extra": list(extra), **st})
         return st
 
-    monkeypatch.setattr(posix.DataFile, "scatter", scatter)
+    monkeypatch.setattr(file_copy, "run_plan", scatter)
     return calls
 
 
@@ -298,14 +300,14 @@ def test_a_destination_torch_must_copy_to_reads_the_whole_file_first(snap_env, m
     want, _ = snapshot_to_disk(snap_env, 20)
     opened: list[posix.DataFile] = []
     reads: list[int] = []
-    real_init, real_read = posix.DataFile.__init__, posix.DataFile.read
+    real_init, real_read = posix.DataFile.__init__, file_copy.read_whole
 
     def init(self, *a, **kw):
         real_init(self, *a, **kw)
         opened.append(self)
 
     monkeypatch.setattr(posix.DataFile, "__init__", init)
-    monkeypatch.setattr(posix.DataFile, "read", lambda self: reads.append(1) or real_read(self))
+    monkeypatch.setattr(file_copy, "read_whole", lambda src: reads.append(1) or real_read(src))
     monkeypatch.setattr(apply_mod, "scatters", lambda state, lts, tensors: False)
     got, step, _ = restore_fresh(snap_env, 20, "fallback")
     assert step == 1 and reads == [1] and not chunked
@@ -469,7 +471,8 @@ def test_data_file_checks_before_any_read(snap_env, C):
     f = posix.DataFile(d, manifest)
     assert f.fd >= 0 and f.nbytes == manifest["data"]["bytes"]
     with f:
-        buf = f.read()
+        buf = file_copy.read_whole(f)
+        assert f.fd >= 0  # a record: read by core, closed by its owner (``with``)
     assert f.fd == -1
     assert torch.equal(buf, posix.read_data(d, manifest))
     # open_data: a DataFile for a local snapshot of a PosixStorage (checked, not read)
@@ -505,7 +508,7 @@ def test_the_new_bindings_release_the_gil_without_python_objects(tmp_path):
         import os, threading
         import numpy as np, torch
         from cudasnap._native import native
-        from cudasnap.core import copy_back
+        from cudasnap.core import copy_back, file_copy
         from cudasnap.errors import CorruptSnapshot
         C = native()
         CH = 4096

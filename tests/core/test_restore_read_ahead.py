@@ -23,6 +23,7 @@ from helpers import parts
 from helpers.restore_files import CH, data_file, entry, restore_fresh, same_state, snapshot_to_disk
 
 from cudasnap import storage
+from cudasnap.core import file_copy
 from cudasnap.errors import CorruptSnapshot
 from cudasnap.format import paths
 from cudasnap.storage import posix
@@ -191,14 +192,14 @@ def test_a_restore_from_disk_reads_ahead_and_ends_bitwise_equal(snap_env, monkey
     want, _ = snapshot_to_disk(snap_env, 400)
     scattered: list[dict] = []
     files: list[posix.DataFile] = []
-    real_scatter, real_open = posix.DataFile.scatter, storage.PosixStorage.open_data
+    real_scatter, real_open = file_copy.run_plan, storage.PosixStorage.open_data
 
-    def scatter(self, plan, extra):
-        handed = self.ahead is not None  # by restore_dir (unless READ_AHEAD_BYTES is 0)
+    def scatter(src, plan, extra):
+        handed = src.ahead is not None  # by restore_dir (unless READ_AHEAD_BYTES is 0)
         if handed:  # a loaded machine may not have scheduled the reader yet: let it read
-            _held_all(self.ahead)
-        st = real_scatter(self, plan, extra)
-        assert self.ahead is None  # stopped and let go once the scatter is done
+            _held_all(src.ahead)
+        st = real_scatter(src, plan, extra)
+        assert src.ahead is None  # stopped and let go once the scatter is done
         scattered.append({"handed": handed, **st})
         return st
 
@@ -206,7 +207,7 @@ def test_a_restore_from_disk_reads_ahead_and_ends_bitwise_equal(snap_env, monkey
         files.append(real_open(*a, **kw))
         return files[-1]
 
-    monkeypatch.setattr(posix.DataFile, "scatter", scatter)
+    monkeypatch.setattr(file_copy, "run_plan", scatter)
     monkeypatch.setattr(storage.PosixStorage, "open_data", open_data)
     got, step, _ = restore_fresh(snap_env, 400, "ahead")
     assert step == 1 and len(scattered) == 1 and scattered[0]["handed"]
@@ -259,7 +260,7 @@ def test_the_read_ahead_is_stopped_when_its_snapshot_fails(snap_env, monkeypatch
 
 
 def test_the_whole_file_read_takes_the_head_from_the_read_ahead(C, snap_env, monkeypatch):
-    """``DataFile.read`` (a destination torch must copy to: CUDA, sharded) reads the open,
+    """``file_copy.read_whole`` (a destination torch must copy to: CUDA, sharded) reads the open,
     checked file chunk by chunk into one new buffer, the head from the read-ahead."""
     _, dirs = snapshot_to_disk(snap_env, 400)
     d = dirs[-1]
@@ -277,7 +278,7 @@ def test_the_whole_file_read_takes_the_head_from_the_read_ahead(C, snap_env, mon
     _held_all(ahead)
     f = posix.DataFile(d, manifest, ahead=ahead)
     try:
-        got = f.read()
+        got = file_copy.read_whole(f)
         assert f.ahead is None and ahead.held == 0  # stopped and freed
     finally:
         f.close()

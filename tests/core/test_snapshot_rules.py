@@ -235,17 +235,17 @@ def test_snapshot_without_optimizer_class_still_loads(snap_env, monkeypatch):
     """Snapshots written before the class was recorded have no 'class' field."""
     from cudasnap.core.state import TrainingState
 
-    real = TrainingState.capture_host
+    real = TrainingState.host_members  # what the boundary captures (capture_host's too)
 
-    def old_format(self, step, rng=True, **kw):
-        host = real(self, step, rng, **kw)
+    def old_format(self, optim=True):
+        host = real(self, optim)
         for o in host.get("optim", {}).values():
             o.pop("class", None)
         for e in host["extra"].values():
             e.pop("class", None)
         return host
 
-    monkeypatch.setattr(TrainingState, "capture_host", old_format)
+    monkeypatch.setattr(TrainingState, "host_members", old_format)
     job = Job(dim=16)
     snap = _snap(snap_env, job)
     for step in range(2):
@@ -253,6 +253,9 @@ def test_snapshot_without_optimizer_class_still_loads(snap_env, monkeypatch):
         snap.boundary(step)
     want = _copy(job)
     snap.close()
+    newest = posix.list_snapshots(snap_env.dir)[-1]
+    host = posix.load_manifest(newest.manifest_path)["host"]
+    assert "class" not in repr(host["optim"]) + repr(host["extra"])  # the old format indeed
     job2, start, _ = _restore(snap_env)
     assert start == 2 and _equal_to(job2, want)
 
