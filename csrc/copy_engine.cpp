@@ -246,7 +246,7 @@ std::shared_ptr<CopyJob> CpuCopyEngine::submit(const std::shared_ptr<Arena>& are
     // Flush-yield: while a flush runs, one worker copies, pausing between chunks.
     auto batch = std::make_shared<Batch>(
         work->nchunks, [this, work](uint64_t c) { copy_one(*work, c); },
-        BatchOptions{/*yield_to_flush=*/true, /*yield_pause_us=*/100});
+        BatchOptions{/*should_yield=*/flush_running, /*yield_pause_us=*/100});
     work->batch = batch.get();
     pool_.post(std::move(batch));
   }

@@ -63,6 +63,8 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::s
 
 int flush_active() noexcept { return g_flush_active.load(std::memory_order_acquire); }
 
+bool flush_running() noexcept { return flush_active() > 0; }
+
 void test_flush_active_add(int delta) noexcept {
   g_flush_active.fetch_add(delta, std::memory_order_release);
 }

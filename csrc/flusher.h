@@ -51,6 +51,9 @@ int64_t verify_buffer(const uint8_t* data, uint64_t nbytes, uint64_t chunk_bytes
 // should yield the disk-feeding CPU and memory bandwidth to the flush.
 int flush_active() noexcept;
 uint64_t flushes_started() noexcept;
+// flush_active() > 0: the copy engines' yield predicate (BatchOptions::should_yield
+// in thread_pool.h), so that their batches yield to a flush in this process.
+bool flush_running() noexcept;
 // Bytes the flusher has written to files (write_file, write_slot_file) and
 // read back (read_file_verified) in this process since load, counted as each
 // system call returns: monotonic, cheap to poll (progress bars), and unlike

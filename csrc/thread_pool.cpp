@@ -8,8 +8,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include "flusher.h"
-
 namespace cudasnap {
 
 Batch::Batch(uint64_t n, Fn fn, BatchOptions opts) : n_(n), fn_(std::move(fn)), opts_(opts) {}
@@ -19,7 +17,7 @@ void Batch::work(int worker) {
   for (;;) {
     if (failed_.load()) break;
     bool solo = false;
-    if (opts_.yield_to_flush && flush_active() > 0) {
+    if (yielding()) {
       int expect = -1;
       if (!runner_.compare_exchange_strong(expect, worker) && expect != worker) {
         if (next_.load() >= n_) break;
@@ -58,7 +56,7 @@ void Batch::rethrow() const {
 
 void run_batch(Batch& batch, int threads) {
   uint64_t t = std::min<uint64_t>(uint64_t(std::max(threads, 1)), std::max<uint64_t>(batch.size(), 1));
-  if (batch.options().yield_to_flush && flush_active() > 0) t = 1;
+  if (batch.yielding()) t = 1;
   std::vector<std::thread> pool;
   pool.reserve(t - 1);
   try {

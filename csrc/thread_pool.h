@@ -10,11 +10,13 @@
 // Batch policy, the same for every user:
 //   * the first exception an item throws stops further claims; parallel_for
 //     rethrows it once every thread has stopped (Batch::rethrow);
-//   * flush-yield (BatchOptions::yield_to_flush): while a flush runs in this
-//     process (flush_active() > 0) it gets the cores and memory bandwidth: one
-//     thread (the first to ask) keeps running items, pausing `yield_pause_us`
-//     after each; the others wait (500 us sleeps) until the flush ends or no
-//     item is left. Checked again at every item.
+//   * yield (BatchOptions::should_yield): while the predicate returns true
+//     something else gets the cores and memory bandwidth: one thread (the first
+//     to ask) keeps running items, pausing `yield_pause_us` after each; the
+//     others wait (500 us sleeps) until the predicate turns false or no item is
+//     left. Asked again at every item. The pool knows nothing of what it yields
+//     to: the copy engines pass flush_running (flusher.h), so that a flush in
+//     this process gets the machine (flush-yield).
 // Cancellation and bounded waits stay with the callers (a cancelled copy job
 // still runs its items, skipping the copy, so its completion is counted).
 #pragma once
@@ -31,8 +33,12 @@
 
 namespace cudasnap {
 
+// Whether a batch should yield now; asked by every thread before every item,
+// so it must be cheap (an atomic load) and must not throw.
+using YieldPredicate = bool (*)();
+
 struct BatchOptions {
-  bool yield_to_flush = false;
+  YieldPredicate should_yield = nullptr;  // nullptr: never yield
   uint64_t yield_pause_us = 100;
 };
 
@@ -50,7 +56,9 @@ class Batch {
   bool claimable() const { return next_.load() < n_ && !failed_.load(); }
   uint64_t size() const { return n_; }
   const BatchOptions& options() const { return opts_; }
-  // Threads that ran at least one item, and items run in flush-yield mode
+  // The yield predicate says yield now (false without one).
+  bool yielding() const { return opts_.should_yield && opts_.should_yield(); }
+  // Threads that ran at least one item, and items run in yield mode
   // (both counted before the item runs, so its own fn sees them).
   int workers_used() const { return workers_used_.load(); }
   uint64_t yield_items() const { return yield_items_.load(); }
@@ -63,7 +71,7 @@ class Batch {
   const BatchOptions opts_;
   std::atomic<uint64_t> next_{0};
   std::atomic<bool> failed_{false};
-  std::atomic<int> runner_{-1};  // the one worker running items while a flush runs
+  std::atomic<int> runner_{-1};  // the one worker running items while yielding
   std::atomic<int> workers_used_{0};
   std::atomic<uint64_t> yield_items_{0};
   mutable std::mutex err_mu_;
@@ -71,7 +79,7 @@ class Batch {
 };
 
 // Runs `batch` on the caller and up to threads-1 threads started for it (no
-// more than it has items; none while it yields to a running flush; fewer when
+// more than it has items; none while it yields (BatchOptions::should_yield); fewer when
 // the system refuses a thread). Returns when all have stopped; rethrows the
 // first error.
 void run_batch(Batch& batch, int threads);

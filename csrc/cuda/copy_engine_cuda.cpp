@@ -678,7 +678,7 @@ void CudaCopyEngine::crc_chunks(const CopyPlan& plan, const uint8_t* data, uint3
   // between chunks; checked again at every chunk).
   int threads = n < 2 || n * plan.chunk_bytes < kParallelCrcBytes ? 1 : crc_threads_;
   parallel_for(n, threads, [&](uint64_t i) { table[c0 + i] = chunk_crc(plan, data, c0 + i); },
-               BatchOptions{/*yield_to_flush=*/true, /*yield_pause_us=*/100});
+               BatchOptions{/*should_yield=*/flush_running, /*yield_pause_us=*/100});
 }
 
 void CudaCopyEngine::finish(Work& w) {

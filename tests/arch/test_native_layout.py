@@ -92,3 +92,16 @@ def test_cmake_builds_every_source_of_both_sides():
     sources = {p.relative_to(ROOT).as_posix() for p in CSRC.rglob("*.cpp")
                if (CSRC / "cuda") not in p.parents}
     assert sources == listed, (sorted(sources - listed), sorted(listed - sources))
+
+
+def test_the_thread_pool_knows_none_of_its_users():
+    """thread_pool.{h,cpp} is the generic pool (issue 47): no engine header but its own,
+    no call into the flusher; a caller that yields to a flush passes a predicate
+    (BatchOptions::should_yield = flush_running)."""
+    for name in ("thread_pool.h", "thread_pool.cpp"):
+        text = (CSRC / name).read_text()
+        local = [inc for inc in re.findall(r'^\s*#\s*include\s*"([^"]+)"', text, re.M)
+                 if inc != "thread_pool.h"]
+        code = STRING.sub('""', COMMENT.sub(" ", text))
+        assert not local, f"csrc/{name} includes engine headers: {local}"
+        assert not re.search(r"\bflush_\w+", code), f"csrc/{name} calls into the flusher"
