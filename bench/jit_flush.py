@@ -189,9 +189,9 @@ class Job:
         raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
     def flush_log(self) -> list[dict[str, Any]]:
-        from cudasnap.storage import posix
+        from cudasnap.storage import listing
 
-        return posix.read_flush_log(self.dir)
+        return listing.read_flush_log(self.dir)
 
     def wait_flush(self, pid: int, after: float, timeout: float) -> dict[str, Any]:
         t_end = time.time() + timeout

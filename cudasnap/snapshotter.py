@@ -29,7 +29,7 @@ from .core.rng import DRAWN_KEY
 from .core.state import TrainingState
 from .core.wiring import attach_triggers, wire
 from .errors import SnapshotError, exception_active
-from .storage import Storage, clean_partial, open_storage, posix, url_of
+from .storage import Storage, clean_partial, open_storage, ownership, url_of
 
 if TYPE_CHECKING:
     from cudasnap._C import Arena
@@ -153,7 +153,7 @@ class Snapshotter:
         self.state = TrainingState(model, optimizer, extra)
         self.state.rng_sources = opts.copy.rng_sources
         self.state.restored_rng.again = opts.copy.rng_restore == "first_forward"
-        self._lock = posix.DirectoryLock(self.directory, opts.dist.rank, opts.dist.supervised)
+        self._lock = ownership.DirectoryLock(self.directory, opts.dist.rank, opts.dist.supervised)
         self._lock.acquire()
         clean_partial(self.storage)
         self._closed = False

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..storage import posix
+from ..storage import listing
 from ..supervisor.loop import supervise
 
 FAULTS = {
@@ -81,7 +81,7 @@ def run_demo(steps: int = 40, fail_at: int = 23, fault: str = "kill", workdir: P
     final = recs[-1]
     same, why = _compare(work / "ref.npz", work / "run.npz")
     resumed_at = int(final["start"])
-    flushes = posix.read_flush_log(work / "ckpt")
+    flushes = listing.read_flush_log(work / "ckpt")
     died = report[0]["died"] if report else None
     restore = final.get("restore") or {}
     out = {

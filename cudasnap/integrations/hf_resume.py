@@ -23,7 +23,7 @@ import torch
 from ..config import Settings
 from ..errors import SnapshotError
 from ..format import codec, paths
-from ..storage import posix
+from ..storage import listing, posix
 
 log = logging.getLogger("cudasnap.hf")
 
@@ -83,7 +83,7 @@ def _local_host_states(d: Path, kw: Mapping[str, Any]) -> dict[int, Callable[[],
         except (SnapshotError, ValueError, KeyError) as e:
             log.warning("cannot read the staging arena %s: %s", arena_path, e)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    stored = posix.committed_steps(d) if world > 1 else posix.list_snapshots(d)
+    stored = listing.committed_steps(d) if world > 1 else posix.list_snapshots(d)
     for s in stored:
         if s.step in out:
             continue

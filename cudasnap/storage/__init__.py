@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import CorruptSnapshot, IncompatibleSnapshot
 from ..format.paths import MANIFEST, rank_dirname
-from . import posix
+from . import listing, posix
 from .posix import PosixStorage
 from .protocol import Storage
 from .registry import open_storage, url_of
@@ -52,9 +52,9 @@ def local_snapshot(path: Path, step: int = -1) -> posix.StoredSnapshot:
     (IncompatibleSnapshot for sharded state)."""
     if (path / MANIFEST).exists() or not any(path.glob("rank-*")):
         return posix.StoredSnapshot(step, path)
-    if not posix.is_committed(path):
+    if not listing.is_committed(path):
         raise CorruptSnapshot(f"{path}: multi-rank snapshot without a COMMIT marker")
-    commit = posix.read_commit(path)
+    commit = listing.read_commit(path)
     if len(commit.get("replica_groups") or []) != 1:
         raise IncompatibleSnapshot(
             f"{path} holds sharded state of {commit['world_size']} ranks; restore it with "

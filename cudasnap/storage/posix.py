@@ -25,15 +25,15 @@ writable by group/others loads with a warning.
 Test-only crash points (``cudasnap._testing.faults.kill_point``): phases
 manifest/rename/replace/renamed here, latest in ``latest.replace_latest``.
 
-Split (issue 24): this module is the slot writer (``write_slot``; ``slots.complete_slot``
+Split (issue 24, 47): this module is the slot writer (``write_slot``; ``slots.complete_slot``
 reads the leased slot, for every backend), ``PosixStorage`` (the backend) and the
-reader of one snapshot (``load_manifest``, ``read_data``); the rest of the backend lives
-beside it and its public names are re-exported here, so ``posix.<name>`` stays the one
-place to look up: ``storage.latest`` (``check_directory``, ``DirectoryLock``,
-``replace_latest``, ``read_latest``), ``storage.listing`` (``StoredSnapshot``,
-``list_snapshots``, the COMMIT marker, the flush log, ``prune``) and ``storage.partial``
-(``clean_partial``). The safe small-file I/O and the owner check are ``storage.safe_io``'s
-(``_read_regular``, ``_write_file_durable``, ``_check_trust``, ``FOREIGN_ENV``).
+reader of one snapshot (``load_manifest``, ``read_data``, ``read_ahead``); the rest of the
+backend lives beside it, each name in one home (nothing re-exported for others):
+``storage.ownership`` (``check_directory``, ``DirectoryLock``), ``storage.latest``
+(``replace_latest``, ``read_latest``), ``storage.listing`` (``StoredSnapshot``,
+``list_snapshots``, the COMMIT marker, the flush log, ``prune``), ``storage.partial``
+(``clean_partial``), ``storage.data_file`` (``DataFile``). The safe small-file I/O and the
+owner check are ``storage.safe_io``'s.
 
 Call order: ``PosixStorage`` (cudasnap.storage), the supervisor's orphan flush, the
 distributed flush round and the timeline each call ``posix.write_slot``: ``complete_slot`` ->
@@ -59,27 +59,13 @@ from .._points import reach as kill_point  # test fault points (cudasnap._testin
 from ..config import Settings
 from ..errors import ConfigError, CorruptSnapshot, FlushError, SnapshotError
 from ..format import manifest as fmt
-from ..format.paths import COMMIT, DATA, FLUSH_LOG, LATEST, MANIFEST, rank_dirname, step_dirname
+from ..format.paths import COMMIT, DATA, LATEST, MANIFEST, rank_dirname, step_dirname
 from . import listing
-from .data_file import DataFile, _check_data_file, _lstat_data  # noqa: F401  (posix.DataFile)
-from .latest import (  # noqa: F401  (re-exported: posix.replace_latest, ...)
-    LATEST_LOCK,
-    read_latest,
-    replace_latest,
-)
-from .listing import (  # noqa: F401  (re-exported: posix.list_snapshots, ...)
-    StoredSnapshot,
-    append_flush_log,
-    committed_steps,
-    is_committed,
-    list_snapshots,
-    prune,
-    read_commit,
-    read_flush_log,
-    write_commit,
-)
-from .ownership import DirectoryLock, check_directory  # noqa: F401  (re-exported)
-from .partial import clean_partial  # noqa: F401  (re-exported: posix.clean_partial)
+from .data_file import DataFile, _check_data_file, _lstat_data
+from .latest import replace_latest
+from .listing import StoredSnapshot, append_flush_log, list_snapshots, prune, write_commit
+from .ownership import check_directory
+from .partial import clean_partial
 from .safe_io import _check_trust, _read_regular, _write_file_durable
 from .slots import complete_slot
 from .types import FlushResult
@@ -358,9 +344,6 @@ class PosixStorage:
 
 
 __all__ = [
-    "PosixStorage", "StoredSnapshot", "DirectoryLock", "check_directory", "clean_partial", "list_snapshots",
-    "read_latest", "replace_latest", "write_commit", "read_commit", "committed_steps",
-    "write_slot", "prune", "load_manifest", "read_data", "DataFile", "read_flush_log",
-    "append_flush_log",
-    "MANIFEST", "DATA", "LATEST", "FLUSH_LOG", "COMMIT", "step_dirname",
+    "PosixStorage", "DataFile", "StoredSnapshot", "check_directory", "clean_partial",
+    "list_snapshots", "load_manifest", "prune", "read_ahead", "read_data", "write_slot",
 ]

@@ -29,7 +29,7 @@ from .._proc import environ_of, ppid_of
 from ..config import Settings
 from ..errors import ConfigError, SnapshotError
 from ..format import paths
-from ..storage import open_storage, posix
+from ..storage import listing, open_storage, ownership, posix
 from ..storage.ownership import check_directory
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def _check_not_in_use(directory: Path, dead_child: int | None = None) -> None:
     A holder that names ``dead_child`` is ours: a process it forked (a data-loader
     worker) still has the lock's file open for a moment after the child died.
     """
-    lock = posix.DirectoryLock(directory)
+    lock = ownership.DirectoryLock(directory)
     try:
         lock.acquire()
     except ConfigError:
@@ -213,7 +213,7 @@ def _damaged(step_dir: Path) -> str | None:
     manifest's size, a multi-rank step is committed. None when nothing is wrong. The
     data's checksums are verified by the training process when it restores."""
     subs = sorted(p for p in step_dir.glob("rank-*") if p.is_dir() and "." not in p.name)
-    if subs and not posix.is_committed(step_dir):
+    if subs and not listing.is_committed(step_dir):
         return "not committed"
     for d in subs or [step_dir]:
         if not (d / paths.MANIFEST).exists():

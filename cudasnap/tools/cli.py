@@ -58,10 +58,11 @@ def _clean(msg: str) -> str:
 
 
 def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, Any]]:
-    from ..storage import posix
+    from ..storage import listing, posix
+    from ..storage.latest import read_latest
 
     rows = []
-    latest = posix.read_latest(directory)
+    latest = read_latest(directory)
     for s in posix.list_snapshots(directory):
         ranks = sorted(p for p in s.path.glob("rank-*") if p.is_dir() and "." not in p.name)
         base = {"step": s.step, "source": "disk", "latest": s.path.name == latest}
@@ -69,7 +70,7 @@ def _snapshots_table(directory: Path, verify: bool = False) -> list[dict[str, An
             rows.append({**base, "path": str(s.path), "commit": "single",
                          **_manifest_row(s.path, verify)})
             continue
-        commit = "committed" if posix.is_committed(s.path) else "NOT committed"
+        commit = "committed" if listing.is_committed(s.path) else "NOT committed"
         for p in ranks:
             rows.append({**base, "path": str(p), "commit": commit, **_manifest_row(p, verify)})
     return rows

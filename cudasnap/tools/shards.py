@@ -27,7 +27,7 @@ from typing import Any, cast
 from ..errors import ConfigError, SnapshotError
 from ..format import codec, paths
 from ..format.manifest import Manifest, expand_params, torch_dtype
-from ..storage import posix
+from ..storage import listing, posix
 from . import wrapped_entries
 
 log = logging.getLogger("cudasnap.export")
@@ -59,7 +59,7 @@ def _step_dir(directory: Path, step: int | None) -> posix.StoredSnapshot:
     if step is not None:
         snaps = [s for s in snaps if s.step == step]
     # A multi-rank step counts only with its COMMIT marker (every rank's files durable).
-    snaps = [s for s in snaps if (s.path / paths.MANIFEST).is_file() or posix.is_committed(s.path)]
+    snaps = [s for s in snaps if (s.path / paths.MANIFEST).is_file() or listing.is_committed(s.path)]
     if not snaps:
         raise SnapshotError(f"no committed snapshot{f' of step {step}' if step is not None else ''}"
                             f" in {directory}")
@@ -73,7 +73,7 @@ def load_shards(directory: Path, step: int | None = None) -> tuple[int, list[dic
     if (s.path / paths.MANIFEST).is_file():
         rank_dirs = [s.path]
     else:
-        commit = posix.read_commit(s.path)
+        commit = listing.read_commit(s.path)
         missing = [r for r in range(int(commit["world_size"]))
                    if not (s.path / paths.rank_dirname(r) / paths.MANIFEST).is_file()]
         if missing:  # replicated ranks may be absent; the assembly checks coverage

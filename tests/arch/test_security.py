@@ -36,7 +36,7 @@ from cudasnap.errors import ConfigError, CorruptSnapshot, IncompatibleSnapshot, 
 from cudasnap.format import manifest as M
 from cudasnap.format import paths
 from cudasnap.snapshotter import Snapshotter
-from cudasnap.storage import posix, safe_io
+from cudasnap.storage import latest, listing, posix, safe_io
 from tools.faults import layout as L
 from tools.faults.trainlib import Job
 
@@ -311,7 +311,7 @@ def test_symlinks_fifos_and_devices_are_refused_without_blocking(snap_env):
     (d / "latest").unlink()
     os.mkfifo(d / "latest")
     with _deadline(10):
-        assert posix.read_latest(d) is None
+        assert latest.read_latest(d) is None
     (d / "latest").unlink()
     # A step directory that is a symlink is not a snapshot.
     (d / "step-00000099").symlink_to(path)
@@ -413,8 +413,8 @@ def test_nothing_is_ever_unpickled(snap_env, monkeypatch):
             assert start == 3 and blob2.blob == payload and isinstance(blob2.blob, bytes)
         finally:
             s2.close()
-        posix.read_latest(d)
-        posix.read_flush_log(d)
+        latest.read_latest(d)
+        listing.read_flush_log(d)
         with pytest.raises(CorruptSnapshot):
             posix.load_manifest(d / "step-00000001" / paths.MANIFEST)
         j3 = Job(dim=16)

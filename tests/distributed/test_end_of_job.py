@@ -24,7 +24,7 @@ import pytest
 from cudasnap.distributed.kv import KV
 from cudasnap.distributed.liveness import Liveness
 from cudasnap.format import paths
-from cudasnap.storage import posix
+from cudasnap.storage import listing
 from tools.dist import launch
 
 SCRIPT = Path(launch.__file__).with_name("end_of_job_worker.py")
@@ -139,7 +139,7 @@ def _check(ckpt: Path, out: Path, log: str) -> None:
     assert _latest(ckpt) == STEPS - 1, \
         f"latest is step {_latest(ckpt)}, not the last step {STEPS - 1}\n{log}"
     step_dir = ckpt / paths.step_dirname(STEPS - 1)
-    assert posix.read_commit(step_dir)["present"] == list(range(WORLD))
+    assert listing.read_commit(step_dir)["present"] == list(range(WORLD))
     for r, info in ranks.items():
         assert info["flush_path"] == str(step_dir / paths.rank_dirname(r)), (r, info)
         assert info["flush_s"] < QUICK_S, \
@@ -204,7 +204,7 @@ def test_explicit_flush_does_not_wait_for_a_dead_rank(tmp_path: Path) -> None:
     agreed = next(e for e in ev if e["event"] == "agreed" and e["gen"] == start["gen"])
     assert agreed["t"] - start["t"] < QUICK_S, ev  # the bound is 10 s + 4 heartbeats
     assert _latest(r.ckpt) == STEPS - 2, log
-    assert posix.read_commit(r.ckpt / paths.step_dirname(STEPS - 2))["present"] == [0, 1]
+    assert listing.read_commit(r.ckpt / paths.step_dirname(STEPS - 2))["present"] == [0, 1]
 
 
 @pytest.mark.slow

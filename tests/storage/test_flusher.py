@@ -12,7 +12,7 @@ import pytest
 from cudasnap.errors import CorruptSnapshot, FlushError, SnapshotError, StagingError
 from cudasnap.format import manifest as M
 from cudasnap.format import paths
-from cudasnap.storage import posix
+from cudasnap.storage import latest, posix
 from tools.faults import layout as L
 
 
@@ -192,7 +192,7 @@ def test_store_commit_protocol_round_trip(C, snap_env):
         assert again == path and st2.get("skipped")
     finally:
         arena.release(0)
-    assert posix.read_latest(d) == "step-00000003"
+    assert latest.read_latest(d) == "step-00000003"
     assert sorted(p.name for p in path.iterdir()) == ["data.bin", "manifest.json"]
     assert not list(d.glob("*.tmp*"))
     m = posix.load_manifest(path / "manifest.json")

@@ -7,7 +7,7 @@ import random
 import threading
 
 from cudasnap.format import paths
-from cudasnap.storage import posix
+from cudasnap.storage import latest, posix
 
 
 def _steps(d, *steps):
@@ -20,15 +20,15 @@ def test_an_older_step_flushed_last_does_not_move_latest_back(tmp_path):
     _steps(d, 4, 7)
     assert posix.replace_latest(d, paths.step_dirname(7))
     assert not posix.replace_latest(d, paths.step_dirname(4))
-    assert posix.read_latest(d) == paths.step_dirname(7)
+    assert latest.read_latest(d) == paths.step_dirname(7)
     # A newer one moves it on; once the step it names is gone (moved aside by a fresh
     # start), an older one may take its place.
     _steps(d, 9)
     assert posix.replace_latest(d, paths.step_dirname(9))
     (d / paths.step_dirname(9)).rename(d / "aside")
     assert posix.replace_latest(d, paths.step_dirname(4))
-    assert posix.read_latest(d) == paths.step_dirname(4)
-    assert (d / posix.LATEST_LOCK).stat().st_mode & 0o777 == 0o600
+    assert latest.read_latest(d) == paths.step_dirname(4)
+    assert (d / latest.LATEST_LOCK).stat().st_mode & 0o777 == 0o600
 
 
 def test_writers_racing_leave_latest_at_the_newest_step(tmp_path):
@@ -48,7 +48,7 @@ def test_writers_racing_leave_latest_at_the_newest_step(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert posix.read_latest(d) == paths.step_dirname(39)
+    assert latest.read_latest(d) == paths.step_dirname(39)
 
 
 def test_the_flush_timeout_bounds_the_wait_for_the_latest_lock(snap_env, caplog):
@@ -68,7 +68,7 @@ def test_the_flush_timeout_bounds_the_wait_for_the_latest_lock(snap_env, caplog)
     with cudasnap.Snapshotter(m, opt, snap_env.dir, backend="cpu", flush_on_close=False) as snap:
         snap.boundary(0)
         assert snap.flush(timeout=30) is not None
-        assert posix.read_latest(snap.directory) == paths.step_dirname(0)
+        assert latest.read_latest(snap.directory) == paths.step_dirname(0)
         snap.boundary(1)
         fd = os.open(snap.directory / ".latest-lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -77,7 +77,7 @@ def test_the_flush_timeout_bounds_the_wait_for_the_latest_lock(snap_env, caplog)
             path = snap.flush(timeout=0.5)
             secs = time.monotonic() - t0
             assert path is not None and (path / "manifest.json").is_file()  # committed
-            assert posix.read_latest(snap.directory) == paths.step_dirname(0)  # left as it was
+            assert latest.read_latest(snap.directory) == paths.step_dirname(0)  # left as it was
             assert secs < 10, secs
             assert "stayed locked by another writer" in caplog.text
 
@@ -90,4 +90,4 @@ def test_the_flush_timeout_bounds_the_wait_for_the_latest_lock(snap_env, caplog)
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         t.join(60)
-        assert done.is_set() and posix.read_latest(snap.directory) == paths.step_dirname(2)
+        assert done.is_set() and latest.read_latest(snap.directory) == paths.step_dirname(2)

@@ -33,7 +33,7 @@ from helpers.run_fork import ForkServer
 
 from cudasnap._native import native
 from cudasnap.format import paths
-from cudasnap.storage import posix
+from cudasnap.storage import latest, listing, posix
 from cudasnap.supervisor.loop import supervise
 from cudasnap.supervisor.orphans import flush_orphans
 from cudasnap.triggers import nvml as _nvml
@@ -164,7 +164,7 @@ def test_injected_fault_flushes_newest_complete_step_and_exits_with_policy_code(
     if kind == "hang":
         assert "watchdog: no step boundary" in text
     # The dying process flushed by itself (before the supervisor looked) ...
-    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == pid]
+    mine = [r for r in listing.read_flush_log(snap_env.dir) if r["pid"] == pid]
     assert len(mine) == 1 and mine[0]["step"] in allowed, (mine, text)
     # ... and the newest COMPLETE step it left in shared memory is durable on disk.
     newest = arena_newest(snap_env.arena_path())
@@ -187,7 +187,7 @@ def test_uncaught_exception_flushes_then_the_process_fails(server, snap_env, cap
     assert rc == 1, text
     assert "InjectedFault: injected fault exception@step=4" in text
     pid = events(stats)[0]["pid"]
-    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == pid]
+    mine = [r for r in listing.read_flush_log(snap_env.dir) if r["pid"] == pid]
     assert [r["step"] for r in mine] == [4], text
     assert report[0]["flushed"][0]["skipped"]
     verify_ok(snap_env.dir, 4, capsys)
@@ -218,7 +218,7 @@ def test_sigterm_to_cudasnap_run_is_forwarded_flushed_and_not_restarted(server, 
         "not restarting", "")
     assert [e["attempt"] for e in events(stats) if e["ev"] == "start"] == [0]
     pid = events(stats)[0]["pid"]
-    assert [r["step"] for r in posix.read_flush_log(snap_env.dir) if r["pid"] == pid] == [4]
+    assert [r["step"] for r in listing.read_flush_log(snap_env.dir) if r["pid"] == pid] == [4]
     assert "exiting with code 78 after sigterm" in log.read_text()
 
 
@@ -261,7 +261,7 @@ def test_sigusr1_flushes_and_training_continues(server, snap_env, reference, at)
     final = evs[-1]
     assert final["ev"] == "final" and final["start"] == 0 and final["attempt"] == 0
     assert ["sigusr1", "flushed"] in final["triggers"]
-    flushes = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
+    flushes = [r for r in listing.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
     assert at <= flushes[0]["step"] < STEPS, log.read_text()
     # close() flushed the final step unless the SIGUSR1 flush already wrote it.
     assert [r["step"] for r in flushes[1:]] == ([] if flushes[0]["step"] == STEPS - 1
@@ -289,7 +289,7 @@ def test_policy_override_changes_the_outcome(server, snap_env, reference, spec, 
                            extra_env={"CUDASNAP_POLICY": policy})
     assert rc == code, log.read_text()
     evs = events(stats)
-    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
+    mine = [r for r in listing.read_flush_log(snap_env.dir) if r["pid"] == evs[0]["pid"]]
     if code == 0:  # the run ended with close(), which flushed the final step (flush_on_close)
         assert mine and mine[-1]["step"] == STEPS - 1, mine
         mine = mine[:-1]
@@ -319,9 +319,9 @@ def test_sigterm_while_main_thread_blocked_in_c_flushes_via_signal_thread(server
     exits = [ln for ln in text.splitlines() if "exiting with code 78 after sigterm" in ln]
     assert len(exits) == 1 and " cudasnap-signals " in exits[0], text
     assert not any(e["ev"] == "block_expired" for e in events(stats))
-    mine = [r for r in posix.read_flush_log(snap_env.dir) if r["pid"] == p.pid]
+    mine = [r for r in listing.read_flush_log(snap_env.dir) if r["pid"] == p.pid]
     assert [r["step"] for r in mine] == [5]
-    assert posix.read_latest(snap_env.dir) == "step-00000005"
+    assert latest.read_latest(snap_env.dir) == "step-00000005"
     verify_ok(snap_env.dir, 5, capsys)
 
 
@@ -339,7 +339,7 @@ def test_watchdog_quiet_on_a_slow_loop_within_its_limit(server, snap_env):
     final = events(stats)[-1]
     assert final["ev"] == "final" and final["triggers"] == []
     # No watchdog flush: the only one is close()'s flush of the final step (flush_on_close).
-    assert [r["step"] for r in posix.read_flush_log(snap_env.dir)] == [STEPS - 1]
+    assert [r["step"] for r in listing.read_flush_log(snap_env.dir)] == [STEPS - 1]
 
 
 @pytest.mark.slow

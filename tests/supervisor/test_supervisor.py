@@ -18,7 +18,7 @@ import pytest
 
 from cudasnap.errors import ConfigError, FlushError
 from cudasnap.format import paths
-from cudasnap.storage import posix
+from cudasnap.storage import ownership, posix
 from cudasnap.supervisor.loop import supervise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_a_second_run_on_a_busy_directory_stops_and_starts_nothing(snap_env):
 def test_a_directory_held_by_a_plain_job_is_not_supervised(snap_env):
     """A job without ``cudasnap run`` holds the directory: nothing is started or flushed."""
     snap_env.dir.mkdir(mode=0o700)
-    holder = posix.DirectoryLock(snap_env.dir)
+    holder = ownership.DirectoryLock(snap_env.dir)
     holder.acquire()
     try:
         with pytest.raises(ConfigError, match="in use by another job"):
@@ -259,8 +259,8 @@ def test_a_deleted_directory_is_a_fresh_start_not_a_resume(snap_env, monkeypatch
 _FORKS_THEN_DIES = r"""
 import os, signal, sys, time
 from cudasnap.format import paths
-from cudasnap.storage import posix
-lock = posix.DirectoryLock(sys.argv[1])
+from cudasnap.storage import ownership, posix
+lock = ownership.DirectoryLock(sys.argv[1])
 lock.acquire()
 if os.environ["CUDASNAP_RESTART"] == "0":
     if os.fork() == 0:  # a data-loader-like worker: shares the lock's open file

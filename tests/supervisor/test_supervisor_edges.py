@@ -89,10 +89,10 @@ def kill_quietly(pid: int) -> None:
 # FIFO argv[3] before exiting (a training process flushing as it was told to stop).
 TRAINER = r"""
 import os, signal, sys
-from cudasnap.storage import posix
+from cudasnap.storage import ownership, posix
 if os.environ["CUDASNAP_RESTART"] == "0":
     os.kill(os.getpid(), signal.SIGKILL)
-lock = posix.DirectoryLock(os.environ["CUDASNAP_DIR"])
+lock = ownership.DirectoryLock(os.environ["CUDASNAP_DIR"])
 lock.acquire()
 if len(sys.argv) > 2:
     def on_term(signum, frame):

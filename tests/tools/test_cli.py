@@ -16,7 +16,7 @@ from helpers import parts
 
 from cudasnap._native import native
 from cudasnap.snapshotter import Snapshotter
-from cudasnap.storage import posix
+from cudasnap.storage import latest, posix
 from cudasnap.tools import cli
 from cudasnap.triggers import nvml as _nvml
 from tools.faults.layout import flip_byte
@@ -381,7 +381,7 @@ def test_export_refuses_to_overwrite_the_latest_pointer(snap_env, capsys):
     rc, err = cli_err(capsys, "export", snap_env.dir, "--to", "torch",
                       snap_env.dir / "step-00000000" / "x.pt")
     one_line_error(rc, err, "snapshot directory")
-    assert posix.read_latest(snap_env.dir) == "step-00000000"
+    assert latest.read_latest(snap_env.dir) == "step-00000000"
 
 
 @pytest.mark.parametrize("flag", ["--gpus", "--mtbf-hours", "--iter-seconds", "--state-gb"])

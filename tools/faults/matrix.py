@@ -64,6 +64,7 @@ from cudasnap.errors import CorruptSnapshot, FlushError, StagingError  # noqa: E
 from cudasnap.format import paths  # noqa: E402
 from cudasnap.snapshotter import Snapshotter  # noqa: E402
 from cudasnap.storage import posix  # noqa: E402
+from cudasnap.storage.latest import read_latest  # noqa: E402
 from tools.faults import layout as L  # noqa: E402
 from tools.faults.trainlib import Job  # noqa: E402
 from tools.faults.zygote import LineServer  # noqa: E402
@@ -640,8 +641,8 @@ def diskfull_case(ctx: Ctx, what: str, mode: str, case: Case) -> Case:
             tmp_left = [p.name for p in d.rglob("*.tmp*")]
             if tmp_left:
                 case.error = f".tmp left behind: {tmp_left}"
-            if posix.read_latest(d) != "step-00000000":
-                case.error += f" latest changed to {posix.read_latest(d)}"
+            if read_latest(d) != "step-00000000":
+                case.error += f" latest changed to {read_latest(d)}"
             # The previous snapshot (and, for "latest", the new committed one) loads.
             d2 = ctx.dir("dfcopy")
             shutil.copytree(d, d2, ignore=shutil.ignore_patterns("filler", ".lock*"))

@@ -248,6 +248,8 @@ def _orphan_flush_beside_restart(ctx: Ctx, case: Case, negative: bool = False) -
     ``cudasnap run`` process). The restart must begin < 0.5 s after the SIGKILL, the flush
     end more than 2.5 s after that restart (it ran beside it, not before it), the new
     child resume at step 5 from shared memory and step 4 reach the disk (got 1: all hold)."""
+    from cudasnap.storage.latest import read_latest
+
     d, stats = ctx.dir("sup-beside"), ctx.root / f"{case.name}.jsonl"
     p = _run(d, stats, "--kill-at", "5", "--kill-phase", "post_opt",
              run_args=("--max-restarts", "1"),
@@ -266,7 +268,7 @@ def _orphan_flush_beside_restart(ctx: Ctx, case: Case, negative: bool = False) -
         return case
     to_restart, beside = restart - kills[0]["t"], flushed - restart
     steps = [x.step for x in posix.list_snapshots(d)]
-    on_disk, latest = 4 in steps, posix.read_latest(d)
+    on_disk, latest = 4 in steps, read_latest(d)
     # `latest` names the newest step on disk, although the flush of step 4 ended last.
     newest = paths.step_dirname(max(steps)) if steps else None
     ok = (to_restart < 0.5 and beside > SLOW_ORPHAN_FLUSH_S - 0.5 and start == 5
@@ -442,7 +444,8 @@ def _escape(ctx: Ctx, case: Case, *, group: bool) -> Case:
     start (None: refused, or something survived)."""
     import signal
 
-    from cudasnap.storage import posix
+    from cudasnap.storage.latest import read_latest
+
 
     d, stats = ctx.dir("escape"), ctx.root / f"escape-{case.name}.jsonl"
     log = ctx.root / f"escape-{case.name}.log"
@@ -470,7 +473,7 @@ def _escape(ctx: Ctx, case: Case, *, group: bool) -> Case:
         raise
     bounds = [x["step"] for x in _events(stats, "boundary") if x["t"] >= s[-1]["t"]]
     warm = (s[-1].get("restore") or {}).get("source")
-    latest = posix.read_latest(d)
+    latest = read_latest(d)
     latest_step = int(latest.rsplit("-", 1)[-1]) if latest else None
     if group:
         newest = _newest_complete(ctx, d)
