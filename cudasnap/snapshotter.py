@@ -34,8 +34,8 @@ from .storage import Storage, clean_partial, open_storage, ownership, url_of
 if TYPE_CHECKING:
     from cudasnap._C import Arena
 
-    from .storage.fsspec import RemoteSnapshot
     from .storage.posix import StoredSnapshot
+    from .storage.remote_base import RemoteSnapshot
     from .triggers.policy import Policy
 
 log = logging.getLogger("cudasnap")

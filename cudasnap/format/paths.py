@@ -133,7 +133,7 @@ def job_id(directory: str | Path) -> str:
     Creates the directory's id when it has none. The one place the job id is
     derived: a Snapshotter, ``cudasnap run`` and the integrations all call it, so
     they agree on the arena name. An object-store URL has no id of its own: pass
-    its local state directory (``cudasnap.storage.fsspec.state_dir``).
+    its local state directory (``cudasnap.storage.remote_base.state_dir``).
     """
     if is_url(directory):
         raise ConfigError(f"{directory} is an object-store URL: its job id is that of its local "

@@ -59,10 +59,9 @@ from ..format.commit import MAX_COMMIT_BYTES, decode_commit, decode_latest, enco
 from ..format.paths import COMMIT, DATA, ID_FILE, LATEST, MANIFEST, parse_step_dirname, step_dirname
 from . import counters, remote_latest, remote_ranks
 from .listing import StoredSnapshot, append_flush_log
-from .remote_base import (  # noqa: F401  (re-exported: fsspec.state_dir, fsspec.filesystem, ...)
+from .remote_base import (
     _BUCKETED,
     UPLOAD_BLOCK,
-    URL_FILE,
     RemoteSnapshot,
     _one_line,
     _Unreachable,

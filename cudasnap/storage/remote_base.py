@@ -1,5 +1,5 @@
 """The plain parts of an object-store directory: its filesystem, its local state directory,
-one-line errors. Leaves of ``storage.fsspec`` (re-exported there), importable without it.
+one-line errors. Leaves of ``storage.fsspec``, importable without it.
 """
 from __future__ import annotations
 

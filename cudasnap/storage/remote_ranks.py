@@ -26,7 +26,7 @@ runs while the restarted attempt starts, and the ranks of a job start at differe
 
 The local index (``sync_index``). The agreed restore (``cudasnap.distributed.restore_vote``)
 lists the steps of the rank's local directory; for a URL that is the state directory
-(``fsspec.state_dir``), where the index holds, per committed multi-rank step,
+(``remote_base.state_dir``), where the index holds, per committed multi-rank step,
 ``step-N/COMMIT`` (a copy of the store's) and an empty ``step-N/rank-R/manifest.json``
 per rank present. Every read goes to the store (``FsspecStorage.load_manifest`` maps an
 index path to its objects and reads the store's COMMIT first): the index says what to

@@ -151,7 +151,7 @@ TRAIN = textwrap.dedent("""
     if mode == "kill" and attempt > 0:
         # Resume from the store, not from shared memory: wait (bounded) until the
         # supervisor has committed the dead attempt's step, then drop the arenas.
-        from cudasnap.storage.fsspec import filesystem
+        from cudasnap.storage.remote_base import filesystem
         fs, root = filesystem(os.environ["CUDASNAP_DIR"], os.environ["CUDASNAP_S3_ENDPOINT"])
         end = time.monotonic() + 300
         while not fs.exists(f"{root}/step-00000004/COMMIT"):
@@ -187,7 +187,7 @@ TRAIN = textwrap.dedent("""
 def test_cudasnap_run_on_s3_flushes_the_killed_child_and_resumes_from_the_store(
         s3, snap_env, tmp_path):
     from cudasnap.format import paths
-    from cudasnap.storage.fsspec import state_dir
+    from cudasnap.storage.remote_base import state_dir
 
     script = tmp_path / "train.py"
     script.write_text(TRAIN)

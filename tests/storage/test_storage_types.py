@@ -60,7 +60,8 @@ def test_second_flush_of_the_same_snapshot_returns_its_path(snap_env):
 
 def test_a_storage_refuses_another_backends_snapshot_clearly(tmp_path, monkeypatch):
     pytest.importorskip("fsspec")
-    from cudasnap.storage.fsspec import FsspecStorage, RemoteSnapshot
+    from cudasnap.storage.fsspec import FsspecStorage
+    from cudasnap.storage.remote_base import RemoteSnapshot
 
     local = PosixStorage(tmp_path / "d")
     remote = RemoteSnapshot(3, "memory://elsewhere/step-00000003")
