@@ -40,12 +40,5 @@ class ObjectDirStorage(FsspecStorage):
         root = check_directory(Path(path))
         super().__init__(url, settings, fs=(LocalFileSystem(auto_mkdir=True), str(root).rstrip("/")))
 
-    @classmethod
-    def open(cls, url: str, settings: Settings) -> ObjectDirStorage:
-        st = cls(url, settings)
-        st.check()
-        st.share_id()
-        return st
-
 
 __all__ = ["ObjectDirStorage"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,31 @@ def main(scenario: str, rank: int, world: int, url: str, base: Path) -> None:
     Path(f"{out}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def launch(scenario: str, url: str, base: Path, env: dict[str, str], world: int = 2,
+           timeout: float = 420.0) -> list[int]:
+    """Runs every rank of ``scenario`` (this file, one process per rank, as torchrun would)
+    to its end; their exit codes. Each rank's output: BASE/<scenario>-rank-R.log."""
+    logs = [open(base / f"{scenario}-rank-{r}.log", "wb") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), url,
+                               str(base)], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
+             for r in range(world)]
+    try:
+        return [p.wait(timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+
+
+def logs_of(scenario: str, base: Path) -> str:
+    """The tail of every rank's log of ``scenario`` (for an assertion's message)."""
+    return "\n".join(f"--- rank {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted(base.glob(f"{scenario}-rank-*.log")))
 
 
 if __name__ == "__main__":

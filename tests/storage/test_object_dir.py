@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,8 @@ from tools.faults.trainlib import train
 
 pytest.importorskip("fsspec")
 
+from helpers import s3_ranks  # noqa: E402
+
 import cudasnap  # noqa: E402
 from cudasnap.config import Settings  # noqa: E402
 from cudasnap.errors import ConfigError  # noqa: E402
@@ -31,7 +31,6 @@ from cudasnap.storage import registry  # noqa: E402
 from cudasnap.tools import cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-HELPER = REPO / "tests" / "helpers" / "s3_ranks.py"
 
 
 @pytest.fixture
@@ -151,23 +150,10 @@ def test_a_relative_path_is_refused(objdir):
 def _ranks(scenario: str, url: str, base: Path) -> list[int]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDASNAP_PEER_TIMEOUT_S": "30",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    logs = [open(base / f"{scenario}-rank-{r}.log", "wb") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(HELPER), scenario, str(r), "2", url, str(base)],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
-    try:
-        return [p.wait(420) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+    return s3_ranks.launch(scenario, url, base, env)
 
 
-def _logs(scenario: str, base: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-3000:]
-                     for p in sorted(base.glob(f"{scenario}-rank-*.log")))
+_logs = s3_ranks.logs_of
 
 
 @pytest.mark.slow

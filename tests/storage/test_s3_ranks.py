@@ -25,13 +25,12 @@ import pytest
 s3fs = pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'cudasnap[s3]')")
 pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
 
-from helpers import parts
+from helpers import parts, s3_ranks  # noqa: E402
 from test_s3 import REPO, _fs, s3, s3_server  # noqa: E402,F401 - fixtures
 
 from cudasnap.config import Settings  # noqa: E402
 from cudasnap.tools import cli  # noqa: E402
 
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "s3_ranks.py"
 TIMEOUT_S = 420  # two torch imports and a job on a shared 2-core machine
 
 
@@ -42,24 +41,10 @@ def _env() -> dict[str, str]:
 
 def _ranks(scenario: str, url: str, base: Path, world: int = 2) -> list[int]:
     """Runs every rank of ``scenario`` to its end; their exit codes."""
-    logs = [open(base / f"{scenario}-rank-{r}.log", "wb") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(HELPER), scenario, str(r), str(world), url,
-                               str(base)], env=_env(), stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(world)]
-    try:
-        return [p.wait(TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+    return s3_ranks.launch(scenario, url, base, _env(), world, TIMEOUT_S)
 
 
-def _logs(scenario: str, base: Path) -> str:
-    return "\n".join(f"--- rank {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                     for p in sorted(base.glob(f"{scenario}-rank-*.log")))
+_logs = s3_ranks.logs_of
 
 
 def _result(scenario: str, base: Path, rank: int) -> dict:
