@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudasnap.storage.posix import committed_steps, read_commit
+from cudasnap.storage.listing import committed_steps, read_commit
 from tools.dist import launch
 
 STEPS = 20

@@ -25,7 +25,7 @@ from cudasnap.distributed.replica import ring_partner
 from cudasnap.distributed.replica_store import GuestStore, guest_path, held_steps
 from cudasnap.distributed.replica_wire import WireError, land, recv_msg, send_msg, send_slot, slot_header
 from cudasnap.errors import CorruptSnapshot
-from cudasnap.storage.posix import read_commit
+from cudasnap.storage.listing import read_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "dist"))
 import node_launch  # noqa: E402

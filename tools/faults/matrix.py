@@ -735,7 +735,7 @@ def shmfull_case(ctx: Ctx, what: str, case: Case) -> Case:
 _HOLDER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from cudasnap.storage.posix import DirectoryLock
+from cudasnap.storage.ownership import DirectoryLock
 lk = DirectoryLock({d!r})
 lk.acquire()
 print("LOCKED", os.getpid(), flush=True)
