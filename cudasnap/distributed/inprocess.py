@@ -138,11 +138,13 @@ class InProcessRestart:
     all, spares included); ``heartbeat_s``: the monitor's period; ``stale_s``: a heartbeat
     older than this is a lost process (a lost node is seen so); ``pg_timeout_s``: each
     group's timeout (CUDASNAP_PG_TIMEOUT_S); ``backend``: default NCCL for CUDA tensors and
-    gloo for CPU ones where CUDA is available, else gloo."""
+    gloo for CPU ones where CUDA is available, else gloo; ``spare_start_s``: how long a lost
+    rank waits for a spare still starting (its process up, torch not yet imported)."""
 
     def __init__(self, control: str | None = None, uid: int | None = None,
                  world: int | None = None, heartbeat_s: float = 0.1, stale_s: float = 1.5,
-                 pg_timeout_s: float | None = None, backend: str | None = None) -> None:
+                 pg_timeout_s: float | None = None, backend: str | None = None,
+                 spare_start_s: float = 60.0) -> None:
         import torch.distributed as dist
 
         from ..config import Settings
@@ -163,7 +165,7 @@ class InProcessRestart:
         self.node = cfg.node  # whose pids this process can see
         import torch
 
-        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self.heartbeat_s, self.stale_s, self.spare_start_s = heartbeat_s, stale_s, spare_start_s
         self.backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s or cfg.pg_timeout_s)
         self._old_groups: list[object] = []  # kept until their operations timed out
@@ -180,6 +182,7 @@ class InProcessRestart:
         self._store.compare_set("members/0", "", json.dumps(list(range(self.world))))
         self._beat(self._store)
         self._said: set[int] = set()  # generations whose lack of spares was logged
+        self._short: dict[int, float] = {}  # generation -> when a spare was first lacking
         self.seen_gen = 0  # the generation the monitor saw last (Attempt.wait polls it)
         self._attempt_gen: int | None = None  # the attempt this process is in (_release)
         self._released: int | None = None
@@ -236,6 +239,11 @@ class InProcessRestart:
         spares = sorted(u for u in range(self.nproc)
                         if u not in old and self._alive(u, s, now, ready=True))
         if len(spares) < len(dead):
+            starting = [u for u in range(self.nproc)  # alive, not yet in attempts()
+                        if u not in old and u not in spares and self._alive(u, s, now)]
+            since = self._short.setdefault(gen, now)
+            if len(spares) + len(starting) >= len(dead) and now - since < self.spare_start_s:
+                return False  # a spare still importing is a spare: wait for it (bounded)
             why = (f"rank(s) {[old.index(u) for u in dead]} of generation {gen} lost and "
                    f"{len(spares)} spare(s) left: the job needs a full restart")
             s.compare_set("failed", "", why)  # type: ignore[attr-defined]  # spares go; ranks raise
@@ -295,7 +303,8 @@ class InProcessRestart:
         """A collective failed in generation ``gen``: check the members now (the monitor
         would within ``heartbeat_s``)."""
         deadline = time.monotonic() + self.stale_s + 1.0
-        while self.generation() == gen and time.monotonic() < deadline:
+        while self.generation() == gen and (time.monotonic() < deadline or (
+                gen in self._short and time.time() - self._short[gen] < self.spare_start_s)):
             if self._propose(gen, self._store) or self.failed() is not None:
                 return
             time.sleep(self.heartbeat_s / 2)

@@ -70,6 +70,8 @@ _CANCEL = textwrap.dedent("""
     import gc, sys, tempfile, time, torch
     from torch.multiprocessing.reductions import StorageWeakRef
     import cudasnap
+    sys.path.insert(0, "tests")  # cwd: the repository
+    from helpers import parts
     N = 64 << 20  # one 64 MB tensor in one chunk: one worker memcpys it for ~10+ ms
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(N // 4))])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

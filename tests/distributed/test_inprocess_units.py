@@ -51,6 +51,30 @@ def test_a_stale_member_is_replaced_in_its_rank_by_a_ready_spare(store: dist.TCP
         ipr.close()
 
 
+def test_a_spare_still_starting_is_waited_for_within_its_bound(store: dist.TCPStore) -> None:
+    """A rank lost before the spare finished starting (torch still importing: alive, not yet
+    waiting for a rank) is taken by it once it is ready, not turned into a full restart;
+    a spare that stays not ready past ``spare_start_s`` is no spare (found by the full
+    suite: a kill 0.1 s after start, the spare not yet up, made the job restart)."""
+    ipr = _ipr(store, 0, 2, nproc=3, spare_start_s=0.6)
+    try:
+        _beat(store, 1, age_s=5)  # lost
+        _beat(store, 2, ready=False)  # the spare, still starting
+        assert not parts.inprocess_propose(ipr, 0, store)
+        assert ipr.failed() is None and ipr.generation() == 0  # waiting, not failed
+        _beat(store, 2)  # the spare is up and waits for a rank
+        assert parts.inprocess_propose(ipr, 0, store)
+        assert ipr.generation() == 1 and ipr.members(1) == [0, 2]
+        _beat(store, 2, age_s=5)  # generation 1 loses the spare; uid 1 is long gone
+        store.set("hb/1", f"{time.time()},{os.getpid()},elsewhere,0")  # "starting" again
+        assert not parts.inprocess_propose(ipr, 1, store) and ipr.failed() is None
+        time.sleep(0.7)  # past spare_start_s: the one still "starting" is no spare
+        assert not parts.inprocess_propose(ipr, 1, store)
+        assert "full restart" in (ipr.failed() or "")
+    finally:
+        ipr.close()
+
+
 def test_a_dead_pid_on_this_node_is_seen_at_once_and_only_there(store: dist.TCPStore) -> None:
     ipr = _ipr(store, 0, 2)
     try:
