@@ -88,6 +88,8 @@ def test_flush_and_restore_bitwise_without_a_rename(objdir, monkeypatch):
         assert (root / "step-00000002" / name).is_file(), name
     assert (root / "latest").read_bytes() == b"step-00000002\n"
     assert not [p for p in root.rglob("*") if ".tmp" in p.name or ".writer-" in p.name]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in root.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o600} and root.stat().st_mode & 0o777 == 0o700, modes
     assert tried == [], tried  # nothing needed a rename under the directory
 
     model2, opt2 = small_job(seed=1)
